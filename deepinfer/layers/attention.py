@@ -1,0 +1,124 @@
+"""DeepSeek-V4 attention pieces: compressor, lightning indexer, sparse attention with sinks.
+
+Plain-torch reference path. Each query attends to its window (the last W raw tokens,
+itself included) plus a list of compressed entries (indexer top-k for CSA, all visible
+for HCA); a learned per-head sink logit joins the softmax denominator only.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from deepinfer.layers.forward_batch import CompressPlan, ForwardBatch
+from deepinfer.layers.kv_state import CarryState, EntryStore, IndexKeyStore
+from deepinfer.layers.linear import DENSE, Linear, QuantSpec
+from deepinfer.layers.norm import RMSNorm
+from deepinfer.layers.rotary import RopeCache, apply_rope
+
+# elements of gathered keys per query chunk (bounds peak memory of the reference path)
+_CHUNK_ELEMS = 1 << 26
+
+
+def _chunks(n_tokens: int, per_token: int):
+    step = max(1, _CHUNK_ELEMS // max(1, per_token))
+    for s in range(0, n_tokens, step):
+        yield slice(s, min(n_tokens, s + step))
+
+
+class Compressor(nn.Module):
+    """Softmax-gated pooling of every `ratio` tokens into one entry of width `dim`.
+
+    With overlap (CSA, ratio 4) each token projects 2*dim channels: [:dim] feeds the
+    NEXT window's entry, [dim:] its own; entry w pools 2m slots (tokens m(w-1).. mw+m-1).
+    Without overlap (HCA) entry w pools tokens mw .. mw+m-1. Entry w is rotated at m*w.
+    """
+
+    def __init__(self, in_dim: int, dim: int, ratio: int, overlap: bool, eps: float, dtype: torch.dtype):
+        super().__init__()
+        self.dim, self.ratio, self.overlap = dim, ratio, overlap
+        width = 2 * dim if overlap else dim
+        self.wkv = Linear(in_dim, width, dtype)
+        self.wgate = Linear(in_dim, width, dtype)
+        self.ape = nn.Parameter(torch.zeros(ratio, width, dtype=torch.float32), requires_grad=False)
+        self.norm = RMSNorm(dim, eps)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, plan: CompressPlan, carry: CarryState,
+                inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (new entries [N, dim] normed + rotated, their addresses); updates carry."""
+        kv = F.linear(x.float(), self.wkv.dense_weight(torch.float32))
+        score = F.linear(x.float(), self.wgate.dense_weight(torch.float32)) + self.ape[positions % self.ratio]
+        new, old = plan.src_new, plan.src_carry
+        src_kv = torch.where((new >= 0)[..., None], kv[new.clamp(min=0)], carry.kv[old.clamp(min=0)])
+        src_score = torch.where((new >= 0)[..., None], score[new.clamp(min=0)], carry.score[old.clamp(min=0)])
+        src_score = src_score.masked_fill(((new < 0) & (old < 0))[..., None], float("-inf"))
+        if self.overlap:
+            m, d = self.ratio, self.dim
+            src_kv = torch.cat((src_kv[:, :m, :d], src_kv[:, m:, d:]), dim=1)
+            src_score = torch.cat((src_score[:, :m, :d], src_score[:, m:, d:]), dim=1)
+        pooled = (torch.softmax(src_score, dim=1) * src_kv).sum(dim=1).to(x.dtype)
+        entries = apply_rope(self.norm(pooled), RopeCache.at(plan.rope_pos, inv_freq))
+        carry.kv[plan.carry_dst] = kv[plan.carry_src]
+        carry.score[plan.carry_dst] = score[plan.carry_src]
+        return entries, plan.dst
+
+
+class Indexer(nn.Module):
+    """Lightning indexer: score_w = sum_h w_h * relu(q_h . k_w); keep the top-k visible entries."""
+
+    def __init__(self, dim: int, q_lora_rank: int, n_heads: int, head_dim: int, topk: int, ratio: int,
+                 eps: float, dtype: torch.dtype, quant: QuantSpec = DENSE):
+        super().__init__()
+        self.n_heads, self.head_dim, self.topk = n_heads, head_dim, topk
+        self.wq_b = Linear(q_lora_rank, n_heads * head_dim, dtype, quant)
+        self.weights_proj = Linear(dim, n_heads, dtype)
+        self.compressor = Compressor(dim, head_dim, ratio, True, eps, dtype)
+
+    def forward(self, x: torch.Tensor, qr: torch.Tensor, batch: ForwardBatch, plan: CompressPlan,
+                keys: IndexKeyStore, carry: CarryState, rope: RopeCache, inv_freq: torch.Tensor) -> torch.Tensor:
+        """-> [T, k] selected entry ids (ascending score order not guaranteed), -1 = none."""
+        new_keys, dst = self.compressor(x, batch.positions, plan, carry, inv_freq)
+        keys.write(dst, new_keys)
+        q = apply_rope(self.wq_b(qr).view(-1, self.n_heads, self.head_dim), rope)
+        q = keys.prepare_query(q).float()
+        w = self.weights_proj(x).float() * (self.head_dim ** -0.5 * self.n_heads ** -0.5)
+        nv = plan.max_visible
+        k = min(self.topk, nv)
+        out = torch.full((x.shape[0], k), -1, dtype=torch.long, device=x.device)
+        if k == 0:
+            return out
+        for sl in _chunks(x.shape[0], nv * self.head_dim):
+            kk = keys.read(plan.addr[batch.token_req[sl]], torch.float32)        # [Tc, nv, Di]
+            s = torch.einsum("thd,tcd->thc", q[sl], kk).relu()
+            s = torch.einsum("thc,th->tc", s, w[sl])
+            s = s.masked_fill(torch.arange(nv, device=x.device) >= plan.visible[sl, None], float("-inf"))
+            # stable descending sort: equal scores keep ascending entry order (lowest index first)
+            val, idx = torch.sort(s, dim=-1, descending=True, stable=True)
+            out[sl] = torch.where(val[:, :k] > float("-inf"), idx[:, :k], -1)
+        return out
+
+
+def sparse_attention(q: torch.Tensor, kv_new: torch.Tensor, batch: ForwardBatch, ring: EntryStore,
+                     entry_ids: torch.Tensor | None, plan: CompressPlan | None, entries: EntryStore | None,
+                     sinks: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [T, H, D]; window keys from this step's kv or the ring, plus entries `entry_ids`
+    [T, K] (-1 = none) of the layer's compressed pool. K == V. Returns [T, H, D]."""
+    T, H, D = q.shape
+    out = torch.empty_like(q)
+    n_keys = batch.win_new.shape[1] + (entry_ids.shape[1] if entry_ids is not None else 0)
+    for sl in _chunks(T, n_keys * D):
+        new, old = batch.win_new[sl], batch.win_ring[sl]
+        keys = torch.where((new >= 0)[..., None], kv_new[new.clamp(min=0)].float(),
+                           ring.read(old.clamp(min=0), torch.float32))
+        valid = (new >= 0) | (old >= 0)
+        if entry_ids is not None and entry_ids.shape[1]:
+            ids = entry_ids[sl]
+            addr = plan.addr[batch.token_req[sl, None], ids.clamp(min=0)]
+            keys = torch.cat((keys, entries.read(addr, torch.float32)), dim=1)
+            valid = torch.cat((valid, ids >= 0), dim=1)
+        logits = torch.einsum("thd,tkd->thk", q[sl].float(), keys) * scale
+        logits = logits.masked_fill(~valid[:, None, :], float("-inf"))
+        sink = sinks.float().view(1, H, 1).expand(logits.shape[0], H, 1)
+        probs = torch.softmax(torch.cat((logits, sink), dim=-1), dim=-1)[..., :-1]
+        out[sl] = torch.einsum("thk,tkd->thd", probs, keys).to(q.dtype)
+    return out

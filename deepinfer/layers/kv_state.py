@@ -1,0 +1,134 @@
+"""Decode-time state tensors of one attention layer, and the formats they are stored in.
+
+Rows are addressed by flat indices computed by the ForwardBatch planner:
+  window ring   row = slot * W + pos % W          (last W raw tokens' kv, per request)
+  entries       row = entry address (per-request region of the pool)
+  index keys    same addresses as the layer's entries
+  carry         row = slot * S + pos % S          (compressor projections of the open
+                                                   window(s); S = 2m with overlap, else m)
+A row is only ever read after it was written for the same request, so slots need no reset.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from deepinfer.layers.quant import fp4_roundtrip, hadamard, quant_fp4, dequant_fp4, FP8_MAX
+
+EXACT_FORMATS = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+class EntryStore:
+    """Rows of head_dim vectors (window kv or compressed entries).
+
+    "fp8": the nope dims as e4m3 with a power-of-two (E8M0) scale per group of 64
+    (gcd(64, nope) for narrow test models), the rope dims as bf16 — DeepSeek's QAT format.
+    "float32"/"bfloat16": exact values.
+    """
+
+    def __init__(self, rows: int, dim: int, rope_dim: int, fmt: str, device):
+        self.fmt, self.dim, self.nope = fmt, dim, dim - rope_dim
+        if fmt == "fp8":
+            self.group = math.gcd(64, self.nope)
+            self.nope_q = torch.zeros(rows, self.nope, dtype=torch.float8_e4m3fn, device=device)
+            self.nope_scale = torch.zeros(rows, self.nope // self.group, dtype=torch.uint8, device=device)
+            self.rope = torch.zeros(rows, rope_dim, dtype=torch.bfloat16, device=device)
+        else:
+            self.data = torch.zeros(rows, dim, dtype=EXACT_FORMATS[fmt], device=device)
+
+    def nbytes(self) -> int:
+        ts = [self.nope_q, self.nope_scale, self.rope] if self.fmt == "fp8" else [self.data]
+        return sum(t.numel() * t.element_size() for t in ts)
+
+    def _encode(self, x: torch.Tensor):
+        g = x[..., : self.nope].float().unflatten(-1, (-1, self.group))
+        exp = torch.ceil(torch.log2(g.abs().amax(-1).clamp(min=1e-30) / FP8_MAX)).clamp(-127, 127)
+        q = (g / torch.exp2(exp).unsqueeze(-1)).to(torch.float8_e4m3fn).flatten(-2)
+        return q, (exp + 127).to(torch.uint8), x[..., self.nope:].to(torch.bfloat16)
+
+    def _decode(self, q, scale, rope, dtype):
+        s = torch.exp2(scale.float() - 127).repeat_interleave(self.group, dim=-1)
+        return torch.cat(((q.float() * s).to(dtype), rope.to(dtype)), dim=-1)
+
+    def write(self, rows: torch.Tensor, x: torch.Tensor) -> None:
+        if self.fmt == "fp8":
+            q, s, r = self._encode(x)
+            self.nope_q[rows], self.nope_scale[rows], self.rope[rows] = q, s, r
+        else:
+            self.data[rows] = x.to(self.data.dtype)
+
+    def read(self, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        if self.fmt == "fp8":
+            return self._decode(self.nope_q[rows], self.nope_scale[rows], self.rope[rows], dtype)
+        return self.data[rows].to(dtype)
+
+    def roundtrip(self, x: torch.Tensor) -> torch.Tensor:
+        """What a write followed by a read returns, for values used before they are stored."""
+        if self.fmt == "fp8":
+            return self._decode(*self._encode(x), x.dtype)
+        return x.to(self.data.dtype).to(x.dtype)
+
+
+class IndexKeyStore:
+    """Lightning-indexer keys. "fp4": Hadamard-rotated, then E2M1 with an E8M0 scale per 32,
+    packed two per byte (the reference's QAT simulation, stored). Exact formats skip the
+    rotation (it is orthogonal, so scores are unchanged in exact arithmetic)."""
+
+    def __init__(self, rows: int, dim: int, fmt: str, device):
+        self.fmt = fmt
+        if fmt == "fp4":
+            self.packed = torch.zeros(rows, dim // 2, dtype=torch.int8, device=device)
+            self.scale = torch.zeros(rows, dim // 32, dtype=torch.uint8, device=device)
+        else:
+            self.data = torch.zeros(rows, dim, dtype=EXACT_FORMATS[fmt], device=device)
+
+    def nbytes(self) -> int:
+        ts = [self.packed, self.scale] if self.fmt == "fp4" else [self.data]
+        return sum(t.numel() * t.element_size() for t in ts)
+
+    def write(self, rows: torch.Tensor, k: torch.Tensor) -> None:
+        if self.fmt == "fp4":
+            p, s = quant_fp4(hadamard(k.float()), 32)
+            self.packed[rows], self.scale[rows] = p, s.view(torch.uint8)
+        else:
+            self.data[rows] = k.to(self.data.dtype)
+
+    def read(self, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        if self.fmt == "fp4":
+            return dequant_fp4(self.packed[rows], self.scale[rows], 32, dtype)
+        return self.data[rows].to(dtype)
+
+    def prepare_query(self, q: torch.Tensor) -> torch.Tensor:
+        """Queries go through the same rotation + FP4 rounding as the keys."""
+        if self.fmt == "fp4":
+            return fp4_roundtrip(hadamard(q.float()), 32).to(q.dtype)
+        return q
+
+
+@dataclass
+class CarryState:
+    """Compressor projections (kv, gate score + ape) of the last S positions, fp32."""
+
+    kv: torch.Tensor
+    score: torch.Tensor
+
+    @classmethod
+    def empty(cls, rows: int, width: int, device) -> "CarryState":
+        z = lambda: torch.zeros(rows, width, dtype=torch.float32, device=device)  # noqa: E731
+        return cls(z(), z())
+
+
+@dataclass
+class LayerCache:
+    ring: EntryStore
+    entries: EntryStore | None = None
+    index_keys: IndexKeyStore | None = None
+    carry: dict[str, CarryState] = field(default_factory=dict)
+
+    def nbytes(self) -> int:
+        n = self.ring.nbytes()
+        n += self.entries.nbytes() if self.entries else 0
+        n += self.index_keys.nbytes() if self.index_keys else 0
+        return n + sum(c.kv.numel() * 8 for c in self.carry.values())

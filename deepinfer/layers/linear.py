@@ -1,0 +1,86 @@
+"""Linear layers for dense or checkpoint-quantised (FP8 block / FP4 expert) weights.
+
+Quantised mode keeps the checkpoint's tensors as they are (`weight` e4m3 + `scale`
+E8M0 or fp32, named exactly as on disk) and dequantises on the fly: this is the
+storage the GPU path consumes. Dense mode holds `weight` in the model dtype.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from deepinfer.layers.quant import dequant_fp4, dequant_fp8_blocks
+
+
+@dataclass(frozen=True)
+class QuantSpec:
+    """How a module's weights are held: dense (block_size None) or as the checkpoint stores them."""
+
+    block_size: tuple[int, int] | None = None
+    scale_dtype: torch.dtype = torch.float8_e8m0fnu
+    fp4_experts: bool = False
+
+    @property
+    def quantized(self) -> bool:
+        return self.block_size is not None
+
+
+DENSE = QuantSpec()
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class Linear(nn.Module):
+    """y = x W^T; `quant` marks a checkpoint-FP8 weight (ignored in dense mode)."""
+
+    def __init__(self, in_features: int, out_features: int, dtype: torch.dtype,
+                 quant: QuantSpec = DENSE, device=None):
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.block_size = quant.block_size
+        if quant.quantized:
+            bo, bi = quant.block_size
+            self.register_buffer("weight", torch.empty(out_features, in_features,
+                                                       dtype=torch.float8_e4m3fn, device=device))
+            self.register_buffer("scale", torch.empty(_cdiv(out_features, bo), _cdiv(in_features, bi),
+                                                      dtype=quant.scale_dtype, device=device))
+        else:
+            self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype, device=device),
+                                       requires_grad=False)
+
+    def dense_weight(self, dtype: torch.dtype) -> torch.Tensor:
+        if self.block_size is None:
+            return self.weight.to(dtype)
+        return dequant_fp8_blocks(self.weight, self.scale, self.block_size, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.dense_weight(x.dtype))
+
+
+def expert_tensors(num_experts: int, out_features: int, in_features: int, dtype: torch.dtype,
+                   quant: QuantSpec, device=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Storage for E stacked expert matrices: dense [E, out, in], FP4 packed [E, out, in/2]
+    + E8M0 [E, out, in/32], or FP8 [E, out, in] + block scales."""
+    if not quant.quantized:
+        return torch.empty(num_experts, out_features, in_features, dtype=dtype, device=device), None
+    if quant.fp4_experts:
+        return (torch.empty(num_experts, out_features, in_features // 2, dtype=torch.int8, device=device),
+                torch.empty(num_experts, out_features, in_features // 32, dtype=quant.scale_dtype, device=device))
+    bo, bi = quant.block_size
+    return (torch.empty(num_experts, out_features, in_features, dtype=torch.float8_e4m3fn, device=device),
+            torch.empty(num_experts, _cdiv(out_features, bo), _cdiv(in_features, bi),
+                        dtype=quant.scale_dtype, device=device))
+
+
+def dequant_expert(w: torch.Tensor, scale: torch.Tensor | None, quant: QuantSpec,
+                   dtype: torch.dtype) -> torch.Tensor:
+    if scale is None:
+        return w.to(dtype)
+    if quant.fp4_experts:
+        return dequant_fp4(w, scale, 32, dtype)
+    return dequant_fp8_blocks(w, scale, quant.block_size, dtype)

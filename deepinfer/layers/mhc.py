@@ -1,0 +1,54 @@
+"""Manifold-constrained hyper-connections: n residual streams mixed around each sub-layer.
+
+For a token with streams X [n, D]: pre collapses X to the sub-layer input, post spreads
+the sub-layer output back, and comb (doubly stochastic after Sinkhorn) mixes the old
+streams: X_new[j] = post[j] * y + sum_i comb[i, j] * X[i] (contraction over comb's FIRST
+index; comb is not symmetric).
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from deepinfer.layers.norm import rms_norm
+
+
+class HyperConnection(nn.Module):
+    """One mHC site. Parameters are registered on the owning block as `hc_{site}_{fn,base,scale}`."""
+
+    def __init__(self, n: int, sinkhorn_iters: int, hc_eps: float, norm_eps: float):
+        super().__init__()
+        self.n, self.iters, self.hc_eps, self.norm_eps = n, sinkhorn_iters, hc_eps, norm_eps
+
+    def weights(self, x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor):
+        """x [T, n, D] -> pre [T, n], post [T, n], comb [T, n, n] (all fp32)."""
+        n = self.n
+        mix = F.linear(rms_norm(x.flatten(1), self.norm_eps), fn.float())
+        pre = torch.sigmoid(mix[:, :n] * scale[0] + base[:n]) + self.hc_eps
+        post = 2 * torch.sigmoid(mix[:, n:2 * n] * scale[1] + base[n:2 * n])
+        comb = mix[:, 2 * n:].view(-1, n, n) * scale[2] + base[2 * n:].view(n, n)
+        comb = torch.softmax(comb, dim=-1) + self.hc_eps
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + self.hc_eps)
+        for _ in range(self.iters - 1):
+            comb = comb / (comb.sum(dim=-1, keepdim=True) + self.hc_eps)
+            comb = comb / (comb.sum(dim=-2, keepdim=True) + self.hc_eps)
+        return pre, post, comb
+
+
+def collapse(x: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+    """sum_i pre[i] * X[i]: [T, n, D] -> [T, D] in x's dtype."""
+    return (pre.unsqueeze(-1) * x).sum(dim=1).to(x.dtype)
+
+
+def expand(x: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    dt = x.dtype
+    return post.to(dt).unsqueeze(-1) * y.unsqueeze(1) + torch.einsum("tij,tid->tjd", comb.to(dt), x)
+
+
+def head_collapse(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
+                  hc_eps: float, norm_eps: float) -> torch.Tensor:
+    """Final hc_head: sigmoid weights, no Sinkhorn, no post/comb."""
+    mix = F.linear(rms_norm(x.flatten(1), norm_eps), fn.float())
+    pre = torch.sigmoid(mix * scale.float() + base.float()) + hc_eps
+    return collapse(x, pre)

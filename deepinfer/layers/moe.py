@@ -1,0 +1,102 @@
+"""DeepSeek-V4 MoE: sqrtsoftplus router (hash-routed or top-k with a selection-only
+bias), renormalised weights x routed_scaling_factor, clamped SwiGLU experts + shared expert."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from deepinfer.layers.linear import DENSE, Linear, QuantSpec, dequant_expert, expert_tensors
+
+
+def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
+    """silu(min(gate, limit)) * clamp(up, -limit, limit), in fp32."""
+    return F.silu(gate.float().clamp(max=limit)) * up.float().clamp(-limit, limit)
+
+
+class Gate(nn.Module):
+    def __init__(self, dim: int, num_experts: int, topk: int, vocab_size: int, hashed: bool,
+                 route_scale: float, dtype: torch.dtype):
+        super().__init__()
+        self.topk, self.route_scale, self.hashed = topk, route_scale, hashed
+        self.weight = nn.Parameter(torch.empty(num_experts, dim, dtype=dtype), requires_grad=False)
+        if hashed:
+            self.register_buffer("tid2eid", torch.zeros(vocab_size, topk, dtype=torch.int64))
+        else:
+            self.bias = nn.Parameter(torch.zeros(num_experts, dtype=torch.float32), requires_grad=False)
+
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, D] -> (weights [T, k] fp32, expert ids [T, k])."""
+        scores = F.softplus(F.linear(x.float(), self.weight.float())).sqrt()
+        if self.hashed:
+            idx = self.tid2eid[input_ids].long()
+        else:
+            idx = torch.topk(scores + self.bias, self.topk, dim=-1).indices
+        w = scores.gather(1, idx)
+        return w / w.sum(dim=-1, keepdim=True) * self.route_scale, idx
+
+
+class MLP(nn.Module):
+    """Shared expert (FP8 in the checkpoint); clamped like the routed experts, as transformers does."""
+
+    def __init__(self, dim: int, inter: int, limit: float, dtype: torch.dtype, quant: QuantSpec = DENSE):
+        super().__init__()
+        self.limit = limit
+        self.w1 = Linear(dim, inter, dtype, quant)
+        self.w2 = Linear(inter, dim, dtype, quant)
+        self.w3 = Linear(dim, inter, dtype, quant)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(clamped_swiglu(self.w1(x), self.w3(x), self.limit).to(x.dtype))
+
+
+class Experts(nn.Module):
+    """Routed experts stacked per projection: w1/w3 [E, F, D], w2 [E, D, F] (+ `*_scale` when quantised)."""
+
+    def __init__(self, dim: int, inter: int, num_experts: int, limit: float, dtype: torch.dtype,
+                 quant: QuantSpec = DENSE):
+        super().__init__()
+        self.num_experts, self.limit, self.quant = num_experts, limit, quant
+        for name, (o, i) in (("w1", (inter, dim)), ("w2", (dim, inter)), ("w3", (inter, dim))):
+            w, s = expert_tensors(num_experts, o, i, dtype, quant)
+            if s is None:
+                setattr(self, name, nn.Parameter(w, requires_grad=False))
+            else:
+                self.register_buffer(name, w)
+                self.register_buffer(f"{name}_scale", s)
+
+    def _w(self, name: str, e: int, dtype: torch.dtype) -> torch.Tensor:
+        return dequant_expert(getattr(self, name)[e], getattr(self, f"{name}_scale", None), self.quant, dtype)
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        """Reference path: tokens grouped by expert; each token's k outputs summed in fp32."""
+        flat = idx.flatten()
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
+        tok = order // idx.shape[1]
+        w = weights.flatten()[order]
+        out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
+        start = 0
+        for e, c in enumerate(counts):
+            if c == 0:
+                continue
+            t, xe = tok[start:start + c], x[tok[start:start + c]]
+            h = clamped_swiglu(F.linear(xe, self._w("w1", e, x.dtype)), F.linear(xe, self._w("w3", e, x.dtype)),
+                               self.limit).to(x.dtype)
+            out.index_add_(0, t, F.linear(h, self._w("w2", e, x.dtype)).float() * w[start:start + c, None])
+            start += c
+        return out
+
+
+class MoE(nn.Module):
+    def __init__(self, dim: int, inter: int, num_experts: int, topk: int, n_shared: int, vocab_size: int,
+                 hashed: bool, route_scale: float, limit: float, dtype: torch.dtype,
+                 expert_quant: QuantSpec = DENSE, shared_quant: QuantSpec = DENSE):
+        super().__init__()
+        self.gate = Gate(dim, num_experts, topk, vocab_size, hashed, route_scale, dtype)
+        self.experts = Experts(dim, inter, num_experts, limit, dtype, expert_quant)
+        self.shared_experts = MLP(dim, inter * n_shared, limit, dtype, shared_quant)
+
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        weights, idx = self.gate(x, input_ids)
+        return (self.experts(x, weights, idx) + self.shared_experts(x).float()).to(x.dtype)

@@ -1,0 +1,133 @@
+"""DeepSeek's number formats: FP8 e4m3 blocks, FP4 e2m1 pairs, E8M0 power-of-two scales.
+
+Weights (checkpoint): W = e4m3(q) * scale[i // bo, j // bi]; routed experts
+W[o, k] = E2M1[nibble(o, k)] * scale[o, k // 32], two codes per byte, even column in
+the low nibble. Activations/KV (the reference's QAT simulation): groups of g values
+share a power-of-two scale 2^ceil(log2(amax / fmt_max)).
+"""
+from __future__ import annotations
+
+import torch
+
+FP8_MAX = 448.0
+FP4_MAX = 6.0
+# E2M1 code -> value; bit 3 is the sign.
+FP4_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def scale_to_float(scale: torch.Tensor) -> torch.Tensor:
+    """E8M0 bytes (uint8 / float8_e8m0fnu) or float scales -> float32 multipliers."""
+    if scale.dtype == torch.float8_e8m0fnu:
+        scale = scale.view(torch.uint8)
+    if scale.dtype == torch.uint8:
+        return torch.exp2(scale.to(torch.float32) - 127.0)
+    return scale.to(torch.float32)
+
+
+def _expand_blocks(scale: torch.Tensor, shape: torch.Size, block: tuple[int, int]) -> torch.Tensor:
+    s = scale.repeat_interleave(block[0], dim=-2).repeat_interleave(block[1], dim=-1)
+    return s[..., : shape[-2], : shape[-1]]  # the last block may be ragged
+
+
+def dequant_fp8_blocks(w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
+                       dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    if w.dtype != torch.float8_e4m3fn:
+        w = w.view(torch.float8_e4m3fn)
+    expected = (-(-w.shape[-2] // block[0]), -(-w.shape[-1] // block[1]))
+    if tuple(scale.shape[-2:]) != expected:
+        raise ValueError(f"fp8 scale shape {tuple(scale.shape)} does not match weight "
+                         f"{tuple(w.shape)} with block {block} (expected {expected})")
+    out = w.to(torch.float32) * _expand_blocks(scale_to_float(scale), w.shape, block)
+    return out.to(dtype)
+
+
+def _pow2_scale(amax: torch.Tensor, fmt_max: float) -> torch.Tensor:
+    """Smallest power of two s with amax / s <= fmt_max (E8M0 range)."""
+    exp = torch.ceil(torch.log2(amax.clamp(min=1e-30) / fmt_max)).clamp(-127, 127)
+    return torch.exp2(exp)
+
+
+def quant_fp8_blocks(w: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """float weight [out, in] -> (e4m3 weight, E8M0 scale [ceil(out/bo), ceil(in/bi)])."""
+    bo, bi = block
+    out_f, in_f = w.shape
+    pad = torch.zeros(-(-out_f // bo) * bo, -(-in_f // bi) * bi, dtype=torch.float32)
+    pad[:out_f, :in_f] = w.float()
+    tiles = pad.view(pad.shape[0] // bo, bo, pad.shape[1] // bi, bi)
+    scale = _pow2_scale(tiles.abs().amax(dim=(1, 3)), FP8_MAX)
+    q = (w.float() / _expand_blocks(scale, w.shape, block)).to(torch.float8_e4m3fn)
+    return q, float_to_e8m0(scale)
+
+
+def float_to_e8m0(scale: torch.Tensor) -> torch.Tensor:
+    exp = torch.round(torch.log2(scale)).to(torch.int32) + 127
+    return exp.clamp(0, 254).to(torch.uint8).view(torch.float8_e8m0fnu)
+
+
+def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
+    """int8/uint8 [..., n/2] -> float32 values [..., n] (low nibble = even column)."""
+    b = packed.view(torch.uint8)
+    codes = torch.stack((b & 0xF, b >> 4), dim=-1).flatten(-2)
+    table = torch.tensor(FP4_VALUES, dtype=torch.float32, device=packed.device)
+    return table[codes.long()]
+
+
+def dequant_fp4(packed: torch.Tensor, scale: torch.Tensor, group: int = 32,
+                dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    vals = unpack_fp4(packed)
+    if scale.shape[-1] * group != vals.shape[-1] or scale.shape[:-1] != vals.shape[:-1]:
+        raise ValueError(f"fp4 scale shape {tuple(scale.shape)} does not match packed weight "
+                         f"{tuple(packed.shape)} with group {group}")
+    out = vals * scale_to_float(scale).repeat_interleave(group, dim=-1)
+    return out.to(dtype)
+
+
+def _fp4_codes(x: torch.Tensor) -> torch.Tensor:
+    """Round-to-nearest-even onto the E2M1 grid; x already scaled into [-6, 6]."""
+    mags = torch.tensor(FP4_VALUES[:8], dtype=torch.float32, device=x.device)
+    a = x.abs().clamp(max=FP4_MAX)
+    dist = (a.unsqueeze(-1) - mags).abs()
+    best = dist.min(dim=-1, keepdim=True).values
+    ties = dist == best
+    # prefer the even code (mantissa bit 0) on a tie, like hardware RNE
+    even = torch.tensor([i % 2 == 0 for i in range(8)], device=x.device)
+    idx = torch.where(ties & even, 0, torch.where(ties, 1, 2)).argmin(dim=-1)
+    sign = (torch.signbit(x) & (idx > 0)).to(torch.uint8) << 3
+    return idx.to(torch.uint8) | sign
+
+
+def quant_fp4(w: torch.Tensor, group: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    """float [..., n] -> (int8 packed [..., n/2], E8M0 scale [..., n/group])."""
+    g = w.float().unflatten(-1, (-1, group))
+    scale = _pow2_scale(g.abs().amax(dim=-1), FP4_MAX)
+    codes = _fp4_codes(g / scale.unsqueeze(-1)).flatten(-2)
+    packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return packed.view(torch.int8), float_to_e8m0(scale)
+
+
+def fp8_roundtrip(x: torch.Tensor, group: int) -> torch.Tensor:
+    """Quantise to e4m3 with a power-of-two scale per `group` values and back (same dtype)."""
+    g = x.float().unflatten(-1, (-1, group))
+    scale = _pow2_scale(g.abs().amax(dim=-1, keepdim=True), FP8_MAX)
+    q = (g / scale).to(torch.float8_e4m3fn).to(torch.float32) * scale
+    return q.flatten(-2).to(x.dtype)
+
+
+def fp4_roundtrip(x: torch.Tensor, group: int = 32) -> torch.Tensor:
+    packed, scale = quant_fp4(x, group)
+    return dequant_fp4(packed, scale, group, x.dtype)
+
+
+def hadamard(x: torch.Tensor) -> torch.Tensor:
+    """Orthonormal Walsh-Hadamard transform over the last dim (a power of two)."""
+    n = x.shape[-1]
+    if n & (n - 1):
+        raise ValueError(f"hadamard needs a power-of-two width, got {n}")
+    shape = x.shape
+    y = x.float().reshape(-1, n)
+    h = 1
+    while h < n:
+        y = y.view(-1, n // (2 * h), 2, h)
+        y = torch.stack((y[:, :, 0] + y[:, :, 1], y[:, :, 0] - y[:, :, 1]), dim=2)
+        h *= 2
+    return (y.reshape(shape) * n ** -0.5).to(x.dtype)

@@ -1,0 +1,58 @@
+"""Interleaved (GPT-J pair) RoPE on the last `rope_dim` channels, with optional YaRN.
+
+Pairs are channels (2j, 2j+1) of the trailing rope slice; the leading channels
+("nope") are untouched. YaRN here only interpolates frequencies: there is no
+attention/mscale factor (DeepSeek-V4 §3.5).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from deepinfer.models.config import YarnScaling
+
+
+def rope_inv_freq(rope_dim: int, theta: float, yarn: YarnScaling | None = None) -> torch.Tensor:
+    inv = 1.0 / theta ** (torch.arange(0, rope_dim, 2, dtype=torch.float32) / rope_dim)
+    if yarn is None:
+        return inv
+
+    def corr_dim(rotations: float) -> float:
+        return rope_dim * math.log(yarn.original_max_position_embeddings / (rotations * 2 * math.pi)) / (
+            2 * math.log(theta))
+
+    low = max(math.floor(corr_dim(yarn.beta_fast)), 0)
+    high = min(math.ceil(corr_dim(yarn.beta_slow)), rope_dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(rope_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp  # 1 = original (high-frequency) channel, 0 = fully interpolated
+    return inv / yarn.factor * (1 - keep) + inv * keep
+
+
+@dataclass
+class RopeCache:
+    """cos/sin [N, rope_dim/2] (fp32) for a vector of positions."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+    @classmethod
+    def at(cls, positions: torch.Tensor, inv_freq: torch.Tensor) -> "RopeCache":
+        freqs = positions.to(torch.float32).unsqueeze(-1) * inv_freq.to(positions.device)
+        return cls(freqs.cos(), freqs.sin())
+
+
+def apply_rope(x: torch.Tensor, rope: RopeCache, inverse: bool = False) -> torch.Tensor:
+    """Rotate the trailing rope slice of x [N, ..., D]; cos/sin broadcast over middle dims."""
+    half = rope.cos.shape[-1]
+    shape = (rope.cos.shape[0],) + (1,) * (x.dim() - 2) + (half,)
+    cos, sin = rope.cos.view(shape), rope.sin.view(shape)
+    if inverse:
+        sin = -sin
+    nope, r = x[..., : -2 * half], x[..., -2 * half:].float()
+    even, odd = r[..., 0::2], r[..., 1::2]
+    rot = torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1).flatten(-2)
+    return torch.cat((nope, rot.to(x.dtype)), dim=-1)

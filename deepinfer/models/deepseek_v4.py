@@ -1,0 +1,215 @@
+"""DeepSeek-V4 (model_type deepseek_v4: V4-Flash, -Flash-0731, -Pro, -Base). Math only.
+
+Module and parameter names follow DeepSeek's checkpoint (`layers.N.attn.wq_a`, `embed`,
+`head`, ...), except routed experts, which are stacked per projection
+(`layers.N.ffn.experts.w1` [E, F, D]). The residual is n = hc_mult streams [T, n, D].
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from deepinfer.layers.attention import Compressor, Indexer, sparse_attention
+from deepinfer.layers.forward_batch import ForwardBatch
+from deepinfer.layers.kv_state import LayerCache
+from deepinfer.layers.linear import DENSE, Linear, QuantSpec
+from deepinfer.layers.mhc import HyperConnection, collapse, expand, head_collapse
+from deepinfer.layers.moe import MoE
+from deepinfer.layers.norm import RMSNorm, rms_norm
+from deepinfer.layers.rotary import RopeCache, apply_rope, rope_inv_freq
+from deepinfer.models.config import CSA, HCA, SLIDING, DeepseekV4Config
+
+
+@dataclass
+class StepContext:
+    """What every layer reads in one step: the batch plan and both rope tables at its positions."""
+
+    batch: ForwardBatch
+    rope_main: RopeCache
+    rope_compress: RopeCache
+    inv_freq_compress: torch.Tensor
+
+
+def quant_spec(cfg: DeepseekV4Config, quantized: bool) -> tuple[QuantSpec, QuantSpec]:
+    """(FP8 dense-layer spec, routed-expert spec) for a model that keeps checkpoint formats."""
+    if not quantized or cfg.quant.block_size is None:
+        return DENSE, DENSE
+    sdt = torch.float8_e8m0fnu if cfg.quant.scale_fmt == "ue8m0" else torch.float32
+    fp8 = QuantSpec(cfg.quant.block_size, sdt)
+    return fp8, QuantSpec(cfg.quant.block_size, sdt, fp4_experts=cfg.quant.expert_dtype == "fp4")
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: DeepseekV4Config, kind: str, ratio: int, dtype: torch.dtype, quant: QuantSpec):
+        super().__init__()
+        c = cfg
+        self.kind, self.ratio = kind, ratio
+        self.n_heads, self.head_dim, self.eps = c.num_attention_heads, c.head_dim, c.rms_norm_eps
+        self.o_groups, self.o_rank = c.o_groups, c.o_lora_rank
+        self.wq_a = Linear(c.hidden_size, c.q_lora_rank, dtype, quant)
+        self.q_norm = RMSNorm(c.q_lora_rank, c.rms_norm_eps)
+        self.wq_b = Linear(c.q_lora_rank, c.num_attention_heads * c.head_dim, dtype, quant)
+        self.wkv = Linear(c.hidden_size, c.head_dim, dtype, quant)
+        self.kv_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
+        group_in = c.num_attention_heads * c.head_dim // c.o_groups
+        self.wo_a = Linear(group_in, c.o_groups * c.o_lora_rank, dtype, quant)
+        self.wo_b = Linear(c.o_groups * c.o_lora_rank, c.hidden_size, dtype, quant)
+        self.attn_sink = nn.Parameter(torch.zeros(c.num_attention_heads, dtype=torch.float32), requires_grad=False)
+        if kind != SLIDING:
+            self.compressor = Compressor(c.hidden_size, c.head_dim, ratio, kind == CSA, c.rms_norm_eps, dtype)
+        if kind == CSA:
+            self.indexer = Indexer(c.hidden_size, c.q_lora_rank, c.index_n_heads, c.index_head_dim,
+                                   c.index_topk, ratio, c.rms_norm_eps, dtype, quant)
+
+    def forward(self, x: torch.Tensor, ctx: StepContext, cache: LayerCache) -> torch.Tensor:
+        T, batch = x.shape[0], ctx.batch
+        rope = ctx.rope_main if self.kind == SLIDING else ctx.rope_compress
+        qr = self.q_norm(self.wq_a(x))
+        q = rms_norm(self.wq_b(qr).view(T, self.n_heads, self.head_dim), self.eps).to(x.dtype)
+        q = apply_rope(q, rope)
+        kv = cache.ring.roundtrip(apply_rope(self.kv_norm(self.wkv(x)), rope))
+        entry_ids = plan = None
+        if self.kind != SLIDING:
+            plan = batch.plans[(self.ratio, self.kind == CSA)]
+            entries, dst = self.compressor(x, batch.positions, plan, cache.carry["main"], ctx.inv_freq_compress)
+            cache.entries.write(dst, entries)
+        if self.kind == CSA:
+            entry_ids = self.indexer(x, qr, batch, plan, cache.index_keys, cache.carry["indexer"],
+                                     rope, ctx.inv_freq_compress)
+        elif self.kind == HCA:
+            w = torch.arange(plan.max_visible, device=x.device)
+            entry_ids = torch.where(w < plan.visible[:, None], w, -1)
+        o = sparse_attention(q, kv, batch, cache.ring, entry_ids, plan, cache.entries,
+                             self.attn_sink, self.head_dim ** -0.5)
+        cache.ring.write(batch.ring_dst, kv[batch.ring_src])
+        o = apply_rope(o, rope, inverse=True).view(T, self.o_groups, -1)
+        wo_a = self.wo_a.dense_weight(x.dtype).view(self.o_groups, self.o_rank, -1)
+        return self.wo_b(torch.einsum("tgi,goi->tgo", o, wo_a).flatten(1))
+
+
+class Block(nn.Module):
+    """One decoder layer: mHC(attention) then mHC(MoE)."""
+
+    def __init__(self, cfg: DeepseekV4Config, layer_id: int, kind: str, ratio: int, dtype: torch.dtype,
+                 quant: QuantSpec, expert_quant: QuantSpec, num_experts: int | None = None,
+                 topk: int | None = None):
+        super().__init__()
+        c, n = cfg, cfg.hc_mult
+        mix = (2 + n) * n
+        for site in ("attn", "ffn"):
+            self.register_parameter(f"hc_{site}_fn", _fp32(mix, n * c.hidden_size))
+            self.register_parameter(f"hc_{site}_base", _fp32(mix))
+            self.register_parameter(f"hc_{site}_scale", _fp32(3))
+        self.hc = HyperConnection(n, c.hc_sinkhorn_iters, c.hc_eps, c.rms_norm_eps)
+        self.attn_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.ffn_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.attn = Attention(c, kind, ratio, dtype, quant)
+        self.ffn = MoE(c.hidden_size, c.moe_intermediate_size, num_experts or c.n_routed_experts,
+                       topk or c.num_experts_per_tok, c.n_shared_experts, c.vocab_size, c.is_hash_layer(layer_id),
+                       c.routed_scaling_factor, c.swiglu_limit, dtype, expert_quant, quant)
+
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor, ctx: StepContext, cache: LayerCache):
+        pre, post, comb = self.hc.weights(x, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale)
+        x = expand(x, self.attn(self.attn_norm(collapse(x, pre)), ctx, cache), post, comb)
+        pre, post, comb = self.hc.weights(x, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale)
+        return expand(x, self.ffn(self.ffn_norm(collapse(x, pre)), input_ids), post, comb)
+
+
+class MTPBlock(Block):
+    """Multi-token prediction (`mtp.0`): token t+1's embedding + the trunk's streams at t -> logits t+2."""
+
+    def __init__(self, cfg: DeepseekV4Config, layer_id: int, dtype: torch.dtype, quant: QuantSpec,
+                 expert_quant: QuantSpec):
+        super().__init__(cfg, layer_id, SLIDING, 0, dtype, quant, expert_quant)
+        d, n = cfg.hidden_size, cfg.hc_mult
+        self.e_proj = Linear(d, d, dtype, quant)
+        self.h_proj = Linear(d, d, dtype, quant)
+        self.enorm = RMSNorm(d, cfg.rms_norm_eps)
+        self.hnorm = RMSNorm(d, cfg.rms_norm_eps)
+        self.norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.hc_head_fn, self.hc_head_base, self.hc_head_scale = _fp32(n, n * d), _fp32(n), _fp32(1)
+
+    def draft(self, streams: torch.Tensor, next_emb: torch.Tensor, next_ids: torch.Tensor,
+              ctx: StepContext, cache: LayerCache) -> torch.Tensor:
+        """streams [T, n, D]: trunk residual before hc_head at t; next_emb [T, D] -> hidden [T, D]."""
+        x = self.h_proj(self.hnorm(streams)) + self.e_proj(self.enorm(next_emb)).unsqueeze(1)
+        x = self.forward(x, next_ids, ctx, cache)
+        c = self.hc.hc_eps, self.hc.norm_eps
+        return self.norm(head_collapse(x, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, *c))
+
+
+class DSparkStage(Block):
+    """One stage of the -0731 DSpark draft (its forward is DSpark's own, see deepseek_v41 design)."""
+
+    def __init__(self, cfg: DeepseekV4Config, stage: int, dtype: torch.dtype, quant: QuantSpec,
+                 expert_quant: QuantSpec):
+        super().__init__(cfg, cfg.num_hidden_layers + stage, SLIDING, 0, dtype, quant, expert_quant,
+                         cfg.dspark_n_routed_experts, cfg.dspark_num_experts_per_tok)
+        d, last = cfg.hidden_size, stage == cfg.num_nextn_predict_layers - 1
+        if stage == 0:
+            self.main_proj = Linear(len(cfg.dspark_target_layer_ids) * d, d, dtype, quant)
+            self.main_norm = RMSNorm(d, cfg.rms_norm_eps)
+        if last:
+            rank = cfg.dspark_markov_rank
+            self.norm = RMSNorm(d, cfg.rms_norm_eps)
+            self.markov_head = nn.Module()
+            self.markov_head.embed = nn.Embedding(cfg.vocab_size, rank, dtype=dtype)
+            self.markov_head.head = Linear(rank, cfg.vocab_size, dtype)
+            self.confidence_head = nn.Module()
+            self.confidence_head.proj = Linear(d + rank, 1, torch.float32)
+
+
+class DeepseekV4ForCausalLM(nn.Module):
+    def __init__(self, cfg: DeepseekV4Config, dtype: torch.dtype = torch.float32, quantized: bool = False):
+        super().__init__()
+        self.config, self.dtype = cfg, dtype
+        quant, expert_quant = quant_spec(cfg, quantized)
+        d, n = cfg.hidden_size, cfg.hc_mult
+        self.embed = nn.Embedding(cfg.vocab_size, d, dtype=dtype)
+        self.layers = nn.ModuleList(
+            Block(cfg, i, kind, ratio, dtype, quant, expert_quant)
+            for i, (kind, ratio) in enumerate(zip(cfg.layer_kinds, cfg.compress_ratios)))
+        self.norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.head = Linear(d, cfg.vocab_size, dtype)
+        self.hc_head_fn, self.hc_head_base, self.hc_head_scale = _fp32(n, n * d), _fp32(n), _fp32(1)
+        if cfg.has_dspark:
+            stages = [DSparkStage(cfg, k, dtype, quant, expert_quant) for k in range(cfg.num_nextn_predict_layers)]
+        else:
+            stages = [MTPBlock(cfg, cfg.num_hidden_layers + k, dtype, quant, expert_quant)
+                      for k in range(cfg.num_nextn_predict_layers)]
+        self.mtp = nn.ModuleList(stages)
+        yarn = cfg.rope_scaling
+        self.register_buffer("inv_freq_main", rope_inv_freq(cfg.qk_rope_head_dim, cfg.rope_theta), persistent=False)
+        self.register_buffer("inv_freq_compress", rope_inv_freq(cfg.qk_rope_head_dim, cfg.compress_rope_theta, yarn),
+                             persistent=False)
+
+    def step_context(self, batch: ForwardBatch) -> StepContext:
+        pos = batch.positions
+        return StepContext(batch, RopeCache.at(pos, self.inv_freq_main), RopeCache.at(pos, self.inv_freq_compress),
+                           self.inv_freq_compress)
+
+    def forward(self, batch: ForwardBatch, caches: list[LayerCache]) -> torch.Tensor:
+        """Runs the trunk on a flat varlen batch; returns the residual streams [T, n, D] before hc_head."""
+        ctx = self.step_context(batch)
+        x = self.embed(batch.input_ids).unsqueeze(1).repeat(1, self.config.hc_mult, 1)
+        for layer, cache in zip(self.layers, caches):
+            x = layer(x, batch.input_ids, ctx, cache)
+        return x
+
+    def compute_logits(self, streams: torch.Tensor) -> torch.Tensor:
+        """streams [N, n, D] -> fp32 logits [N, vocab]."""
+        c = self.config
+        h = head_collapse(streams, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, c.hc_eps, c.rms_norm_eps)
+        return self.head(self.norm(h)).float()
+
+    def mtp_logits(self, streams: torch.Tensor, next_ids: torch.Tensor, ctx: StepContext,
+                   cache: LayerCache) -> torch.Tensor:
+        """MTP draft logits for position t+2 from the trunk streams at t and token t+1."""
+        hidden = self.mtp[0].draft(streams, self.embed(next_ids), next_ids, ctx, cache)
+        return self.head(hidden).float()
+
+
+def _fp32(*shape: int) -> nn.Parameter:
+    return nn.Parameter(torch.zeros(*shape, dtype=torch.float32), requires_grad=False)
