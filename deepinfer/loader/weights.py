@@ -1,0 +1,244 @@
+"""Stream a checkpoint into a model whose state_dict uses DeepSeek's original names.
+
+Model contract: state_dict keys are DeepSeek names, except routed experts, which are
+stacked per layer as `...ffn.experts.w1/w3 [E, F, D]` and `...ffn.experts.w2 [E, D, F]`.
+A model that keeps a weight quantised declares it by owning `X.scale` (stacked experts:
+`...experts.w1_scale`); those are copied raw. Everything else is dequantised / cast to
+the model tensor's dtype.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from deepinfer.layers.quant import dequant_fp4, dequant_fp8_blocks
+from deepinfer.loader.checkpoint import CheckpointError, CheckpointReader
+from deepinfer.loader.names import WeightRef, plan_names, split_expert_name
+from deepinfer.models.config import DeepseekV4Config
+
+__all__ = ["CheckpointError", "load_weights"]
+
+FP4_GROUP = 32
+_QUANT_WEIGHT_DTYPES = (torch.float8_e4m3fn, torch.int8, torch.uint8)
+_BYTE_DTYPES = (torch.int8, torch.uint8, torch.float8_e4m3fn, torch.float8_e8m0fnu)
+_MAX_LISTED = 20
+
+
+@dataclass
+class _Job:
+    ref: WeightRef
+    target: str
+    expert: int | None  # slice of a stacked expert tensor
+    scale: WeightRef | None = None
+    scale_target: str | None = None  # set in quantised mode: copy weight + scale raw
+
+
+def _sliced_shape(shape: tuple[int, ...], index: tuple | None) -> tuple[int, ...]:
+    if index is None:
+        return tuple(shape)
+    out: list[int] = []
+    for dim, ix in enumerate(index):
+        if isinstance(ix, slice):
+            out.append(len(range(*ix.indices(shape[dim]))))
+    return tuple(out) + tuple(shape[len(index):])
+
+
+class _Planner:
+    def __init__(self, reader: CheckpointReader, targets: dict[str, torch.Tensor], config: DeepseekV4Config):
+        self.reader = reader
+        self.targets = targets
+        self.config = config
+        self.errors: list[str] = []
+
+    def where(self, ref: WeightRef) -> str:
+        src = ref.source if ref.source == ref.name else f"{ref.source} (as {ref.name})"
+        return f"{src} in {self.reader.file_of(ref.source)}"
+
+    def shape(self, ref: WeightRef) -> tuple[int, ...]:
+        return _sliced_shape(self.reader.shape(ref.source), ref.index)
+
+    def expected(self, job: _Job, key: str) -> tuple[int, ...]:
+        shape = tuple(self.targets[key].shape)
+        return shape[1:] if job.expert is not None else shape
+
+    def check_shape(self, job: _Job, ref: WeightRef, got: tuple[int, ...], key: str) -> None:
+        want = self.expected(job, key)
+        if got != want:
+            part = f"{key}[{job.expert}]" if job.expert is not None else key
+            self.errors.append(f"shape mismatch: {self.where(ref)} has shape {list(got)}, "
+                               f"model tensor {part} expects {list(want)}")
+
+    def check(self, job: _Job) -> None:
+        ref, scale = job.ref, job.scale
+        src_dtype = self.reader.dtype(ref.source)
+        got = self.shape(ref)
+        if scale is not None and src_dtype not in _QUANT_WEIGHT_DTYPES:
+            self.errors.append(f"quantised weight {self.where(ref)} has dtype {src_dtype}; "
+                               "expected float8_e4m3fn (FP8 blocks) or int8 (packed FP4)")
+            return
+        if job.scale_target is not None:
+            self.check_raw(job, ref, src_dtype, got, job.target)
+            self.check_raw(job, scale, self.reader.dtype(scale.source), self.shape(scale), job.scale_target)
+            return
+        if scale is None:
+            self.check_shape(job, ref, got, job.target)
+            return
+        if src_dtype == torch.float8_e4m3fn:
+            block = self.config.quant.block_size
+            if block is None:
+                self.errors.append(f"{self.where(ref)} is FP8 with a .scale, but config.json has no "
+                                   "quantization_config.weight_block_size")
+                return
+            want_scale = tuple(got[:-2]) + tuple(-(-d // b) for d, b in zip(got[-2:], block))
+        else:
+            want_scale = tuple(got[:-1]) + (got[-1] * 2 // FP4_GROUP,)
+            got = tuple(got[:-1]) + (got[-1] * 2,)
+        scale_shape = self.shape(scale)
+        if scale_shape != want_scale:
+            self.errors.append(f"scale {self.where(scale)} has shape {list(scale_shape)}, its weight "
+                               f"{ref.source} {list(self.shape(ref))} ({src_dtype}) needs {list(want_scale)}")
+        self.check_shape(job, ref, got, job.target)
+
+    def check_raw(self, job: _Job, ref: WeightRef, dtype: torch.dtype, got: tuple[int, ...], key: str) -> None:
+        want = self.targets[key].dtype
+        if dtype != want and not (dtype in _BYTE_DTYPES and want in _BYTE_DTYPES):
+            self.errors.append(f"{self.where(ref)} has dtype {dtype}; quantised model tensor {key} "
+                               f"is {want} and is copied without conversion")
+        self.check_shape(job, ref, got, key)
+
+
+def load_weights(model: torch.nn.Module, model_dir: str | Path | CheckpointReader, *,
+                 config: DeepseekV4Config) -> None:
+    """Fill every tensor of `model.state_dict()` from the checkpoint, one tensor at a time.
+
+    Raises CheckpointError for tensors the model lacks, model tensors the checkpoint
+    lacks, shape or dtype mismatches. With `config.has_dspark`, unmatched `mtp.*`
+    tensors go to `model.unmapped_tensors` instead.
+    """
+    reader = model_dir if isinstance(model_dir, CheckpointReader) else CheckpointReader(model_dir)
+    targets = model.state_dict(keep_vars=True)
+    jobs, keep = _plan(reader, targets, config)
+    if keep:
+        if not isinstance(getattr(model, "unmapped_tensors", None), dict):
+            model.unmapped_tensors = {}
+    with torch.no_grad():
+        for ref in keep:
+            model.unmapped_tensors[ref.name] = reader.get(ref.source, ref.index)
+        for job in jobs:
+            _run(job, reader, targets, config)
+
+
+def _plan(reader: CheckpointReader, targets: dict[str, torch.Tensor],
+          config: DeepseekV4Config) -> tuple[list[_Job], list[WeightRef]]:
+    refs: dict[str, WeightRef] = {}
+    planner = _Planner(reader, targets, config)
+    for ref in plan_names(reader.names(), reader.shape):
+        if ref.name in refs:
+            raise CheckpointError(f"two checkpoint tensors map to {ref.name}: {planner.where(refs[ref.name])} "
+                                  f"and {planner.where(ref)}")
+        refs[ref.name] = ref
+
+    jobs: list[_Job] = []
+    unexpected: list[WeightRef] = []
+    keep: list[WeightRef] = []
+    filled: set[str] = set()
+    experts_filled: dict[str, set[int]] = {}
+    for name, ref in refs.items():
+        if name.endswith(".scale") and name[: -len(".scale")] + ".weight" in refs:
+            continue  # loaded together with its weight
+        job = _target_of(name, ref, targets)
+        if job is None:
+            if config.has_dspark and name.startswith("mtp."):
+                keep.append(ref)
+                scale_name = name[: -len(".weight")] + ".scale"
+                if name.endswith(".weight") and scale_name in refs:
+                    keep.append(refs[scale_name])
+            else:
+                unexpected.append(ref)
+            continue
+        scale_name = name[: -len(".weight")] + ".scale" if name.endswith(".weight") else None
+        job.scale = refs.get(scale_name) if scale_name else None
+        quant_key = _quant_scale_key(job)
+        if quant_key in targets:
+            if job.scale is None:
+                planner.errors.append(f"model keeps {job.target} quantised (has {quant_key}) but "
+                                      f"{planner.where(ref)} has no .scale tensor")
+                continue
+            job.scale_target = quant_key
+        planner.check(job)
+        jobs.append(job)
+        for key in filter(None, (job.target, job.scale_target)):
+            if job.expert is None:
+                filled.add(key)
+            else:
+                experts_filled.setdefault(key, set()).add(job.expert)
+
+    if unexpected:
+        listed = [f"{planner.where(r)}" for r in unexpected[:_MAX_LISTED]]
+        more = f" ... and {len(unexpected) - _MAX_LISTED} more" if len(unexpected) > _MAX_LISTED else ""
+        planner.errors.append("checkpoint tensors with no model tensor: " + "; ".join(listed) + more)
+    missing: list[str] = []
+    for key, t in targets.items():
+        if key in experts_filled:
+            lacking = sorted(set(range(t.shape[0])) - experts_filled[key])
+            if lacking:
+                missing.append(f"{key} (experts {lacking})")
+        elif key not in filled:
+            missing.append(key)
+    if missing:
+        more = f" ... and {len(missing) - _MAX_LISTED} more" if len(missing) > _MAX_LISTED else ""
+        planner.errors.append(f"model tensors not found in the checkpoint at {reader.dir}: "
+                              + ", ".join(missing[:_MAX_LISTED]) + more)
+    if planner.errors:
+        errs = planner.errors[:_MAX_LISTED]
+        if len(planner.errors) > _MAX_LISTED:
+            errs.append(f"... and {len(planner.errors) - _MAX_LISTED} more problems")
+        raise CheckpointError(f"cannot load checkpoint {reader.dir}:\n  " + "\n  ".join(errs))
+    return jobs, keep
+
+
+def _target_of(name: str, ref: WeightRef, targets: dict[str, torch.Tensor]) -> _Job | None:
+    split = split_expert_name(name)
+    if split is not None:
+        stem, e, proj, leaf = split
+        key = f"{stem}.{proj}"
+        if leaf != "weight" or key not in targets or e >= targets[key].shape[0]:
+            return None
+        return _Job(ref, key, e)
+    return _Job(ref, name, None) if name in targets else None
+
+
+def _quant_scale_key(job: _Job) -> str | None:
+    if job.expert is not None:
+        return job.target + "_scale"
+    if job.target.endswith(".weight"):
+        return job.target[: -len(".weight")] + ".scale"
+    return None
+
+
+def _put(targets: dict[str, torch.Tensor], key: str, expert: int | None, value: torch.Tensor) -> None:
+    dst = targets[key] if expert is None else targets[key][expert]
+    if value.dtype != dst.dtype and value.dtype in _BYTE_DTYPES and dst.dtype in _BYTE_DTYPES:
+        value = value.view(dst.dtype)
+    dst.copy_(value)
+
+
+def _run(job: _Job, reader: CheckpointReader, targets: dict[str, torch.Tensor],
+         config: DeepseekV4Config) -> None:
+    w = reader.get(job.ref.source, job.ref.index)
+    if job.scale_target is not None:
+        _put(targets, job.target, job.expert, w)
+        _put(targets, job.scale_target, job.expert, reader.get(job.scale.source, job.scale.index))
+        return
+    dtype = targets[job.target].dtype
+    if job.scale is None:
+        _put(targets, job.target, job.expert, w.to(dtype))
+        return
+    s = reader.get(job.scale.source, job.scale.index)
+    if w.dtype == torch.float8_e4m3fn:
+        value = dequant_fp8_blocks(w, s, config.quant.block_size, dtype)
+    else:
+        value = dequant_fp4(w, s, FP4_GROUP, dtype)
+    _put(targets, job.target, job.expert, value)

@@ -1,0 +1,487 @@
+"""Write a random DeepSeek-V4 checkpoint in the hub's format (config.json, sharded
+safetensors + index, tokenizer) for tests and demos.
+
+    python -m deepinfer.tools.make_checkpoint --arch deepseek_v4 --preset tiny --out DIR
+
+Tensor names, shapes and storage dtypes follow DeepSeek's original layout; shapes are
+derived here from the config on their own (never from deepinfer's model code).
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import math
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import torch
+from safetensors.torch import save_file
+
+from deepinfer.layers.quant import quant_fp4, quant_fp8_blocks, scale_to_float
+from deepinfer.loader.checkpoint import INDEX_FILE
+from deepinfer.loader.names import split_expert_name, to_hf_name
+from deepinfer.tools.tiny_tokenizer import write_tokenizer
+
+DTYPES = ("fp8", "bfloat16", "float32")
+LAYOUTS = ("deepseek", "hf")
+
+_FP8_QUANT = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "scale_fmt": "ue8m0"}
+
+_TINY = {
+    "architectures": ["DeepseekV4ForCausalLM"],
+    "model_type": "deepseek_v4",
+    "vocab_size": 1024,
+    "hidden_size": 96,
+    "num_hidden_layers": 6,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 1,
+    "head_dim": 64,
+    "qk_rope_head_dim": 16,
+    "q_lora_rank": 40,
+    "o_groups": 2,
+    "o_lora_rank": 24,
+    "sliding_window": 8,
+    "compress_ratios": [0, 4, 16, 4, 16, 0, 0],
+    "num_hash_layers": 2,
+    "index_n_heads": 4,
+    "index_head_dim": 32,
+    "index_topk": 4,
+    "n_routed_experts": 8,
+    "num_experts_per_tok": 3,
+    "n_shared_experts": 1,
+    "moe_intermediate_size": 64,
+    "scoring_func": "sqrtsoftplus",
+    "topk_method": "noaux_tc",
+    "norm_topk_prob": True,
+    "routed_scaling_factor": 1.5,
+    "swiglu_limit": 10.0,
+    "hc_mult": 4,
+    "hc_sinkhorn_iters": 20,
+    "hc_eps": 1e-6,
+    "rms_norm_eps": 1e-6,
+    "hidden_act": "silu",
+    "rope_theta": 10000.0,
+    "compress_rope_theta": 160000.0,
+    "rope_scaling": {"type": "yarn", "factor": 16, "original_max_position_embeddings": 64,
+                     "beta_fast": 32, "beta_slow": 1},
+    "max_position_embeddings": 1024,
+    "num_nextn_predict_layers": 1,
+    "bos_token_id": 0,
+    "eos_token_id": 1,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "initializer_range": 0.02,
+    "expert_dtype": "fp4",
+    "quantization_config": {**_FP8_QUANT, "weight_block_size": [32, 32]},
+}
+
+_TINY_DSPARK = {
+    **_TINY,
+    "compress_ratios": [0, 4, 16, 4, 16, 0, 0, 0, 0],
+    "num_nextn_predict_layers": 3,
+    "dspark_block_size": 5,
+    "dspark_noise_token_id": 1000,
+    "dspark_target_layer_ids": [3, 4, 5],
+    "dspark_markov_rank": 16,
+}
+
+_DEMO = {
+    **_TINY,
+    "vocab_size": 4096,
+    "hidden_size": 256,
+    "num_hidden_layers": 8,
+    "compress_ratios": [0, 0, 4, 16, 4, 16, 4, 0, 0],
+    "num_attention_heads": 4,
+    "head_dim": 128,
+    "qk_rope_head_dim": 32,
+    "q_lora_rank": 128,
+    "o_groups": 2,
+    "o_lora_rank": 64,
+    "sliding_window": 32,
+    "index_n_heads": 4,
+    "index_head_dim": 64,
+    "index_topk": 8,
+    "n_routed_experts": 16,
+    "num_experts_per_tok": 4,
+    "moe_intermediate_size": 128,
+    "max_position_embeddings": 4096,
+    "rope_scaling": {"type": "yarn", "factor": 16, "original_max_position_embeddings": 256,
+                     "beta_fast": 32, "beta_slow": 1},
+    "quantization_config": {**_FP8_QUANT, "weight_block_size": [64, 64]},
+}
+
+_FLASH = {
+    **_TINY,
+    "vocab_size": 129280,
+    "hidden_size": 4096,
+    "num_hidden_layers": 43,
+    "num_attention_heads": 64,
+    "head_dim": 512,
+    "qk_rope_head_dim": 64,
+    "q_lora_rank": 1024,
+    "o_groups": 8,
+    "o_lora_rank": 1024,
+    "sliding_window": 128,
+    "compress_ratios": [0, 0] + [4, 128] * 20 + [4] + [0],
+    "num_hash_layers": 3,
+    "index_n_heads": 64,
+    "index_head_dim": 128,
+    "index_topk": 512,
+    "n_routed_experts": 256,
+    "num_experts_per_tok": 6,
+    "n_shared_experts": 1,
+    "moe_intermediate_size": 2048,
+    "max_position_embeddings": 1048576,
+    "rope_scaling": {"type": "yarn", "factor": 16, "original_max_position_embeddings": 65536,
+                     "beta_fast": 32, "beta_slow": 1},
+    "quantization_config": {**_FP8_QUANT, "weight_block_size": [128, 128]},
+}
+
+PRESETS: dict[str, dict] = {"tiny": _TINY, "tiny-dspark": _TINY_DSPARK, "demo": _DEMO, "flash": _FLASH}
+
+
+@dataclass(frozen=True)
+class WeightSpec:
+    name: str
+    shape: tuple[int, ...]
+    init: str  # linear | embed | head | norm | hc_fn | hc_base | hc_scale | sink | ape | bias | tid2eid
+    store: str  # fp8 (block-quantised) | expert (fp4 or fp8) | bf16 | fp32 | int32
+
+
+def _block_specs(c: dict, p: str, ratio: int, hashed: bool, *, compressor: bool = True) -> list[WeightSpec]:
+    d, h, dh = c["hidden_size"], c["num_attention_heads"], c["head_dim"]
+    ql, g, ol = c["q_lora_rank"], c["o_groups"], c["o_lora_rank"]
+    hc = c["hc_mult"]
+    e, f = c["n_routed_experts"], c["moe_intermediate_size"]
+    fs = f * c.get("n_shared_experts", 1)
+    mix = (2 + hc) * hc
+    S = WeightSpec
+    out = []
+    for site in ("attn", "ffn"):
+        out += [S(f"{p}hc_{site}_fn", (mix, hc * d), "hc_fn", "fp32"),
+                S(f"{p}hc_{site}_base", (mix,), "hc_base", "fp32"),
+                S(f"{p}hc_{site}_scale", (3,), "hc_scale", "fp32")]
+    out += [
+        S(f"{p}attn_norm.weight", (d,), "norm", "bf16"),
+        S(f"{p}ffn_norm.weight", (d,), "norm", "bf16"),
+        S(f"{p}attn.wq_a.weight", (ql, d), "linear", "fp8"),
+        S(f"{p}attn.q_norm.weight", (ql,), "norm", "bf16"),
+        S(f"{p}attn.wq_b.weight", (h * dh, ql), "linear", "fp8"),
+        S(f"{p}attn.wkv.weight", (dh, d), "linear", "fp8"),
+        S(f"{p}attn.kv_norm.weight", (dh,), "norm", "bf16"),
+        S(f"{p}attn.wo_a.weight", (g * ol, h * dh // g), "linear", "fp8"),
+        S(f"{p}attn.wo_b.weight", (d, g * ol), "linear", "fp8"),
+        S(f"{p}attn.attn_sink", (h,), "sink", "fp32"),
+    ]
+    if ratio and compressor:
+        # ratio 4 (CSA) uses overlapping windows: two halves per entry, and an indexer.
+        coff = 2 if ratio == 4 else 1
+        out += _compressor_specs(f"{p}attn.compressor.", d, dh, ratio, coff)
+        if ratio == 4:
+            ih, idim = c["index_n_heads"], c["index_head_dim"]
+            out += [S(f"{p}attn.indexer.wq_b.weight", (ih * idim, ql), "linear", "fp8"),
+                    S(f"{p}attn.indexer.weights_proj.weight", (ih, d), "linear", "bf16")]
+            out += _compressor_specs(f"{p}attn.indexer.compressor.", d, idim, ratio, coff)
+    out.append(S(f"{p}ffn.gate.weight", (e, d), "linear", "bf16"))
+    if hashed:
+        out.append(S(f"{p}ffn.gate.tid2eid", (c["vocab_size"], c["num_experts_per_tok"]), "tid2eid", "int32"))
+    else:
+        out.append(S(f"{p}ffn.gate.bias", (e,), "bias", "fp32"))
+    for i in range(e):
+        out += [S(f"{p}ffn.experts.{i}.w1.weight", (f, d), "linear", "expert"),
+                S(f"{p}ffn.experts.{i}.w2.weight", (d, f), "linear", "expert"),
+                S(f"{p}ffn.experts.{i}.w3.weight", (f, d), "linear", "expert")]
+    out += [S(f"{p}ffn.shared_experts.w1.weight", (fs, d), "linear", "fp8"),
+            S(f"{p}ffn.shared_experts.w2.weight", (d, fs), "linear", "fp8"),
+            S(f"{p}ffn.shared_experts.w3.weight", (fs, d), "linear", "fp8")]
+    return out
+
+
+def _compressor_specs(p: str, d: int, dim: int, ratio: int, coff: int) -> list[WeightSpec]:
+    S = WeightSpec
+    return [S(f"{p}wkv.weight", (coff * dim, d), "linear", "bf16"),
+            S(f"{p}wgate.weight", (coff * dim, d), "linear", "bf16"),
+            S(f"{p}ape", (ratio, coff * dim), "ape", "fp32"),
+            S(f"{p}norm.weight", (dim,), "norm", "bf16")]
+
+
+def _hc_head_specs(c: dict, p: str) -> list[WeightSpec]:
+    d, hc = c["hidden_size"], c["hc_mult"]
+    return [WeightSpec(f"{p}hc_head_fn", (hc, hc * d), "hc_fn", "fp32"),
+            WeightSpec(f"{p}hc_head_base", (hc,), "hc_base", "fp32"),
+            WeightSpec(f"{p}hc_head_scale", (1,), "hc_scale", "fp32")]
+
+
+def weight_specs(config: dict) -> list[WeightSpec]:
+    """Every tensor of the checkpoint, DeepSeek names, logical (unquantised) shapes."""
+    c = config
+    v, d = c["vocab_size"], c["hidden_size"]
+    n = c["num_hidden_layers"]
+    ratios = list(c.get("compress_ratios") or [])
+    ratios += [0] * (n + c.get("num_nextn_predict_layers", 0) - len(ratios))
+    n_hash = c.get("num_hash_layers", 3)
+    S = WeightSpec
+    out = [S("embed.weight", (v, d), "embed", "bf16")]
+    for i in range(n):
+        out += _block_specs(c, f"layers.{i}.", ratios[i], i < n_hash)
+    out += [S("norm.weight", (d,), "norm", "bf16"), S("head.weight", (v, d), "head", "bf16")]
+    out += _hc_head_specs(c, "")
+    n_mtp = c.get("num_nextn_predict_layers", 0)
+    dspark = c.get("dspark_block_size") is not None
+    for k in range(n_mtp):
+        p = f"mtp.{k}."
+        if dspark:
+            out += _block_specs(c, p, ratios[n + k], False, compressor=False)
+            if k == 0:
+                n_target = len(c.get("dspark_target_layer_ids") or [])
+                out += [S(f"{p}main_proj.weight", (d, n_target * d), "linear", "fp8"),
+                        S(f"{p}main_norm.weight", (d,), "norm", "bf16")]
+            if k == n_mtp - 1:
+                r = c["dspark_markov_rank"]
+                out += [S(f"{p}norm.weight", (d,), "norm", "bf16"),
+                        S(f"{p}markov_head.embed.weight", (v, r), "embed", "bf16"),
+                        S(f"{p}markov_head.head.weight", (v, r), "linear", "bf16"),
+                        S(f"{p}confidence_head.proj.weight", (1, d + r), "linear", "fp32")]
+        else:
+            out += _block_specs(c, p, ratios[n + k], False)
+            out += [S(f"{p}e_proj.weight", (d, d), "linear", "fp8"),
+                    S(f"{p}h_proj.weight", (d, d), "linear", "fp8"),
+                    S(f"{p}enorm.weight", (d,), "norm", "bf16"),
+                    S(f"{p}hnorm.weight", (d,), "norm", "bf16"),
+                    S(f"{p}norm.weight", (d,), "norm", "bf16")]
+            out += _hc_head_specs(c, p)
+    return out
+
+
+def _init(spec: WeightSpec, config: dict, g: torch.Generator) -> torch.Tensor:
+    shape, kind = spec.shape, spec.init
+    if kind == "tid2eid":
+        v, k = shape
+        order = torch.rand(v, config["n_routed_experts"], generator=g).argsort(dim=1)
+        return order[:, :k].to(torch.int32).contiguous()
+    if kind == "hc_scale":
+        return torch.rand(shape, generator=g) + 0.5
+    x = torch.randn(shape, generator=g)
+    if kind == "linear":
+        return x * shape[-1] ** -0.5
+    if kind == "head":
+        return x * config["hidden_size"] ** -0.5
+    if kind == "norm":
+        return 1 + 0.3 * x
+    factor = {"embed": 1.0, "sink": 1.0, "hc_fn": 0.05, "hc_base": 0.5, "ape": 0.5, "bias": 0.1}[kind]
+    return x * factor
+
+
+def random_weights(config: dict, seed: int = 0) -> Iterator[tuple[str, torch.Tensor]]:
+    """(DeepSeek name, float32 tensor) for every weight (tid2eid: int32 expert ids).
+    Each tensor has its own generator seeded from (seed, name), so values do not depend
+    on which other tensors exist."""
+    for spec in weight_specs(config):
+        g = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(spec.name.encode())) % 2**63)
+        yield spec.name, _init(spec, config, g)
+
+
+def _quant_settings(config: dict) -> tuple[tuple[int, int], bool, str]:
+    qc = config.get("quantization_config") or {}
+    block = tuple(qc.get("weight_block_size") or (128, 128))
+    return block, (qc.get("scale_fmt") or "float32") == "ue8m0", config.get("expert_dtype") or "fp8"
+
+
+def encode_tensor(spec: WeightSpec, t: torch.Tensor, config: dict, dtype: str) -> list[tuple[str, torch.Tensor]]:
+    """How the checkpoint stores one tensor: [(name, t)] or [(weight), (name.scale)]."""
+    if spec.store == "int32":
+        return [(spec.name, t.to(torch.int32))]
+    if dtype == "float32":
+        return [(spec.name, t.float())]
+    if spec.store == "fp32":
+        return [(spec.name, t.float())]
+    if dtype == "bfloat16" or spec.store == "bf16":
+        return [(spec.name, t.to(torch.bfloat16))]
+    block, e8m0, expert_dtype = _quant_settings(config)
+    if spec.store == "expert" and expert_dtype == "bf16":
+        return [(spec.name, t.to(torch.bfloat16))]
+    if spec.store == "expert" and expert_dtype == "fp4":
+        w, s = quant_fp4(t, 32)
+    else:
+        w, s = quant_fp8_blocks(t, block)
+    if not e8m0:
+        s = scale_to_float(s)
+    return [(spec.name, w), (spec.name[: -len(".weight")] + ".scale", s)]
+
+
+def checkpoint_config(config: dict, dtype: str = "fp8", layout: str = "deepseek") -> dict:
+    """The config.json written next to the weights."""
+    out = copy.deepcopy(config)
+    if dtype == "fp8":
+        qc = out.setdefault("quantization_config", {**_FP8_QUANT, "weight_block_size": [128, 128]})
+        for k, v in _FP8_QUANT.items():
+            qc.setdefault(k, v)
+        out.setdefault("expert_dtype", "fp4")
+        out["torch_dtype"] = "bfloat16"
+    else:
+        out.pop("quantization_config", None)
+        out.pop("expert_dtype", None)
+        out["torch_dtype"] = dtype
+    n = out["num_hidden_layers"]
+    ratios = list(out.get("compress_ratios") or [])
+    out["compress_ratios"] = ratios + [0] * (n + out.get("num_nextn_predict_layers", 0) - len(ratios))
+    return _to_hf_config(out) if layout == "hf" else out
+
+
+def _to_hf_config(c: dict) -> dict:
+    n = c["num_hidden_layers"]
+    ratios = c.pop("compress_ratios")[:n]
+    hca = sorted({r for r in ratios if r not in (0, 4)})
+    if len(hca) > 1:
+        raise ValueError(f"transformers layout supports one HCA ratio, config has {hca}")
+    n_hash = c.pop("num_hash_layers", 3)
+    rope = c.pop("qk_rope_head_dim")
+    yarn = c.pop("rope_scaling", None)
+    prf = rope / c["head_dim"]
+    compress = {"rope_type": "default", "rope_theta": c["compress_rope_theta"], "partial_rotary_factor": prf}
+    if yarn:
+        compress = {"rope_type": "yarn", "factor": float(yarn["factor"]),
+                    "original_max_position_embeddings": yarn["original_max_position_embeddings"],
+                    "beta_fast": float(yarn.get("beta_fast", 32)), "beta_slow": float(yarn.get("beta_slow", 1)),
+                    "attention_factor": 1.0, "rope_theta": c["compress_rope_theta"],
+                    "partial_rotary_factor": prf}
+    kinds = {0: "sliding_attention", 4: "compressed_sparse_attention"}
+    c.update(
+        layer_types=[kinds.get(r, "heavily_compressed_attention") for r in ratios],
+        compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": hca[0] if hca else 128},
+        mlp_layer_types=["hash_moe"] * min(n, n_hash) + ["moe"] * max(0, n - n_hash),
+        partial_rotary_factor=prf,
+        rope_parameters={"main": {"rope_type": "default", "rope_theta": c["rope_theta"],
+                                  "partial_rotary_factor": prf},
+                         "compress": compress},
+        dtype=c.pop("torch_dtype"),
+    )
+    return c
+
+
+class _ShardWriter:
+    def __init__(self, out: Path, max_bytes: int):
+        self.out, self.max_bytes = out, max(1, max_bytes)
+        self.pending: dict[str, torch.Tensor] = {}
+        self.size = 0
+        self.total = 0
+        self.shards: list[list[str]] = []
+
+    def add(self, name: str, t: torch.Tensor) -> None:
+        nbytes = t.numel() * t.element_size()
+        if self.pending and self.size + nbytes > self.max_bytes:
+            self.flush()
+        self.pending[name] = t.contiguous()
+        self.size += nbytes
+        self.total += nbytes
+
+    def flush(self) -> None:
+        if not self.pending:
+            return
+        save_file(self.pending, str(self.out / f".shard-{len(self.shards)}.tmp"), metadata={"format": "pt"})
+        self.shards.append(list(self.pending))
+        self.pending, self.size = {}, 0
+
+    def finish(self) -> None:
+        self.flush()
+        weight_map = {}
+        count = len(self.shards)
+        for i, names in enumerate(self.shards):
+            fname = f"model-{i + 1:05d}-of-{count:05d}.safetensors"
+            (self.out / f".shard-{i}.tmp").rename(self.out / fname)
+            weight_map.update({n: fname for n in names})
+        index = {"metadata": {"total_size": self.total}, "weight_map": dict(sorted(weight_map.items()))}
+        (self.out / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+
+
+def _stored_bytes(spec: WeightSpec, dtype: str) -> int:
+    n = math.prod(spec.shape)
+    if dtype == "float32" or spec.store in ("fp32", "int32"):
+        return 4 * n
+    if dtype == "bfloat16" or spec.store == "bf16":
+        return 2 * n
+    return n // 2 if spec.store == "expert" else n
+
+
+def write_checkpoint(out_dir: str | Path, config: dict, *, seed: int = 0, dtype: str = "fp8",
+                     max_shard_bytes: int | None = None, layout: str = "deepseek",
+                     tokenizer: bool = True) -> Path:
+    """Write config.json, sharded safetensors + index and a tokenizer; returns out_dir.
+
+    max_shard_bytes defaults to a third of the model, so every checkpoint has >= 2 shards
+    (capped at 4 GiB)."""
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype {dtype!r} is not one of {DTYPES}")
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout {layout!r} is not one of {LAYOUTS}")
+    if layout == "hf" and dtype == "fp8":
+        raise ValueError("the transformers layout is written unquantised: use dtype bfloat16 or float32")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    for old in [*out.glob("model*.safetensors"), out / INDEX_FILE]:
+        old.unlink(missing_ok=True)
+    cfg = checkpoint_config(config, dtype, layout)
+    specs = weight_specs(config)
+    if max_shard_bytes is None:
+        total = sum(_stored_bytes(s, dtype) for s in specs)
+        max_shard_bytes = min(total // 3 + 1, 4 << 30)
+    writer = _ShardWriter(out, max_shard_bytes)
+    fused: dict[str, dict[str, torch.Tensor]] = {}
+    n_exp = config["n_routed_experts"]
+    by_name = {s.name: s for s in specs}
+    for name, t in random_weights(config, seed):
+        if layout == "hf":
+            split = split_expert_name(name)
+            if split is not None and not name.startswith("mtp."):
+                _add_fused(writer, fused, split, t, n_exp, dtype)
+                continue
+            for n, v in encode_tensor(by_name[name], t, cfg, dtype):
+                writer.add(to_hf_name(n), v)
+        else:
+            for n, v in encode_tensor(by_name[name], t, cfg, dtype):
+                writer.add(n, v)
+    writer.finish()
+    (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    if tokenizer:
+        write_tokenizer(out, config["vocab_size"], model_max_length=config.get("max_position_embeddings", 1 << 20))
+    return out
+
+
+def _add_fused(writer: _ShardWriter, fused: dict, split: tuple, t: torch.Tensor, n_exp: int, dtype: str) -> None:
+    """Collect one layer's experts, then write transformers' fused gate_up_proj / down_proj."""
+    stem, e, proj, _ = split
+    parts = fused.setdefault(stem, {})
+    parts[f"{proj}.{e}"] = t.to(torch.float32 if dtype == "float32" else torch.bfloat16)
+    if len(parts) < 3 * n_exp:
+        return
+    del fused[stem]
+    hf = to_hf_name(stem.replace(".ffn.experts", ".ffn.gate.weight"))[: -len("gate.weight")] + "experts"
+    writer.add(f"{hf}.gate_up_proj",
+               torch.stack([torch.cat([parts[f"w1.{i}"], parts[f"w3.{i}"]]) for i in range(n_exp)]))
+    writer.add(f"{hf}.down_proj", torch.stack([parts[f"w2.{i}"] for i in range(n_exp)]))
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(prog="python -m deepinfer.tools.make_checkpoint", description=__doc__.split("\n")[0])
+    ap.add_argument("--arch", default="deepseek_v4", choices=["deepseek_v4"])
+    ap.add_argument("--out", required=True, help="output directory")
+    ap.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--dtype", default="fp8", choices=DTYPES)
+    ap.add_argument("--layout", default="deepseek", choices=LAYOUTS)
+    ap.add_argument("--max-shard-mb", type=float, default=None, help="default: a third of the model")
+    args = ap.parse_args(argv)
+    max_bytes = int(args.max_shard_mb * 2**20) if args.max_shard_mb else None
+    path = write_checkpoint(args.out, PRESETS[args.preset], seed=args.seed, dtype=args.dtype,
+                            max_shard_bytes=max_bytes, layout=args.layout)
+    files = sorted(p.name for p in path.glob("model-*.safetensors"))
+    print(f"wrote {args.preset} ({args.dtype}, {args.layout} layout) to {path}: {len(files)} shards")
+
+
+if __name__ == "__main__":
+    main()
