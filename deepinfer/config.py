@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from dataclasses import dataclass, fields
 from typing import Mapping
 
@@ -42,6 +43,11 @@ class EngineConfig:
         known = {f.name for f in fields(cls)}
         kw.update({k: v for k, v in overrides.items() if k in known and v is not None})
         return cls(**kw)
+
+
+def default_cache_dir() -> Path:
+    """Where deepinfer keeps what it builds itself (the demo checkpoint): $XDG_CACHE_HOME/deepinfer."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "deepinfer"
 
 
 def _check_choice(name: str, value: str, choices: tuple[str, ...]):

@@ -66,7 +66,8 @@ class Experts(nn.Module):
                 self.register_buffer(f"{name}_scale", s)
 
     def _w(self, name: str, e: int, dtype: torch.dtype) -> torch.Tensor:
-        return dequant_expert(getattr(self, name)[e], getattr(self, f"{name}_scale", None), self.quant, dtype)
+        scale = getattr(self, f"{name}_scale", None)
+        return dequant_expert(getattr(self, name)[e], None if scale is None else scale[e], self.quant, dtype)
 
     def forward(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
         """Reference path: tokens grouped by expert; each token's k outputs summed in fp32."""
