@@ -3,11 +3,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from deepinfer.models.config import DeepseekV4Config, load_config_dict
+from deepinfer.models.config import ConfigError, DeepseekV4Config, load_config_dict
 from deepinfer.models.registry import model_classes
 
 
 def read_model_config(model_dir: str | Path) -> DeepseekV4Config:
     raw = load_config_dict(model_dir)
-    config_cls, _ = model_classes(raw.get("model_type"), str(Path(model_dir) / "config.json"))
-    return config_cls.from_dict(raw)
+    where = str(Path(model_dir) / "config.json")
+    config_cls, _ = model_classes(raw.get("model_type"), where)
+    try:
+        return config_cls.from_dict(raw)
+    except ConfigError as e:
+        raise ConfigError(f"{where}: {e}") from None

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from deepinfer.layers.kv_state import CarryState, EntryStore, IndexKeyStore, LayerCache
-from deepinfer.models.config import CSA, HCA, SLIDING, DeepseekV4Config
+from deepinfer.models.config import CSA, SLIDING, DeepseekV4Config
 
 # kv_cache_dtype -> (entry/window format, indexer-key format)
 KV_FORMATS = {
