@@ -17,7 +17,7 @@ from deepinfer.config import EngineConfig
 from deepinfer.loader.model_loader import load_model
 from deepinfer.tools.demo import DEMO_NAME, demo_checkpoint
 from deepinfer.worker.greedy import greedy_generate
-from deepinfer.worker.kv_cache import allocate_v4_cache
+from deepinfer.worker.kv_cache import static_v4_cache
 
 DEFAULT_HUB_ID = "deepseek-ai/DeepSeek-V4.1-Flash-1017"
 PROMPTS = [
@@ -49,7 +49,7 @@ def main() -> None:
     tok = Tokenizer.from_file(str(path / "tokenizer.json"))
     bos = model.config.bos_token_id
     prompts = [[bos] + tok.encode(p, add_special_tokens=False).ids for p in PROMPTS]
-    cache = allocate_v4_cache(model.config, len(prompts), max(map(len, prompts)) + args.max_tokens,
+    cache = static_v4_cache(model.config, len(prompts), max(map(len, prompts)) + args.max_tokens,
                               cfg.kv_cache_dtype, cfg.device)
     t0 = time.perf_counter()
     outs = greedy_generate(model, cache, prompts, args.max_tokens, model.config.eos_token_id)

@@ -7,18 +7,22 @@ per-request loop and no host sync. Index -1 means "no such key" (masked).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 
 @dataclass(frozen=True)
 class SeqChunk:
-    """One request's share of a step: `token_ids` at positions start.. start+len-1."""
+    """One request's share of a step: `token_ids` at positions start.. start+len-1.
+
+    `block_tables[m]` lists the pool blocks holding the request's ratio-m entries: entry w
+    lives at address block_tables[m][w // block_size] * block_size + w % block_size."""
 
     slot: int
     start: int
     token_ids: list[int]
+    block_tables: dict[int, list[int]] = field(default_factory=dict)
 
 
 @dataclass
@@ -77,25 +81,37 @@ def _keep_last(tok, pos, end, slot, size: int):
     return tok[keep], _ring_rows(slot[keep], pos[keep], size)
 
 
-def _compress_plan(m: int, overlap: bool, tok, pos, req, start, end, slot,
-                   req_slot, req_end, entry_cap: int) -> CompressPlan:
+def _entry_addresses(chunks: list[SeqChunk], m: int, n_entries: int, block_size: int) -> torch.Tensor:
+    """[B, n_entries] address of entry w of each request (its block table must cover it)."""
+    w = torch.arange(n_entries)
+    rows = []
+    for c in chunks:
+        table = c.block_tables.get(m, [])
+        need = -(-((c.start + len(c.token_ids)) // m) // block_size)
+        if len(table) < need:
+            raise ValueError(f"slot {c.slot}: block table for ratio {m} has {len(table)} blocks, needs {need}")
+        t = torch.tensor(table + [0] * max(0, -(-n_entries // block_size) - len(table)), dtype=torch.long)
+        rows.append(t[w // block_size] * block_size + w % block_size)
+    return torch.stack(rows) if rows else torch.zeros(0, n_entries, dtype=torch.long)
+
+
+def _compress_plan(m: int, overlap: bool, chunks: list[SeqChunk], tok, pos, req, start, end, slot,
+                   req_end, block_size: int) -> CompressPlan:
     span = 2 * m if overlap else m
     closing = (pos + 1) % m == 0
     w = pos[closing] // m
-    if w.numel() and int(w.max()) >= entry_cap:
-        raise ValueError(f"sequence longer than the cache's max_len (entry {int(w.max())} of ratio {m})")
     src_new, src_carry = _gather_plan(tok[closing], pos[closing], start[closing], slot[closing], span, span)
     carry_src, carry_dst = _keep_last(tok, pos, end, slot, span)
     max_vis = int((req_end // m).max()) if req_end.numel() else 0
-    addr = req_slot[:, None] * entry_cap + torch.arange(max_vis)
-    return CompressPlan(m, src_new, src_carry, slot[closing] * entry_cap + w, w * m,
+    addr = _entry_addresses(chunks, m, max_vis, block_size)
+    return CompressPlan(m, src_new, src_carry, addr[req[closing], w], w * m,
                         carry_src, carry_dst, (pos + 1) // m, addr)
 
 
 def build_forward_batch(chunks: list[SeqChunk], window: int, compress_kinds: set[tuple[int, bool]],
-                        entry_cap: dict[int, int], device: torch.device | str) -> ForwardBatch:
+                        block_size: int, device: torch.device | str) -> ForwardBatch:
     """Plan one step. `compress_kinds` = {(ratio, overlapped)} used by the model's layers;
-    `entry_cap[ratio]` = entries reserved per slot (static layout: address = slot*cap + w)."""
+    compressed entries are paged in blocks of `block_size` entries (see SeqChunk)."""
     lens = torch.tensor([len(c.token_ids) for c in chunks])
     if (lens <= 0).any():
         raise ValueError("every SeqChunk needs at least one token")
@@ -109,7 +125,7 @@ def build_forward_batch(chunks: list[SeqChunk], window: int, compress_kinds: set
     start, end, slot = req_start[req], req_end[req], req_slot[req]
     win_new, win_ring = _gather_plan(tok, pos, start, slot, window, window)
     ring_src, ring_dst = _keep_last(tok, pos, end, slot, window)
-    plans = {(m, ov): _compress_plan(m, ov, tok, pos, req, start, end, slot, req_slot, req_end, entry_cap[m])
+    plans = {(m, ov): _compress_plan(m, ov, chunks, tok, pos, req, start, end, slot, req_end, block_size)
              for m, ov in sorted(compress_kinds)}
     ids = torch.tensor([t for c in chunks for t in c.token_ids], dtype=torch.long)
     to = lambda t: t.to(device, non_blocking=True)  # noqa: E731

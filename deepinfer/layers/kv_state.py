@@ -38,9 +38,8 @@ class EntryStore:
         else:
             self.data = torch.zeros(rows, dim, dtype=EXACT_FORMATS[fmt], device=device)
 
-    def nbytes(self) -> int:
-        ts = [self.nope_q, self.nope_scale, self.rope] if self.fmt == "fp8" else [self.data]
-        return sum(t.numel() * t.element_size() for t in ts)
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.nope_q, self.nope_scale, self.rope] if self.fmt == "fp8" else [self.data]
 
     def _encode(self, x: torch.Tensor):
         g = x[..., : self.nope].float().unflatten(-1, (-1, self.group))
@@ -84,9 +83,8 @@ class IndexKeyStore:
         else:
             self.data = torch.zeros(rows, dim, dtype=EXACT_FORMATS[fmt], device=device)
 
-    def nbytes(self) -> int:
-        ts = [self.packed, self.scale] if self.fmt == "fp4" else [self.data]
-        return sum(t.numel() * t.element_size() for t in ts)
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.packed, self.scale] if self.fmt == "fp4" else [self.data]
 
     def write(self, rows: torch.Tensor, k: torch.Tensor) -> None:
         if self.fmt == "fp4":
@@ -114,6 +112,9 @@ class CarryState:
     kv: torch.Tensor
     score: torch.Tensor
 
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.kv, self.score]
+
     @classmethod
     def empty(cls, rows: int, width: int, device) -> "CarryState":
         z = lambda: torch.zeros(rows, width, dtype=torch.float32, device=device)  # noqa: E731
@@ -126,9 +127,14 @@ class LayerCache:
     entries: EntryStore | None = None
     index_keys: IndexKeyStore | None = None
     carry: dict[str, CarryState] = field(default_factory=dict)
+    ratio: int = 0
+
+    def per_slot(self) -> list[torch.Tensor]:
+        return self.ring.tensors() + [t for c in self.carry.values() for t in c.tensors()]
+
+    def paged(self) -> list[torch.Tensor]:
+        stores = [s for s in (self.entries, self.index_keys) if s is not None]
+        return [t for s in stores for t in s.tensors()]
 
     def nbytes(self) -> int:
-        n = self.ring.nbytes()
-        n += self.entries.nbytes() if self.entries else 0
-        n += self.index_keys.nbytes() if self.index_keys else 0
-        return n + sum(c.kv.numel() * 8 for c in self.carry.values())
+        return sum(t.numel() * t.element_size() for t in self.per_slot() + self.paged())

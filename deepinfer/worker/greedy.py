@@ -22,9 +22,10 @@ def greedy_generate(model, cache: V4Cache, prompts: list[list[int]], max_new_tok
     out: list[list[int]] = [[] for _ in prompts]
     active = [i for i, p in enumerate(prompts) if p and max_new_tokens > 0]
     while active:
-        chunks = [SeqChunk(i, done[i], seqs[i][done[i]:done[i] + prefill_chunk]) for i in active]
+        chunks = [SeqChunk(i, done[i], seqs[i][done[i]:done[i] + prefill_chunk], cache.static_tables(i))
+                  for i in active]
         batch = build_forward_batch(chunks, model.config.sliding_window, cache.compress_kinds,
-                                    cache.entry_cap, device)
+                                    cache.block_size, device)
         streams = model(batch, cache.layers)
         next_ids = model.compute_logits(streams[batch.logits_idx]).argmax(-1).tolist()
         still = []

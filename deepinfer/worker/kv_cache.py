@@ -1,8 +1,10 @@
-"""Allocation of the hybrid decode-time state of a DeepSeek-V4 model.
+"""The hybrid decode-time state of a DeepSeek-V4 model, as device tensors.
 
-Static layout for now: each of `num_slots` requests owns a window ring of W rows, a
-carry of S rows per compressor, and `entry_cap[ratio] = ceil(max_len / ratio)` entry
-rows per compressed layer (address = slot * cap + w).
+Fixed-size state lives in per-request *slots* (window ring: W rows per slot; compressor
+carry: S rows per slot). Compressed entries and indexer keys grow with the sequence and are
+paged: one pool per ratio m, `num_blocks[m]` blocks of `block_size` entries, shared by all
+layers of that ratio (a block id addresses the same rows in each of them). The engine's
+block manager decides which slot and blocks a request owns; this module only holds tensors.
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ KV_FORMATS = {
     "bfloat16": ("bfloat16", "bfloat16"),
     "float32": ("float32", "float32"),
 }
+DEFAULT_BLOCK_SIZE = 64
 
 
 def resolve_kv_cache_dtype(kv_cache_dtype: str) -> str:
@@ -30,37 +33,96 @@ def resolve_kv_cache_dtype(kv_cache_dtype: str) -> str:
     return kv_cache_dtype
 
 
+@dataclass(frozen=True)
+class CacheSpec:
+    """Sizes the engine needs to split a memory budget into slots and blocks."""
+
+    ratios: tuple[int, ...]            # compressor ratios, each with its own block pool
+    compress_kinds: frozenset          # {(ratio, overlapped)}
+    block_size: int
+    slot_bytes: int                    # ring + carry of every layer, one request
+    block_bytes: dict[int, int]        # one block of ratio m across all its layers
+
+
+def _layer_caches(cfg: DeepseekV4Config, num_slots: int, num_blocks: dict[int, int], block_size: int,
+                  kv_cache_dtype: str, device) -> tuple[list[LayerCache], list[LayerCache]]:
+    entry_fmt, key_fmt = KV_FORMATS[resolve_kv_cache_dtype(kv_cache_dtype)]
+    W, r = cfg.sliding_window, cfg.qk_rope_head_dim
+    ring = lambda: EntryStore(num_slots * W, cfg.head_dim, r, entry_fmt, device)  # noqa: E731
+    layers = []
+    for kind, m in zip(cfg.layer_kinds, cfg.compress_ratios):
+        cache = LayerCache(ring(), ratio=m)
+        if kind != SLIDING:
+            overlap, rows = kind == CSA, num_blocks[m] * block_size
+            span = 2 * m if overlap else m
+            cache.entries = EntryStore(rows, cfg.head_dim, r, entry_fmt, device)
+            cache.carry["main"] = CarryState.empty(num_slots * span, (2 if overlap else 1) * cfg.head_dim, device)
+        if kind == CSA:
+            cache.index_keys = IndexKeyStore(num_blocks[m] * block_size, cfg.index_head_dim, key_fmt, device)
+            cache.carry["indexer"] = CarryState.empty(num_slots * 2 * m, 2 * cfg.index_head_dim, device)
+        layers.append(cache)
+    return layers, [LayerCache(ring()) for _ in range(cfg.num_nextn_predict_layers)]
+
+
+def cache_spec(cfg: DeepseekV4Config, kv_cache_dtype: str, block_size: int = DEFAULT_BLOCK_SIZE) -> CacheSpec:
+    """Measured from a one-slot, one-block-per-ratio allocation on the meta device."""
+    ratios = tuple(sorted({m for k, m in zip(cfg.layer_kinds, cfg.compress_ratios) if k != SLIDING}))
+    kinds = frozenset((m, k == CSA) for k, m in zip(cfg.layer_kinds, cfg.compress_ratios) if k != SLIDING)
+    base = sum(c.nbytes() for c in sum(_layer_caches(cfg, 1, dict.fromkeys(ratios, 0), block_size,
+                                                     kv_cache_dtype, "meta"), []))
+    per_block = {}
+    for m in ratios:
+        one = sum(c.nbytes() for c in sum(_layer_caches(cfg, 1, {**dict.fromkeys(ratios, 0), m: 1}, block_size,
+                                                        kv_cache_dtype, "meta"), []))
+        per_block[m] = one - base
+    return CacheSpec(ratios, kinds, block_size, base, per_block)
+
+
 @dataclass
 class V4Cache:
     layers: list[LayerCache]
     mtp: list[LayerCache]
     num_slots: int
-    max_len: int
-    entry_cap: dict[int, int]
+    num_blocks: dict[int, int]
+    block_size: int
     compress_kinds: set[tuple[int, bool]]
 
     def nbytes(self) -> int:
         return sum(c.nbytes() for c in self.layers + self.mtp)
 
+    def static_tables(self, slot: int) -> dict[int, list[int]]:
+        """Block tables of the static layout (slot s owns blocks [s*B/num_slots, (s+1)*B/num_slots))."""
+        return {m: list(range(slot * n // self.num_slots, (slot + 1) * n // self.num_slots))
+                for m, n in self.num_blocks.items()}
 
-def allocate_v4_cache(cfg: DeepseekV4Config, num_slots: int, max_len: int, kv_cache_dtype: str,
-                      device: torch.device | str) -> V4Cache:
-    entry_fmt, key_fmt = KV_FORMATS[resolve_kv_cache_dtype(kv_cache_dtype)]
-    W, r = cfg.sliding_window, cfg.qk_rope_head_dim
-    ring = lambda: EntryStore(num_slots * W, cfg.head_dim, r, entry_fmt, device)  # noqa: E731
-    caps, kinds, layers = {}, set(), []
-    for kind, m in zip(cfg.layer_kinds, cfg.compress_ratios):
-        cache = LayerCache(ring())
-        if kind != SLIDING:
-            overlap = kind == CSA
-            caps[m] = -(-max_len // m)
-            kinds.add((m, overlap))
-            span = 2 * m if overlap else m
-            cache.entries = EntryStore(num_slots * caps[m], cfg.head_dim, r, entry_fmt, device)
-            cache.carry["main"] = CarryState.empty(num_slots * span, (2 if overlap else 1) * cfg.head_dim, device)
-        if kind == CSA:
-            cache.index_keys = IndexKeyStore(num_slots * caps[m], cfg.index_head_dim, key_fmt, device)
-            cache.carry["indexer"] = CarryState.empty(num_slots * 2 * m, 2 * cfg.index_head_dim, device)
-        layers.append(cache)
-    mtp = [LayerCache(ring()) for _ in range(cfg.num_nextn_predict_layers)]
-    return V4Cache(layers, mtp, num_slots, max_len, caps, kinds)
+    def copy_state(self, src_slot: int, dst_slot: int, src_blocks: dict[int, list[int]],
+                   dst_blocks: dict[int, list[int]]) -> None:
+        """Duplicate a request's state into another slot and blocks (n > 1 forks after the
+        shared prompt prefill). dst_blocks[m] must be at least as long as src_blocks[m]."""
+        bs = self.block_size
+        for cache in self.layers + self.mtp:
+            for t in cache.per_slot():
+                per = t.shape[0] // self.num_slots
+                t[dst_slot * per:(dst_slot + 1) * per] = t[src_slot * per:(src_slot + 1) * per]
+            src = src_blocks.get(cache.ratio, [])
+            if not src:
+                continue
+            rows = lambda blocks: (torch.tensor(blocks)[:, None] * bs + torch.arange(bs)).flatten()  # noqa: E731
+            s_rows, d_rows = rows(src), rows(dst_blocks[cache.ratio][:len(src)])
+            for t in cache.paged():
+                t[d_rows.to(t.device)] = t[s_rows.to(t.device)]
+
+
+def allocate_v4_cache(cfg: DeepseekV4Config, num_slots: int, num_blocks: dict[int, int], kv_cache_dtype: str,
+                      device, block_size: int = DEFAULT_BLOCK_SIZE) -> V4Cache:
+    layers, mtp = _layer_caches(cfg, num_slots, num_blocks, block_size, kv_cache_dtype, device)
+    spec = cache_spec(cfg, kv_cache_dtype, block_size)
+    return V4Cache(layers, mtp, num_slots, dict(num_blocks), block_size, set(spec.compress_kinds))
+
+
+def static_v4_cache(cfg: DeepseekV4Config, num_slots: int, max_len: int, kv_cache_dtype: str, device,
+                    block_size: int = 16) -> V4Cache:
+    """Every slot owns enough blocks for `max_len` tokens (tests and the reference greedy loop)."""
+    ratios = {m for k, m in zip(cfg.layer_kinds, cfg.compress_ratios) if k != SLIDING}
+    blocks = {m: num_slots * -(-(max_len // m) // block_size) for m in ratios}
+    return allocate_v4_cache(cfg, num_slots, blocks, kv_cache_dtype, device, block_size)

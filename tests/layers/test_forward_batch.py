@@ -1,3 +1,4 @@
+import pytest
 import torch
 
 from deepinfer.layers.forward_batch import SeqChunk, build_forward_batch
@@ -5,7 +6,7 @@ from deepinfer.layers.forward_batch import SeqChunk, build_forward_batch
 
 def test_window_keys_come_from_this_step_or_the_ring():
     # request 0: 3 cached tokens + 2 new; request 1: 4 new tokens from position 0; window 4
-    b = build_forward_batch([SeqChunk(5, 3, [7, 8]), SeqChunk(2, 0, [1, 2, 3, 4])], 4, set(), {}, "cpu")
+    b = build_forward_batch([SeqChunk(5, 3, [7, 8]), SeqChunk(2, 0, [1, 2, 3, 4])], 4, set(), 16, "cpu")
     assert b.positions.tolist() == [3, 4, 0, 1, 2, 3]
     # token 0 (pos 3): keys at positions 0,1,2 from the ring of slot 5, itself new
     assert b.win_ring[0].tolist() == [20, 21, 22, -1] and b.win_new[0].tolist() == [-1, -1, -1, 0]
@@ -18,12 +19,16 @@ def test_window_keys_come_from_this_step_or_the_ring():
 
 
 def test_compress_plan_closes_entries_and_tracks_visibility():
-    b = build_forward_batch([SeqChunk(1, 6, [9, 9, 9, 9, 9])], 8, {(4, True)}, {4: 10}, "cpu")
+    # paged entries: block size 2, the request's ratio-4 entries live in blocks 5 and 3
+    b = build_forward_batch([SeqChunk(1, 6, [9, 9, 9, 9, 9], {4: [5, 3]})], 8, {(4, True)}, 2, "cpu")
     p = b.plans[(4, True)]
     # positions 6..10: entry 1 closes at position 7 (pooling positions 0..7)
-    assert p.rope_pos.tolist() == [4] and p.dst.tolist() == [1 * 10 + 1]
+    assert p.rope_pos.tolist() == [4] and p.dst.tolist() == [5 * 2 + 1]
     assert p.src_carry[0].tolist()[:6] == [8, 9, 10, 11, 12, 13] and p.src_new[0].tolist()[6:] == [0, 1]
     assert p.visible.tolist() == [1, 2, 2, 2, 2]
     assert p.addr.tolist() == [[10, 11]]
+    # a block table too short for the entries the step closes is refused
+    with pytest.raises(ValueError, match="block table"):
+        build_forward_batch([SeqChunk(1, 6, [9, 9, 9], {4: []})], 8, {(4, True)}, 2, "cpu")
     # the last 8 positions (3..10) stay in the carry; only 6..10 are new here
     assert p.carry_src.tolist() == [0, 1, 2, 3, 4]

@@ -11,7 +11,7 @@ from deepinfer.loader.model_loader import load_model
 from deepinfer.models import DeepseekV4Config, DeepseekV4ForCausalLM
 from deepinfer.tools.make_checkpoint import PRESETS, write_checkpoint
 from deepinfer.worker.greedy import greedy_generate
-from deepinfer.worker.kv_cache import allocate_v4_cache
+from deepinfer.worker.kv_cache import static_v4_cache
 from oracle import transformers_model
 
 TINY = PRESETS["tiny"]
@@ -39,23 +39,24 @@ def _tiny_model(tmp_path, cfg: dict, dtype="float32", seed=0, **kw):
 def _full_logits(model, ids: torch.Tensor, kv="float32") -> torch.Tensor:
     """Whole sequences in one step (each request one varlen segment)."""
     cfg = model.config
-    cache = allocate_v4_cache(cfg, ids.shape[0], ids.shape[1], kv, "cpu")
-    chunks = [SeqChunk(i, 0, row.tolist()) for i, row in enumerate(ids)]
+    cache = static_v4_cache(cfg, ids.shape[0], ids.shape[1], kv, "cpu")
+    chunks = [SeqChunk(i, 0, row.tolist(), cache.static_tables(i)) for i, row in enumerate(ids)]
     with torch.inference_mode():
-        b = build_forward_batch(chunks, cfg.sliding_window, cache.compress_kinds, cache.entry_cap, "cpu")
+        b = build_forward_batch(chunks, cfg.sliding_window, cache.compress_kinds, cache.block_size, "cpu")
         return model.compute_logits(model(b, cache.layers)).view(*ids.shape, -1)
 
 
 def _incremental_logits(model, ids: torch.Tensor, step_sizes: list[int], kv="float32") -> torch.Tensor:
     """Request i advances step_sizes[i] tokens per step (1 = token-by-token decode); all share steps."""
     cfg, (B, S) = model.config, ids.shape
-    cache = allocate_v4_cache(cfg, B + 3, S, kv, "cpu")
+    cache = static_v4_cache(cfg, B + 3, S, kv, "cpu")
     done, out = [0] * B, torch.empty(B, S, cfg.vocab_size)
     with torch.inference_mode():
         while min(done) < S:
             live = [i for i in range(B) if done[i] < S]
-            chunks = [SeqChunk(i + 3, done[i], ids[i, done[i]:done[i] + step_sizes[i]].tolist()) for i in live]
-            b = build_forward_batch(chunks, cfg.sliding_window, cache.compress_kinds, cache.entry_cap, "cpu")
+            chunks = [SeqChunk(i + 3, done[i], ids[i, done[i]:done[i] + step_sizes[i]].tolist(),
+                               cache.static_tables(i + 3)) for i in live]
+            b = build_forward_batch(chunks, cfg.sliding_window, cache.compress_kinds, cache.block_size, "cpu")
             logits = model.compute_logits(model(b, cache.layers))
             off = 0
             for i, c in zip(live, chunks):
@@ -152,7 +153,7 @@ def test_fp8_kv_cache_is_consistent_across_chunking_and_differs_from_exact(tmp_p
 def test_greedy_generation_matches_transformers(tmp_path):
     model = _tiny_model(tmp_path, CFG_A)
     prompts = [_ids(6, 1, n, CFG_A["vocab_size"])[0].tolist() for n in (23, 40)]
-    cache = allocate_v4_cache(model.config, 2, 128, "float32", "cpu")
+    cache = static_v4_cache(model.config, 2, 128, "float32", "cpu")
     ours = greedy_generate(model, cache, prompts, max_new_tokens=12, prefill_chunk=16)
     hf = transformers_model(model, tmp_path)
     for prompt, got in zip(prompts, ours):
@@ -166,10 +167,10 @@ def test_mtp_block_loads_and_drafts(tmp_path):
     cfg = model.config
     assert len(model.mtp) == 1 and model.mtp[0].e_proj.weight.abs().sum() > 0
     ids = _ids(7, 1, 20, cfg.vocab_size)[0]
-    cache = allocate_v4_cache(cfg, 1, 32, "float32", "cpu")
+    cache = static_v4_cache(cfg, 1, 32, "float32", "cpu")
     with torch.inference_mode():
-        b = build_forward_batch([SeqChunk(0, 0, ids[:-1].tolist())], cfg.sliding_window,
-                                cache.compress_kinds, cache.entry_cap, "cpu")
+        b = build_forward_batch([SeqChunk(0, 0, ids[:-1].tolist(), cache.static_tables(0))], cfg.sliding_window,
+                                cache.compress_kinds, cache.block_size, "cpu")
         streams = model(b, cache.layers)
         logits = model.mtp_logits(streams, ids[1:], model.step_context(b), cache.mtp[0])
     assert logits.shape == (19, cfg.vocab_size) and torch.isfinite(logits).all()
@@ -189,9 +190,10 @@ def test_indexer_ties_break_to_the_lowest_entry(tmp_path):
     idx = copy.deepcopy(model.layers[1].attn.indexer)
     idx.wq_b.weight.data.zero_()  # every score is relu(0) = 0: a tie among all visible entries
     cfg = model.config
-    cache = allocate_v4_cache(cfg, 1, 64, "float32", "cpu")
+    cache = static_v4_cache(cfg, 1, 64, "float32", "cpu")
     ids = _ids(8, 1, 40, cfg.vocab_size)[0].tolist()
-    b = build_forward_batch([SeqChunk(0, 0, ids)], cfg.sliding_window, cache.compress_kinds, cache.entry_cap, "cpu")
+    b = build_forward_batch([SeqChunk(0, 0, ids, cache.static_tables(0))], cfg.sliding_window,
+                            cache.compress_kinds, cache.block_size, "cpu")
     ctx = model.step_context(b)
     x = torch.randn(40, cfg.hidden_size)
     qr = torch.randn(40, cfg.q_lora_rank)
@@ -211,9 +213,9 @@ def test_cuda_matches_cpu(tmp_path):
     cpu = _full_logits(load_model(str(d), dtype=torch.float32)[0], ids)
     model = load_model(str(d), dtype=torch.float32, device="cuda")[0]
     cfg = model.config
-    cache = allocate_v4_cache(cfg, 2, 80, "float32", "cuda")
+    cache = static_v4_cache(cfg, 2, 80, "float32", "cuda")
     with torch.inference_mode():
-        b = build_forward_batch([SeqChunk(i, 0, r.tolist()) for i, r in enumerate(ids)], cfg.sliding_window,
-                                cache.compress_kinds, cache.entry_cap, "cuda")
+        chunks = [SeqChunk(i, 0, r.tolist(), cache.static_tables(i)) for i, r in enumerate(ids)]
+        b = build_forward_batch(chunks, cfg.sliding_window, cache.compress_kinds, cache.block_size, "cuda")
         gpu = model.compute_logits(model(b, cache.layers)).view(*ids.shape, -1).cpu()
     _assert_close(gpu, cpu, rel=1e-3)
