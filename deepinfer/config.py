@@ -26,11 +26,25 @@ class EngineConfig:
     device: str = "cpu"
     dtype: str = "bfloat16"
     kv_cache_dtype: str = "auto"
+    max_model_len: int | None = None         # None: the model's, capped by what the cache holds
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    kv_cache_memory: int | None = None       # bytes for the cache pools; None: sized from free memory
+    block_size: int = 64                     # compressed entries per cache block
+    skip_tokenizer_init: bool = False
+    seed: int | None = None
 
     def __post_init__(self):
         _check_choice("accelerator", self.accelerator, ACCELERATORS)
         _check_choice("dtype", self.dtype, DTYPES)
         _check_choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
+        if not (self.device == "cpu" or self.device.startswith("cuda")):
+            raise ValueError(f"device: {self.device!r} is not 'cpu' or 'cuda[:N]'")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+            _check_positive(name, getattr(self, name))
+        for name in ("max_model_len", "kv_cache_memory"):
+            if getattr(self, name) is not None:
+                _check_positive(name, getattr(self, name))
         if self.accelerator == "ascend":
             raise ValueError("accelerator: 'ascend' is not supported in this build of deepinfer")
 
@@ -48,6 +62,11 @@ class EngineConfig:
 def default_cache_dir() -> Path:
     """Where deepinfer keeps what it builds itself (the demo checkpoint): $XDG_CACHE_HOME/deepinfer."""
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "deepinfer"
+
+
+def _check_positive(name: str, value) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name}: must be a positive integer, got {value!r}")
 
 
 def _check_choice(name: str, value: str, choices: tuple[str, ...]):

@@ -11,15 +11,9 @@ import argparse
 import time
 
 import torch
-from tokenizers import Tokenizer
 
-from deepinfer.config import EngineConfig
-from deepinfer.loader.model_loader import load_model
-from deepinfer.tools.demo import DEMO_NAME, demo_checkpoint
-from deepinfer.worker.greedy import greedy_generate
-from deepinfer.worker.kv_cache import static_v4_cache
+from deepinfer import LLM, SamplingParams
 
-DEFAULT_HUB_ID = "deepseek-ai/DeepSeek-V4.1-Flash-1017"
 PROMPTS = [
     "The capital of France is",
     "In a distant galaxy, a small robot",
@@ -35,30 +29,22 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "bfloat16", "float32"])
     ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--temperature", type=float, default=0.8)
+    ap.add_argument("--top-p", type=float, default=0.95)
     args = ap.parse_args()
 
-    cfg = EngineConfig.from_env(model=args.model, device=args.device, dtype=args.dtype,
-                                kv_cache_dtype=args.kv_cache_dtype)
-    model_ref = cfg.model or cfg.hf_model_dir or DEFAULT_HUB_ID
-    if model_ref == DEMO_NAME:
-        model_ref = str(demo_checkpoint())
     t0 = time.perf_counter()
-    model, path = load_model(model_ref, dtype=getattr(torch, cfg.dtype), device=cfg.device,
-                             hf_model_dir=cfg.hf_model_dir, offline=cfg.hf_hub_offline)
-    print(f"loaded {path} on {cfg.device} in {time.perf_counter() - t0:.1f}s")
-    tok = Tokenizer.from_file(str(path / "tokenizer.json"))
-    bos = model.config.bos_token_id
-    prompts = [[bos] + tok.encode(p, add_special_tokens=False).ids for p in PROMPTS]
-    cache = static_v4_cache(model.config, len(prompts), max(map(len, prompts)) + args.max_tokens,
-                              cfg.kv_cache_dtype, cfg.device)
+    llm = LLM(model=args.model, device=args.device, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype)
+    print(f"loaded {llm.model_dir} on {args.device} in {time.perf_counter() - t0:.1f}s")
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens)
     t0 = time.perf_counter()
-    outs = greedy_generate(model, cache, prompts, args.max_tokens, model.config.eos_token_id)
+    outputs = llm.generate(PROMPTS, params)
     elapsed = time.perf_counter() - t0
-    for prompt, out in zip(PROMPTS, outs):
-        print(f"\nPrompt: {prompt!r}\nCompletion: {tok.decode(out)!r}")
-    emitted = sum(map(len, outs))
-    print(f"\n{emitted} tokens emitted in {elapsed:.2f}s: {emitted / elapsed:.1f} tok/s "
-          f"(greedy, {len(prompts)} requests, prefill included)")
+    for out in outputs:
+        print(f"\nPrompt: {out.prompt!r}\nCompletion: {out.outputs[0].text!r}")
+    emitted = sum(len(o.outputs[0].token_ids) for o in outputs)
+    print(f"\n{len(outputs)} requests, {emitted} tokens emitted in {elapsed:.2f}s: "
+          f"{len(outputs) / elapsed:.2f} req/s, {emitted / elapsed:.1f} output tok/s")
 
 
 if __name__ == "__main__":

@@ -33,6 +33,15 @@ def resolve_kv_cache_dtype(kv_cache_dtype: str) -> str:
     return kv_cache_dtype
 
 
+def default_cache_memory(device: str, fraction: float = 0.9) -> int:
+    """Bytes for the cache pools when none are given: a fraction of the GPU's free memory
+    (measured after the weights are loaded), or 2 GiB of host memory on the CPU."""
+    if str(device).startswith("cuda"):
+        free, _ = torch.cuda.mem_get_info(torch.device(device))
+        return int(free * fraction)
+    return 2 << 30
+
+
 @dataclass(frozen=True)
 class CacheSpec:
     """Sizes the engine needs to split a memory budget into slots and blocks."""

@@ -1,0 +1,45 @@
+"""EngineCore.step(): schedule -> execute -> update (+ detokenise, stop strings)."""
+from __future__ import annotations
+
+from deepinfer.engine.detokenizer import DecodeState, Detokenizer
+from deepinfer.engine.outputs import CompletionOutput
+from deepinfer.engine.request import Request
+from deepinfer.engine.scheduler import Scheduler
+
+
+class EngineCore:
+    def __init__(self, scheduler: Scheduler, runner, detokenizer: Detokenizer | None):
+        self.scheduler, self.runner, self.detok = scheduler, runner, detokenizer
+        self.decode_state: dict[str, DecodeState] = {}
+
+    def add_request(self, req: Request) -> None:
+        """Queue `req`; its n > 1 siblings (req.siblings) start when its prompt is prefilled."""
+        for r in [req] + req.siblings:
+            self.decode_state[r.request_id] = DecodeState()
+        self.scheduler.add(req)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[Request]:
+        """One model step; returns the requests that finished in it."""
+        so = self.scheduler.schedule()
+        if not so.chunks:
+            raise RuntimeError("scheduler made no progress: the cache cannot hold any waiting request")
+        mo = self.runner.execute(so)
+        finished = []
+        for req in self.scheduler.update(so, mo):
+            if self.detok is not None and req.params.stop and not req.finished:
+                st = self.decode_state[req.request_id]
+                self.detok.update(st, req.output_token_ids, req.params.stop)
+                if st.stop_hit:
+                    self.scheduler.finish(req, "stop")
+            if req.finished:
+                finished.append(req)
+        return finished
+
+    def completion(self, req: Request, index: int) -> CompletionOutput:
+        st = self.decode_state.pop(req.request_id)
+        text = self.detok.finalize(st, req.output_token_ids) if self.detok is not None else ""
+        return CompletionOutput(index, text, list(req.output_token_ids), req.finish_reason,
+                                list(req.logprobs) if req.params.logprobs is not None else None)

@@ -1,0 +1,68 @@
+"""CPU-side owner of the hybrid cache's capacity: request slots and per-ratio entry blocks.
+
+A running request holds one slot (its window ring + compressor carry rows) and, for each
+compressor ratio m, enough blocks for the entries its computed tokens have closed:
+ceil((tokens // m) / block_size). Invariant: for every pool, free + held == total.
+"""
+from __future__ import annotations
+
+from collections import deque
+
+from deepinfer.engine.request import Request
+
+
+class KVCacheManager:
+    def __init__(self, num_slots: int, num_blocks: dict[int, int], block_size: int):
+        self.num_slots, self.num_blocks, self.block_size = num_slots, dict(num_blocks), block_size
+        self.free_slots: deque[int] = deque(range(num_slots))
+        self.free_blocks: dict[int, deque[int]] = {m: deque(range(n)) for m, n in num_blocks.items()}
+
+    def blocks_for(self, num_tokens: int) -> dict[int, int]:
+        return {m: -(-(num_tokens // m) // self.block_size) for m in self.num_blocks}
+
+    def fits_alone(self, num_tokens: int) -> bool:
+        """Could a single request of this many tokens ever be held (with the cache otherwise empty)?"""
+        return self.num_slots > 0 and all(n <= self.num_blocks[m] for m, n in self.blocks_for(num_tokens).items())
+
+    def allocate(self, req: Request, num_tokens: int) -> bool:
+        """Grow `req`'s holdings to cover `num_tokens` computed tokens; all or nothing."""
+        need = {m: n - len(req.block_tables.get(m, [])) for m, n in self.blocks_for(num_tokens).items()}
+        if req.slot is None and not self.free_slots:
+            return False
+        if any(n > len(self.free_blocks[m]) for m, n in need.items()):
+            return False
+        if req.slot is None:
+            req.slot = self.free_slots.popleft()
+        for m, n in need.items():
+            table = req.block_tables.setdefault(m, [])
+            table.extend(self.free_blocks[m].popleft() for _ in range(max(0, n)))
+        return True
+
+    def free(self, req: Request) -> None:
+        if req.slot is not None:
+            self.free_slots.append(req.slot)
+            req.slot = None
+        for m, table in req.block_tables.items():
+            self.free_blocks[m].extend(table)
+        req.block_tables = {}
+
+    def num_free(self) -> tuple[int, dict[int, int]]:
+        return len(self.free_slots), {m: len(q) for m, q in self.free_blocks.items()}
+
+    def all_free(self) -> bool:
+        slots, blocks = self.num_free()
+        return slots == self.num_slots and blocks == self.num_blocks
+
+
+def plan_capacity(memory_bytes: int, slot_bytes: int, block_bytes: dict[int, int], block_size: int,
+                  max_num_seqs: int, expected_len: int) -> tuple[int, dict[int, int]]:
+    """Split a byte budget into request slots and per-ratio blocks.
+
+    As many slots as max_num_seqs allows while each still comes with blocks for an
+    `expected_len`-token request; the rest of the budget buys blocks so that every ratio can
+    hold the same number of tokens (ratio m spends block_bytes[m] per block_size * m tokens)."""
+    per_token = sum(b / (block_size * m) for m, b in block_bytes.items())
+    per_request = slot_bytes + expected_len * per_token
+    num_slots = max(1, min(max_num_seqs, int(memory_bytes // per_request)))
+    tokens = max(0, memory_bytes - num_slots * slot_bytes) / per_token if per_token else 0
+    return num_slots, {m: int(tokens // (block_size * m)) for m in block_bytes}

@@ -1,0 +1,66 @@
+"""What crosses engine -> worker (SchedulerOutput) and back (ModelOutput), and what users get."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from deepinfer.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    """Tokens of one request computed this step. If `num_samples` > 0 the chunk reaches the
+    end of the request's tokens and that many tokens are sampled from its last position."""
+
+    request_id: str
+    slot: int
+    start: int
+    token_ids: list[int]
+    block_tables: dict[int, list[int]]
+    num_samples: int = 0
+    params: SamplingParams | None = None
+
+
+@dataclass(frozen=True)
+class ForkOp:
+    """Copy a leader's state into a sibling's slot and blocks, before this step's forward."""
+
+    src_slot: int
+    dst_slot: int
+    src_blocks: dict[int, list[int]]
+    dst_blocks: dict[int, list[int]]
+
+
+@dataclass
+class SchedulerOutput:
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    forks: list[ForkOp] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(len(c.token_ids) for c in self.chunks)
+
+
+@dataclass
+class ModelOutput:
+    """Per sampled request: its sampled tokens and, when asked, one logprob dict per token."""
+
+    sampled: dict[str, list[int]]
+    logprobs: dict[str, list[dict[int, float]]] = field(default_factory=dict)
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    logprobs: list[dict[int, float]] | None = None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = True

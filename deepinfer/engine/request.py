@@ -1,0 +1,50 @@
+"""Request: one sequence being generated, and the counters the scheduler works from."""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from deepinfer.sampling_params import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"      # queued (new, or preempted: its state was freed, it will recompute)
+    RUNNING = "running"      # owns a slot and blocks
+    FORKING = "forking"      # n > 1 sibling: waits for its leader's prompt prefill, then copies it
+    FINISHED = "finished"
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    eos_token_id: int | None = None
+    arrival: int = 0
+    output_token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, float]] = field(default_factory=list)
+    # tokens whose state is in the cache; everything at or after this index still needs computing
+    num_computed_tokens: int = 0
+    status: Status = Status.WAITING
+    finish_reason: str | None = None
+    slot: int | None = None
+    block_tables: dict[int, list[int]] = field(default_factory=dict)
+    siblings: list["Request"] = field(default_factory=list)  # n > 1: forks waiting on this leader
+    text: str = ""
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_pending(self) -> int:
+        """Tokens not yet in the cache (the whole prompt + outputs again after a preemption)."""
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED

@@ -1,0 +1,130 @@
+"""Token-budget continuous batching with chunked prefill and recompute preemption.
+
+Each step: running requests first (in admission order: one decode token, or the next
+prefill chunk), then waiting requests while the token budget, max_num_seqs and the cache
+allow. When a running request cannot grow, the most recently admitted running request is
+preempted: its slot and blocks are freed and it re-enters the queue front with its outputs
+kept, to be recomputed. A request is never dropped.
+"""
+from __future__ import annotations
+
+from collections import deque
+
+from deepinfer.engine.kv_manager import KVCacheManager
+from deepinfer.engine.outputs import ForkOp, ModelOutput, ScheduledChunk, SchedulerOutput
+from deepinfer.engine.request import Request, Status
+
+
+class Scheduler:
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int):
+        self.kv = kv
+        self.max_num_seqs, self.budget, self.max_model_len = max_num_seqs, max_num_batched_tokens, max_model_len
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.pending_forks: list[ForkOp] = []
+        self.num_preemptions = 0
+
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.kv.free(req)
+        req.num_computed_tokens = 0
+        req.status = Status.WAITING
+        self.waiting.appendleft(req)
+        self.num_preemptions += 1
+
+    def _chunk(self, req: Request, n: int) -> ScheduledChunk:
+        start = req.num_computed_tokens
+        at_end = start + n == req.num_tokens
+        samples = (1 + len(req.siblings)) if at_end else 0
+        return ScheduledChunk(req.request_id, req.slot, start, req.all_token_ids[start:start + n],
+                              {m: list(t) for m, t in req.block_tables.items()}, samples, req.params)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput(forks=self.pending_forks)
+        self.pending_forks = []
+        budget = self.budget
+        preempted = False
+        for req in list(self.running):
+            if req.status is not Status.RUNNING or budget == 0:
+                continue
+            n = min(req.num_pending, budget)
+            while not self.kv.allocate(req, req.num_computed_tokens + n):
+                preempted = True
+                self._preempt(self.running[-1])
+                if req.status is not Status.RUNNING:
+                    break
+            if req.status is Status.RUNNING:
+                out.chunks.append(self._chunk(req, n))
+                budget -= n
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
+            req = self.waiting[0]
+            n = min(req.num_pending, budget)
+            if not self.kv.allocate(req, req.num_computed_tokens + n):
+                break
+            self.waiting.popleft()
+            req.status = Status.RUNNING
+            self.running.append(req)
+            out.chunks.append(self._chunk(req, n))
+            budget -= n
+        return out
+
+    def update(self, so: SchedulerOutput, mo: ModelOutput) -> list[Request]:
+        """Advance counters, append sampled tokens, finish on token-level stops. Returns the
+        requests that received tokens (stop strings are checked by the caller on those)."""
+        by_id = {r.request_id: r for r in self.running}
+        touched = []
+        for c in so.chunks:
+            req = by_id[c.request_id]
+            req.num_computed_tokens += len(c.token_ids)
+            if c.num_samples == 0:
+                continue
+            toks = mo.sampled[c.request_id]
+            lps = mo.logprobs.get(c.request_id) or [None] * len(toks)
+            for sib, tok, lp in zip(req.siblings, toks[1:], lps[1:]):
+                self._start_sibling(req, sib, tok, lp)
+                touched.append(sib)
+            req.siblings = []
+            self._append(req, toks[0], lps[0])
+            touched.append(req)
+        return touched
+
+    def _append(self, req: Request, tok: int, lp: dict[int, float] | None) -> None:
+        req.output_token_ids.append(tok)
+        if lp is not None:
+            req.logprobs.append(lp)
+        p = req.params
+        if (not p.ignore_eos and tok == req.eos_token_id) or tok in p.stop_token_ids:
+            self.finish(req, "stop")
+        elif len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
+            self.finish(req, "length")
+
+    def _start_sibling(self, leader: Request, sib: Request, tok: int, lp) -> None:
+        """Sibling of an n > 1 request: reuse the leader's prompt state if the cache has room,
+        else recompute it from the queue like a preempted request."""
+        sib.status = Status.WAITING
+        if self.kv.allocate(sib, leader.num_computed_tokens):
+            self.pending_forks.append(ForkOp(leader.slot, sib.slot, {m: list(t) for m, t in
+                                                                      leader.block_tables.items()},
+                                             {m: list(t) for m, t in sib.block_tables.items()}))
+            sib.num_computed_tokens = leader.num_computed_tokens
+            sib.status = Status.RUNNING
+            self.running.append(sib)
+        else:
+            self.waiting.appendleft(sib)
+        self._append(sib, tok, lp)
+
+    def finish(self, req: Request, reason: str) -> None:
+        if req.finished:
+            return
+        req.status, req.finish_reason = Status.FINISHED, reason
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.kv.free(req)

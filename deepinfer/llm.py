@@ -1,0 +1,149 @@
+"""LLM: the offline API (vLLM's shape): LLM(model=...).generate(prompts, SamplingParams(...))."""
+from __future__ import annotations
+
+import itertools
+from typing import Sequence
+
+import torch
+from tqdm import tqdm
+
+from deepinfer.config import EngineConfig
+from deepinfer.engine.detokenizer import Detokenizer
+from deepinfer.engine.engine_core import EngineCore
+from deepinfer.engine.kv_manager import KVCacheManager, plan_capacity
+from deepinfer.engine.outputs import RequestOutput
+from deepinfer.engine.request import Request, Status
+from deepinfer.engine.scheduler import Scheduler
+from deepinfer.loader.model_loader import load_model
+from deepinfer.sampling_params import SamplingParams
+from deepinfer.tools.demo import DEMO_NAME, demo_checkpoint
+from deepinfer.worker.kv_cache import allocate_v4_cache, cache_spec, default_cache_memory
+from deepinfer.worker.model_runner import ModelRunner
+
+DEFAULT_MODEL = "deepseek-ai/DeepSeek-V4.1-Flash-1017"
+
+PromptType = str | list[int]
+
+
+class LLM:
+    def __init__(self, model: str | None = None, device: str | None = None, dtype: str = "bfloat16",
+                 kv_cache_dtype: str = "auto", max_model_len: int | None = None, max_num_seqs: int = 256,
+                 max_num_batched_tokens: int = 8192, kv_cache_memory: int | None = None,
+                 skip_tokenizer_init: bool = False, seed: int | None = None, block_size: int = 64):
+        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+        cfg = EngineConfig.from_env(
+            model=model, device=device, dtype=dtype, kv_cache_dtype=kv_cache_dtype, max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+            kv_cache_memory=kv_cache_memory, skip_tokenizer_init=skip_tokenizer_init, seed=seed,
+            block_size=block_size)
+        self.config = cfg
+        ref = cfg.model or cfg.hf_model_dir or DEFAULT_MODEL
+        if ref == DEMO_NAME:
+            ref = str(demo_checkpoint())
+        self.model, self.model_dir = load_model(ref, dtype=getattr(torch, cfg.dtype), device=cfg.device,
+                                                hf_model_dir=cfg.hf_model_dir, offline=cfg.hf_hub_offline)
+        mcfg = self.model.config
+        self.detokenizer = None if cfg.skip_tokenizer_init else _load_detokenizer(self.model_dir)
+        spec = cache_spec(mcfg, cfg.kv_cache_dtype, cfg.block_size)
+        memory = cfg.kv_cache_memory or default_cache_memory(cfg.device)
+        expected = cfg.max_model_len or min(mcfg.max_position_embeddings, 4096)
+        num_slots, num_blocks = plan_capacity(memory, spec.slot_bytes, spec.block_bytes, cfg.block_size,
+                                              cfg.max_num_seqs, expected)
+        kv = KVCacheManager(num_slots, num_blocks, cfg.block_size)
+        self.max_model_len = _max_model_len(cfg.max_model_len, mcfg.max_position_embeddings, kv, memory)
+        cache = allocate_v4_cache(mcfg, num_slots, num_blocks, cfg.kv_cache_dtype, cfg.device, cfg.block_size)
+        self.scheduler = Scheduler(kv, min(cfg.max_num_seqs, num_slots), cfg.max_num_batched_tokens,
+                                   self.max_model_len)
+        self.engine = EngineCore(self.scheduler, ModelRunner(self.model, cache, cfg.device, cfg.seed),
+                                 self.detokenizer)
+        self._ids = itertools.count()
+
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[RequestOutput]:
+        """Runs all prompts to completion; outputs come back in prompt order. Every prompt and
+        parameter is validated before anything is scheduled."""
+        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = self._params_for(list(prompts), sampling_params)
+        token_ids = [self._tokenize(i, p) for i, p in enumerate(prompts)]
+        for i, (ids, sp) in enumerate(zip(token_ids, params)):
+            if sp.stop and self.detokenizer is None:
+                raise ValueError(f"prompts[{i}]: SamplingParams.stop needs a tokenizer (skip_tokenizer_init=True)")
+        groups = [self._submit(ids, sp) for ids, sp in zip(token_ids, params)]
+        self._run(sum(len(g) for g in groups), use_tqdm)
+        return [RequestOutput(g[0].request_id, p if isinstance(p, str) else None, ids,
+                              [self.engine.completion(r, k) for k, r in enumerate(g)])
+                for g, p, ids in zip(groups, prompts, token_ids)]
+
+    def _params_for(self, prompts: list, sp) -> list[SamplingParams]:
+        if sp is None:
+            sp = SamplingParams()
+        if isinstance(sp, SamplingParams):
+            return [sp] * len(prompts)
+        sp = list(sp)
+        if len(sp) != len(prompts):
+            raise ValueError(f"sampling_params: {len(sp)} given for {len(prompts)} prompts")
+        return sp
+
+    def _tokenize(self, i: int, prompt: PromptType) -> list[int]:
+        where = f"prompts[{i}]"
+        if isinstance(prompt, str):
+            if self.detokenizer is None:
+                raise ValueError(f"{where}: text prompts need a tokenizer; pass token ids with skip_tokenizer_init")
+            if not prompt:
+                raise ValueError(f"{where}: the prompt is empty")
+            ids = self.detokenizer.encode(prompt, self.model.config.bos_token_id)
+        else:
+            ids = list(prompt)
+            if not ids:
+                raise ValueError(f"{where}: the prompt is empty")
+            vocab = self.model.config.vocab_size
+            bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"{where}: prompt_token_ids {bad[:5]} are outside the vocabulary [0, {vocab})")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"{where}: the prompt has {len(ids)} tokens; max_model_len is {self.max_model_len} "
+                             "(one more token must fit)")
+        return ids
+
+    def _submit(self, ids: list[int], sp: SamplingParams) -> list[Request]:
+        eos = self.model.config.eos_token_id
+        reqs = [Request(f"{next(self._ids)}", ids, sp, eos) for _ in range(sp.n)]
+        leader = reqs[0]
+        leader.siblings = reqs[1:]  # n > 1: siblings reuse the leader's prompt prefill
+        for sib in leader.siblings:
+            sib.status = Status.FORKING
+        self.engine.add_request(leader)
+        return reqs
+
+    def _run(self, total: int, use_tqdm: bool) -> None:
+        bar = tqdm(total=total, desc="Processed requests", disable=not use_tqdm)
+        while self.engine.has_unfinished():
+            bar.update(len(self.engine.step()))
+        bar.close()
+
+
+def _load_detokenizer(model_dir) -> Detokenizer:
+    from tokenizers import Tokenizer
+
+    path = model_dir / "tokenizer.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"no tokenizer.json in {model_dir} (pass skip_tokenizer_init=True for token-id prompts)")
+    return Detokenizer(Tokenizer.from_file(str(path)))
+
+
+def _max_model_len(requested: int | None, model_max: int, kv: KVCacheManager, memory: int) -> int:
+    """The requested length (which must fit one request in the cache), or the model's capped by the cache."""
+    if requested is not None:
+        if not kv.fits_alone(requested):
+            raise ValueError(f"max_model_len: {requested} tokens do not fit in kv_cache_memory={memory} bytes "
+                             f"({kv.num_slots} slots, blocks {kv.num_blocks}); raise kv_cache_memory")
+        return requested
+    lo, hi = 1, model_max
+    while lo < hi:  # largest length a single request can hold
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if kv.fits_alone(mid) else (lo, mid - 1)
+    if not kv.fits_alone(lo):
+        raise ValueError(f"kv_cache_memory: {memory} bytes cannot hold a single request")
+    return lo

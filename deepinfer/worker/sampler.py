@@ -1,0 +1,68 @@
+"""Batched sampling on the logits' device: greedy, temperature, top-k, top-p, min-p, logprobs.
+
+Per-row parameters travel as tensors, so one call serves a mixed batch with no per-request
+host sync; the caller reads the result back once per step.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from deepinfer.sampling_params import SamplingParams
+
+
+@dataclass
+class SamplingBatch:
+    temperature: torch.Tensor  # [R] 0 for greedy rows
+    top_k: torch.Tensor        # [R] vocab size when off
+    top_p: torch.Tensor        # [R]
+    min_p: torch.Tensor        # [R]
+    needs_sort: bool           # any row with top-k or top-p
+    max_logprobs: int          # largest logprobs request (-1: none)
+
+    @classmethod
+    def build(cls, params: list[SamplingParams], vocab: int, device) -> "SamplingBatch":
+        t = lambda xs, dt=torch.float32: torch.tensor(xs, dtype=dt).to(device, non_blocking=True)  # noqa: E731
+        return cls(
+            t([0.0 if p.greedy else p.temperature for p in params]),
+            t([p.top_k if p.top_k > 0 else vocab for p in params], torch.long),
+            t([p.top_p for p in params]),
+            t([p.min_p for p in params]),
+            any(p.top_k > 0 or p.top_p < 1 for p in params if not p.greedy),
+            max((p.logprobs for p in params if p.logprobs is not None), default=-1),
+        )
+
+
+def _filter(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
+    """Mask (to -inf) tokens outside each row's top-k / top-p nucleus / min-p floor."""
+    if sb.needs_sort:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        rank = torch.arange(logits.shape[-1], device=logits.device)
+        drop = rank >= sb.top_k[:, None]
+        probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(-1)
+        # keep the smallest prefix whose mass reaches top_p (always at least the first token)
+        drop |= (probs.cumsum(-1) - probs) >= sb.top_p[:, None]
+        logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
+    probs = logits.softmax(-1)
+    floor = sb.min_p[:, None] * probs.amax(-1, keepdim=True)
+    return logits.masked_fill(probs < floor, float("-inf"))
+
+
+def sample(logits: torch.Tensor, sb: SamplingBatch, generator: torch.Generator | None = None) -> torch.Tensor:
+    """logits [R, V] fp32 -> token ids [R]. Random rows use the exponential race
+    argmax(p / E), E ~ Exp(1), which draws from p without a cumulative-sum search."""
+    greedy = logits.argmax(-1)
+    scaled = logits / sb.temperature.clamp(min=1e-5)[:, None]
+    probs = _filter(scaled, sb).softmax(-1)
+    noise = torch.empty_like(probs).exponential_(generator=generator)
+    drawn = (probs / noise).argmax(-1)
+    return torch.where(sb.temperature == 0, greedy, drawn)
+
+
+def top_logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor,
+                                                                              torch.Tensor]:
+    """Raw-model logprobs: (of the chosen tokens [R], top-k values [R, k], top-k ids [R, k])."""
+    lp = logits.log_softmax(-1)
+    top = lp.topk(k, dim=-1) if k > 0 else (lp[:, :0], tokens[:, None][:, :0])
+    return lp.gather(-1, tokens[:, None]).squeeze(-1), top[0], top[1]

@@ -1,0 +1,157 @@
+"""The offline engine end to end on a tiny random checkpoint (fp32, CPU)."""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from deepinfer import LLM, SamplingParams
+from deepinfer.tools.make_checkpoint import PRESETS, write_checkpoint
+from deepinfer.worker.kv_cache import cache_spec
+from deepinfer.loader.model_config import read_model_config
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tests" / "models"))
+from oracle import transformers_model  # noqa: E402
+
+CFG = {**PRESETS["tiny"], "index_topk": 64}  # top-k >= entries: no indexer near-ties across chunkings
+GREEDY = SamplingParams(temperature=0, max_tokens=12)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return write_checkpoint(tmp_path_factory.mktemp("tiny") / "ckpt", CFG, seed=11, dtype="fp8")
+
+
+@pytest.fixture(scope="module")
+def llm(ckpt):
+    return LLM(str(ckpt), device="cpu", dtype="float32", kv_cache_dtype="float32", kv_cache_memory=64 << 20)
+
+
+def _memory_for(ckpt, slots: int, tokens: int) -> int:
+    """kv_cache_memory for `slots` request slots plus compressed entries for `tokens` tokens."""
+    spec = cache_spec(read_model_config(ckpt), "float32", 4)
+    per_token = sum(b / (4 * m) for m, b in spec.block_bytes.items())
+    return slots * spec.slot_bytes + int(tokens * per_token) + 1
+
+
+def _prompts(n: int, seed: int = 0, lo: int = 5, hi: int = 70) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    lens = torch.randint(lo, hi, (n,), generator=g).tolist()
+    return [[0] + torch.randint(3, CFG["vocab_size"], (k,), generator=g).tolist() for k in lens]
+
+
+def test_mixed_batch_with_chunking_queueing_and_preemption_matches_solo_and_transformers(ckpt, llm, tmp_path):
+    prompts = _prompts(7, lo=55, hi=85)
+    # 3 slots sharing compressed-entry blocks for 300 tokens: 7 requests of 67-97 tokens queue,
+    # prompts are chunked (budget 24 tokens/step), running requests get preempted when blocks run out
+    small = LLM(str(ckpt), device="cpu", dtype="float32", kv_cache_dtype="float32", block_size=4,
+                kv_cache_memory=_memory_for(ckpt, slots=3, tokens=300), max_num_seqs=3,
+                max_num_batched_tokens=24, max_model_len=100)
+    assert small.scheduler.kv.num_slots == 3 and small.scheduler.kv.num_blocks == {4: 18, 16: 4}
+    mixed = small.generate(prompts, GREEDY, use_tqdm=False)
+    assert small.scheduler.num_preemptions > 0
+    assert small.scheduler.kv.all_free()
+    hf = transformers_model(llm.model, tmp_path)
+    for p, out in zip(prompts, mixed):
+        alone = llm.generate([p], GREEDY, use_tqdm=False)[0].outputs[0]
+        assert out.outputs[0].token_ids == alone.token_ids
+        with torch.inference_mode():
+            ref = hf.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False)[0, len(p):].tolist()
+        assert alone.token_ids == ref
+        assert alone.finish_reason == ("stop" if ref[-1] == CFG["eos_token_id"] else "length")
+
+
+@pytest.mark.parametrize("kwargs, field", [
+    ({"temperature": -0.1}, "temperature"), ({"top_p": 0.0}, "top_p"), ({"top_p": 1.5}, "top_p"),
+    ({"top_k": 0}, "top_k"), ({"top_k": -2}, "top_k"), ({"max_tokens": 0}, "max_tokens"),
+    ({"min_p": -0.1}, "min_p"), ({"min_p": 1.1}, "min_p"), ({"n": 0}, "n"),
+])
+def test_invalid_sampling_params_name_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
+
+
+def test_bad_prompts_are_refused_before_scheduling_and_the_engine_keeps_serving(llm):
+    good = _prompts(2, seed=3)
+    for bad, field in [("", "empty"), ([], "empty"), ([0, CFG["vocab_size"]], "vocabulary"), ([0, -1], "vocabulary"),
+                       ([0] * 5000, "max_model_len")]:
+        with pytest.raises(ValueError, match=field):
+            llm.generate(good + [bad], GREEDY, use_tqdm=False)
+        assert not llm.scheduler.has_unfinished()
+    with pytest.raises(ValueError, match="sampling_params"):
+        llm.generate(good, [GREEDY], use_tqdm=False)
+    outs = llm.generate(good, GREEDY, use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) > 0 for o in outs)
+
+
+def test_no_block_leaks_after_many_requests(ckpt):
+    llm = LLM(str(ckpt), device="cpu", dtype="float32", kv_cache_dtype="float32", block_size=4,
+              kv_cache_memory=_memory_for(ckpt, slots=4, tokens=300), max_num_seqs=4,
+              max_num_batched_tokens=40, max_model_len=120)
+    kv = llm.scheduler.kv
+    params = [SamplingParams(temperature=0.7, top_p=0.9, max_tokens=k, ignore_eos=True) for k in range(1, 31)]
+    outs = llm.generate(_prompts(30, seed=5), params, use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outs] == list(range(1, 31))
+    assert kv.all_free(), kv.num_free()
+
+
+def test_finish_reasons_stop_tokens_and_strings(llm):
+    p = _prompts(1, seed=7)[0]
+    base = llm.generate([p], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), use_tqdm=False)[0]
+    toks = base.outputs[0].token_ids
+    assert base.outputs[0].finish_reason == "length" and len(toks) == 10
+    cut = llm.generate([p], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True,
+                                           stop_token_ids=[toks[3]]), use_tqdm=False)[0].outputs[0]
+    assert cut.finish_reason == "stop" and cut.token_ids == toks[:toks.index(toks[3]) + 1]
+    text = base.outputs[0].text
+    stop = text[len(text) // 2:len(text) // 2 + 2]
+    if stop.strip():
+        s = llm.generate([p], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, stop=[stop]),
+                         use_tqdm=False)[0].outputs[0]
+        assert s.finish_reason == "stop" and stop not in s.text and text.startswith(s.text)
+
+
+def test_n_siblings_share_the_prefill_and_logprobs(llm):
+    p = _prompts(1, seed=9)[0]
+    one = llm.generate([p], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)[0]
+    three = llm.generate([p], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, n=3, logprobs=3),
+                         use_tqdm=False)[0]
+    assert [c.index for c in three.outputs] == [0, 1, 2]
+    for c in three.outputs:  # forks copy the leader's state: greedy continuations are identical
+        assert c.token_ids == one.outputs[0].token_ids
+        assert len(c.logprobs) == 8
+        for tok, lp in zip(c.token_ids, c.logprobs):
+            assert tok in lp and len(lp) == 3 and max(lp.values()) == lp[tok] and lp[tok] <= 0
+    sampled = llm.generate([p], SamplingParams(temperature=1.0, max_tokens=8, ignore_eos=True, n=4),
+                           use_tqdm=False)[0]
+    assert len({tuple(c.token_ids) for c in sampled.outputs}) > 1
+    assert llm.scheduler.kv.all_free()
+
+
+def test_text_prompts_get_bos_and_decoded_text(llm):
+    out = llm.generate("Hello world", SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+                       use_tqdm=False)[0]
+    assert out.prompt == "Hello world" and out.prompt_token_ids[0] == 0
+    assert out.outputs[0].text == llm.detokenizer.decode(out.outputs[0].token_ids)
+
+
+def test_offline_example_runs_with_the_demo_model(tmp_path):
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path), "PYTHONPATH": str(ROOT)}
+    res = subprocess.run([sys.executable, str(ROOT / "examples" / "offline_inference.py"), "--model", "demo",
+                          "--device", "cpu", "--max-tokens", "8"], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert res.stdout.count("Completion:") == 4 and "output tok/s" in res.stdout
+
+
+def test_cli_generate(ckpt):
+    res = subprocess.run([sys.executable, "-m", "deepinfer.entrypoints.cli", "generate", "--model", str(ckpt),
+                          "--prompt", "Hello", "--max-tokens", "5", "--temperature", "0", "--device", "cpu"],
+                         env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "finish_reason" in res.stdout

@@ -1,0 +1,84 @@
+"""Scheduler + block manager on the CPU, with a fake model that always samples token 7."""
+import random
+
+from deepinfer.engine.kv_manager import KVCacheManager, plan_capacity
+from deepinfer.engine.outputs import ModelOutput
+from deepinfer.engine.request import Request
+from deepinfer.engine.scheduler import Scheduler
+from deepinfer.sampling_params import SamplingParams
+
+
+def _fake_execute(so):
+    return ModelOutput({c.request_id: [7] * c.num_samples for c in so.chunks if c.num_samples})
+
+
+def _run(sched: Scheduler, max_steps=10_000):
+    steps = []
+    while sched.has_unfinished():
+        so = sched.schedule()
+        assert so.chunks, "no progress"
+        steps.append(so)
+        sched.update(so, _fake_execute(so))
+        assert len(steps) < max_steps
+    return steps
+
+
+def _req(i, prompt_len, max_tokens):
+    return Request(str(i), list(range(1, prompt_len + 1)), SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+
+
+def test_token_budget_chunked_prefill_and_max_num_seqs():
+    kv = KVCacheManager(num_slots=8, num_blocks={4: 100, 16: 100}, block_size=4)
+    sched = Scheduler(kv, max_num_seqs=2, max_num_batched_tokens=10, max_model_len=1000)
+    reqs = [_req(i, 23, 3) for i in range(3)]
+    for r in reqs:
+        sched.add(r)
+    steps = _run(sched)
+    assert all(so.num_tokens <= 10 for so in steps)
+    assert all(len(so.chunks) <= 2 for so in steps)
+    first = [c for so in steps for c in so.chunks if c.request_id == "0"]
+    assert [len(c.token_ids) for c in first][:3] == [10, 10, 3]  # a 23-token prompt in three chunks
+    assert [c.start for c in first][:3] == [0, 10, 20]
+    assert all(r.output_token_ids == [7, 7, 7] and r.finish_reason == "length" for r in reqs)
+    assert kv.all_free()
+
+
+def test_preemption_recomputes_and_loses_nothing():
+    # 6 blocks of 4 ratio-4 entries = 96 tokens of compressed state for everyone together
+    kv = KVCacheManager(num_slots=4, num_blocks={4: 6}, block_size=4)
+    sched = Scheduler(kv, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=96)
+    reqs = [_req(i, 20, 30) for i in range(4)]
+    for r in reqs:
+        sched.add(r)
+    _run(sched)
+    assert sched.num_preemptions > 0
+    assert all(r.output_token_ids == [7] * 30 for r in reqs)
+    assert kv.all_free()
+
+
+def test_random_workload_never_leaks_blocks():
+    rng = random.Random(0)
+    kv = KVCacheManager(num_slots=5, num_blocks={4: 12, 16: 3}, block_size=4)
+    sched = Scheduler(kv, max_num_seqs=5, max_num_batched_tokens=37, max_model_len=160)
+    reqs = [_req(i, rng.randint(1, 60), rng.randint(1, 40)) for i in range(40)]
+    for r in reqs:
+        sched.add(r)
+    _run(sched)
+    assert all(len(r.output_token_ids) == r.params.max_tokens for r in reqs)
+    assert kv.all_free()
+
+
+def test_plan_capacity_splits_budget_evenly_in_tokens():
+    slots, blocks = plan_capacity(10_000, slot_bytes=100, block_bytes={4: 40, 128: 10}, block_size=8,
+                                  max_num_seqs=16, expected_len=32)
+    assert slots == 16  # each slot comes with blocks for 32 tokens (~140 bytes): 16 * 240 fits
+    # 8400 bytes left buy ~6668 tokens of each ratio: 6668 // (8*4) and 6668 // (8*128) blocks
+    assert blocks == {4: 208, 128: 6}
+    assert slots * 100 + blocks[4] * 40 + blocks[128] * 10 <= 10_000
+
+
+def test_plan_capacity_trades_slots_for_block_room_when_memory_is_tight():
+    slots, blocks = plan_capacity(10_000, slot_bytes=100, block_bytes={4: 40, 128: 10}, block_size=8,
+                                  max_num_seqs=256, expected_len=1024)
+    assert slots == 7  # 10000 // (100 + 1024 * 1.2597)
+    assert blocks[4] * 32 >= 7 * 1024 * 0.99
