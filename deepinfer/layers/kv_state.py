@@ -48,8 +48,9 @@ class EntryStore:
         return q, (exp + 127).to(torch.uint8), x[..., self.nope:].to(torch.bfloat16)
 
     def _decode(self, q, scale, rope, dtype):
-        s = torch.exp2(scale.float() - 127).repeat_interleave(self.group, dim=-1)
-        return torch.cat(((q.float() * s).to(dtype), rope.to(dtype)), dim=-1)
+        s = torch.exp2(scale.float() - 127).unsqueeze(-1)
+        nope = (q.float().unflatten(-1, (-1, self.group)) * s).flatten(-2)
+        return torch.cat((nope.to(dtype), rope.to(dtype)), dim=-1)
 
     def write(self, rows: torch.Tensor, x: torch.Tensor) -> None:
         if self.fmt == "fp8":

@@ -82,16 +82,18 @@ def dequant_fp4(packed: torch.Tensor, scale: torch.Tensor, group: int = 32,
     return out.to(dtype)
 
 
+def _fp4_boundaries(device) -> torch.Tensor:
+    """Midpoints between adjacent E2M1 magnitudes; a tie rounds to the even code (RNE), so the
+    midpoints whose upper neighbour is even are nudged down one ulp to send ties upward."""
+    mags = FP4_VALUES[:8]
+    mids = torch.tensor([(a + b) / 2 for a, b in zip(mags, mags[1:])], dtype=torch.float32)
+    up = torch.tensor([(i + 1) % 2 == 0 for i in range(7)])
+    return torch.where(up, torch.nextafter(mids, torch.zeros_like(mids)), mids).to(device)
+
+
 def _fp4_codes(x: torch.Tensor) -> torch.Tensor:
     """Round-to-nearest-even onto the E2M1 grid; x already scaled into [-6, 6]."""
-    mags = torch.tensor(FP4_VALUES[:8], dtype=torch.float32, device=x.device)
-    a = x.abs().clamp(max=FP4_MAX)
-    dist = (a.unsqueeze(-1) - mags).abs()
-    best = dist.min(dim=-1, keepdim=True).values
-    ties = dist == best
-    # prefer the even code (mantissa bit 0) on a tie, like hardware RNE
-    even = torch.tensor([i % 2 == 0 for i in range(8)], device=x.device)
-    idx = torch.where(ties & even, 0, torch.where(ties, 1, 2)).argmin(dim=-1)
+    idx = torch.bucketize(x.abs().clamp(max=FP4_MAX), _fp4_boundaries(x.device))
     sign = (torch.signbit(x) & (idx > 0)).to(torch.uint8) << 3
     return idx.to(torch.uint8) | sign
 

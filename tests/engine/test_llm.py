@@ -155,3 +155,13 @@ def test_cli_generate(ckpt):
                          env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
     assert "finish_reason" in res.stdout
+
+
+@pytest.mark.gpu
+def test_cuda_engine_matches_cpu_greedy(ckpt, llm):
+    prompts = _prompts(6, seed=13)
+    gpu = LLM(str(ckpt), device="cuda", dtype="float32", kv_cache_dtype="float32", kv_cache_memory=64 << 20,
+              max_num_batched_tokens=32)
+    for a, b in zip(gpu.generate(prompts, GREEDY, use_tqdm=False), llm.generate(prompts, GREEDY, use_tqdm=False)):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+    assert gpu.scheduler.kv.all_free()

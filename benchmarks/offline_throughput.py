@@ -1,0 +1,122 @@
+"""Offline throughput: deepinfer LLM.generate vs transformers generate, same weights, same run.
+
+A fixed synthetic workload: N random prompts of exactly --input-len tokens, each generating
+exactly --output-len tokens (ignore_eos / min_new_tokens), greedy. Reports requests/s and
+output tokens/s, counting only tokens actually emitted.
+
+    python benchmarks/offline_throughput.py --preset demo --device cpu
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import tempfile
+import time
+from datetime import date
+from pathlib import Path
+
+import torch
+
+from deepinfer import LLM, SamplingParams
+from deepinfer.tools.make_checkpoint import PRESETS, write_checkpoint
+
+
+def _prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return [[0] + torch.randint(3, vocab, (length - 1,), generator=g).tolist() for _ in range(n)]
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def run_deepinfer(ckpt: Path, prompts, out_len: int, args) -> dict:
+    llm = LLM(str(ckpt), device=args.device, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
+              max_num_seqs=max(len(prompts), 1), skip_tokenizer_init=True)
+    params = SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True)
+    llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True), use_tqdm=False)
+    _sync(args.device)
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    _sync(args.device)
+    elapsed = time.perf_counter() - t0
+    return _row("deepinfer", len(outs), sum(len(o.outputs[0].token_ids) for o in outs), elapsed)
+
+
+def run_transformers(ckpt: Path, prompts, out_len: int, args) -> dict:
+    import transformers
+
+    model = transformers.DeepseekV4ForCausalLM.from_pretrained(str(ckpt), torch_dtype=getattr(torch, args.dtype))
+    model = model.to(args.device).eval()
+    ids = torch.tensor(prompts, device=args.device)
+    kw = dict(do_sample=False, max_new_tokens=out_len, min_new_tokens=out_len, pad_token_id=2)
+    with torch.inference_mode():
+        model.generate(ids[:2], **{**kw, "max_new_tokens": 2, "min_new_tokens": 2})
+        _sync(args.device)
+        t0 = time.perf_counter()
+        out = model.generate(ids, **kw)
+        _sync(args.device)
+    elapsed = time.perf_counter() - t0
+    return _row("transformers", len(prompts), int((out.shape[1] - ids.shape[1]) * ids.shape[0]), elapsed)
+
+
+def _row(engine: str, n: int, tokens: int, elapsed: float) -> dict:
+    return {"engine": engine, "requests": n, "output_tokens": tokens, "seconds": round(elapsed, 3),
+            "requests_per_s": round(n / elapsed, 3), "output_tokens_per_s": round(tokens / elapsed, 1)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="demo", choices=sorted(PRESETS))
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--kv-cache-dtype", default="auto")
+    ap.add_argument("--num-prompts", type=int, default=16)
+    ap.add_argument("--input-len", type=int, default=64)
+    ap.add_argument("--output-len", type=int, default=32)
+    ap.add_argument("--skip-transformers", action="store_true")
+    ap.add_argument("--out", default=None, help="JSON results path (default: benchmarks/results/<date>-<device>-offline.json)")
+    args = ap.parse_args()
+
+    with tempfile.TemporaryDirectory() as tmp:
+        # transformers' layout + config keys: both engines load the same directory
+        ckpt = write_checkpoint(Path(tmp) / "ckpt", PRESETS[args.preset], seed=0, dtype=args.dtype, layout="hf")
+        prompts = _prompts(args.num_prompts, args.input_len, PRESETS[args.preset]["vocab_size"], seed=1)
+        rows = [run_deepinfer(ckpt, prompts, args.output_len, args)]
+        if not args.skip_transformers:
+            rows.append(run_transformers(ckpt, prompts, args.output_len, args))
+    device = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
+    result = {
+        "device": device, "date": str(date.today()), "commit": _commit(), "preset": args.preset,
+        "dtype": args.dtype, "kv_cache_dtype": args.kv_cache_dtype, "num_prompts": args.num_prompts,
+        "input_len": args.input_len, "output_len": args.output_len, "rows": rows,
+        "command": "python benchmarks/offline_throughput.py " + " ".join(
+            f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
+            if v not in (None, False) and k != "out" and v is not True)
+                   + (" --skip-transformers" if args.skip_transformers else ""),
+    }
+    if len(rows) == 2:
+        result["ratio_output_tokens_per_s"] = round(rows[0]["output_tokens_per_s"] / rows[1]["output_tokens_per_s"], 2)
+    out = Path(args.out or Path(__file__).parent / "results" / f"{date.today()}-{device.replace(' ', '-')}-offline.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"{'engine':<14}{'req/s':>10}{'out tok/s':>12}{'seconds':>10}")
+    for r in rows:
+        print(f"{r['engine']:<14}{r['requests_per_s']:>10}{r['output_tokens_per_s']:>12}{r['seconds']:>10}")
+    if "ratio_output_tokens_per_s" in result:
+        print(f"deepinfer / transformers output tok/s: {result['ratio_output_tokens_per_s']}x")
+    print(f"wrote {out}")
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=Path(__file__).parent).stdout.strip() or "unknown"
+    except OSError:
+        return "unknown"
+
+
+if __name__ == "__main__":
+    main()
