@@ -48,7 +48,7 @@ def run_deepinfer(ckpt: Path, prompts, out_len: int, args) -> dict:
 def run_transformers(ckpt: Path, prompts, out_len: int, args) -> dict:
     import transformers
 
-    model = transformers.DeepseekV4ForCausalLM.from_pretrained(str(ckpt), torch_dtype=getattr(torch, args.dtype))
+    model = transformers.DeepseekV4ForCausalLM.from_pretrained(str(ckpt), dtype=getattr(torch, args.dtype))
     model = model.to(args.device).eval()
     ids = torch.tensor(prompts, device=args.device)
     kw = dict(do_sample=False, max_new_tokens=out_len, min_new_tokens=out_len, pad_token_id=2)
@@ -77,6 +77,7 @@ def main() -> None:
     ap.add_argument("--input-len", type=int, default=64)
     ap.add_argument("--output-len", type=int, default=32)
     ap.add_argument("--skip-transformers", action="store_true")
+    ap.add_argument("--commit", default=None, help="recorded commit, for checkouts without .git")
     ap.add_argument("--out", default=None, help="JSON results path (default: benchmarks/results/<date>-<device>-offline.json)")
     args = ap.parse_args()
 
@@ -89,12 +90,12 @@ def main() -> None:
             rows.append(run_transformers(ckpt, prompts, args.output_len, args))
     device = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
     result = {
-        "device": device, "date": str(date.today()), "commit": _commit(), "preset": args.preset,
+        "device": device, "date": str(date.today()), "commit": args.commit or _commit(), "preset": args.preset,
         "dtype": args.dtype, "kv_cache_dtype": args.kv_cache_dtype, "num_prompts": args.num_prompts,
         "input_len": args.input_len, "output_len": args.output_len, "rows": rows,
         "command": "python benchmarks/offline_throughput.py " + " ".join(
             f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
-            if v not in (None, False) and k != "out" and v is not True)
+            if v not in (None, False) and k not in ("out", "commit") and v is not True)
                    + (" --skip-transformers" if args.skip_transformers else ""),
     }
     if len(rows) == 2:
