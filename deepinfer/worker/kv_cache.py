@@ -131,7 +131,7 @@ def allocate_v4_cache(cfg: DeepseekV4Config, num_slots: int, num_blocks: dict[in
 
 def static_v4_cache(cfg: DeepseekV4Config, num_slots: int, max_len: int, kv_cache_dtype: str, device,
                     block_size: int = 16) -> V4Cache:
-    """Every slot owns enough blocks for `max_len` tokens (tests and the reference greedy loop)."""
+    """Every slot owns enough blocks for `max_len` tokens (model tests drive the forward directly)."""
     ratios = {m for k, m in zip(cfg.layer_kinds, cfg.compress_ratios) if k != SLIDING}
     blocks = {m: num_slots * -(-(max_len // m) // block_size) for m in ratios}
     return allocate_v4_cache(cfg, num_slots, blocks, kv_cache_dtype, device, block_size)

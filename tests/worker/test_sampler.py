@@ -1,0 +1,33 @@
+import torch
+
+from deepinfer.sampling_params import SamplingParams
+from deepinfer.worker.sampler import SamplingBatch, sample
+
+PROBS = torch.tensor([0.5, 0.3, 0.15, 0.05])
+
+
+def _draw(params: SamplingParams, n: int = 20000, logits=None) -> torch.Tensor:
+    logits = (PROBS.log() if logits is None else logits).expand(n, -1).clone()
+    sb = SamplingBatch.build([params] * n, logits.shape[-1], "cpu")
+    return sample(logits, sb, torch.Generator().manual_seed(0))
+
+
+def test_temperature_one_draws_from_the_softmax():
+    freq = torch.bincount(_draw(SamplingParams(temperature=1.0)), minlength=4).float() / 20000
+    assert (freq - PROBS).abs().max() < 0.015
+
+
+def test_top_k_top_p_min_p_restrict_the_support():
+    assert set(_draw(SamplingParams(top_k=2)).tolist()) == {0, 1}
+    assert set(_draw(SamplingParams(top_p=0.7)).tolist()) == {0, 1}  # 0.5 < 0.7 <= 0.8
+    assert set(_draw(SamplingParams(top_p=0.01)).tolist()) == {0}
+    assert set(_draw(SamplingParams(min_p=0.5)).tolist()) == {0, 1}  # p >= 0.25
+    freq = torch.bincount(_draw(SamplingParams(top_k=2)), minlength=4).float() / 20000
+    assert abs(freq[0] - 0.625) < 0.015  # renormalised over the kept tokens
+
+
+def test_greedy_rows_and_mixed_batches():
+    logits = torch.tensor([[0.1, 2.0, 0.3], [5.0, 0.0, 0.0], [0.0, 0.0, 9.0]])
+    params = [SamplingParams(temperature=0), SamplingParams(temperature=0.5, top_k=1), SamplingParams(top_p=0.5)]
+    sb = SamplingBatch.build(params, 3, "cpu")
+    assert sample(logits, sb).tolist() == [1, 0, 2]
