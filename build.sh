@@ -14,5 +14,9 @@ esac
 pip() { "$PY" -m pip install -q --disable-pip-version-check "$@"; }
 pip -r "requirements/$ACC.txt"
 pip -e .
-if [ "${DEEPINFER_SKIP_TEST_DEPS:-0}" != 1 ]; then pip -r requirements/test.txt; fi
+if [ "${DEEPINFER_SKIP_TEST_DEPS:-0}" != 1 ]; then
+  pip -r requirements/test.txt
+  # NeMo AutoModel is the V4.1 test oracle; never with its dependencies (megatron, quack, torchao, ...).
+  "$PY" -m pip install -q --no-deps nemo-automodel==0.7.0
+fi
 "$PY" -c "import torch, deepinfer; print(f'deepinfer ready: torch {torch.__version__}, accelerator $ACC')"

@@ -18,6 +18,11 @@ class ScheduledChunk:
     block_tables: dict[int, list[int]]
     num_samples: int = 0
     params: SamplingParams | None = None
+    prev_tokens: list[int] = field(default_factory=list)  # up to CONTEXT_TOKENS tokens before `start`
+
+
+# tokens of context shipped with every chunk (V4.1 Engram hashes the 3 tokens before each position)
+CONTEXT_TOKENS = 7
 
 
 @dataclass(frozen=True)

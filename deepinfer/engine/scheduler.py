@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections import deque
 
 from deepinfer.engine.kv_manager import KVCacheManager
-from deepinfer.engine.outputs import ForkOp, ModelOutput, ScheduledChunk, SchedulerOutput
+from deepinfer.engine.outputs import CONTEXT_TOKENS, ForkOp, ModelOutput, ScheduledChunk, SchedulerOutput
 from deepinfer.engine.request import Request, Status
 
 
@@ -42,8 +42,10 @@ class Scheduler:
         start = req.num_computed_tokens
         at_end = start + n == req.num_tokens
         samples = (1 + len(req.siblings)) if at_end else 0
-        return ScheduledChunk(req.request_id, req.slot, start, req.all_token_ids[start:start + n],
-                              {m: list(t) for m, t in req.block_tables.items()}, samples, req.params)
+        ids = req.all_token_ids
+        return ScheduledChunk(req.request_id, req.slot, start, ids[start:start + n],
+                              {m: list(t) for m, t in req.block_tables.items()}, samples, req.params,
+                              ids[max(0, start - CONTEXT_TOKENS):start])
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput(forks=self.pending_forks)

@@ -23,6 +23,7 @@ class SeqChunk:
     start: int
     token_ids: list[int]
     block_tables: dict[int, list[int]] = field(default_factory=dict)
+    prev_tokens: list[int] = field(default_factory=list)  # the tokens just before `start` (n-gram context)
 
 
 @dataclass
@@ -55,6 +56,8 @@ class ForwardBatch:
     ring_src: torch.Tensor    # [Nw] tokens whose kv stays in the ring
     ring_dst: torch.Tensor    # [Nw] their ring rows
     plans: dict[tuple[int, bool], CompressPlan]
+    # [T, K] (host) token k positions before each token (column 0 = itself), -1 before the sequence start
+    token_windows: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -108,10 +111,23 @@ def _compress_plan(m: int, overlap: bool, chunks: list[SeqChunk], tok, pos, req,
                         carry_src, carry_dst, (pos + 1) // m, addr)
 
 
+def _token_windows(chunks: list[SeqChunk], width: int) -> torch.Tensor:
+    rows = []
+    for c in chunks:
+        prev = c.prev_tokens[max(0, len(c.prev_tokens) - (width - 1)):] if width > 1 else []
+        if len(prev) < min(width - 1, c.start):
+            raise ValueError(f"slot {c.slot}: {width - 1} tokens of context needed before position {c.start}")
+        ext = torch.tensor(prev + c.token_ids, dtype=torch.long)
+        idx = torch.arange(len(c.token_ids))[:, None] + len(prev) - torch.arange(width)
+        rows.append(torch.where(idx >= 0, ext[idx.clamp(min=0)], -1))
+    return torch.cat(rows)
+
+
 def build_forward_batch(chunks: list[SeqChunk], window: int, compress_kinds: set[tuple[int, bool]],
-                        block_size: int, device: torch.device | str) -> ForwardBatch:
+                        block_size: int, device: torch.device | str, history: int = 0) -> ForwardBatch:
     """Plan one step. `compress_kinds` = {(ratio, overlapped)} used by the model's layers;
-    compressed entries are paged in blocks of `block_size` entries (see SeqChunk)."""
+    compressed entries are paged in blocks of `block_size` entries (see SeqChunk); `history` > 0
+    also gives each token the `history` - 1 tokens before it (SeqChunk.prev_tokens must hold them)."""
     lens = torch.tensor([len(c.token_ids) for c in chunks])
     if (lens <= 0).any():
         raise ValueError("every SeqChunk needs at least one token")
@@ -132,5 +148,6 @@ def build_forward_batch(chunks: list[SeqChunk], window: int, compress_kinds: set
     for p in plans.values():
         for f in ("src_new", "src_carry", "dst", "rope_pos", "carry_src", "carry_dst", "visible", "addr"):
             setattr(p, f, to(getattr(p, f)))
+    windows = _token_windows(chunks, history) if history else None
     return ForwardBatch(to(ids), to(pos), to(req), to(cu - 1), to(win_new), to(win_ring),
-                        to(ring_src), to(ring_dst), plans)
+                        to(ring_src), to(ring_dst), plans, windows)

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from deepinfer.layers import group_quant
 from deepinfer.layers.quant import fp4_roundtrip, hadamard, quant_fp4, dequant_fp4, FP8_MAX
 
 EXACT_FORMATS = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -106,6 +107,38 @@ class IndexKeyStore:
         return q
 
 
+class FormatStore:
+    """Rows stored in one of V4.1's cache formats (group_quant: fp8 / mxfp4 / nvfp4) or exactly."""
+
+    def __init__(self, rows: int, dim: int, fmt: str, device):
+        self.fmt = fmt
+        if fmt in EXACT_FORMATS:
+            self.data = torch.zeros(rows, dim, dtype=EXACT_FORMATS[fmt], device=device)
+            return
+        codes, scale = group_quant.encode(torch.zeros(1, dim, device="meta"), fmt)
+        self.codes = torch.zeros(rows, codes.shape[-1], dtype=codes.dtype, device=device)
+        self.scale = torch.zeros(rows, scale.shape[-1], dtype=scale.dtype, device=device)
+
+    def tensors(self) -> list[torch.Tensor]:
+        return [self.data] if self.fmt in EXACT_FORMATS else [self.codes, self.scale]
+
+    def write(self, rows: torch.Tensor, x: torch.Tensor) -> None:
+        if self.fmt in EXACT_FORMATS:
+            self.data[rows] = x.to(self.data.dtype)
+        else:
+            self.codes[rows], self.scale[rows] = group_quant.encode(x, self.fmt)
+
+    def read(self, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        if self.fmt in EXACT_FORMATS:
+            return self.data[rows].to(dtype)
+        return group_quant.decode(self.codes[rows], self.scale[rows], self.fmt, dtype)
+
+    def roundtrip(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fmt in EXACT_FORMATS:
+            return x.to(self.data.dtype).to(x.dtype)
+        return group_quant.roundtrip(x, self.fmt)
+
+
 @dataclass
 class CarryState:
     """Compressor projections (kv, gate score + ape) of the last S positions, fp32."""
@@ -124,9 +157,9 @@ class CarryState:
 
 @dataclass
 class LayerCache:
-    ring: EntryStore
-    entries: EntryStore | None = None
-    index_keys: IndexKeyStore | None = None
+    ring: EntryStore | FormatStore
+    entries: EntryStore | FormatStore | None = None
+    index_keys: IndexKeyStore | FormatStore | None = None
     carry: dict[str, CarryState] = field(default_factory=dict)
     ratio: int = 0
 

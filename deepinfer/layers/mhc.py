@@ -17,14 +17,19 @@ from deepinfer.layers.norm import rms_norm
 class HyperConnection(nn.Module):
     """One mHC site. Parameters are registered on the owning block as `hc_{site}_{fn,base,scale}`."""
 
-    def __init__(self, n: int, sinkhorn_iters: int, hc_eps: float, norm_eps: float):
+    def __init__(self, n: int, sinkhorn_iters: int, hc_eps: float, norm_eps: float, project_first: bool = False):
         super().__init__()
         self.n, self.iters, self.hc_eps, self.norm_eps = n, sinkhorn_iters, hc_eps, norm_eps
+        self.project_first = project_first  # V4.1 projects, then scales by the RMS (same value, other rounding)
 
     def weights(self, x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor):
         """x [T, n, D] -> pre [T, n], post [T, n], comb [T, n, n] (all fp32)."""
         n = self.n
-        mix = F.linear(rms_norm(x.flatten(1), self.norm_eps), fn.float())
+        f = x.flatten(1).float()
+        if self.project_first:
+            mix = F.linear(f, fn.float()) * torch.rsqrt(f.square().mean(-1, keepdim=True) + self.norm_eps)
+        else:
+            mix = F.linear(rms_norm(f, self.norm_eps), fn.float())
         pre = torch.sigmoid(mix[:, :n] * scale[0] + base[:n]) + self.hc_eps
         post = 2 * torch.sigmoid(mix[:, n:2 * n] * scale[1] + base[n:2 * n])
         comb = mix[:, 2 * n:].view(-1, n, n) * scale[2] + base[2 * n:].view(n, n)

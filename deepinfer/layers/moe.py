@@ -15,8 +15,11 @@ def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.
 
 
 class Gate(nn.Module):
+    """Router. V4 hash layers select by `tid2eid[token]`; others by top-k of score + bias
+    (selection only). V4.1 adds `bias_vl`, used instead of `bias` for image tokens."""
+
     def __init__(self, dim: int, num_experts: int, topk: int, vocab_size: int, hashed: bool,
-                 route_scale: float, dtype: torch.dtype):
+                 route_scale: float, dtype: torch.dtype, vision_bias: bool = False):
         super().__init__()
         self.topk, self.route_scale, self.hashed = topk, route_scale, hashed
         self.weight = nn.Parameter(torch.empty(num_experts, dim, dtype=dtype), requires_grad=False)
@@ -24,14 +27,18 @@ class Gate(nn.Module):
             self.register_buffer("tid2eid", torch.zeros(vocab_size, topk, dtype=torch.int64))
         else:
             self.bias = nn.Parameter(torch.zeros(num_experts, dtype=torch.float32), requires_grad=False)
+        if vision_bias:
+            self.bias_vl = nn.Parameter(torch.zeros(num_experts, dtype=torch.float32), requires_grad=False)
 
-    def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor,
+                image_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, D] -> (weights [T, k] fp32, expert ids [T, k])."""
         scores = F.softplus(F.linear(x.float(), self.weight.float())).sqrt()
         if self.hashed:
             idx = self.tid2eid[input_ids].long()
         else:
-            idx = torch.topk(scores + self.bias, self.topk, dim=-1).indices
+            bias = self.bias if image_mask is None else torch.where(image_mask[:, None], self.bias_vl, self.bias)
+            idx = torch.topk(scores + bias, self.topk, dim=-1).indices
         w = scores.gather(1, idx)
         return w / w.sum(dim=-1, keepdim=True) * self.route_scale, idx
 
@@ -92,12 +99,12 @@ class Experts(nn.Module):
 class MoE(nn.Module):
     def __init__(self, dim: int, inter: int, num_experts: int, topk: int, n_shared: int, vocab_size: int,
                  hashed: bool, route_scale: float, limit: float, dtype: torch.dtype,
-                 expert_quant: QuantSpec = DENSE, shared_quant: QuantSpec = DENSE):
+                 expert_quant: QuantSpec = DENSE, shared_quant: QuantSpec = DENSE, vision_bias: bool = False):
         super().__init__()
-        self.gate = Gate(dim, num_experts, topk, vocab_size, hashed, route_scale, dtype)
+        self.gate = Gate(dim, num_experts, topk, vocab_size, hashed, route_scale, dtype, vision_bias)
         self.experts = Experts(dim, inter, num_experts, limit, dtype, expert_quant)
         self.shared_experts = MLP(dim, inter * n_shared, limit, dtype, shared_quant)
 
-    def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
-        weights, idx = self.gate(x, input_ids)
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor, image_mask: torch.Tensor | None = None):
+        weights, idx = self.gate(x, input_ids, image_mask)
         return (self.experts(x, weights, idx) + self.shared_experts(x).float()).to(x.dtype)

@@ -20,4 +20,18 @@ def load_model(model: str | Path | None, *, dtype: torch.dtype = torch.bfloat16,
     with torch.device(device):
         net = model_cls(cfg, dtype=dtype, quantized=quantized)
     load_weights(net, path, config=cfg)
+    if getattr(cfg, "engram_layer_ids", None):
+        net.set_engram_vocab(_engram_token_map(path))
     return net.eval(), path
+
+
+def _engram_token_map(path: Path) -> list[int]:
+    """Engram hashes tokenizer-normalised ids: the map comes from the checkpoint's tokenizer.json."""
+    from tokenizers import Tokenizer
+
+    from deepinfer.layers.engram_hash import compressed_token_map
+
+    tok = path / "tokenizer.json"
+    if not tok.is_file():
+        raise FileNotFoundError(f"{path}: Engram layers need the checkpoint's tokenizer.json, which is missing")
+    return compressed_token_map(Tokenizer.from_file(str(tok)))[0]

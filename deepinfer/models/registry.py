@@ -2,10 +2,13 @@
 from __future__ import annotations
 
 from deepinfer.models.config import ConfigError, DeepseekV4Config
+from deepinfer.models.config_v41 import DeepseekV41Config
 from deepinfer.models.deepseek_v4 import DeepseekV4ForCausalLM
+from deepinfer.models.deepseek_v41 import DeepseekV41ForCausalLM
 
 MODELS = {
     "deepseek_v4": (DeepseekV4Config, DeepseekV4ForCausalLM),
+    "deepseek_v41": (DeepseekV41Config, DeepseekV41ForCausalLM),
 }
 
 

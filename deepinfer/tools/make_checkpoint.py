@@ -1,7 +1,8 @@
-"""Write a random DeepSeek-V4 checkpoint in the hub's format (config.json, sharded
+"""Write a random DeepSeek-V4 / V4.1 checkpoint in the hub's format (config.json, sharded
 safetensors + index, tokenizer) for tests and demos.
 
     python -m deepinfer.tools.make_checkpoint --arch deepseek_v4 --preset tiny --out DIR
+    python -m deepinfer.tools.make_checkpoint --arch deepseek_v41 --preset tiny41 --out DIR
 
 Tensor names, shapes and storage dtypes follow DeepSeek's original layout; shapes are
 derived here from the config on their own (never from deepinfer's model code).
@@ -23,6 +24,7 @@ from safetensors.torch import save_file
 from deepinfer.layers.quant import quant_fp4, quant_fp8_blocks, scale_to_float
 from deepinfer.loader.checkpoint import INDEX_FILE
 from deepinfer.loader.names import split_expert_name, to_hf_name
+from deepinfer.tools.presets_v41 import PRESETS_V41, is_v41
 from deepinfer.tools.tiny_tokenizer import write_tokenizer
 
 DTYPES = ("fp8", "bfloat16", "float32")
@@ -142,7 +144,9 @@ _FLASH = {
     "quantization_config": {**_FP8_QUANT, "weight_block_size": [128, 128]},
 }
 
-PRESETS: dict[str, dict] = {"tiny": _TINY, "tiny-dspark": _TINY_DSPARK, "demo": _DEMO, "flash": _FLASH}
+PRESETS: dict[str, dict] = {"tiny": _TINY, "tiny-dspark": _TINY_DSPARK, "demo": _DEMO, "flash": _FLASH,
+                            **PRESETS_V41}
+ARCHS = ("deepseek_v4", "deepseek_v41")
 
 
 @dataclass(frozen=True)
@@ -150,7 +154,8 @@ class WeightSpec:
     name: str
     shape: tuple[int, ...]
     init: str  # linear | embed | head | norm | hc_fn | hc_base | hc_scale | sink | ape | bias | tid2eid
-    store: str  # fp8 (block-quantised) | expert (fp4 or fp8) | bf16 | fp32 | int32
+    store: str  # fp8 (block-quantised) | fp8_rows (e4m3, one scale per row x 32 columns) | expert (fp4 or fp8)
+    #             | bf16 | fp32 | int32
 
 
 def _block_specs(c: dict, p: str, ratio: int, hashed: bool, *, compressor: bool = True) -> list[WeightSpec]:
@@ -219,6 +224,9 @@ def _hc_head_specs(c: dict, p: str) -> list[WeightSpec]:
 
 def weight_specs(config: dict) -> list[WeightSpec]:
     """Every tensor of the checkpoint, DeepSeek names, logical (unquantised) shapes."""
+    if is_v41(config):
+        from deepinfer.tools.make_checkpoint_v41 import weight_specs_v41
+        return weight_specs_v41(config)
     c = config
     v, d = c["vocab_size"], c["hidden_size"]
     n = c["num_hidden_layers"]
@@ -270,18 +278,19 @@ def _init(spec: WeightSpec, config: dict, g: torch.Generator) -> torch.Tensor:
     if kind == "linear":
         return x * shape[-1] ** -0.5
     if kind == "head":
-        return x * config["hidden_size"] ** -0.5
+        return x * shape[-1] ** -0.5
     if kind == "norm":
         return 1 + 0.3 * x
     factor = {"embed": 1.0, "sink": 1.0, "hc_fn": 0.05, "hc_base": 0.5, "ape": 0.5, "bias": 0.1}[kind]
     return x * factor
 
 
-def random_weights(config: dict, seed: int = 0) -> Iterator[tuple[str, torch.Tensor]]:
+def random_weights(config: dict, seed: int = 0, specs: list[WeightSpec] | None = None
+                   ) -> Iterator[tuple[str, torch.Tensor]]:
     """(DeepSeek name, float32 tensor) for every weight (tid2eid: int32 expert ids).
     Each tensor has its own generator seeded from (seed, name), so values do not depend
     on which other tensors exist."""
-    for spec in weight_specs(config):
+    for spec in weight_specs(config) if specs is None else specs:
         g = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(spec.name.encode())) % 2**63)
         yield spec.name, _init(spec, config, g)
 
@@ -307,6 +316,8 @@ def encode_tensor(spec: WeightSpec, t: torch.Tensor, config: dict, dtype: str) -
         return [(spec.name, t.to(torch.bfloat16))]
     if spec.store == "expert" and expert_dtype == "fp4":
         w, s = quant_fp4(t, 32)
+    elif spec.store == "fp8_rows":
+        w, s = quant_fp8_blocks(t, (1, 32))
     else:
         w, s = quant_fp8_blocks(t, block)
     if not e8m0:
@@ -403,6 +414,8 @@ def _stored_bytes(spec: WeightSpec, dtype: str) -> int:
     n = math.prod(spec.shape)
     if dtype == "float32" or spec.store in ("fp32", "int32"):
         return 4 * n
+    if spec.store == "fp8_rows":
+        return n + n // 32
     if dtype == "bfloat16" or spec.store == "bf16":
         return 2 * n
     return n // 2 if spec.store == "expert" else n
@@ -417,20 +430,19 @@ def write_checkpoint(out_dir: str | Path, config: dict, *, seed: int = 0, dtype:
     (capped at 4 GiB)."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r} is not one of {DTYPES}")
+    if is_v41(config):
+        if layout != "deepseek":
+            raise ValueError("DeepSeek-V4.1 checkpoints are written in DeepSeek's layout only")
+        from deepinfer.tools.make_checkpoint_v41 import write_checkpoint_v41
+        return write_checkpoint_v41(out_dir, config, seed=seed, dtype=dtype, max_shard_bytes=max_shard_bytes,
+                                    tokenizer=tokenizer)
     if layout not in LAYOUTS:
         raise ValueError(f"layout {layout!r} is not one of {LAYOUTS}")
     if layout == "hf" and dtype == "fp8":
         raise ValueError("the transformers layout is written unquantised: use dtype bfloat16 or float32")
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    for old in [*out.glob("model*.safetensors"), out / INDEX_FILE]:
-        old.unlink(missing_ok=True)
     cfg = checkpoint_config(config, dtype, layout)
     specs = weight_specs(config)
-    if max_shard_bytes is None:
-        total = sum(_stored_bytes(s, dtype) for s in specs)
-        max_shard_bytes = min(total // 3 + 1, 4 << 30)
-    writer = _ShardWriter(out, max_shard_bytes)
+    out, writer = _open_writer(out_dir, specs, dtype, max_shard_bytes)
     fused: dict[str, dict[str, torch.Tensor]] = {}
     n_exp = config["n_routed_experts"]
     by_name = {s.name: s for s in specs}
@@ -452,6 +464,19 @@ def write_checkpoint(out_dir: str | Path, config: dict, *, seed: int = 0, dtype:
     return out
 
 
+def _open_writer(out_dir: str | Path, specs: list[WeightSpec], dtype: str,
+                 max_shard_bytes: int | None) -> tuple[Path, _ShardWriter]:
+    """Create out_dir, drop old shards/index, size shards (default: a third of the model)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    for old in [*out.glob("model*.safetensors"), out / INDEX_FILE]:
+        old.unlink(missing_ok=True)
+    if max_shard_bytes is None:
+        total = sum(_stored_bytes(s, dtype) for s in specs)
+        max_shard_bytes = min(total // 3 + 1, 4 << 30)
+    return out, _ShardWriter(out, max_shard_bytes)
+
+
 def _add_fused(writer: _ShardWriter, fused: dict, split: tuple, t: torch.Tensor, n_exp: int, dtype: str) -> None:
     """Collect one layer's experts, then write transformers' fused gate_up_proj / down_proj."""
     stem, e, proj, _ = split
@@ -468,14 +493,19 @@ def _add_fused(writer: _ShardWriter, fused: dict, split: tuple, t: torch.Tensor,
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m deepinfer.tools.make_checkpoint", description=__doc__.split("\n")[0])
-    ap.add_argument("--arch", default="deepseek_v4", choices=["deepseek_v4"])
+    ap.add_argument("--arch", default="deepseek_v4", choices=list(ARCHS))
     ap.add_argument("--out", required=True, help="output directory")
-    ap.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
+    ap.add_argument("--preset", default=None, choices=sorted(PRESETS),
+                    help="default: tiny (deepseek_v4) / tiny41 (deepseek_v41)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dtype", default="fp8", choices=DTYPES)
     ap.add_argument("--layout", default="deepseek", choices=LAYOUTS)
     ap.add_argument("--max-shard-mb", type=float, default=None, help="default: a third of the model")
     args = ap.parse_args(argv)
+    if args.preset is None:
+        args.preset = "tiny41" if args.arch == "deepseek_v41" else "tiny"
+    if is_v41(PRESETS[args.preset]) != (args.arch == "deepseek_v41"):
+        ap.error(f"preset {args.preset!r} is not a {args.arch} preset")
     max_bytes = int(args.max_shard_mb * 2**20) if args.max_shard_mb else None
     path = write_checkpoint(args.out, PRESETS[args.preset], seed=args.seed, dtype=args.dtype,
                             max_shard_bytes=max_bytes, layout=args.layout)

@@ -59,10 +59,13 @@ def build_tokenizer(vocab_size: int) -> Tokenizer:
     return tok
 
 
-def write_tokenizer(out_dir: str | Path, vocab_size: int, *, model_max_length: int = 1048576) -> Path:
+def write_tokenizer(out_dir: str | Path, vocab_size: int, *, model_max_length: int = 1048576,
+                    tokenizer: Tokenizer | None = None) -> Path:
+    """Write tokenizer.json + tokenizer_config.json (`tokenizer`: one already built with
+    build_tokenizer(vocab_size), to avoid training it twice)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    build_tokenizer(vocab_size).save(str(out / "tokenizer.json"))
+    (tokenizer or build_tokenizer(vocab_size)).save(str(out / "tokenizer.json"))
     cfg = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": BOS,

@@ -12,8 +12,9 @@ from dataclasses import dataclass
 
 import torch
 
-from deepinfer.layers.kv_state import CarryState, EntryStore, IndexKeyStore, LayerCache
-from deepinfer.models.config import CSA, SLIDING, DeepseekV4Config
+from deepinfer.layers.kv_state import CarryState, EntryStore, FormatStore, IndexKeyStore, LayerCache
+from deepinfer.models.config import CSA, SLIDING
+from deepinfer.models.config_v41 import FULL, DeepseekV41Config
 
 # kv_cache_dtype -> (entry/window format, indexer-key format)
 KV_FORMATS = {
@@ -53,8 +54,42 @@ class CacheSpec:
     block_bytes: dict[int, int]        # one block of ratio m across all its layers
 
 
-def _layer_caches(cfg: DeepseekV4Config, num_slots: int, num_blocks: dict[int, int], block_size: int,
+# V4.1: kv_cache_dtype -> (window, compressed entries, index keys); "auto"/"fp8" = the reference formats
+V41_FORMATS = {
+    "fp8": ("fp8", "nvfp4", "mxfp4"),
+    "bfloat16": ("bfloat16", "bfloat16", "bfloat16"),
+    "float32": ("float32", "float32", "float32"),
+}
+
+
+def _layer_caches_v41(cfg: DeepseekV41Config, num_slots: int, num_blocks: dict[int, int], block_size: int,
+                      kv_cache_dtype: str, device) -> tuple[list[LayerCache], list[LayerCache]]:
+    win_fmt, entry_fmt, key_fmt = V41_FORMATS[resolve_kv_cache_dtype(kv_cache_dtype)]
+    ring = lambda: FormatStore(num_slots * cfg.sliding_window, cfg.head_dim, win_fmt, device)  # noqa: E731
+    layers = []
+    for i, m in enumerate(cfg.compress_ratios):
+        cache = LayerCache(ring(), ratio=m)
+        if cfg.role(i) == FULL:
+            rows = num_blocks[m] * block_size
+            cache.entries = FormatStore(rows, cfg.head_dim, entry_fmt, device)
+            cache.index_keys = FormatStore(rows, cfg.index_head_dim, key_fmt, device)
+            if m > 1:  # the open group: up to m - 1 tokens' fp32 projections
+                cache.carry["main"] = CarryState.empty(num_slots * m, cfg.head_dim, device)
+        layers.append(cache)
+    return layers, [LayerCache(ring()) for _ in range(cfg.num_nextn_predict_layers if cfg.has_dspark else 0)]
+
+
+def _compressed(cfg) -> list[tuple[int, bool]]:
+    """(ratio, overlapped) of every layer that owns compressed entries."""
+    if isinstance(cfg, DeepseekV41Config):
+        return [(m, False) for i, m in enumerate(cfg.compress_ratios) if cfg.role(i) == FULL]
+    return [(m, k == CSA) for k, m in zip(cfg.layer_kinds, cfg.compress_ratios) if k != SLIDING]
+
+
+def _layer_caches(cfg, num_slots: int, num_blocks: dict[int, int], block_size: int,
                   kv_cache_dtype: str, device) -> tuple[list[LayerCache], list[LayerCache]]:
+    if isinstance(cfg, DeepseekV41Config):
+        return _layer_caches_v41(cfg, num_slots, num_blocks, block_size, kv_cache_dtype, device)
     entry_fmt, key_fmt = KV_FORMATS[resolve_kv_cache_dtype(kv_cache_dtype)]
     W, r = cfg.sliding_window, cfg.qk_rope_head_dim
     ring = lambda: EntryStore(num_slots * W, cfg.head_dim, r, entry_fmt, device)  # noqa: E731
@@ -73,10 +108,10 @@ def _layer_caches(cfg: DeepseekV4Config, num_slots: int, num_blocks: dict[int, i
     return layers, [LayerCache(ring()) for _ in range(cfg.num_nextn_predict_layers)]
 
 
-def cache_spec(cfg: DeepseekV4Config, kv_cache_dtype: str, block_size: int = DEFAULT_BLOCK_SIZE) -> CacheSpec:
+def cache_spec(cfg, kv_cache_dtype: str, block_size: int = DEFAULT_BLOCK_SIZE) -> CacheSpec:
     """Measured from a one-slot, one-block-per-ratio allocation on the meta device."""
-    ratios = tuple(sorted({m for k, m in zip(cfg.layer_kinds, cfg.compress_ratios) if k != SLIDING}))
-    kinds = frozenset((m, k == CSA) for k, m in zip(cfg.layer_kinds, cfg.compress_ratios) if k != SLIDING)
+    kinds = frozenset(_compressed(cfg))
+    ratios = tuple(sorted({m for m, _ in kinds}))
     base = sum(c.nbytes() for c in sum(_layer_caches(cfg, 1, dict.fromkeys(ratios, 0), block_size,
                                                      kv_cache_dtype, "meta"), []))
     per_block = {}
@@ -122,16 +157,16 @@ class V4Cache:
                 t[d_rows.to(t.device)] = t[s_rows.to(t.device)]
 
 
-def allocate_v4_cache(cfg: DeepseekV4Config, num_slots: int, num_blocks: dict[int, int], kv_cache_dtype: str,
+def allocate_v4_cache(cfg, num_slots: int, num_blocks: dict[int, int], kv_cache_dtype: str,
                       device, block_size: int = DEFAULT_BLOCK_SIZE) -> V4Cache:
     layers, mtp = _layer_caches(cfg, num_slots, num_blocks, block_size, kv_cache_dtype, device)
     spec = cache_spec(cfg, kv_cache_dtype, block_size)
     return V4Cache(layers, mtp, num_slots, dict(num_blocks), block_size, set(spec.compress_kinds))
 
 
-def static_v4_cache(cfg: DeepseekV4Config, num_slots: int, max_len: int, kv_cache_dtype: str, device,
+def static_v4_cache(cfg, num_slots: int, max_len: int, kv_cache_dtype: str, device,
                     block_size: int = 16) -> V4Cache:
     """Every slot owns enough blocks for `max_len` tokens (model tests drive the forward directly)."""
-    ratios = {m for k, m in zip(cfg.layer_kinds, cfg.compress_ratios) if k != SLIDING}
+    ratios = {m for m, _ in _compressed(cfg)}
     blocks = {m: num_slots * -(-(max_len // m) // block_size) for m in ratios}
     return allocate_v4_cache(cfg, num_slots, blocks, kv_cache_dtype, device, block_size)

@@ -19,9 +19,9 @@ class ModelRunner:
     def execute(self, so: SchedulerOutput) -> ModelOutput:
         for f in so.forks:
             self.cache.copy_state(f.src_slot, f.dst_slot, f.src_blocks, f.dst_blocks)
-        chunks = [SeqChunk(c.slot, c.start, c.token_ids, c.block_tables) for c in so.chunks]
+        chunks = [SeqChunk(c.slot, c.start, c.token_ids, c.block_tables, c.prev_tokens) for c in so.chunks]
         batch = build_forward_batch(chunks, self.model.config.sliding_window, self.cache.compress_kinds,
-                                    self.cache.block_size, self.device)
+                                    self.cache.block_size, self.device, getattr(self.model, "token_history", 0))
         streams = self.model(batch, self.cache.layers)
         sampled = [c for c in so.chunks if c.num_samples]
         if not sampled:

@@ -1,0 +1,223 @@
+"""DeepSeek-V4.1-Flash (model_type deepseek_v41). Math only.
+
+A 40-layer causal encoder-decoder stack: CSA2 (four KV-source layers publish compressed KV
+and index keys; reindex layers recompute the top-k, reuse layers attend with it; a
+hierarchical candidate top-k), Engram n-gram memory at two layers, single-pass mHC
+(a sub-layer's input is collapsed with the previous sub-layer's `pre`), sqrtsoftplus MoE
+with a separate bias for image tokens. Parameter names follow the released checkpoint.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+from torch import nn
+
+from deepinfer.layers.attention import sparse_attention
+from deepinfer.layers.csa2 import CSA2State, Engram, Indexer41, PoolCompressor
+from deepinfer.layers.engram_hash import EngramHashParams, ngram_rows
+from deepinfer.layers.forward_batch import ForwardBatch
+from deepinfer.layers.kv_state import LayerCache
+from deepinfer.layers.linear import Linear, QuantSpec
+from deepinfer.layers.mhc import HyperConnection, collapse, expand
+from deepinfer.layers.moe import MoE
+from deepinfer.layers.norm import RMSNorm
+from deepinfer.layers.rotary import RopeCache, apply_rope, rope_inv_freq
+from deepinfer.models.config_v41 import FULL, REINDEX, SWA, DeepseekV41Config
+from deepinfer.models.deepseek_v4 import _fp32, quant_spec
+
+
+@dataclass
+class StepContext41:
+    batch: ForwardBatch
+    rope_main: RopeCache
+    rope_compress: RopeCache
+    inv_freq_compress: torch.Tensor
+    engram_rows: torch.Tensor | None      # [T, n_engram_layers, hash_heads]
+    image_mask: torch.Tensor | None = None
+
+
+class Attention41(nn.Module):
+    def __init__(self, cfg: DeepseekV41Config, layer: int, dtype: torch.dtype, quant: QuantSpec):
+        super().__init__()
+        c = cfg
+        self.role, self.ratio = cfg.role(layer), cfg.compress_ratios[layer]
+        self.n_heads, self.head_dim = c.num_attention_heads, c.head_dim
+        self.o_groups, self.o_rank = c.o_groups, c.o_lora_rank
+        self.candidate_source = ((c.candidate_topk_blocks, c.candidate_block_size)
+                                 if layer == c.candidate_source_layer_id else None)
+        self.uses_candidates = 0 <= c.candidate_source_layer_id < layer
+        self.wq_a = Linear(c.hidden_size, c.q_lora_rank, dtype, quant)
+        self.q_norm = RMSNorm(c.q_lora_rank, c.rms_norm_eps)
+        self.wq_b = Linear(c.q_lora_rank, c.num_attention_heads * c.head_dim, dtype, quant)
+        self.wkv = Linear(c.hidden_size, c.head_dim, dtype, quant)
+        self.kv_norm = RMSNorm(c.head_dim, c.rms_norm_eps)
+        self.wo_a = Linear(c.num_attention_heads * c.head_dim // c.o_groups, c.o_groups * c.o_lora_rank, dtype, quant)
+        self.wo_b = Linear(c.o_groups * c.o_lora_rank, c.hidden_size, dtype, quant)
+        self.attn_sink = _fp32(c.num_attention_heads)
+        if self.role == FULL:
+            self.compressor = PoolCompressor(c.hidden_size, c.head_dim, self.ratio, c.rms_norm_eps, dtype)
+        if self.role in (FULL, REINDEX):
+            self.indexer = Indexer41(c.hidden_size, c.q_lora_rank, c.head_dim, c.index_n_heads, c.index_head_dim,
+                                     c.index_topk, self.role == FULL, c.rms_norm_eps, dtype, quant)
+
+    def _publish(self, x: torch.Tensor, ctx: StepContext41, cache: LayerCache) -> CSA2State:
+        """Full layer: compress, store rotated entries and index keys, start a fresh CSA2 state."""
+        plan = ctx.batch.plans[(self.ratio, False)]
+        latent = self.compressor(x, plan, cache.carry.get("main"))
+        rope = RopeCache.at(plan.rope_pos, ctx.inv_freq_compress)
+        cache.entries.write(plan.dst, apply_rope(latent, rope))
+        cache.index_keys.write(plan.dst, apply_rope(self.indexer.keys(latent), rope))
+        return CSA2State(cache, plan)
+
+    def forward(self, x: torch.Tensor, ctx: StepContext41, cache: LayerCache,
+                state: CSA2State | None) -> tuple[torch.Tensor, CSA2State | None]:
+        T, batch = x.shape[0], ctx.batch
+        rope = ctx.rope_main if self.role == SWA else ctx.rope_compress
+        qr = self.q_norm(self.wq_a(x))
+        q = apply_rope(self.wq_b(qr).view(T, self.n_heads, self.head_dim), rope)  # no per-head norm in V4.1
+        kv = cache.ring.roundtrip(apply_rope(self.kv_norm(self.wkv(x)), rope))
+        if self.role == FULL:
+            state = self._publish(x, ctx, cache)
+        if self.role in (FULL, REINDEX):
+            qi = apply_rope(self.indexer.wq_b(qr).view(T, -1, self.indexer.index_dim), rope)
+            qi = state.source.index_keys.roundtrip(qi)
+            topk, cands = self.indexer(x, qi, batch, state, self.candidate_source, self.uses_candidates)
+            state = replace(state, topk=topk, candidates=cands if cands is not None else state.candidates)
+        if self.role == SWA:
+            o = sparse_attention(q, kv, batch, cache.ring, None, None, None, self.attn_sink, self.head_dim ** -0.5)
+        else:
+            o = sparse_attention(q, kv, batch, cache.ring, state.topk, state.plan, state.source.entries,
+                                 self.attn_sink, self.head_dim ** -0.5)
+        cache.ring.write(batch.ring_dst, kv[batch.ring_src])
+        o = apply_rope(o, rope, inverse=True).view(T, self.o_groups, -1)
+        wo_a = self.wo_a.dense_weight(x.dtype).view(self.o_groups, self.o_rank, -1)
+        return self.wo_b(torch.einsum("tgi,goi->tgo", o, wo_a).flatten(1)), state
+
+
+class Block41(nn.Module):
+    """Engram (some layers), then mHC(attention), mHC(MoE) with the single-pass pre hand-off."""
+
+    def __init__(self, cfg: DeepseekV41Config, layer: int, dtype: torch.dtype, quant: QuantSpec,
+                 expert_quant: QuantSpec, num_experts: int | None = None, topk: int | None = None):
+        super().__init__()
+        c, n = cfg, cfg.hc_mult
+        mix = (2 + n) * n
+        for site in ("attn", "ffn"):
+            self.register_parameter(f"hc_{site}_fn", _fp32(mix, n * c.hidden_size))
+            self.register_parameter(f"hc_{site}_base", _fp32(mix))
+            self.register_parameter(f"hc_{site}_scale", _fp32(3))
+        self.hc = HyperConnection(n, c.hc_sinkhorn_iters, c.hc_eps, c.rms_norm_eps, project_first=True)
+        self.attn_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.ffn_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.attn = Attention41(c, layer, dtype, quant)
+        self.ffn = MoE(c.hidden_size, c.moe_intermediate_size, num_experts or c.n_routed_experts,
+                       topk or c.num_experts_per_tok, c.n_shared_experts, c.vocab_size, False,
+                       c.routed_scaling_factor, c.swiglu_limit, dtype, expert_quant, quant, vision_bias=True)
+        self.engram_index = c.engram_layer_ids.index(layer) if layer in c.engram_layer_ids else None
+        if self.engram_index is not None:
+            # the table stays in its checkpoint format (FP8 rows) whatever `quantized` says: ~200 GB in FP8
+            table_quant = QuantSpec(c.quant.block_size) if c.quant.block_size else quant
+            self.engram = Engram(c.hidden_size, n, c.engram_num_embeddings[self.engram_index], c.engram_head_dim,
+                                 (c.engram_max_ngram_size - 1) * c.engram_n_heads, c.rms_norm_eps, dtype, quant,
+                                 table_quant.quantized)
+
+    def forward(self, x: torch.Tensor, pre_prev: torch.Tensor, state: CSA2State | None, input_ids: torch.Tensor,
+                ctx: StepContext41, cache: LayerCache):
+        if self.engram_index is not None:
+            mask = None if ctx.image_mask is None else ~ctx.image_mask
+            x = self.engram(x, ctx.engram_rows[:, self.engram_index], mask)
+        pre_a, post, comb = self.hc.weights(x, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale)
+        y, state = self.attn(self.attn_norm(collapse(x, pre_prev)), ctx, cache, state)
+        x = expand(x, y, post, comb)
+        pre_f, post, comb = self.hc.weights(x, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale)
+        y = self.ffn(self.ffn_norm(collapse(x, pre_a)), input_ids, ctx.image_mask)
+        return expand(x, y, post, comb), pre_f, state
+
+
+class DSparkStage41(Block41):
+    """One stage of the DSpark draft (`mtp.K`): a window-only block with its own MoE size."""
+
+    def __init__(self, cfg: DeepseekV41Config, stage: int, dtype: torch.dtype, quant: QuantSpec,
+                 expert_quant: QuantSpec):
+        swa_cfg = replace(cfg, compress_ratios=(0,) * cfg.num_hidden_layers, kv_source_layer_ids=(),
+                          index_source_layer_ids=(), candidate_source_layer_id=-1, engram_layer_ids=(),
+                          engram_num_embeddings=())
+        super().__init__(swa_cfg, 0, dtype, quant, expert_quant, cfg.dspark_n_routed_experts,
+                         cfg.dspark_num_experts_per_tok)
+        d = cfg.hidden_size
+        if stage == 0:
+            self.main_proj = Linear(len(cfg.dspark_target_layer_ids) * d, d, dtype, quant)
+            self.main_norm = RMSNorm(d, cfg.rms_norm_eps)
+        if stage == cfg.num_nextn_predict_layers - 1:
+            rank = cfg.dspark_markov_rank
+            self.norm = RMSNorm(d, cfg.rms_norm_eps)
+            self.markov_head = nn.Module()
+            self.markov_head.embed = nn.Embedding(cfg.vocab_size, rank, dtype=dtype)
+            self.markov_head.head = Linear(rank, cfg.vocab_size, dtype)
+            self.confidence_head = nn.Module()
+            self.confidence_head.proj = Linear(d + rank, 1, torch.float32)
+
+
+class DeepseekV41ForCausalLM(nn.Module):
+    def __init__(self, cfg: DeepseekV41Config, dtype: torch.dtype = torch.float32, quantized: bool = False):
+        super().__init__()
+        self.config, self.dtype = cfg, dtype
+        quant, expert_quant = quant_spec(cfg, quantized)
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
+        self.layers = nn.ModuleList(Block41(cfg, i, dtype, quant, expert_quant) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.head = Linear(cfg.hidden_size, cfg.vocab_size, torch.float32)
+        stages = cfg.num_nextn_predict_layers if cfg.has_dspark else 0
+        self.mtp = nn.ModuleList(DSparkStage41(cfg, k, dtype, quant, expert_quant) for k in range(stages))
+        self.register_buffer("inv_freq_main", rope_inv_freq(cfg.qk_rope_head_dim, cfg.rope_theta), persistent=False)
+        self.register_buffer("inv_freq_compress", rope_inv_freq(cfg.qk_rope_head_dim, cfg.compress_rope_theta,
+                                                                cfg.rope_scaling), persistent=False)
+        # host-side: n-gram rows are hashed on the CPU from the step's token windows
+        self.engram_token_map: torch.Tensor | None = None
+        self.engram_params: EngramHashParams | None = None
+
+    @property
+    def token_history(self) -> int:
+        """Tokens each position needs from before it (Engram's n-gram window, itself included)."""
+        return self.config.engram_max_ngram_size if self.config.engram_layer_ids else 0
+
+    def set_engram_vocab(self, token_map: list[int]) -> None:
+        """Install the tokenizer's compressed token map (checked against the config) and hash constants."""
+        c = self.config
+        if not c.engram_layer_ids:
+            return
+        n_comp = max(token_map) + 1
+        if n_comp != c.engram_compressed_vocab_size:
+            raise ValueError(f"engram_compressed_vocab_size: the tokenizer gives {n_comp} compressed ids, "
+                             f"config.json says {c.engram_compressed_vocab_size}")
+        self.engram_token_map = torch.tensor(token_map, dtype=torch.long)
+        self.engram_params = EngramHashParams.build(
+            c.engram_layer_ids, c.engram_num_embeddings, c.engram_max_ngram_size, c.engram_n_heads,
+            c.engram_vocab_size, n_comp, pad_id=token_map[c.engram_pad_token_id])
+
+    def step_context(self, batch: ForwardBatch) -> StepContext41:
+        pos = batch.positions
+        rows = None
+        if self.config.engram_layer_ids:
+            if self.engram_params is None:
+                raise RuntimeError("Engram layers need the tokenizer's compressed token map (set_engram_vocab)")
+            rows = ngram_rows(batch.token_windows, self.engram_params, token_map=self.engram_token_map)
+        return StepContext41(batch, RopeCache.at(pos, self.inv_freq_main), RopeCache.at(pos, self.inv_freq_compress),
+                             self.inv_freq_compress, rows)
+
+    def forward(self, batch: ForwardBatch, caches: list[LayerCache]) -> torch.Tensor:
+        """Runs the stack on a flat varlen batch; returns the final collapsed hidden [T, D] (before norm)."""
+        ctx = self.step_context(batch)
+        n = self.config.hc_mult
+        x = self.embed(batch.input_ids).unsqueeze(1).repeat(1, n, 1)
+        pre = torch.zeros(x.shape[0], n, dtype=torch.float32, device=x.device)
+        pre[:, 0] = 1  # the stream starts one-hot on copy 0
+        state = None
+        for layer, cache in zip(self.layers, caches):
+            x, pre, state = layer(x, pre, state, batch.input_ids, ctx, cache)
+        return collapse(x, pre)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden [N, D] -> fp32 logits (the head is kept in fp32)."""
+        return self.head(self.norm(hidden).float()).float()

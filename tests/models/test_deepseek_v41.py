@@ -1,0 +1,116 @@
+"""DeepSeek-V4.1 against NeMo AutoModel's deepseek_v41 (fp32, CPU), prefill and incremental decode."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deepinfer.layers.forward_batch import SeqChunk, build_forward_batch
+from deepinfer.loader.model_loader import load_model
+from deepinfer.models.config_v41 import FULL, REINDEX, REUSE, SWA, DeepseekV41Config
+from deepinfer.models.deepseek_v41 import DeepseekV41ForCausalLM
+from deepinfer.tools.make_checkpoint import PRESETS, write_checkpoint
+from deepinfer.worker.kv_cache import static_v4_cache
+from nemo_oracle import nemo_v41_logits, nemo_v41_model
+
+TINY = PRESETS["tiny41"]
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return write_checkpoint(tmp_path_factory.mktemp("v41") / "ckpt", TINY, seed=0, dtype="fp8")
+
+
+@pytest.fixture(scope="module")
+def ours(ckpt):
+    return load_model(str(ckpt), dtype=torch.float32)[0]
+
+
+@pytest.fixture(scope="module")
+def nemo(ckpt):
+    return nemo_v41_model(ckpt)[0]
+
+
+def _ids(seed: int, batch: int, length: int) -> torch.Tensor:
+    return torch.randint(3, 1000, (batch, length), generator=torch.Generator().manual_seed(seed))
+
+
+def _run(model, ids: torch.Tensor, steps: list[int], kv: str) -> torch.Tensor:
+    """Request i advances steps[i] tokens per step (1 = decode); every position's logits."""
+    cfg, (B, S) = model.config, ids.shape
+    cache = static_v4_cache(cfg, B, S, kv, "cpu")
+    done, out = [0] * B, torch.empty(B, S, cfg.vocab_size)
+    with torch.inference_mode():
+        while min(done) < S:
+            live = [i for i in range(B) if done[i] < S]
+            chunks = [SeqChunk(i, done[i], ids[i, done[i]:done[i] + steps[i]].tolist(), cache.static_tables(i),
+                               ids[i, max(0, done[i] - 7):done[i]].tolist()) for i in live]
+            b = build_forward_batch(chunks, cfg.sliding_window, cache.compress_kinds, cache.block_size, "cpu",
+                                    model.token_history)
+            logits = model.compute_logits(model(b, cache.layers))
+            off = 0
+            for i, c in zip(live, chunks):
+                n = len(c.token_ids)
+                out[i, done[i]:done[i] + n] = logits[off:off + n]
+                off, done[i] = off + n, done[i] + n
+    return out
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, rel: float):
+    diff, scale = (a - b).abs().max().item(), b.abs().max().item()
+    assert diff <= rel * scale, f"max |diff| {diff:.3g} > {rel} x logit scale {scale:.3g}"
+
+
+def test_tiny_config_covers_every_layer_role(ours):
+    cfg = ours.config
+    roles = [cfg.role(i) for i in range(cfg.num_hidden_layers)]
+    assert {SWA, FULL, REINDEX, REUSE} <= set(roles) and cfg.candidate_source_layer_id >= 0
+    assert set(cfg.compress_ratios) == {0, 1, 2} and len(cfg.engram_layer_ids) == 2
+    assert cfg.index_n_heads >= 16 and len(ours.mtp) == 3
+
+
+@pytest.mark.parametrize("kv, exact", [("float32", True), ("auto", False)], ids=["exact", "reference-formats"])
+def test_prefill_matches_nemo(ours, nemo, kv, exact):
+    ids = _ids(0, 2, 64)
+    with torch.inference_mode():
+        ref = nemo_v41_logits(nemo, ids, exact=exact)
+    _close(_run(ours, ids, [64, 64], kv), ref, 1e-4)
+
+
+def test_chunked_prefill_and_decode_in_a_mixed_batch_match_nemo(ours, nemo):
+    # 3 requests sharing steps: chunks of 5 (odd, so ratio-2 groups straddle steps), token by token
+    # for 40 decode steps, and a 24-token prefill followed by decode
+    ids = _ids(1, 3, 40)
+    with torch.inference_mode():
+        ref = nemo_v41_logits(nemo, ids, exact=True)
+    _close(_run(ours, ids, [5, 1, 24], "float32"), ref, 1e-4)
+
+
+def test_reference_formats_are_stored_and_close_to_nemo_in_decode(ours, nemo):
+    ids = _ids(2, 2, 40)
+    with torch.inference_mode():
+        ref = nemo_v41_logits(nemo, ids, exact=False)
+    inc = _run(ours, ids, [1, 7], "auto")
+    # chunking moves fp32 last bits, which can flip single FP4 roundings: close, not bit-equal
+    _close(inc, ref, 2e-2)
+    assert (inc.argmax(-1) == ref.argmax(-1)).float().mean() > 0.95
+    cache = static_v4_cache(ours.config, 1, 16, "auto", "cpu")
+    full = cache.layers[ours.config.kv_source_layer_ids[0]]
+    assert full.ring.codes.dtype == torch.float8_e4m3fn                     # FP8 window, scale per 32
+    assert full.entries.codes.dtype == torch.uint8 and full.entries.scale.dtype == torch.float8_e4m3fn  # NVFP4/16
+    assert full.index_keys.codes.shape[-1] == ours.config.index_head_dim // 2  # MXFP4 packed
+
+
+def test_full_size_v41_flash_builds_on_meta():
+    cfg = DeepseekV41Config.from_dict(PRESETS["flash41"])
+    with torch.device("meta"):
+        model = DeepseekV41ForCausalLM(cfg, dtype=torch.bfloat16)
+    counts = {"engram": 0, "mtp": 0, "backbone": 0}
+    for name, t in model.state_dict().items():
+        if name.endswith(".scale"):
+            continue
+        kind = "mtp" if name.startswith("mtp.") else "engram" if ".engram.embed." in name else "backbone"
+        counts[kind] += t.numel()
+    # published: ~552 B backbone + ~196 B Engram tables ~= 750 B total (draft not counted)
+    assert abs(counts["backbone"] - 552e9) < 2e9, counts
+    assert abs(counts["engram"] - 196.6e9) < 0.5e9, counts
+    assert abs(counts["backbone"] + counts["engram"] - 750e9) < 5e9, counts
