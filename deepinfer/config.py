@@ -14,7 +14,10 @@ DTYPES = ("bfloat16", "float32")
 ENV_FIELDS = {
     "DEEPINFER_ACCELERATOR": "accelerator",
     "DEEPINFER_HF_MODEL_DIR": "hf_model_dir",
+    "DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE": "yoco_prefill_truncation_mode",
+    "DEEPINFER_YOCO_PREFILL_KEEP_TOKENS": "yoco_prefill_keep_tokens",
 }
+REPLAY_MODES = ("compact", "none")
 
 
 @dataclass(frozen=True)
@@ -33,11 +36,20 @@ class EngineConfig:
     block_size: int = 64                     # compressed entries per cache block
     skip_tokenizer_init: bool = False
     seed: int | None = None
+    # SWA bounded replay (V4.1): "compact" runs the layers above the last KV source only on each
+    # prompt's last `yoco_prefill_keep_tokens` rows; "none" is the exact prefill
+    yoco_prefill_truncation_mode: str = "compact"
+    yoco_prefill_keep_tokens: int = 140
 
     def __post_init__(self):
         _check_choice("accelerator", self.accelerator, ACCELERATORS)
         _check_choice("dtype", self.dtype, DTYPES)
         _check_choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
+        _check_choice("yoco_prefill_truncation_mode", self.yoco_prefill_truncation_mode, REPLAY_MODES)
+        if isinstance(self.yoco_prefill_keep_tokens, str):  # from the environment
+            object.__setattr__(self, "yoco_prefill_keep_tokens", _parse_int("yoco_prefill_keep_tokens",
+                                                                             self.yoco_prefill_keep_tokens))
+        _check_positive("yoco_prefill_keep_tokens", self.yoco_prefill_keep_tokens)
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"device: {self.device!r} is not 'cpu' or 'cuda[:N]'")
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
@@ -62,6 +74,13 @@ class EngineConfig:
 def default_cache_dir() -> Path:
     """Where deepinfer keeps what it builds itself (the demo checkpoint): $XDG_CACHE_HOME/deepinfer."""
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "deepinfer"
+
+
+def _parse_int(name: str, value: str) -> int:
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"{name}: {value!r} is not an integer") from None
 
 
 def _check_positive(name: str, value) -> None:

@@ -29,13 +29,15 @@ class LLM:
     def __init__(self, model: str | None = None, device: str | None = None, dtype: str = "bfloat16",
                  kv_cache_dtype: str = "auto", max_model_len: int | None = None, max_num_seqs: int = 256,
                  max_num_batched_tokens: int = 8192, kv_cache_memory: int | None = None,
-                 skip_tokenizer_init: bool = False, seed: int | None = None, block_size: int = 64):
+                 skip_tokenizer_init: bool = False, seed: int | None = None, block_size: int = 64,
+                 yoco_prefill_truncation_mode: str | None = None, yoco_prefill_keep_tokens: int | None = None):
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         cfg = EngineConfig.from_env(
             model=model, device=device, dtype=dtype, kv_cache_dtype=kv_cache_dtype, max_model_len=max_model_len,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             kv_cache_memory=kv_cache_memory, skip_tokenizer_init=skip_tokenizer_init, seed=seed,
-            block_size=block_size)
+            block_size=block_size, yoco_prefill_truncation_mode=yoco_prefill_truncation_mode,
+            yoco_prefill_keep_tokens=yoco_prefill_keep_tokens)
         self.config = cfg
         ref = cfg.model or cfg.hf_model_dir or DEFAULT_MODEL
         if ref == DEMO_NAME:
@@ -54,8 +56,8 @@ class LLM:
         cache = allocate_v4_cache(mcfg, num_slots, num_blocks, cfg.kv_cache_dtype, cfg.device, cfg.block_size)
         self.scheduler = Scheduler(kv, min(cfg.max_num_seqs, num_slots), cfg.max_num_batched_tokens,
                                    self.max_model_len)
-        self.engine = EngineCore(self.scheduler, ModelRunner(self.model, cache, cfg.device, cfg.seed),
-                                 self.detokenizer)
+        runner = ModelRunner(self.model, cache, cfg.device, cfg.seed, _replay_keep(cfg, mcfg))
+        self.engine = EngineCore(self.scheduler, runner, self.detokenizer)
         self._ids = itertools.count()
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
@@ -122,6 +124,19 @@ class LLM:
         while self.engine.has_unfinished():
             bar.update(len(self.engine.step()))
         bar.close()
+
+
+def _replay_keep(cfg: EngineConfig, mcfg) -> int | None:
+    """Rows kept by SWA bounded replay; they must cover the window plus the longest draft
+    backtrack (a rejected DSpark block), or the rings handed to decoding would have holes."""
+    if cfg.yoco_prefill_truncation_mode == "none":
+        return None
+    keep = cfg.yoco_prefill_keep_tokens
+    need = mcfg.sliding_window + (getattr(mcfg, "dspark_block_size", None) or 0)
+    if keep < need:
+        raise ValueError(f"yoco_prefill_keep_tokens: {keep} rows do not cover the sliding window "
+                         f"({mcfg.sliding_window}) plus the draft block ({need - mcfg.sliding_window}); need >= {need}")
+    return keep
 
 
 def _load_detokenizer(model_dir) -> Detokenizer:

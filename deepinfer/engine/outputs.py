@@ -19,6 +19,7 @@ class ScheduledChunk:
     num_samples: int = 0
     params: SamplingParams | None = None
     prev_tokens: list[int] = field(default_factory=list)  # up to CONTEXT_TOKENS tokens before `start`
+    num_tokens: int = 0  # the request's length when scheduled (prompt + outputs so far)
 
 
 # tokens of context shipped with every chunk (V4.1 Engram hashes the 3 tokens before each position)

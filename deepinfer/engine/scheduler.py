@@ -45,7 +45,7 @@ class Scheduler:
         ids = req.all_token_ids
         return ScheduledChunk(req.request_id, req.slot, start, ids[start:start + n],
                               {m: list(t) for m, t in req.block_tables.items()}, samples, req.params,
-                              ids[max(0, start - CONTEXT_TOKENS):start])
+                              ids[max(0, start - CONTEXT_TOKENS):start], req.num_tokens)
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput(forks=self.pending_forks)

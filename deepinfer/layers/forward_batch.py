@@ -24,6 +24,7 @@ class SeqChunk:
     token_ids: list[int]
     block_tables: dict[int, list[int]] = field(default_factory=dict)
     prev_tokens: list[int] = field(default_factory=list)  # the tokens just before `start` (n-gram context)
+    replay_from: int = 0  # SWA bounded replay: layers above the last KV source run on positions >= this
 
 
 @dataclass
@@ -58,21 +59,35 @@ class ForwardBatch:
     plans: dict[tuple[int, bool], CompressPlan]
     # [T, K] (host) token k positions before each token (column 0 = itself), -1 before the sequence start
     token_windows: torch.Tensor | None = None
+    replay: "ReplayPlan | None" = None
 
     @property
     def num_tokens(self) -> int:
         return self.input_ids.shape[0]
 
 
+@dataclass
+class ReplayPlan:
+    """SWA bounded replay: only `rows` (each request's positions >= replay_from) go past the last KV
+    source. `at_layer` is that layer's view (queries = rows, window keys from every row of the step);
+    `upper` is the batch of the layers above, over the kept rows only, whose window keys exist only at
+    kept positions (this step's or earlier steps')."""
+
+    rows: torch.Tensor
+    at_layer: ForwardBatch
+    upper: ForwardBatch
+
+
 def _ring_rows(slot: torch.Tensor, pos: torch.Tensor, size: int) -> torch.Tensor:
     return slot * size + pos % size
 
 
-def _gather_plan(tok, pos, start, slot, span: int, ring: int):
-    """Sources pos-span+1 .. pos for each row: new this step, or in a ring of `ring` rows."""
+def _gather_plan(tok, pos, start, slot, span: int, ring: int, lo=None):
+    """Sources pos-span+1 .. pos for each row: new this step, or in a ring of `ring` rows.
+    Positions below `lo` (per row; default 0) do not exist."""
     k = torch.arange(span)
     q = pos[:, None] - (span - 1) + k
-    valid = q >= 0
+    valid = q >= (0 if lo is None else lo[:, None])
     new = valid & (q >= start[:, None])
     new_idx = torch.where(new, tok[:, None] - (span - 1) + k, -1)
     ring_idx = torch.where(valid & ~new, _ring_rows(slot[:, None], q.clamp(min=0), ring), -1)
@@ -149,5 +164,32 @@ def build_forward_batch(chunks: list[SeqChunk], window: int, compress_kinds: set
         for f in ("src_new", "src_carry", "dst", "rope_pos", "carry_src", "carry_dst", "visible", "addr"):
             setattr(p, f, to(getattr(p, f)))
     windows = _token_windows(chunks, history) if history else None
-    return ForwardBatch(to(ids), to(pos), to(req), to(cu - 1), to(win_new), to(win_ring),
-                        to(ring_src), to(ring_dst), plans, windows)
+    batch = ForwardBatch(to(ids), to(pos), to(req), to(cu - 1), to(win_new), to(win_ring),
+                         to(ring_src), to(ring_dst), plans, windows)
+    replay_from = torch.tensor([c.replay_from for c in chunks])[req]
+    keep = pos >= replay_from
+    # replay applies if rows are dropped, or a kept row's window reaches below its request's replay_from
+    if not keep.all() or (pos - window + 1 < replay_from).any():
+        batch.replay = _replay_plan(batch, keep, pos, start, end, slot, replay_from, window, to)
+    return batch
+
+
+def _replay_plan(full: ForwardBatch, keep, pos, start, end, slot, lo, window: int, to) -> ReplayPlan:
+    rows = keep.nonzero().squeeze(1)
+    dev_rows = to(rows)
+    sub = lambda t: t[dev_rows]  # noqa: E731
+
+    def plans():  # only visibility and addresses are read above the last KV source
+        empty = {kind: p.dst[:0] for kind, p in full.plans.items()}
+        return {kind: CompressPlan(p.ratio, p.src_new[:0], p.src_carry[:0], empty[kind], empty[kind], empty[kind],
+                                   empty[kind], sub(p.visible), p.addr) for kind, p in full.plans.items()}
+
+    at_layer = ForwardBatch(sub(full.input_ids), sub(full.positions), sub(full.token_req), full.logits_idx,
+                            sub(full.win_new), sub(full.win_ring), full.ring_src, full.ring_dst, plans())
+    k_tok = torch.arange(len(rows))
+    k_pos, k_slot, k_lo = pos[rows], slot[rows], lo[rows]
+    win_new, win_ring = _gather_plan(k_tok, k_pos, torch.maximum(start[rows], k_lo), k_slot, window, window, k_lo)
+    ring_src, ring_dst = _keep_last(k_tok, k_pos, end[rows], k_slot, window)
+    upper = ForwardBatch(sub(full.input_ids), sub(full.positions), sub(full.token_req), full.logits_idx,
+                         to(win_new), to(win_ring), to(ring_src), to(ring_dst), plans())
+    return ReplayPlan(dev_rows, at_layer, upper)

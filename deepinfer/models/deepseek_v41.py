@@ -16,7 +16,7 @@ from torch import nn
 from deepinfer.layers.attention import sparse_attention
 from deepinfer.layers.csa2 import CSA2State, Engram, Indexer41, PoolCompressor
 from deepinfer.layers.engram_hash import EngramHashParams, ngram_rows
-from deepinfer.layers.forward_batch import ForwardBatch
+from deepinfer.layers.forward_batch import ForwardBatch, ReplayPlan
 from deepinfer.layers.kv_state import LayerCache
 from deepinfer.layers.linear import Linear, QuantSpec
 from deepinfer.layers.mhc import HyperConnection, collapse, expand
@@ -35,6 +35,13 @@ class StepContext41:
     inv_freq_compress: torch.Tensor
     engram_rows: torch.Tensor | None      # [T, n_engram_layers, hash_heads]
     image_mask: torch.Tensor | None = None
+
+    def subset(self, rows: torch.Tensor, batch: ForwardBatch) -> "StepContext41":
+        """The same step restricted to `rows` (bounded replay), planned by `batch`."""
+        pick = lambda t: None if t is None else t[rows.to(t.device)]  # noqa: E731
+        return StepContext41(batch, RopeCache(pick(self.rope_main.cos), pick(self.rope_main.sin)),
+                             RopeCache(pick(self.rope_compress.cos), pick(self.rope_compress.sin)),
+                             self.inv_freq_compress, pick(self.engram_rows), pick(self.image_mask))
 
 
 class Attention41(nn.Module):
@@ -70,17 +77,24 @@ class Attention41(nn.Module):
         cache.index_keys.write(plan.dst, apply_rope(self.indexer.keys(latent), rope))
         return CSA2State(cache, plan)
 
-    def forward(self, x: torch.Tensor, ctx: StepContext41, cache: LayerCache,
-                state: CSA2State | None) -> tuple[torch.Tensor, CSA2State | None]:
-        T, batch = x.shape[0], ctx.batch
+    def forward(self, x: torch.Tensor, ctx: StepContext41, cache: LayerCache, state: CSA2State | None,
+                replay: ReplayPlan | None = None) -> tuple[torch.Tensor, CSA2State | None]:
+        """With `replay`, the window kv and the published compressed state cover every row, the
+        rest (queries, indexer, attention, output) only replay.rows; returns those rows."""
         rope = ctx.rope_main if self.role == SWA else ctx.rope_compress
-        qr = self.q_norm(self.wq_a(x))
-        q = apply_rope(self.wq_b(qr).view(T, self.n_heads, self.head_dim), rope)  # no per-head norm in V4.1
         kv = cache.ring.roundtrip(apply_rope(self.kv_norm(self.wkv(x)), rope))
         if self.role == FULL:
             state = self._publish(x, ctx, cache)
+        if replay is not None:
+            ctx = ctx.subset(replay.rows, replay.at_layer)
+            x, rope = x[replay.rows], ctx.rope_main if self.role == SWA else ctx.rope_compress
+            if state is not None:
+                state = replace(state, plan=replay.at_layer.plans[(state.plan.ratio, False)])
+        T, batch = x.shape[0], ctx.batch
+        qr = self.q_norm(self.wq_a(x))
+        q = apply_rope(self.wq_b(qr).view(T, self.n_heads, self.head_dim), rope)  # no per-head norm in V4.1
         if self.role in (FULL, REINDEX):
-            qi = apply_rope(self.indexer.wq_b(qr).view(T, -1, self.indexer.index_dim), rope)
+            qi = apply_rope(self.indexer.wq_b(qr).view(T, self.indexer.n_heads, self.indexer.index_dim), rope)
             qi = state.source.index_keys.roundtrip(qi)
             topk, cands = self.indexer(x, qi, batch, state, self.candidate_source, self.uses_candidates)
             state = replace(state, topk=topk, candidates=cands if cands is not None else state.candidates)
@@ -90,7 +104,7 @@ class Attention41(nn.Module):
             o = sparse_attention(q, kv, batch, cache.ring, state.topk, state.plan, state.source.entries,
                                  self.attn_sink, self.head_dim ** -0.5)
         cache.ring.write(batch.ring_dst, kv[batch.ring_src])
-        o = apply_rope(o, rope, inverse=True).view(T, self.o_groups, -1)
+        o = apply_rope(o, rope, inverse=True).view(T, self.o_groups, self.n_heads * self.head_dim // self.o_groups)
         wo_a = self.wo_a.dense_weight(x.dtype).view(self.o_groups, self.o_rank, -1)
         return self.wo_b(torch.einsum("tgi,goi->tgo", o, wo_a).flatten(1)), state
 
@@ -122,16 +136,20 @@ class Block41(nn.Module):
                                  (c.engram_max_ngram_size - 1) * c.engram_n_heads, c.rms_norm_eps, dtype, quant,
                                  table_quant.quantized)
 
-    def forward(self, x: torch.Tensor, pre_prev: torch.Tensor, state: CSA2State | None, input_ids: torch.Tensor,
-                ctx: StepContext41, cache: LayerCache):
+    def forward(self, x: torch.Tensor, pre_prev: torch.Tensor, state: CSA2State | None, ctx: StepContext41,
+                cache: LayerCache, replay: ReplayPlan | None = None):
+        """-> (streams, pre for the next sub-layer, CSA2 state); only replay.rows' rows with `replay`."""
         if self.engram_index is not None:
             mask = None if ctx.image_mask is None else ~ctx.image_mask
             x = self.engram(x, ctx.engram_rows[:, self.engram_index], mask)
         pre_a, post, comb = self.hc.weights(x, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale)
-        y, state = self.attn(self.attn_norm(collapse(x, pre_prev)), ctx, cache, state)
+        y, state = self.attn(self.attn_norm(collapse(x, pre_prev)), ctx, cache, state, replay)
+        if replay is not None:
+            rows = replay.rows
+            x, pre_a, post, comb, ctx = x[rows], pre_a[rows], post[rows], comb[rows], ctx.subset(rows, replay.upper)
         x = expand(x, y, post, comb)
         pre_f, post, comb = self.hc.weights(x, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale)
-        y = self.ffn(self.ffn_norm(collapse(x, pre_a)), input_ids, ctx.image_mask)
+        y = self.ffn(self.ffn_norm(collapse(x, pre_a)), ctx.batch.input_ids, ctx.image_mask)
         return expand(x, y, post, comb), pre_f, state
 
 
@@ -178,6 +196,11 @@ class DeepseekV41ForCausalLM(nn.Module):
         self.engram_params: EngramHashParams | None = None
 
     @property
+    def replay_layer(self) -> int:
+        """Bounded replay cuts at the last KV source: nothing above it keeps more than a window ring."""
+        return max(self.config.kv_source_layer_ids, default=-1)
+
+    @property
     def token_history(self) -> int:
         """Tokens each position needs from before it (Engram's n-gram window, itself included)."""
         return self.config.engram_max_ngram_size if self.config.engram_layer_ids else 0
@@ -213,10 +236,20 @@ class DeepseekV41ForCausalLM(nn.Module):
         x = self.embed(batch.input_ids).unsqueeze(1).repeat(1, n, 1)
         pre = torch.zeros(x.shape[0], n, dtype=torch.float32, device=x.device)
         pre[:, 0] = 1  # the stream starts one-hot on copy 0
-        state = None
-        for layer, cache in zip(self.layers, caches):
-            x, pre, state = layer(x, pre, state, batch.input_ids, ctx, cache)
-        return collapse(x, pre)
+        state, replay = None, batch.replay
+        for i, (layer, cache) in enumerate(zip(self.layers, caches)):
+            if replay is not None and i == self.replay_layer:
+                x, pre, state = layer(x, pre, state, ctx, cache, replay)
+                ctx = ctx.subset(replay.rows, replay.upper)
+                state = replace(state, plan=replay.upper.plans[(state.plan.ratio, False)])
+            else:
+                x, pre, state = layer(x, pre, state, ctx, cache)
+        h = collapse(x, pre)
+        if replay is None:
+            return h
+        out = h.new_zeros(batch.num_tokens, h.shape[-1])  # rows that stopped below the cut have no output
+        out[replay.rows] = h
+        return out
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, D] -> fp32 logits (the head is kept in fp32)."""

@@ -1,5 +1,5 @@
-"""The `demo` model: a small random DeepSeek-V4 checkpoint built on first use, so a machine
-with no weights and no GPU can run the examples."""
+"""The `demo` model: a small random DeepSeek-V4.1 checkpoint (every layer role, Engram, DSpark
+stages) built on first use, so a machine with no weights and no GPU can run the examples."""
 from __future__ import annotations
 
 import shutil
@@ -15,12 +15,12 @@ DEMO_NAME = "demo"
 def demo_checkpoint(cache_dir: Path | None = None) -> Path:
     """Path of the demo checkpoint; written once (into a temp dir, then renamed into place)."""
     root = cache_dir or default_cache_dir()
-    out = root / "demo-deepseek_v4"
+    out = root / "demo-deepseek_v41"
     if (out / "model.safetensors.index.json").is_file():
         return out
     root.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=root, prefix=".demo-"))
-    write_checkpoint(tmp, PRESETS["demo"], seed=0, dtype="fp8")
+    write_checkpoint(tmp, PRESETS["demo41"], seed=0, dtype="fp8")
     shutil.rmtree(out, ignore_errors=True)
     tmp.rename(out)
     return out

@@ -10,8 +10,12 @@ from deepinfer.worker.sampler import SamplingBatch, sample, top_logprobs
 
 
 class ModelRunner:
-    def __init__(self, model, cache: V4Cache, device: torch.device | str, seed: int | None = None):
+    def __init__(self, model, cache: V4Cache, device: torch.device | str, seed: int | None = None,
+                 replay_keep: int | None = None):
+        """`replay_keep`: SWA bounded replay keeps each request's last `replay_keep` rows above the
+        model's replay layer (None = exact prefill, or a model without one)."""
         self.model, self.cache, self.device = model, cache, torch.device(device)
+        self.replay_keep = replay_keep if getattr(model, "replay_layer", -1) >= 0 else None
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(seed if seed is not None else torch.seed())
 
@@ -19,7 +23,9 @@ class ModelRunner:
     def execute(self, so: SchedulerOutput) -> ModelOutput:
         for f in so.forks:
             self.cache.copy_state(f.src_slot, f.dst_slot, f.src_blocks, f.dst_blocks)
-        chunks = [SeqChunk(c.slot, c.start, c.token_ids, c.block_tables, c.prev_tokens) for c in so.chunks]
+        keep = self.replay_keep
+        chunks = [SeqChunk(c.slot, c.start, c.token_ids, c.block_tables, c.prev_tokens,
+                           0 if keep is None else max(0, c.num_tokens - keep)) for c in so.chunks]
         batch = build_forward_batch(chunks, self.model.config.sliding_window, self.cache.compress_kinds,
                                     self.cache.block_size, self.device, getattr(self.model, "token_history", 0))
         streams = self.model(batch, self.cache.layers)

@@ -114,3 +114,21 @@ def test_full_size_v41_flash_builds_on_meta():
     assert abs(counts["backbone"] - 552e9) < 2e9, counts
     assert abs(counts["engram"] - 196.6e9) < 0.5e9, counts
     assert abs(counts["backbone"] + counts["engram"] - 750e9) < 5e9, counts
+
+
+def test_engine_greedy_generation_matches_nemo(ckpt, nemo):
+    from deepinfer import LLM, SamplingParams
+
+    llm = LLM(str(ckpt), device="cpu", dtype="float32", kv_cache_dtype="float32", kv_cache_memory=32 << 20,
+              max_num_batched_tokens=16,  # prompts are chunked and mixed with decodes
+              yoco_prefill_truncation_mode="none")  # the exact prefill
+    g = torch.Generator().manual_seed(3)
+    prompts = [[0] + torch.randint(3, 1000, (n,), generator=g).tolist() for n in (9, 30, 17)]
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), use_tqdm=False)
+    for prompt, out in zip(prompts, outs):
+        seq = list(prompt)
+        for _ in range(10):  # NeMo has no cache: a fresh full-prefix forward per token
+            with torch.inference_mode():
+                seq.append(int(nemo_v41_logits(nemo, torch.tensor([seq]), exact=True)[0, -1].argmax()))
+        assert out.outputs[0].token_ids == seq[len(prompt):]
+    assert llm.scheduler.kv.all_free()
