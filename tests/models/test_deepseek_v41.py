@@ -132,3 +132,44 @@ def test_engine_greedy_generation_matches_nemo(ckpt, nemo):
                 seq.append(int(nemo_v41_logits(nemo, torch.tensor([seq]), exact=True)[0, -1].argmax()))
         assert out.outputs[0].token_ids == seq[len(prompt):]
     assert llm.scheduler.kv.all_free()
+
+
+def _replay_logits(model, ids: list[int], keep: int | None, chunk: int) -> torch.Tensor:
+    cfg = model.config
+    cache = static_v4_cache(cfg, 1, len(ids), "float32", "cpu")
+    out, done = [], 0
+    with torch.inference_mode():
+        while done < len(ids):
+            part = ids[done:done + chunk]
+            c = SeqChunk(0, done, part, cache.static_tables(0), ids[max(0, done - 7):done],
+                         0 if keep is None else max(0, len(ids) - keep))
+            b = build_forward_batch([c], cfg.sliding_window, cache.compress_kinds, cache.block_size, "cpu",
+                                    model.token_history)
+            out.append(model.compute_logits(model(b, cache.layers)[b.logits_idx]))
+            done += len(part)
+    return out[-1][0]
+
+
+def test_bounded_replay_skips_upper_layers_and_stays_close(ours):
+    from torch.utils.flop_counter import FlopCounterMode
+
+    ids = _ids(4, 1, 90)[0].tolist()
+    exact = _replay_logits(ours, ids, None, 90)
+    assert torch.equal(_replay_logits(ours, ids, 90, 90), exact)        # nothing dropped: the exact path
+    near = _replay_logits(ours, ids, 24, 90)
+    assert not torch.equal(near, exact)                                  # an approximation, as documented
+    _close(near, exact, 0.05)
+    _close(_replay_logits(ours, ids, 24, 31), near, 1e-4)                # chunked prefill: the same rows kept
+    flops = []
+    for keep in (None, 24):
+        with FlopCounterMode(display=False) as fc:
+            _replay_logits(ours, ids, keep, 90)
+        flops.append(fc.get_total_flops())
+    assert flops[1] < 0.8 * flops[0]
+
+
+def test_bounded_replay_keep_must_cover_window_and_draft_block(ckpt):
+    from deepinfer import LLM
+
+    with pytest.raises(ValueError, match="yoco_prefill_keep_tokens"):
+        LLM(str(ckpt), device="cpu", dtype="float32", kv_cache_memory=16 << 20, yoco_prefill_keep_tokens=20)
