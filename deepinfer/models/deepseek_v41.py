@@ -153,30 +153,6 @@ class Block41(nn.Module):
         return expand(x, y, post, comb), pre_f, state
 
 
-class DSparkStage41(Block41):
-    """One stage of the DSpark draft (`mtp.K`): a window-only block with its own MoE size."""
-
-    def __init__(self, cfg: DeepseekV41Config, stage: int, dtype: torch.dtype, quant: QuantSpec,
-                 expert_quant: QuantSpec):
-        swa_cfg = replace(cfg, compress_ratios=(0,) * cfg.num_hidden_layers, kv_source_layer_ids=(),
-                          index_source_layer_ids=(), candidate_source_layer_id=-1, engram_layer_ids=(),
-                          engram_num_embeddings=())
-        super().__init__(swa_cfg, 0, dtype, quant, expert_quant, cfg.dspark_n_routed_experts,
-                         cfg.dspark_num_experts_per_tok)
-        d = cfg.hidden_size
-        if stage == 0:
-            self.main_proj = Linear(len(cfg.dspark_target_layer_ids) * d, d, dtype, quant)
-            self.main_norm = RMSNorm(d, cfg.rms_norm_eps)
-        if stage == cfg.num_nextn_predict_layers - 1:
-            rank = cfg.dspark_markov_rank
-            self.norm = RMSNorm(d, cfg.rms_norm_eps)
-            self.markov_head = nn.Module()
-            self.markov_head.embed = nn.Embedding(cfg.vocab_size, rank, dtype=dtype)
-            self.markov_head.head = Linear(rank, cfg.vocab_size, dtype)
-            self.confidence_head = nn.Module()
-            self.confidence_head.proj = Linear(d + rank, 1, torch.float32)
-
-
 class DeepseekV41ForCausalLM(nn.Module):
     def __init__(self, cfg: DeepseekV41Config, dtype: torch.dtype = torch.float32, quantized: bool = False):
         super().__init__()
@@ -186,6 +162,8 @@ class DeepseekV41ForCausalLM(nn.Module):
         self.layers = nn.ModuleList(Block41(cfg, i, dtype, quant, expert_quant) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.head = Linear(cfg.hidden_size, cfg.vocab_size, torch.float32)
+        from deepinfer.models.dspark_v41 import DSparkStage41  # it builds on Block41
+
         stages = cfg.num_nextn_predict_layers if cfg.has_dspark else 0
         self.mtp = nn.ModuleList(DSparkStage41(cfg, k, dtype, quant, expert_quant) for k in range(stages))
         self.register_buffer("inv_freq_main", rope_inv_freq(cfg.qk_rope_head_dim, cfg.rope_theta), persistent=False)
@@ -229,15 +207,22 @@ class DeepseekV41ForCausalLM(nn.Module):
         return StepContext41(batch, RopeCache.at(pos, self.inv_freq_main), RopeCache.at(pos, self.inv_freq_compress),
                              self.inv_freq_compress, rows)
 
-    def forward(self, batch: ForwardBatch, caches: list[LayerCache]) -> torch.Tensor:
-        """Runs the stack on a flat varlen batch; returns the final collapsed hidden [T, D] (before norm)."""
+    def forward(self, batch: ForwardBatch, caches: list[LayerCache], draft_features: bool = False):
+        """Runs the stack on a flat varlen batch; returns the final collapsed hidden [T, D] (before norm),
+        and with `draft_features` also DSpark's target features [T, len(targets) * D]: the streams
+        entering each dspark_target_layer_ids layer, averaged over the streams (zero for rows that
+        bounded replay stopped below the cut)."""
         ctx = self.step_context(batch)
+        targets = self.config.dspark_target_layer_ids if draft_features else ()
+        feats = {}
         n = self.config.hc_mult
         x = self.embed(batch.input_ids).unsqueeze(1).repeat(1, n, 1)
         pre = torch.zeros(x.shape[0], n, dtype=torch.float32, device=x.device)
         pre[:, 0] = 1  # the stream starts one-hot on copy 0
         state, replay = None, batch.replay
         for i, (layer, cache) in enumerate(zip(self.layers, caches)):
+            if i in targets:
+                feats[i] = x.float().mean(1)
             if replay is not None and i == self.replay_layer:
                 x, pre, state = layer(x, pre, state, ctx, cache, replay)
                 ctx = ctx.subset(replay.rows, replay.upper)
@@ -245,11 +230,16 @@ class DeepseekV41ForCausalLM(nn.Module):
             else:
                 x, pre, state = layer(x, pre, state, ctx, cache)
         h = collapse(x, pre)
-        if replay is None:
+        if targets:
+            h = torch.cat([h.float()] + [feats[i] for i in targets], dim=-1)
+        if replay is not None:
+            out = h.new_zeros(batch.num_tokens, h.shape[-1])  # rows that stopped below the cut have no output
+            out[replay.rows] = h
+            h = out
+        if not targets:
             return h
-        out = h.new_zeros(batch.num_tokens, h.shape[-1])  # rows that stopped below the cut have no output
-        out[replay.rows] = h
-        return out
+        d = self.config.hidden_size
+        return h[:, :d].to(self.dtype), h[:, d:]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, D] -> fp32 logits (the head is kept in fp32)."""

@@ -173,3 +173,31 @@ def test_bounded_replay_keep_must_cover_window_and_draft_block(ckpt):
 
     with pytest.raises(ValueError, match="yoco_prefill_keep_tokens"):
         LLM(str(ckpt), device="cpu", dtype="float32", kv_cache_memory=16 << 20, yoco_prefill_keep_tokens=20)
+
+
+@pytest.mark.parametrize("kv, exact", [("float32", True), ("auto", False)], ids=["exact", "reference-formats"])
+def test_dspark_draft_block_matches_nemo(ckpt, ours, nemo, kv, exact):
+    from deepinfer.models.dspark_v41 import draft_block
+    from nemo_oracle import nemo_dspark_block, nemo_dspark_features, nemo_dspark_model
+
+    ids = _ids(5, 2, 40)
+    cfg = ours.config
+    cache = static_v4_cache(cfg, 2, 40, kv, "cpu")
+    with torch.inference_mode():
+        chunks = [SeqChunk(i, 0, r.tolist(), cache.static_tables(i)) for i, r in enumerate(ids)]
+        b = build_forward_batch(chunks, cfg.sliding_window, cache.compress_kinds, cache.block_size, "cpu",
+                                ours.token_history)
+        _, feats = ours(b, cache.layers, draft_features=True)
+    feats = feats.view(2, 40, -1)
+    ref_feats = nemo_dspark_features(nemo, ids, exact=exact)
+    _close(feats, ref_feats, 1e-4)
+    draft = nemo_dspark_model(ckpt, nemo)
+    for anchor in (7, 31):
+        ref = nemo_dspark_block(draft, ref_feats, ids, anchor, exact=exact)
+        lo = max(0, anchor - cfg.sliding_window)
+        pos = torch.arange(lo, anchor).expand(2, -1)
+        got = draft_block(ours, feats[:, lo:anchor], pos, torch.ones_like(pos, dtype=torch.bool), ids[:, anchor],
+                          torch.full((2,), anchor), kv)
+        _close(got.logits, ref.logits, 1e-4)
+        assert torch.equal(got.tokens, ref.tokens)
+        assert torch.allclose(got.confidence, ref.confidence_raw, atol=1e-5)

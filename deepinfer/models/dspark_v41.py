@@ -1,0 +1,122 @@
+"""DSpark draft of DeepSeek-V4.1 (`mtp.0..2`): a parallel drafter of `dspark_block_size` tokens.
+
+Each stage is a window-only block (single-pass mHC, MoE with the draft's expert count). Inputs
+are [token_p, noise x (block-1)] at positions p .. p+block-1; every stage attends, per head, to
+the context KV it derives from the target features main_x = main_norm(main_proj(features)) at
+positions p-W .. p-1, plus the whole draft block (bidirectional), plus its sink. After the last
+stage the collapsed hidden gives base logits through the target head; a rank-r Markov head adds
+a bias from the previous token, and the confidence head scores each position from the
+*pre-norm* hidden and the Markov embedding (the released reference; NeMo-trained drafts use
+the normalised hidden instead).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import torch
+from torch import nn
+
+from deepinfer.layers.kv_state import FormatStore
+from deepinfer.layers.linear import Linear, QuantSpec
+from deepinfer.layers.mhc import collapse, expand
+from deepinfer.layers.norm import RMSNorm
+from deepinfer.layers.rotary import RopeCache, apply_rope
+from deepinfer.models.config_v41 import DeepseekV41Config
+from deepinfer.models.deepseek_v41 import Block41
+
+
+@dataclass
+class DraftBlock:
+    tokens: torch.Tensor       # [B, block] greedy drafts for positions p+1 .. p+block
+    logits: torch.Tensor       # [B, block, V] base + Markov logits each draft was picked from
+    confidence: torch.Tensor   # [B, block] P(draft i accepted | drafts < i accepted)
+
+
+class DSparkStage41(Block41):
+    """One stage (`mtp.K`): a window-only block with its own MoE size; stage 0 owns the
+    feature projection, the last stage the norm, Markov and confidence heads."""
+
+    def __init__(self, cfg: DeepseekV41Config, stage: int, dtype: torch.dtype, quant: QuantSpec,
+                 expert_quant: QuantSpec):
+        swa_cfg = replace(cfg, compress_ratios=(0,) * cfg.num_hidden_layers, kv_source_layer_ids=(),
+                          index_source_layer_ids=(), candidate_source_layer_id=-1, engram_layer_ids=(),
+                          engram_num_embeddings=())
+        super().__init__(swa_cfg, 0, dtype, quant, expert_quant, cfg.dspark_n_routed_experts,
+                         cfg.dspark_num_experts_per_tok)
+        d = cfg.hidden_size
+        if stage == 0:
+            self.main_proj = Linear(len(cfg.dspark_target_layer_ids) * d, d, dtype, quant)
+            self.main_norm = RMSNorm(d, cfg.rms_norm_eps)
+        if stage == cfg.num_nextn_predict_layers - 1:
+            rank = cfg.dspark_markov_rank
+            self.norm = RMSNorm(d, cfg.rms_norm_eps)
+            self.markov_head = nn.Module()
+            self.markov_head.embed = nn.Embedding(cfg.vocab_size, rank, dtype=dtype)
+            self.markov_head.head = Linear(rank, cfg.vocab_size, dtype)
+            self.confidence_head = nn.Module()
+            self.confidence_head.proj = Linear(d + rank, 1, torch.float32)
+
+    def _attend(self, u: torch.Tensor, ctx_h: torch.Tensor, ctx_rope: RopeCache, ctx_valid: torch.Tensor,
+                rope: RopeCache, kv_fmt: FormatStore) -> torch.Tensor:
+        """u [B, S, D] draft rows, ctx_h [B, C, D] projected features -> [B, S, D]."""
+        a, (B, S, _) = self.attn, u.shape
+        kv_of = lambda h, r: kv_fmt.roundtrip(apply_rope(a.kv_norm(a.wkv(h)).flatten(0, 1), r))  # noqa: E731
+        q = apply_rope(a.wq_b(a.q_norm(a.wq_a(u))).flatten(0, 1).view(B * S, a.n_heads, a.head_dim), rope)
+        keys = torch.cat((kv_of(ctx_h, ctx_rope).view(B, -1, a.head_dim), kv_of(u, rope).view(B, S, a.head_dim)), 1)
+        valid = torch.cat((ctx_valid, torch.ones(B, S, dtype=torch.bool, device=u.device)), dim=1)
+        logits = torch.einsum("bshd,bkd->bhsk", q.view(B, S, a.n_heads, -1).float(), keys.float()) * a.head_dim ** -0.5
+        logits = logits.masked_fill(~valid[:, None, None, :], float("-inf"))
+        sink = a.attn_sink.float().view(1, -1, 1, 1).expand(B, -1, S, 1)
+        probs = torch.softmax(torch.cat((logits, sink), dim=-1), dim=-1)[..., :-1]
+        o = torch.einsum("bhsk,bkd->bshd", probs, keys.float()).to(u.dtype).flatten(0, 1)
+        o = apply_rope(o, rope, inverse=True).view(B * S, a.o_groups, -1)
+        wo_a = a.wo_a.dense_weight(u.dtype).view(a.o_groups, a.o_rank, -1)
+        return a.wo_b(torch.einsum("tgi,goi->tgo", o, wo_a).flatten(1)).view(B, S, -1)
+
+    def draft_forward(self, x, pre, ctx_h, ctx_rope, ctx_valid, rope, kv_fmt, ids):
+        """x [B, S, n, D], pre [B, S, n] -> (x, pre) after this stage."""
+        flat = lambda t: t.flatten(0, 1)  # noqa: E731
+        B, S = x.shape[:2]
+        xs = flat(x)
+        pre_a, post, comb = self.hc.weights(xs, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale)
+        u = self.attn_norm(collapse(xs, flat(pre))).view(B, S, -1)
+        xs = expand(xs, flat(self._attend(u, ctx_h, ctx_rope, ctx_valid, rope, kv_fmt)), post, comb)
+        pre_f, post, comb = self.hc.weights(xs, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale)
+        xs = expand(xs, self.ffn(self.ffn_norm(collapse(xs, pre_a)), flat(ids)), post, comb)
+        return xs.view(x.shape), pre_f.view(B, S, -1)
+
+
+@torch.inference_mode()
+def draft_block(model, features: torch.Tensor, feature_pos: torch.Tensor, feature_valid: torch.Tensor,
+                anchor_tokens: torch.Tensor, anchor_pos: torch.Tensor, kv_cache_dtype: str = "float32") -> DraftBlock:
+    """Draft one block per request. features [B, C, len(targets)*D] are the target features at
+    positions feature_pos [B, C] (the window before the anchor; feature_valid masks padding);
+    anchor_tokens / anchor_pos [B]: the newest accepted token and its position."""
+    cfg, stages = model.config, model.mtp
+    blk, n = cfg.dspark_block_size, cfg.hc_mult
+    B = anchor_tokens.shape[0]
+    from deepinfer.worker.kv_cache import V41_FORMATS, resolve_kv_cache_dtype
+    kv_fmt = FormatStore(0, cfg.head_dim, V41_FORMATS[resolve_kv_cache_dtype(kv_cache_dtype)][0], "meta")
+    ids = torch.full((B, blk), cfg.dspark_noise_token_id, dtype=torch.long, device=anchor_tokens.device)
+    ids[:, 0] = anchor_tokens
+    pos = anchor_pos[:, None] + torch.arange(blk, device=anchor_pos.device)
+    rope = RopeCache.at(pos.flatten(), model.inv_freq_main)
+    ctx_rope = RopeCache.at(feature_pos.flatten(), model.inv_freq_main)
+    x = model.embed(ids).unsqueeze(2).repeat(1, 1, n, 1)
+    pre = torch.zeros(B, blk, n, dtype=torch.float32, device=x.device)
+    pre[..., 0] = 1
+    ctx_h = stages[0].main_norm(stages[0].main_proj(features.to(x.dtype)))
+    for stage in stages:
+        x, pre = stage.draft_forward(x, pre, ctx_h, ctx_rope, feature_valid, rope, kv_fmt, ids)
+    last = stages[-1]
+    hidden = collapse(x.flatten(0, 1), pre.flatten(0, 1)).view(B, blk, -1)
+    base = model.head(last.norm(hidden).float()).float()  # the target's head on the draft's own norm
+    prev, toks, logits, conf = ids[:, 0], [], [], []
+    for i in range(blk):
+        emb = last.markov_head.embed(prev)
+        li = base[:, i] + last.markov_head.head(emb).float()
+        conf.append(torch.sigmoid(last.confidence_head.proj(torch.cat((hidden[:, i].float(), emb.float()), -1))[:, 0]))
+        prev = li.argmax(-1)
+        toks.append(prev)
+        logits.append(li)
+    return DraftBlock(torch.stack(toks, 1), torch.stack(logits, 1), torch.stack(conf, 1))
