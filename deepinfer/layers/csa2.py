@@ -111,15 +111,17 @@ class Indexer41(nn.Module):
 
 class EngramTable(nn.Module):
     """The hashed n-gram table: FP8 rows with one E8M0 scale per 32 columns as stored, or dense.
-    It may live on the host (engram_device="cpu"): only looked-up rows move to the compute device."""
+    With `host_resident` it is created on the meta device for the loader to bind to the shards'
+    bytes, memory-mapped on the host: only looked-up rows are read and moved to the compute device."""
 
-    def __init__(self, rows: int, dim: int, dtype: torch.dtype, quantized: bool):
+    def __init__(self, rows: int, dim: int, dtype: torch.dtype, quantized: bool, host_resident: bool = False):
         super().__init__()
+        dev = "meta" if host_resident else None
         if quantized:
-            self.register_buffer("weight", torch.empty(rows, dim, dtype=torch.float8_e4m3fn))
-            self.register_buffer("scale", torch.empty(rows, dim // 32, dtype=torch.float8_e8m0fnu))
+            self.register_buffer("weight", torch.empty(rows, dim, dtype=torch.float8_e4m3fn, device=dev))
+            self.register_buffer("scale", torch.empty(rows, dim // 32, dtype=torch.float8_e8m0fnu, device=dev))
         else:
-            self.weight = nn.Parameter(torch.empty(rows, dim, dtype=dtype), requires_grad=False)
+            self.weight = nn.Parameter(torch.empty(rows, dim, dtype=dtype, device=dev), requires_grad=False)
             self.scale = None
 
     def lookup(self, rows: torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -135,10 +137,10 @@ class Engram(nn.Module):
     """Gated injection of hashed n-gram memory into every residual stream (before the block)."""
 
     def __init__(self, dim: int, n_streams: int, rows: int, head_dim: int, hash_heads: int, eps: float,
-                 dtype: torch.dtype, quant: QuantSpec = DENSE, fp8_table: bool = False):
+                 dtype: torch.dtype, quant: QuantSpec = DENSE, fp8_table: bool = False, host_resident: bool = False):
         super().__init__()
         self.dim, self.n, self.eps = dim, n_streams, eps
-        self.embed = EngramTable(rows, head_dim, dtype, fp8_table)
+        self.embed = EngramTable(rows, head_dim, dtype, fp8_table, host_resident)
         self.wkv = Linear(hash_heads * head_dim, dim * (n_streams + 1), dtype, quant)
         self.q_weight = nn.Parameter(torch.ones(n_streams, dim, dtype=dtype), requires_grad=False)
         self.k_weight = nn.Parameter(torch.ones(n_streams, dim, dtype=dtype), requires_grad=False)

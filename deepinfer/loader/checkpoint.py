@@ -34,6 +34,7 @@ class CheckpointReader:
         if not self.dir.is_dir():
             raise CheckpointError(f"checkpoint directory {self.dir} does not exist")
         self._handles: dict[str, Any] = {}
+        self._mapped: dict[str, torch.Tensor] = {}
         index = self.dir / INDEX_FILE
         if index.is_file():
             self._map = self._from_index(index)
@@ -112,6 +113,21 @@ class CheckpointReader:
             return self._slice(name)[index]
         fname = self.file_of(name)
         return self._handle(fname).get_tensor(name)
+
+    def mmap(self, name: str) -> torch.Tensor:
+        """A zero-copy, read-only view of the tensor's bytes in its shard (pages load on first touch)."""
+        fname = self.file_of(name)
+        path = self.dir / fname
+        with open(path, "rb") as f:
+            header_len = int.from_bytes(f.read(8), "little")
+            meta = json.loads(f.read(header_len))[name]
+        begin, end = meta["data_offsets"]
+        whole = self._mapped.get(fname)
+        if whole is None:
+            whole = torch.from_file(str(path), shared=False, size=path.stat().st_size, dtype=torch.uint8)
+            self._mapped[fname] = whole
+        data = whole[8 + header_len + begin: 8 + header_len + end]
+        return data.view(self.dtype(name)).view(tuple(meta["shape"]))
 
     def close(self) -> None:
         self._handles.clear()

@@ -12,13 +12,16 @@ from deepinfer.models.registry import model_classes
 
 
 def load_model(model: str | Path | None, *, dtype: torch.dtype = torch.bfloat16, device: str = "cpu",
-               quantized: bool = False, hf_model_dir: str | None = None, offline: bool = False):
-    """-> (model in eval mode, its directory). `quantized=True` keeps FP8/FP4 weights as stored."""
+               quantized: bool = False, hf_model_dir: str | None = None, offline: bool = False,
+               engram_device: str | None = None):
+    """-> (model in eval mode, its directory). `quantized=True` keeps FP8/FP4 weights as stored;
+    engram_device="cpu" (V4.1) leaves the Engram tables memory-mapped on the host."""
     path = resolve_model_dir(str(model) if model else None, hf_model_dir=hf_model_dir, offline=offline)
     cfg = read_model_config(path)
     _, model_cls = model_classes(cfg.model_type)
+    extra = {"engram_device": engram_device} if engram_device else {}
     with torch.device(device):
-        net = model_cls(cfg, dtype=dtype, quantized=quantized)
+        net = model_cls(cfg, dtype=dtype, quantized=quantized, **extra)
     load_weights(net, path, config=cfg)
     if getattr(cfg, "engram_layer_ids", None):
         net.set_engram_vocab(_engram_token_map(path))

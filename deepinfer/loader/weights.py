@@ -120,6 +120,9 @@ def load_weights(model: torch.nn.Module, model_dir: str | Path | CheckpointReade
     reader = model_dir if isinstance(model_dir, CheckpointReader) else CheckpointReader(model_dir)
     targets = model.state_dict(keep_vars=True)
     jobs, keep = _plan(reader, targets, config)
+    for job in [j for j in jobs if targets[j.target].is_meta]:
+        _bind_mmap(model, job, reader, targets)
+        jobs.remove(job)
     if keep:
         if not isinstance(getattr(model, "unmapped_tensors", None), dict):
             model.unmapped_tensors = {}
@@ -208,6 +211,24 @@ def _target_of(name: str, ref: WeightRef, targets: dict[str, torch.Tensor]) -> _
             return None
         return _Job(ref, key, e)
     return _Job(ref, name, None) if name in targets else None
+
+
+def _bind_mmap(model: torch.nn.Module, job: _Job, reader: CheckpointReader, targets) -> None:
+    """A model tensor left on the meta device is bound to the checkpoint's bytes, memory-mapped,
+    instead of being copied (the host-resident Engram tables); it must be stored as-is."""
+    for key, ref in ((job.target, job.ref), (job.scale_target, job.scale)):
+        if key is None:
+            continue
+        mapped = reader.mmap(ref.source)
+        if job.expert is not None or ref.index is not None or mapped.dtype != targets[key].dtype:
+            raise CheckpointError(f"{ref.source} in {reader.file_of(ref.source)} cannot be memory-mapped into "
+                                  f"{key}: it must be stored whole as {targets[key].dtype}")
+        owner, _, leaf = key.rpartition(".")
+        mod = model.get_submodule(owner)
+        if leaf in mod._buffers:
+            mod._buffers[leaf] = mapped
+        else:
+            mod._parameters[leaf] = torch.nn.Parameter(mapped, requires_grad=False)
 
 
 def _quant_scale_key(job: _Job) -> str | None:

@@ -113,7 +113,8 @@ class Block41(nn.Module):
     """Engram (some layers), then mHC(attention), mHC(MoE) with the single-pass pre hand-off."""
 
     def __init__(self, cfg: DeepseekV41Config, layer: int, dtype: torch.dtype, quant: QuantSpec,
-                 expert_quant: QuantSpec, num_experts: int | None = None, topk: int | None = None):
+                 expert_quant: QuantSpec, num_experts: int | None = None, topk: int | None = None,
+                 engram_host: bool = False):
         super().__init__()
         c, n = cfg, cfg.hc_mult
         mix = (2 + n) * n
@@ -134,7 +135,7 @@ class Block41(nn.Module):
             table_quant = QuantSpec(c.quant.block_size) if c.quant.block_size else quant
             self.engram = Engram(c.hidden_size, n, c.engram_num_embeddings[self.engram_index], c.engram_head_dim,
                                  (c.engram_max_ngram_size - 1) * c.engram_n_heads, c.rms_norm_eps, dtype, quant,
-                                 table_quant.quantized)
+                                 table_quant.quantized, engram_host)
 
     def forward(self, x: torch.Tensor, pre_prev: torch.Tensor, state: CSA2State | None, ctx: StepContext41,
                 cache: LayerCache, replay: ReplayPlan | None = None):
@@ -154,12 +155,16 @@ class Block41(nn.Module):
 
 
 class DeepseekV41ForCausalLM(nn.Module):
-    def __init__(self, cfg: DeepseekV41Config, dtype: torch.dtype = torch.float32, quantized: bool = False):
+    def __init__(self, cfg: DeepseekV41Config, dtype: torch.dtype = torch.float32, quantized: bool = False,
+                 engram_device: str | None = None):
+        """engram_device="cpu": the Engram tables stay on the host, memory-mapped from the shards."""
         super().__init__()
         self.config, self.dtype = cfg, dtype
         quant, expert_quant = quant_spec(cfg, quantized)
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dtype)
-        self.layers = nn.ModuleList(Block41(cfg, i, dtype, quant, expert_quant) for i in range(cfg.num_hidden_layers))
+        host = engram_device == "cpu"
+        self.layers = nn.ModuleList(Block41(cfg, i, dtype, quant, expert_quant, engram_host=host)
+                                    for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.head = Linear(cfg.hidden_size, cfg.vocab_size, torch.float32)
         from deepinfer.models.dspark_v41 import DSparkStage41  # it builds on Block41

@@ -5,6 +5,8 @@ Reached through `deepinfer.tools.make_checkpoint` (`--arch deepseek_v41`, or
 config alone. Storage: FP8 e4m3 + E8M0 scales over 32x32 blocks for the dense projections,
 FP4 routed experts (+ per-row x 32-column scales), FP8 Engram tables with per-row x 32-column
 scales, fp32 for mHC, sinks, compressor, router biases, head and confidence head, bf16 else.
+With a vision_config of >= 1 layer it also writes `vision.*`, `aligner.*` and `image_start` /
+`image_end` / `image_newline` (plain bf16, RMSNorm weights fp32; spec §14).
 """
 from __future__ import annotations
 
@@ -82,6 +84,39 @@ def _block_specs_v41(t: dict, p: str, layer: int | None, n_experts: int) -> list
     return out
 
 
+def _vision_specs_v41(config: dict) -> list[WeightSpec]:
+    """The vision tower, aligner and image delimiters (spec §14), when vision_config has layers.
+    Released storage: plain bf16 (never FP8), fp32 RMSNorm weights."""
+    vc = config.get("vision_config") or {}
+    n = int(vc.get("num_hidden_layers", 0) or 0)
+    if n <= 0:
+        return []
+    d = config["text_config"]["hidden_size"]
+    w, inter, p = vc["hidden_size"], vc["intermediate_size"], vc.get("patch_size", 14)
+    r = vc.get("downsample_ratio", 3)
+    out = [S("vision.patch_embed.proj.weight", (w, 3 * p * p), "linear", "bf16"),
+           S("vision.patch_embed.proj.bias", (w,), "bias", "bf16")]
+    for i in range(n):
+        b = f"vision.blocks.{i}."
+        out += [S(f"{b}norm1.weight", (w,), "norm", "fp32"),
+                S(f"{b}attn.wqkv.weight", (3 * w, w), "linear", "bf16"),
+                S(f"{b}attn.wqkv.bias", (3 * w,), "bias", "bf16"),
+                S(f"{b}attn.wo.weight", (w, w), "linear", "bf16"),
+                S(f"{b}attn.wo.bias", (w,), "bias", "bf16"),
+                S(f"{b}norm2.weight", (w,), "norm", "fp32"),
+                S(f"{b}mlp.w1.weight", (2 * inter, w), "linear", "bf16"),
+                S(f"{b}mlp.w2.weight", (w, inter), "linear", "bf16")]
+    out += [S("vision.norm.weight", (w,), "norm", "fp32"),
+            S("aligner.w1.weight", (d, w * r * r), "linear", "bf16"),
+            S("aligner.w1.bias", (d,), "bias", "bf16"),
+            S("aligner.w2.weight", (d, d), "linear", "bf16"),
+            S("aligner.w2.bias", (d,), "bias", "bf16"),
+            S("image_start", (d,), "embed", "bf16"),
+            S("image_end", (d,), "embed", "bf16"),
+            S("image_newline", (d,), "embed", "bf16")]
+    return out
+
+
 def weight_specs_v41(config: dict) -> list[WeightSpec]:
     """Every tensor of a V4.1 checkpoint (DeepSeek names, logical shapes); config is the
     top-level dict with a nested text_config."""
@@ -91,6 +126,7 @@ def weight_specs_v41(config: dict) -> list[WeightSpec]:
     for i in range(n):
         out += _block_specs_v41(t, f"layers.{i}.", i, t["n_routed_experts"])
     out += [S("norm.weight", (d,), "norm", "bf16"), S("head.weight", (v, d), "head", "fp32")]
+    out += _vision_specs_v41(config)
     n_mtp = t.get("num_nextn_predict_layers", 0)
     for k in range(n_mtp):
         p = f"mtp.{k}."

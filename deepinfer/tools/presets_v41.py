@@ -150,8 +150,17 @@ _DEMO41_TEXT = {
     "dspark_n_routed_experts": 8, "dspark_num_experts_per_tok": 2,
 }
 
+# A tiny vision tower for tiny41v: 2 blocks of width 64 (4 heads of 16), MLP 96; a 64-token
+# image budget and min_pixels 10000 (a 50x30 image becomes 140x84 px = 10x6 patches = 4x2 tokens).
+_TINY41_VISION = {
+    **_FLASH41_VISION,
+    "num_hidden_layers": 2, "hidden_size": 64, "num_attention_heads": 4, "intermediate_size": 96,
+    "max_image_tokens": 64, "min_pixels": 10000,
+}
+
 PRESETS_V41: dict[str, dict] = {
     "tiny41": _top(_TINY41_TEXT, {"num_hidden_layers": 0}, 1022),
+    "tiny41v": _top(_TINY41_TEXT, _TINY41_VISION, 1022),
     "demo41": _top(_DEMO41_TEXT, {"num_hidden_layers": 0}, 4094),
     "flash41": _top(_FLASH41_TEXT, _FLASH41_VISION, 129264),
 }

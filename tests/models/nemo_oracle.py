@@ -180,3 +180,84 @@ def nemo_dspark_block(draft, features: torch.Tensor, input_ids: torch.Tensor, an
         logits.append(li)
     return DSparkBlock(torch.stack(toks, 1), torch.stack(logits, 1), base, torch.stack(c_raw, 1),
                        torch.stack(c_norm, 1), seen["h"])
+
+
+# ---------------------------------------------------------------- images (spec §14)
+#
+# What NeMo's DeepseekV41ForCausalLM.forward expects for images (batch row b, image k):
+#   input_ids          [B, S]: every position of an image span holds config.image_token_id
+#                      (1022 in tiny41v, 129264 in the release); NeMo raises otherwise.
+#   vision_token_types [B, S] int64: -1 on text; on a span, 0 (IMAGE_START), then llm_h rows of
+#                      llm_w x 1 (IMAGE) followed by 2 (IMAGE_NEW_LINE), then 3 (IMAGE_END).
+#                      Span length = llm_h * (llm_w + 1) + 2, llm_h/w = ceil(vit_h/w / 3).
+#   pixel_values       [sum_k vit_h*vit_w, 3, 14, 14]: every image's row-major patches,
+#                      concatenated in (batch row, span position) order; NeMo's processor makes
+#                      them bf16 ((x/255-0.5)/0.5 rounded), the ViT casts to its weight dtype.
+#   image_grid_hws     [images, 2] int64: (vit_h, vit_w) per image, same order.
+# NeMo then embeds the span (image_start, aligner rows + image_newline, image_end) in place of
+# the token embeddings, and uses image_mask = vision_token_types >= 0 for Engram (hash blocked,
+# gate zero) and the MoE gate's bias_vl. Positions are plain 0..S-1; attention is causal.
+
+def nemo_preprocess_image(model, image):
+    """NeMo's own preprocessing: (patches bf16 [P, 3, p, p], its _ImageGrid)."""
+    from nemo_automodel.components.models.deepseek_v41.processing import _preprocess_image
+    return _preprocess_image(image, model.config.vision_config)
+
+
+def nemo_v41_image_inputs(model, input_ids: torch.Tensor, images: list, starts: list[int]) -> dict:
+    """Model kwargs for a [1, S] (or [S]) sequence with image spans starting at `starts`.
+
+    `images[k]` is a PIL image / encoded bytes (preprocessed by NeMo itself) or an object with
+    .patches/.n_vit_h/.n_vit_w/.llm_h/.llm_w (e.g. deepinfer's ImageInput). The span positions
+    of input_ids are overwritten with image_token_id. Returns dict(input_ids, pixel_values,
+    image_grid_hws, vision_token_types)."""
+    ids = input_ids.long().reshape(1, -1).clone()
+    types = torch.full_like(ids, -1)
+    patches, grids = [], []
+    for img, start in sorted(zip(images, starts), key=lambda p: p[1]):
+        if hasattr(img, "patches"):
+            p, vh, vw, lh, lw = img.patches, img.n_vit_h, img.n_vit_w, img.llm_h, img.llm_w
+        else:
+            p, g = nemo_preprocess_image(model, img)
+            vh, vw, lh, lw = g.vit_height, g.vit_width, g.llm_height, g.llm_width
+        span = [0] + ([1] * lw + [2]) * lh + [3]
+        if start + len(span) > ids.shape[1] or torch.any(types[0, start:start + len(span)] >= 0):
+            raise ValueError(f"image span at {start} (length {len(span)}) does not fit / overlaps")
+        types[0, start:start + len(span)] = torch.tensor(span)
+        ids[0, start:start + len(span)] = model.config.image_token_id
+        patches.append(p)
+        grids.append((vh, vw))
+    return dict(input_ids=ids, pixel_values=torch.cat(patches),
+                image_grid_hws=torch.tensor(grids, dtype=torch.long), vision_token_types=types)
+
+
+@torch.no_grad()
+def nemo_v41_logits_with_images(model, input_ids: torch.Tensor, images: list, starts: list[int],
+                                exact: bool = False) -> torch.Tensor:
+    """fp32 logits [1, S, V] of NeMo's full forward with the given image spans (see above)."""
+    kw = nemo_v41_image_inputs(model, input_ids, images, starts)
+    ctx = no_cache_quant() if exact else contextlib.nullcontext()
+    with ctx:
+        return model(kw.pop("input_ids"), **kw).logits.float()
+
+
+@torch.no_grad()
+def nemo_v41_image_span_embeddings(model, images: list, text_len: int = 3) -> list[torch.Tensor]:
+    """Per image, NeMo's `_image_embeddings` rows [span_len, D] at its span, for a sequence of
+    `text_len` text tokens, then each image span separated by `text_len` text tokens."""
+    spans, pos = [], text_len
+    prepared = []
+    for img in images:
+        if hasattr(img, "patches"):
+            n = img.llm_h * (img.llm_w + 1) + 2
+        else:
+            p, g = nemo_preprocess_image(model, img)
+            n = g.llm_height * (g.llm_width + 1) + 2
+        prepared.append(img)
+        spans.append((pos, n))
+        pos += n + text_len
+    ids = torch.arange(pos) % 7 + 3
+    kw = nemo_v41_image_inputs(model, ids, prepared, [s for s, _ in spans])
+    emb = model.model._image_embeddings(kw["input_ids"], kw["pixel_values"], kw["image_grid_hws"],
+                                        kw["vision_token_types"])[0]
+    return [emb[s:s + n].float() for s, n in spans]

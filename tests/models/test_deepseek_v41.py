@@ -201,3 +201,12 @@ def test_dspark_draft_block_matches_nemo(ckpt, ours, nemo, kv, exact):
         _close(got.logits, ref.logits, 1e-4)
         assert torch.equal(got.tokens, ref.tokens)
         assert torch.allclose(got.confidence, ref.confidence_raw, atol=1e-5)
+
+
+def test_host_resident_engram_tables_are_mmapped_and_give_identical_logits(ckpt, ours):
+    host = load_model(str(ckpt), dtype=torch.float32, engram_device="cpu")[0]
+    table = host.layers[ours.config.engram_layer_ids[0]].engram.embed
+    assert table.weight.dtype == torch.float8_e4m3fn and table.weight.device.type == "cpu"
+    assert not table.weight.untyped_storage().resizable()  # file-backed, not an owned copy
+    ids = _ids(6, 2, 48)
+    assert torch.equal(_run(host, ids, [48, 5], "float32"), _run(ours, ids, [48, 5], "float32"))

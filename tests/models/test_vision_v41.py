@@ -1,0 +1,164 @@
+"""DeepSeek-V4.1 vision encoder + image preprocessing vs NVIDIA NeMo AutoModel (CPU, fp32)."""
+from __future__ import annotations
+
+import io
+import json
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("nemo_automodel")
+PIL = pytest.importorskip("PIL")
+from PIL import Image  # noqa: E402
+
+from deepinfer.loader.checkpoint import CheckpointReader  # noqa: E402
+from deepinfer.models.image_processor_v41 import (IMAGE, IMAGE_END, IMAGE_NEW_LINE, IMAGE_START,  # noqa: E402
+                                                  VisionPreprocessConfig, expand_image_placeholders,
+                                                  image_token_span, plan_image_grid, preprocess_image)
+from deepinfer.models.vision_v41 import DeepseekV41Vision, load_vision_weights  # noqa: E402
+from deepinfer.tools.make_checkpoint import PRESETS, weight_specs, write_checkpoint  # noqa: E402
+
+from nemo_oracle import (nemo_preprocess_image, nemo_v41_image_span_embeddings,  # noqa: E402
+                          nemo_v41_logits_with_images, nemo_v41_model)
+
+
+def _image(w: int, h: int, seed: int) -> Image.Image:
+    rng = np.random.default_rng(seed)
+    # smooth-ish content plus noise so that resampling and padding matter
+    yy, xx = np.mgrid[0:h, 0:w]
+    base = np.stack([(xx * 255 // max(w - 1, 1)), (yy * 255 // max(h - 1, 1)), (xx + yy) % 256], -1)
+    arr = np.clip(base + rng.integers(-40, 40, size=(h, w, 3)), 0, 255).astype(np.uint8)
+    return Image.fromarray(arr, "RGB")
+
+
+IMAGES = [(50, 30, 0), (20, 45, 1)]
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return write_checkpoint(tmp_path_factory.mktemp("v41v") / "tiny41v", PRESETS["tiny41v"], seed=0)
+
+
+@pytest.fixture(scope="module")
+def vcfg(ckpt):
+    return json.loads((ckpt / "config.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def nemo(ckpt):
+    model, _ = nemo_v41_model(ckpt)
+    return model
+
+
+@pytest.fixture(scope="module")
+def ours(ckpt, vcfg):
+    m = DeepseekV41Vision(vcfg["vision_config"], vcfg["text_config"]["hidden_size"], torch.float32)
+    return load_vision_weights(m, ckpt).eval()
+
+
+def test_vision_tensors_released_layout(ckpt, vcfg, ours):
+    r = CheckpointReader(ckpt)
+    names = {n for n in r.names() if DeepseekV41Vision.is_vision_tensor(n)}
+    assert names == set(dict(ours.named_parameters()))
+    for n in names:   # plain bf16, fp32 RMSNorm weights, no FP8 / scales
+        want = torch.float32 if n.endswith(("norm1.weight", "norm2.weight")) or n == "vision.norm.weight" \
+            else torch.bfloat16
+        assert r.dtype(n) == want, n
+        assert n + ".scale" not in r and n.removesuffix(".weight") + ".scale" not in r
+    assert {s.name for s in weight_specs(vcfg)} >= names
+    assert not any(DeepseekV41Vision.is_vision_tensor(s.name) for s in weight_specs(PRESETS["tiny41"]))
+
+
+@pytest.mark.parametrize("w,h,seed", IMAGES)
+def test_preprocessing_matches_nemo(nemo, vcfg, w, h, seed):
+    img = _image(w, h, seed)
+    ours = preprocess_image(img, vcfg["vision_config"])
+    p, g = nemo_preprocess_image(nemo, img)
+    assert (ours.n_vit_h, ours.n_vit_w, ours.llm_h, ours.llm_w) == (g.vit_height, g.vit_width,
+                                                                    g.llm_height, g.llm_width)
+    assert ours.patches.dtype == torch.float32 and ours.patches.shape == p.shape
+    assert torch.equal(ours.patches, p.float())
+    assert ours.num_tokens == image_token_span(ours) == g.llm_height * (g.llm_width + 1) + 2
+    # the same image given as PNG bytes
+    buf = io.BytesIO()
+    img.save(buf, "PNG")
+    assert torch.equal(preprocess_image(buf.getvalue(), vcfg["vision_config"]).patches, ours.patches)
+
+
+def test_tiny_grids(vcfg):
+    # min_pixels 10000 upscales both test images; both ViT grids need zero padding in the aligner
+    g1 = preprocess_image(_image(50, 30, 0), vcfg["vision_config"])
+    g2 = preprocess_image(_image(20, 45, 1), vcfg["vision_config"])
+    assert (g1.n_vit_h, g1.n_vit_w, g1.llm_h, g1.llm_w, g1.num_tokens) == (6, 10, 2, 4, 12)
+    assert (g2.n_vit_h, g2.n_vit_w, g2.llm_h, g2.llm_w, g2.num_tokens) == (11, 5, 4, 2, 14)
+
+
+@pytest.mark.parametrize("size", [(50, 30), (20, 45), (300, 200), (1000, 20), (20, 1000), (7, 7), (640, 480), (10, 2000), (2000, 10),
+                                  (2000, 1500)])
+@pytest.mark.parametrize("cfg", [dict(max_image_tokens=64, min_pixels=10000),
+                                 dict(max_image_tokens=64, min_pixels=10000, max_wh_ratio=2.0),
+                                 dict()])
+def test_grid_plan_matches_nemo(size, cfg):
+    from nemo_automodel.components.models.deepseek_v41.config import DeepseekV41VisionConfig
+    from nemo_automodel.components.models.deepseek_v41.processing import _plan_image_grid
+    g = _plan_image_grid(*size, DeepseekV41VisionConfig(**cfg))
+    ours = plan_image_grid(*size, VisionPreprocessConfig(**cfg))
+    assert (ours.height, ours.width, ours.n_vit_h, ours.n_vit_w, ours.llm_h, ours.llm_w) == \
+        (g.height, g.width, g.vit_height, g.vit_width, g.llm_height, g.llm_width)
+    assert ours.num_tokens <= VisionPreprocessConfig(**cfg).max_image_tokens
+
+
+@pytest.mark.parametrize("size", [(300, 40), (40, 300), (90, 70)])
+def test_wide_and_budget_preprocessing_matches_nemo(size):
+    from nemo_automodel.components.models.deepseek_v41.config import DeepseekV41VisionConfig
+    from nemo_automodel.components.models.deepseek_v41.processing import _preprocess_image
+    cfg = dict(max_image_tokens=64, min_pixels=10000, max_wh_ratio=2.0)
+    img = _image(*size, 3)
+    p, g = _preprocess_image(img, DeepseekV41VisionConfig(**cfg))
+    ours = preprocess_image(img, cfg)
+    assert torch.equal(ours.patches, p.float())
+
+
+def test_embed_image_matches_nemo(nemo, ours, vcfg):
+    imgs = [_image(w, h, s) for w, h, s in IMAGES]
+    ref = nemo_v41_image_span_embeddings(nemo, imgs)
+    for img, r in zip(imgs, ref):
+        inp = preprocess_image(img, vcfg["vision_config"])
+        got = ours.embed_image(inp)
+        assert got.shape == r.shape == (inp.num_tokens, vcfg["text_config"]["hidden_size"])
+        assert (got - r).abs().max().item() < 1e-5
+        # delimiters at their positions
+        types = inp.token_types()
+        assert types[0] == IMAGE_START and types[-1] == IMAGE_END
+        for t, row in zip(types, got):
+            if t == IMAGE_NEW_LINE:
+                assert torch.equal(row, ours.image_newline)
+        assert sum(t == IMAGE for t in types) == inp.llm_h * inp.llm_w
+    # ImageInput fed to NeMo directly gives the same embeddings (patches are NeMo's bf16 values)
+    ref2 = nemo_v41_image_span_embeddings(nemo, [preprocess_image(i, vcfg["vision_config"]) for i in imgs])
+    for a, b in zip(ref, ref2):
+        assert torch.equal(a, b)
+
+
+def test_expand_placeholders(vcfg):
+    a = preprocess_image(_image(50, 30, 0), vcfg["vision_config"])
+    b = preprocess_image(_image(20, 45, 1), vcfg["vision_config"])
+    ids, starts = expand_image_placeholders([5, 1022, 6, 7, 1022, 8], [a, b], 1022)
+    assert starts == [1, 1 + 12 + 2]
+    assert len(ids) == 4 + 12 + 14 and ids.count(1022) == 26
+    with pytest.raises(ValueError):
+        expand_image_placeholders([5, 1022], [a, b], 1022)
+
+
+def test_full_model_logits_with_images_finite(nemo, vcfg):
+    imgs = [_image(w, h, s) for w, h, s in IMAGES]
+    ids = torch.arange(48) % 50 + 3
+    logits = nemo_v41_logits_with_images(nemo, ids, imgs, [2, 20])
+    assert logits.shape == (1, 48, vcfg["text_config"]["vocab_size"])
+    assert torch.isfinite(logits).all()
+    # the image changes the logits after it (and not before it)
+    other = [_image(50, 30, 9), imgs[1]]
+    logits2 = nemo_v41_logits_with_images(nemo, ids, other, [2, 20])
+    assert torch.equal(logits[0, :2], logits2[0, :2])
+    assert (logits[0, 14:] - logits2[0, 14:]).abs().max() > 1e-4
