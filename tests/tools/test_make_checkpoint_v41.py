@@ -224,11 +224,16 @@ def test_flash41_shapes_and_parameter_count():
     assert shapes["layers.39.ffn.experts.383.w1.weight"] == (2304, 5120)
     assert shapes["mtp.0.main_proj.weight"] == (5120, 15360) and shapes["mtp.2.confidence_head.proj.weight"] == (1, 5376)
     assert shapes["mtp.1.ffn.gate.weight"] == (128, 5120) and "mtp.1.ffn.experts.128.w1.weight" not in shapes
-    trunk = sum(math.prod(s.shape) for s in specs if not s.name.startswith("mtp."))
+    is_vision = lambda n: n.startswith(("vision.", "aligner.", "image_"))  # noqa: E731
+    trunk = sum(math.prod(s.shape) for s in specs if not s.name.startswith("mtp.") and not is_vision(s.name))
     engram = sum(math.prod(s.shape) for s in specs if ".engram.embed." in s.name)
     mtp = sum(math.prod(s.shape) for s in specs if s.name.startswith("mtp."))
+    vision = sum(math.prod(s.shape) for s in specs if is_vision(s.name))
     assert round(engram / 1e9, 1) == 196.6
     assert round((trunk - engram) / 1e9, 1) == 551.9 and round(mtp / 1e9, 2) == 14.23
+    # 32-block ViT (0.41 B) + aligner + 3 delimiters, spec §14
+    assert round(vision / 1e9, 3) == 0.485 and shapes["aligner.w1.weight"] == (5120, 9216)
+    assert shapes["vision.blocks.31.mlp.w1.weight"] == (5632, 1024) and shapes["image_newline"] == (5120,)
     # the same count on the meta device, one tensor per spec
     meta = sum(torch.empty(s.shape, device="meta").numel() for s in specs)
-    assert meta == trunk + mtp
+    assert meta == trunk + mtp + vision
