@@ -22,7 +22,9 @@ from deepinfer.worker.model_runner import ModelRunner
 
 DEFAULT_MODEL = "deepseek-ai/DeepSeek-V4.1-Flash-1017"
 
-PromptType = str | list[int]
+# a text, token ids, or {"prompt" | "prompt_token_ids": ..., "images": [PIL.Image | bytes, ...]} where each
+# image_token_id in the prompt marks where one image goes (it expands to the image's token span)
+PromptType = str | list[int] | dict
 
 
 class LLM:
@@ -65,18 +67,45 @@ class LLM:
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Runs all prompts to completion; outputs come back in prompt order. Every prompt and
         parameter is validated before anything is scheduled."""
-        if isinstance(prompts, str) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         params = self._params_for(list(prompts), sampling_params)
-        token_ids = [self._tokenize(i, p) for i, p in enumerate(prompts)]
-        for i, (ids, sp) in enumerate(zip(token_ids, params)):
+        inputs = [self._prepare(i, p) for i, p in enumerate(prompts)]
+        for i, sp in enumerate(params):
             if sp.stop and self.detokenizer is None:
                 raise ValueError(f"prompts[{i}]: SamplingParams.stop needs a tokenizer (skip_tokenizer_init=True)")
-        groups = [self._submit(ids, sp) for ids, sp in zip(token_ids, params)]
+        groups = [self._submit(ids, sp, images) for (ids, images), sp in zip(inputs, params)]
         self._run(sum(len(g) for g in groups), use_tqdm)
-        return [RequestOutput(g[0].request_id, p if isinstance(p, str) else None, ids,
+        return [RequestOutput(g[0].request_id, _text_of(p), ids,
                               [self.engine.completion(r, k) for k, r in enumerate(g)])
-                for g, p, ids in zip(groups, prompts, token_ids)]
+                for g, p, (ids, _) in zip(groups, prompts, inputs)]
+
+    def _prepare(self, i: int, prompt: PromptType) -> tuple[list[int], list]:
+        """Token ids (image placeholders expanded) and [(span start, preprocessed image)]."""
+        if not isinstance(prompt, dict):
+            return self._tokenize(i, prompt), []
+        unknown = set(prompt) - {"prompt", "prompt_token_ids", "images"}
+        if unknown or ("prompt" in prompt) == ("prompt_token_ids" in prompt):
+            raise ValueError(f"prompts[{i}]: a dict prompt needs exactly one of 'prompt' / 'prompt_token_ids' "
+                             f"(and optionally 'images'); got keys {sorted(prompt)}")
+        ids = self._tokenize(i, prompt.get("prompt", prompt.get("prompt_token_ids")))
+        images = prompt.get("images") or []
+        if not images:
+            return ids, []
+        from deepinfer.models.image_processor_v41 import expand_image_placeholders, preprocess_image
+
+        cfg = self.model.config
+        if not hasattr(self.model, "vision"):
+            raise ValueError(f"prompts[{i}]: images given, but this model has no vision encoder")
+        try:
+            processed = [preprocess_image(img, cfg.vision) for img in images]
+            ids, starts = expand_image_placeholders(ids, processed, cfg.image_token_id)
+        except (ValueError, OSError) as e:
+            raise ValueError(f"prompts[{i}].images: {e}") from None
+        if len(ids) >= self.max_model_len:
+            raise ValueError(f"prompts[{i}]: {len(ids)} tokens with the image spans; max_model_len is "
+                             f"{self.max_model_len}")
+        return ids, list(zip(starts, processed))
 
     def _params_for(self, prompts: list, sp) -> list[SamplingParams]:
         if sp is None:
@@ -109,9 +138,9 @@ class LLM:
                              "(one more token must fit)")
         return ids
 
-    def _submit(self, ids: list[int], sp: SamplingParams) -> list[Request]:
+    def _submit(self, ids: list[int], sp: SamplingParams, images: list) -> list[Request]:
         eos = self.model.config.eos_token_id
-        reqs = [Request(f"{next(self._ids)}", ids, sp, eos) for _ in range(sp.n)]
+        reqs = [Request(f"{next(self._ids)}", ids, sp, eos, images=images) for _ in range(sp.n)]
         leader = reqs[0]
         leader.siblings = reqs[1:]  # n > 1: siblings reuse the leader's prompt prefill
         for sib in leader.siblings:
@@ -124,6 +153,12 @@ class LLM:
         while self.engine.has_unfinished():
             bar.update(len(self.engine.step()))
         bar.close()
+
+
+def _text_of(prompt: PromptType) -> str | None:
+    if isinstance(prompt, dict):
+        prompt = prompt.get("prompt")
+    return prompt if isinstance(prompt, str) else None
 
 
 def _replay_keep(cfg: EngineConfig, mcfg) -> int | None:

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from deepinfer.sampling_params import SamplingParams
 
@@ -20,6 +21,7 @@ class ScheduledChunk:
     params: SamplingParams | None = None
     prev_tokens: list[int] = field(default_factory=list)  # up to CONTEXT_TOKENS tokens before `start`
     num_tokens: int = 0  # the request's length when scheduled (prompt + outputs so far)
+    images: list[tuple[int, Any]] = field(default_factory=list)  # image spans near this chunk
 
 
 # tokens of context shipped with every chunk (V4.1 Engram hashes the 3 tokens before each position)

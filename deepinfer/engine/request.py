@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Any
 
 from deepinfer.sampling_params import SamplingParams
 
@@ -30,6 +31,7 @@ class Request:
     slot: int | None = None
     block_tables: dict[int, list[int]] = field(default_factory=dict)
     siblings: list["Request"] = field(default_factory=list)  # n > 1: forks waiting on this leader
+    images: list[tuple[int, Any]] = field(default_factory=list)  # (span start, preprocessed image)
     text: str = ""
 
     @property

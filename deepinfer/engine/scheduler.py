@@ -43,9 +43,11 @@ class Scheduler:
         at_end = start + n == req.num_tokens
         samples = (1 + len(req.siblings)) if at_end else 0
         ids = req.all_token_ids
+        lo = start - CONTEXT_TOKENS
+        images = [(s0, img) for s0, img in req.images if s0 < start + n and s0 + img.num_tokens > lo]
         return ScheduledChunk(req.request_id, req.slot, start, ids[start:start + n],
                               {m: list(t) for m, t in req.block_tables.items()}, samples, req.params,
-                              ids[max(0, start - CONTEXT_TOKENS):start], req.num_tokens)
+                              ids[max(0, lo):start], req.num_tokens, images)
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput(forks=self.pending_forks)

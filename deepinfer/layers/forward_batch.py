@@ -25,6 +25,7 @@ class SeqChunk:
     block_tables: dict[int, list[int]] = field(default_factory=dict)
     prev_tokens: list[int] = field(default_factory=list)  # the tokens just before `start` (n-gram context)
     replay_from: int = 0  # SWA bounded replay: layers above the last KV source run on positions >= this
+    image_spans: list[tuple[int, int]] = field(default_factory=list)  # (start, length) near this chunk
 
 
 @dataclass
@@ -59,6 +60,9 @@ class ForwardBatch:
     plans: dict[tuple[int, bool], CompressPlan]
     # [T, K] (host) token k positions before each token (column 0 = itself), -1 before the sequence start
     token_windows: torch.Tensor | None = None
+    window_mask: torch.Tensor | None = None   # [T, K] (host) False where that token is an image token
+    image_mask: torch.Tensor | None = None    # [T] True for image-span tokens (None: no image in the step)
+    input_embeds: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, [rows, D]) embedding overrides
     replay: "ReplayPlan | None" = None
 
     @property
@@ -126,6 +130,25 @@ def _compress_plan(m: int, overlap: bool, chunks: list[SeqChunk], tok, pos, req,
                         carry_src, carry_dst, (pos + 1) // m, addr)
 
 
+def _in_spans(pos: torch.Tensor, spans: list[tuple[int, int]]) -> torch.Tensor:
+    inside = torch.zeros_like(pos, dtype=torch.bool)
+    for s0, n in spans:
+        inside |= (pos >= s0) & (pos < s0 + n)
+    return inside
+
+
+def _image_masks(chunks: list[SeqChunk], pos: torch.Tensor, req: torch.Tensor, width: int):
+    """(image_mask [T], window_mask [T, width] or None) from the chunks' image spans."""
+    if not any(c.image_spans for c in chunks):
+        return None, None
+    image = torch.cat([_in_spans(pos[req == b], c.image_spans) for b, c in enumerate(chunks)])
+    if not width:
+        return image, None
+    back = pos[:, None] - torch.arange(width)
+    window = torch.cat([~_in_spans(back[req == b], c.image_spans) for b, c in enumerate(chunks)])
+    return image, window
+
+
 def _token_windows(chunks: list[SeqChunk], width: int) -> torch.Tensor:
     rows = []
     for c in chunks:
@@ -164,8 +187,10 @@ def build_forward_batch(chunks: list[SeqChunk], window: int, compress_kinds: set
         for f in ("src_new", "src_carry", "dst", "rope_pos", "carry_src", "carry_dst", "visible", "addr"):
             setattr(p, f, to(getattr(p, f)))
     windows = _token_windows(chunks, history) if history else None
+    image_mask, window_mask = _image_masks(chunks, pos, req, history)
     batch = ForwardBatch(to(ids), to(pos), to(req), to(cu - 1), to(win_new), to(win_ring),
-                         to(ring_src), to(ring_dst), plans, windows)
+                         to(ring_src), to(ring_dst), plans, windows, window_mask,
+                         None if image_mask is None else to(image_mask))
     replay_from = torch.tensor([c.replay_from for c in chunks])[req]
     keep = pos >= replay_from
     # replay applies if rows are dropped, or a kept row's window reaches below its request's replay_from

@@ -174,6 +174,15 @@ class DeepseekV41ForCausalLM(nn.Module):
         self.register_buffer("inv_freq_main", rope_inv_freq(cfg.qk_rope_head_dim, cfg.rope_theta), persistent=False)
         self.register_buffer("inv_freq_compress", rope_inv_freq(cfg.qk_rope_head_dim, cfg.compress_rope_theta,
                                                                 cfg.rope_scaling), persistent=False)
+        if int(cfg.vision.get("num_hidden_layers", 0)) > 0:  # named as released: vision.*, aligner.*, image_*
+            from deepinfer.models.vision_v41 import VISION_DEFAULTS, VisionAligner, VisionTransformer
+
+            vc = {**VISION_DEFAULTS, **{k: v for k, v in cfg.vision.items() if k != "model_type"}}
+            self.vision = VisionTransformer(vc, dtype)
+            self.aligner = VisionAligner(int(vc["hidden_size"]), int(vc["downsample_ratio"]), cfg.hidden_size, dtype)
+            for name in ("image_start", "image_newline", "image_end"):
+                self.register_parameter(name, nn.Parameter(torch.zeros(cfg.hidden_size, dtype=dtype),
+                                                           requires_grad=False))
         # host-side: n-gram rows are hashed on the CPU from the step's token windows
         self.engram_token_map: torch.Tensor | None = None
         self.engram_params: EngramHashParams | None = None
@@ -208,9 +217,18 @@ class DeepseekV41ForCausalLM(nn.Module):
         if self.config.engram_layer_ids:
             if self.engram_params is None:
                 raise RuntimeError("Engram layers need the tokenizer's compressed token map (set_engram_vocab)")
-            rows = ngram_rows(batch.token_windows, self.engram_params, token_map=self.engram_token_map)
+            rows = ngram_rows(batch.token_windows, self.engram_params, token_map=self.engram_token_map,
+                              mask=batch.window_mask)
         return StepContext41(batch, RopeCache.at(pos, self.inv_freq_main), RopeCache.at(pos, self.inv_freq_compress),
-                             self.inv_freq_compress, rows)
+                             self.inv_freq_compress, rows, batch.image_mask)
+
+    def image_embeddings(self, image) -> torch.Tensor:
+        """The embeddings of one image's whole token span (see models/vision_v41.py)."""
+        from deepinfer.models.vision_v41 import image_span_embeddings
+
+        if not hasattr(self, "vision"):
+            raise ValueError("this checkpoint has no vision encoder (vision_config.num_hidden_layers is 0)")
+        return image_span_embeddings(self, image)
 
     def forward(self, batch: ForwardBatch, caches: list[LayerCache], draft_features: bool = False):
         """Runs the stack on a flat varlen batch; returns the final collapsed hidden [T, D] (before norm),
@@ -221,7 +239,11 @@ class DeepseekV41ForCausalLM(nn.Module):
         targets = self.config.dspark_target_layer_ids if draft_features else ()
         feats = {}
         n = self.config.hc_mult
-        x = self.embed(batch.input_ids).unsqueeze(1).repeat(1, n, 1)
+        e = self.embed(batch.input_ids)
+        if batch.input_embeds is not None:
+            rows, values = batch.input_embeds
+            e = e.index_copy(0, rows, values.to(e.dtype))
+        x = e.unsqueeze(1).repeat(1, n, 1)
         pre = torch.zeros(x.shape[0], n, dtype=torch.float32, device=x.device)
         pre[:, 0] = 1  # the stream starts one-hot on copy 0
         state, replay = None, batch.replay

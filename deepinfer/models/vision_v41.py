@@ -206,18 +206,23 @@ class DeepseekV41Vision(nn.Module):
 
     @torch.no_grad()
     def embed_image(self, image: ImageInput) -> torch.Tensor:
-        """[span_len, D] in token order: image_start, then per LLM row its llm_w aligner outputs
-        followed by image_newline, then image_end. Returned in the module dtype."""
-        dev = self.image_start.device
-        patches = image.patches.to(device=dev, dtype=self.dtype)
-        feats = self.aligner(self.vision(patches, image.n_vit_h, image.n_vit_w), image.n_vit_h, image.n_vit_w)
-        lh, lw = image.llm_h, image.llm_w
-        if feats.shape[0] != lh * lw:
-            raise ValueError(f"aligner gave {feats.shape[0]} tokens for a {lh}x{lw} LLM grid")
-        D = self.hidden_size
-        rows = torch.cat([feats.view(lh, lw, D), self.image_newline.view(1, 1, D).expand(lh, 1, D)], dim=1)
-        return torch.cat([self.image_start.view(1, D), rows.reshape(lh * (lw + 1), D),
-                          self.image_end.view(1, D)], dim=0)
+        return image_span_embeddings(self, image)
+
+
+@torch.no_grad()
+def image_span_embeddings(owner: nn.Module, image: ImageInput) -> torch.Tensor:
+    """[span_len, D] in token order: image_start, then per LLM row its llm_w aligner outputs
+    followed by image_newline, then image_end. `owner` holds `vision`, `aligner` and the three
+    delimiter vectors (DeepseekV41Vision, or the V4.1 model, which owns them at the top level)."""
+    dev, dtype = owner.image_start.device, owner.image_start.dtype
+    patches = image.patches.to(device=dev, dtype=dtype)
+    feats = owner.aligner(owner.vision(patches, image.n_vit_h, image.n_vit_w), image.n_vit_h, image.n_vit_w)
+    lh, lw = image.llm_h, image.llm_w
+    if feats.shape[0] != lh * lw:
+        raise ValueError(f"aligner gave {feats.shape[0]} tokens for a {lh}x{lw} LLM grid")
+    D = owner.image_start.shape[0]
+    rows = torch.cat([feats.view(lh, lw, D), owner.image_newline.view(1, 1, D).expand(lh, 1, D)], dim=1)
+    return torch.cat([owner.image_start.view(1, D), rows.reshape(lh * (lw + 1), D), owner.image_end.view(1, D)])
 
 
 def load_vision_weights(module: DeepseekV41Vision, model_dir, block: tuple[int, int] | None = None

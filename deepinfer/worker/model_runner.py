@@ -25,9 +25,11 @@ class ModelRunner:
             self.cache.copy_state(f.src_slot, f.dst_slot, f.src_blocks, f.dst_blocks)
         keep = self.replay_keep
         chunks = [SeqChunk(c.slot, c.start, c.token_ids, c.block_tables, c.prev_tokens,
-                           0 if keep is None else max(0, c.num_tokens - keep)) for c in so.chunks]
+                           0 if keep is None else max(0, c.num_tokens - keep),
+                           [(s0, img.num_tokens) for s0, img in c.images]) for c in so.chunks]
         batch = build_forward_batch(chunks, self.model.config.sliding_window, self.cache.compress_kinds,
                                     self.cache.block_size, self.device, getattr(self.model, "token_history", 0))
+        batch.input_embeds = self._image_embeds(so)
         streams = self.model(batch, self.cache.layers)
         sampled = [c for c in so.chunks if c.num_samples]
         if not sampled:
@@ -50,6 +52,22 @@ class ModelRunner:
                 out.logprobs[c.request_id] = lp[i:i + c.num_samples]
             i += c.num_samples
         return out
+
+    def _image_embeds(self, so: SchedulerOutput):
+        """(flat rows, embeddings) for the image-span tokens computed this step, or None.
+        The vision tower runs for each image a chunk touches (spans are seldom split)."""
+        rows, values, off = [], [], 0
+        for c in so.chunks:
+            for s0, img in c.images:
+                lo, hi = max(s0, c.start), min(s0 + img.num_tokens, c.start + len(c.token_ids))
+                if lo < hi:
+                    span = self.model.image_embeddings(img)
+                    rows.append(torch.arange(lo, hi) - c.start + off)
+                    values.append(span[lo - s0:hi - s0])
+            off += len(c.token_ids)
+        if not rows:
+            return None
+        return torch.cat(rows).to(self.device), torch.cat(values)
 
     @staticmethod
     def _logprobs(logits, tokens, token_list: list[int], k: int, params) -> list[dict[int, float]]:

@@ -210,3 +210,54 @@ def test_host_resident_engram_tables_are_mmapped_and_give_identical_logits(ckpt,
     assert not table.weight.untyped_storage().resizable()  # file-backed, not an owned copy
     ids = _ids(6, 2, 48)
     assert torch.equal(_run(host, ids, [48, 5], "float32"), _run(ours, ids, [48, 5], "float32"))
+
+
+def test_image_prompts_match_nemo(tmp_path_factory):
+    from PIL import Image
+
+    from deepinfer import LLM, SamplingParams
+    from deepinfer.models.image_processor_v41 import preprocess_image
+    from nemo_oracle import nemo_v41_logits_with_images
+
+    ckpt = write_checkpoint(tmp_path_factory.mktemp("v41v") / "ckpt", PRESETS["tiny41v"], seed=0, dtype="fp8")
+    nemo = nemo_v41_model(ckpt)[0]
+    g = torch.Generator().manual_seed(7)
+    pics = [Image.fromarray(torch.randint(0, 256, (h, w, 3), generator=g, dtype=torch.uint8).numpy())
+            for h, w in ((30, 50), (45, 20))]
+    img_tok = PRESETS["tiny41v"]["image_token_id"]
+    rnd = lambda n: torch.randint(3, 1000, (n,), generator=g).tolist()  # noqa: E731
+    prompt = [0] + rnd(5) + [img_tok] + rnd(6) + [img_tok] + rnd(3)
+    llm = LLM(str(ckpt), device="cpu", dtype="float32", kv_cache_dtype="float32", kv_cache_memory=32 << 20,
+              max_num_batched_tokens=16, yoco_prefill_truncation_mode="none")  # image spans straddle chunks
+    out = llm.generate({"prompt_token_ids": prompt, "images": pics},
+                       SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)[0]
+    ids = out.prompt_token_ids
+    processed = [preprocess_image(p, llm.model.config.vision) for p in pics]
+    starts = [i for i in range(len(ids)) if ids[i] == img_tok and (i == 0 or ids[i - 1] != img_tok)]
+    assert len(ids) == len(prompt) - 2 + sum(p.num_tokens for p in processed) and len(starts) == 2
+    seq = list(ids)
+    for _ in range(6):
+        with torch.inference_mode():
+            logits = nemo_v41_logits_with_images(nemo, torch.tensor([seq]), processed, starts, exact=True)
+        seq.append(int(logits[0, -1].argmax()))
+    assert out.outputs[0].token_ids == seq[len(ids):]
+    with pytest.raises(ValueError, match="images"):
+        llm.generate({"prompt_token_ids": prompt, "images": pics[:1]}, use_tqdm=False)
+
+
+@pytest.mark.gpu
+def test_cuda_matches_cpu_and_host_engram_on_cuda(ckpt, ours):
+    ids = _ids(8, 2, 48)
+    cpu = _run(ours, ids, [48, 48], "float32")
+    for engram in (None, "cpu"):
+        gpu = load_model(str(ckpt), dtype=torch.float32, device="cuda", engram_device=engram)[0]
+        table = gpu.layers[gpu.config.engram_layer_ids[0]].engram.embed.weight
+        assert table.device.type == ("cpu" if engram else "cuda")
+        cfg = gpu.config
+        cache = static_v4_cache(cfg, 2, 48, "float32", "cuda")
+        with torch.inference_mode():
+            chunks = [SeqChunk(i, 0, r.tolist(), cache.static_tables(i)) for i, r in enumerate(ids)]
+            b = build_forward_batch(chunks, cfg.sliding_window, cache.compress_kinds, cache.block_size, "cuda",
+                                    gpu.token_history)
+            out = gpu.compute_logits(gpu(b, cache.layers)).view(2, 48, -1).cpu()
+        _close(out, cpu, 1e-3)

@@ -94,8 +94,8 @@ def test_tiny_grids(vcfg):
     assert (g2.n_vit_h, g2.n_vit_w, g2.llm_h, g2.llm_w, g2.num_tokens) == (11, 5, 4, 2, 14)
 
 
-@pytest.mark.parametrize("size", [(50, 30), (20, 45), (300, 200), (1000, 20), (20, 1000), (7, 7), (640, 480), (10, 2000), (2000, 10),
-                                  (2000, 1500)])
+@pytest.mark.parametrize("size", [(50, 30), (20, 45), (300, 200), (1000, 20), (20, 1000), (7, 7), (640, 480),
+                                  (10, 2000), (2000, 10), (2000, 1500)])
 @pytest.mark.parametrize("cfg", [dict(max_image_tokens=64, min_pixels=10000),
                                  dict(max_image_tokens=64, min_pixels=10000, max_wh_ratio=2.0),
                                  dict()])
