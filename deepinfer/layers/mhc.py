@@ -41,6 +41,15 @@ class HyperConnection(nn.Module):
         return pre, post, comb
 
 
+def register_hc_params(module: nn.Module, n: int, dim: int, sites=("attn", "ffn")) -> None:
+    """`hc_{site}_{fn,base,scale}` (fp32) of each mHC site, named as in the checkpoint."""
+    mix = (2 + n) * n
+    for site in sites:
+        for name, shape in (("fn", (mix, n * dim)), ("base", (mix,)), ("scale", (3,))):
+            module.register_parameter(f"hc_{site}_{name}", nn.Parameter(torch.zeros(*shape, dtype=torch.float32),
+                                                                        requires_grad=False))
+
+
 def collapse(x: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
     """sum_i pre[i] * X[i]: [T, n, D] -> [T, D] in x's dtype."""
     return (pre.unsqueeze(-1) * x).sum(dim=1).to(x.dtype)

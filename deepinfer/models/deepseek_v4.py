@@ -15,7 +15,7 @@ from deepinfer.layers.attention import Compressor, Indexer, sparse_attention
 from deepinfer.layers.forward_batch import ForwardBatch
 from deepinfer.layers.kv_state import LayerCache
 from deepinfer.layers.linear import DENSE, Linear, QuantSpec
-from deepinfer.layers.mhc import HyperConnection, collapse, expand, head_collapse
+from deepinfer.layers.mhc import HyperConnection, collapse, expand, register_hc_params, head_collapse
 from deepinfer.layers.moe import MoE
 from deepinfer.layers.norm import RMSNorm, rms_norm
 from deepinfer.layers.rotary import RopeCache, apply_rope, rope_inv_freq
@@ -97,11 +97,7 @@ class Block(nn.Module):
                  topk: int | None = None):
         super().__init__()
         c, n = cfg, cfg.hc_mult
-        mix = (2 + n) * n
-        for site in ("attn", "ffn"):
-            self.register_parameter(f"hc_{site}_fn", _fp32(mix, n * c.hidden_size))
-            self.register_parameter(f"hc_{site}_base", _fp32(mix))
-            self.register_parameter(f"hc_{site}_scale", _fp32(3))
+        register_hc_params(self, n, c.hidden_size)
         self.hc = HyperConnection(n, c.hc_sinkhorn_iters, c.hc_eps, c.rms_norm_eps)
         self.attn_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.ffn_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
@@ -147,18 +143,24 @@ class DSparkStage(Block):
                  expert_quant: QuantSpec):
         super().__init__(cfg, cfg.num_hidden_layers + stage, SLIDING, 0, dtype, quant, expert_quant,
                          cfg.dspark_n_routed_experts, cfg.dspark_num_experts_per_tok)
-        d, last = cfg.hidden_size, stage == cfg.num_nextn_predict_layers - 1
-        if stage == 0:
-            self.main_proj = Linear(len(cfg.dspark_target_layer_ids) * d, d, dtype, quant)
-            self.main_norm = RMSNorm(d, cfg.rms_norm_eps)
-        if last:
-            rank = cfg.dspark_markov_rank
-            self.norm = RMSNorm(d, cfg.rms_norm_eps)
-            self.markov_head = nn.Module()
-            self.markov_head.embed = nn.Embedding(cfg.vocab_size, rank, dtype=dtype)
-            self.markov_head.head = Linear(rank, cfg.vocab_size, dtype)
-            self.confidence_head = nn.Module()
-            self.confidence_head.proj = Linear(d + rank, 1, torch.float32)
+        add_dspark_heads(self, cfg, stage, dtype, quant)
+
+
+def add_dspark_heads(stage_module: nn.Module, cfg, stage: int, dtype: torch.dtype, quant: QuantSpec) -> None:
+    """DSpark's stage-owned parts: the target-feature projection (first stage); the norm, Markov
+    head (rank-r bigram bias) and confidence head (last stage)."""
+    d = cfg.hidden_size
+    if stage == 0:
+        stage_module.main_proj = Linear(len(cfg.dspark_target_layer_ids) * d, d, dtype, quant)
+        stage_module.main_norm = RMSNorm(d, cfg.rms_norm_eps)
+    if stage == cfg.num_nextn_predict_layers - 1:
+        rank = cfg.dspark_markov_rank
+        stage_module.norm = RMSNorm(d, cfg.rms_norm_eps)
+        stage_module.markov_head = nn.Module()
+        stage_module.markov_head.embed = nn.Embedding(cfg.vocab_size, rank, dtype=dtype)
+        stage_module.markov_head.head = Linear(rank, cfg.vocab_size, dtype)
+        stage_module.confidence_head = nn.Module()
+        stage_module.confidence_head.proj = Linear(d + rank, 1, torch.float32)
 
 
 class DeepseekV4ForCausalLM(nn.Module):

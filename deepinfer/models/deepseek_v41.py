@@ -19,7 +19,7 @@ from deepinfer.layers.engram_hash import EngramHashParams, ngram_rows
 from deepinfer.layers.forward_batch import ForwardBatch, ReplayPlan
 from deepinfer.layers.kv_state import LayerCache
 from deepinfer.layers.linear import Linear, QuantSpec
-from deepinfer.layers.mhc import HyperConnection, collapse, expand
+from deepinfer.layers.mhc import HyperConnection, collapse, expand, register_hc_params
 from deepinfer.layers.moe import MoE
 from deepinfer.layers.norm import RMSNorm
 from deepinfer.layers.rotary import RopeCache, apply_rope, rope_inv_freq
@@ -117,11 +117,7 @@ class Block41(nn.Module):
                  engram_host: bool = False):
         super().__init__()
         c, n = cfg, cfg.hc_mult
-        mix = (2 + n) * n
-        for site in ("attn", "ffn"):
-            self.register_parameter(f"hc_{site}_fn", _fp32(mix, n * c.hidden_size))
-            self.register_parameter(f"hc_{site}_base", _fp32(mix))
-            self.register_parameter(f"hc_{site}_scale", _fp32(3))
+        register_hc_params(self, n, c.hidden_size)
         self.hc = HyperConnection(n, c.hc_sinkhorn_iters, c.hc_eps, c.rms_norm_eps, project_first=True)
         self.attn_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.ffn_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)

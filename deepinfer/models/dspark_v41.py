@@ -22,6 +22,7 @@ from deepinfer.layers.mhc import collapse, expand
 from deepinfer.layers.norm import RMSNorm
 from deepinfer.layers.rotary import RopeCache, apply_rope
 from deepinfer.models.config_v41 import DeepseekV41Config
+from deepinfer.models.deepseek_v4 import add_dspark_heads
 from deepinfer.models.deepseek_v41 import Block41
 
 
@@ -43,18 +44,7 @@ class DSparkStage41(Block41):
                           engram_num_embeddings=())
         super().__init__(swa_cfg, 0, dtype, quant, expert_quant, cfg.dspark_n_routed_experts,
                          cfg.dspark_num_experts_per_tok)
-        d = cfg.hidden_size
-        if stage == 0:
-            self.main_proj = Linear(len(cfg.dspark_target_layer_ids) * d, d, dtype, quant)
-            self.main_norm = RMSNorm(d, cfg.rms_norm_eps)
-        if stage == cfg.num_nextn_predict_layers - 1:
-            rank = cfg.dspark_markov_rank
-            self.norm = RMSNorm(d, cfg.rms_norm_eps)
-            self.markov_head = nn.Module()
-            self.markov_head.embed = nn.Embedding(cfg.vocab_size, rank, dtype=dtype)
-            self.markov_head.head = Linear(rank, cfg.vocab_size, dtype)
-            self.confidence_head = nn.Module()
-            self.confidence_head.proj = Linear(d + rank, 1, torch.float32)
+        add_dspark_heads(self, cfg, stage, dtype, quant)
 
     def _attend(self, u: torch.Tensor, ctx_h: torch.Tensor, ctx_rope: RopeCache, ctx_valid: torch.Tensor,
                 rope: RopeCache, kv_fmt: FormatStore) -> torch.Tensor:

@@ -222,6 +222,22 @@ def _hc_head_specs(c: dict, p: str) -> list[WeightSpec]:
             WeightSpec(f"{p}hc_head_scale", (1,), "hc_scale", "fp32")]
 
 
+def dspark_head_specs(c: dict, k: int, n_mtp: int) -> list:
+    """The stage-owned DSpark tensors of stage k (see models.deepseek_v4.add_dspark_heads)."""
+    p, d, v, out = f"mtp.{k}.", c["hidden_size"], c["vocab_size"], []
+    if k == 0:
+        n_target = len(c.get("dspark_target_layer_ids") or [])
+        out += [WeightSpec(f"{p}main_proj.weight", (d, n_target * d), "linear", "fp8"),
+                WeightSpec(f"{p}main_norm.weight", (d,), "norm", "bf16")]
+    if k == n_mtp - 1:
+        r = c["dspark_markov_rank"]
+        out += [WeightSpec(f"{p}norm.weight", (d,), "norm", "bf16"),
+                WeightSpec(f"{p}markov_head.embed.weight", (v, r), "embed", "bf16"),
+                WeightSpec(f"{p}markov_head.head.weight", (v, r), "linear", "bf16"),
+                WeightSpec(f"{p}confidence_head.proj.weight", (1, d + r), "linear", "fp32")]
+    return out
+
+
 def weight_specs(config: dict) -> list[WeightSpec]:
     """Every tensor of the checkpoint, DeepSeek names, logical (unquantised) shapes."""
     if is_v41(config):
@@ -245,16 +261,7 @@ def weight_specs(config: dict) -> list[WeightSpec]:
         p = f"mtp.{k}."
         if dspark:
             out += _block_specs(c, p, ratios[n + k], False, compressor=False)
-            if k == 0:
-                n_target = len(c.get("dspark_target_layer_ids") or [])
-                out += [S(f"{p}main_proj.weight", (d, n_target * d), "linear", "fp8"),
-                        S(f"{p}main_norm.weight", (d,), "norm", "bf16")]
-            if k == n_mtp - 1:
-                r = c["dspark_markov_rank"]
-                out += [S(f"{p}norm.weight", (d,), "norm", "bf16"),
-                        S(f"{p}markov_head.embed.weight", (v, r), "embed", "bf16"),
-                        S(f"{p}markov_head.head.weight", (v, r), "linear", "bf16"),
-                        S(f"{p}confidence_head.proj.weight", (1, d + r), "linear", "fp32")]
+            out += dspark_head_specs(c, k, n_mtp)
         else:
             out += _block_specs(c, p, ratios[n + k], False)
             out += [S(f"{p}e_proj.weight", (d, d), "linear", "fp8"),

@@ -15,8 +15,8 @@ import json
 from pathlib import Path
 
 from deepinfer.layers.engram_hash import compressed_token_map
-from deepinfer.tools.make_checkpoint import (_FP8_QUANT, DTYPES, WeightSpec, _open_writer, encode_tensor,
-                                             random_weights)
+from deepinfer.tools.make_checkpoint import (_FP8_QUANT, DTYPES, WeightSpec, _open_writer, dspark_head_specs,
+                                             encode_tensor, random_weights)
 from deepinfer.tools.tiny_tokenizer import build_tokenizer, write_tokenizer
 
 S = WeightSpec
@@ -131,16 +131,7 @@ def weight_specs_v41(config: dict) -> list[WeightSpec]:
     for k in range(n_mtp):
         p = f"mtp.{k}."
         out += _block_specs_v41(t, p, None, t.get("dspark_n_routed_experts", t["n_routed_experts"]))
-        if k == 0:
-            n_target = len(t.get("dspark_target_layer_ids") or [])
-            out += [S(f"{p}main_proj.weight", (d, n_target * d), "linear", "fp8"),
-                    S(f"{p}main_norm.weight", (d,), "norm", "bf16")]
-        if k == n_mtp - 1:
-            r = t["dspark_markov_rank"]
-            out += [S(f"{p}norm.weight", (d,), "norm", "bf16"),
-                    S(f"{p}markov_head.embed.weight", (v, r), "embed", "bf16"),
-                    S(f"{p}markov_head.head.weight", (v, r), "linear", "bf16"),
-                    S(f"{p}confidence_head.proj.weight", (1, d + r), "linear", "fp32")]
+        out += dspark_head_specs(t, k, n_mtp)
     return out
 
 
