@@ -14,12 +14,10 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 import torch
-from torch import nn
 
 from deepinfer.layers.kv_state import FormatStore
-from deepinfer.layers.linear import Linear, QuantSpec
+from deepinfer.layers.linear import QuantSpec
 from deepinfer.layers.mhc import collapse, expand
-from deepinfer.layers.norm import RMSNorm
 from deepinfer.layers.rotary import RopeCache, apply_rope
 from deepinfer.models.config_v41 import DeepseekV41Config
 from deepinfer.models.deepseek_v4 import add_dspark_heads

@@ -1,5 +1,4 @@
 import pytest
-import torch
 
 from deepinfer.layers.forward_batch import SeqChunk, build_forward_batch
 
