@@ -40,6 +40,7 @@ class EngineConfig:
     # prompt's last `yoco_prefill_keep_tokens` rows; "none" is the exact prefill
     yoco_prefill_truncation_mode: str = "compact"
     yoco_prefill_keep_tokens: int = 140
+    engram_device: str | None = None  # "cpu": V4.1 Engram tables stay on the host, memory-mapped
 
     def __post_init__(self):
         _check_choice("accelerator", self.accelerator, ACCELERATORS)
@@ -50,6 +51,8 @@ class EngineConfig:
             object.__setattr__(self, "yoco_prefill_keep_tokens", _parse_int("yoco_prefill_keep_tokens",
                                                                              self.yoco_prefill_keep_tokens))
         _check_positive("yoco_prefill_keep_tokens", self.yoco_prefill_keep_tokens)
+        if self.engram_device not in (None, "cpu"):
+            raise ValueError(f"engram_device: {self.engram_device!r} is not None or 'cpu'")
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"device: {self.device!r} is not 'cpu' or 'cuda[:N]'")
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):

@@ -32,20 +32,22 @@ class LLM:
                  kv_cache_dtype: str = "auto", max_model_len: int | None = None, max_num_seqs: int = 256,
                  max_num_batched_tokens: int = 8192, kv_cache_memory: int | None = None,
                  skip_tokenizer_init: bool = False, seed: int | None = None, block_size: int = 64,
-                 yoco_prefill_truncation_mode: str | None = None, yoco_prefill_keep_tokens: int | None = None):
+                 yoco_prefill_truncation_mode: str | None = None, yoco_prefill_keep_tokens: int | None = None,
+                 engram_device: str | None = None):
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         cfg = EngineConfig.from_env(
             model=model, device=device, dtype=dtype, kv_cache_dtype=kv_cache_dtype, max_model_len=max_model_len,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             kv_cache_memory=kv_cache_memory, skip_tokenizer_init=skip_tokenizer_init, seed=seed,
             block_size=block_size, yoco_prefill_truncation_mode=yoco_prefill_truncation_mode,
-            yoco_prefill_keep_tokens=yoco_prefill_keep_tokens)
+            yoco_prefill_keep_tokens=yoco_prefill_keep_tokens, engram_device=engram_device)
         self.config = cfg
         ref = cfg.model or cfg.hf_model_dir or DEFAULT_MODEL
         if ref == DEMO_NAME:
             ref = str(demo_checkpoint())
         self.model, self.model_dir = load_model(ref, dtype=getattr(torch, cfg.dtype), device=cfg.device,
-                                                hf_model_dir=cfg.hf_model_dir, offline=cfg.hf_hub_offline)
+                                                hf_model_dir=cfg.hf_model_dir, offline=cfg.hf_hub_offline,
+                                                engram_device=cfg.engram_device)
         mcfg = self.model.config
         self.detokenizer = None if cfg.skip_tokenizer_init else _load_detokenizer(self.model_dir)
         spec = cache_spec(mcfg, cfg.kv_cache_dtype, cfg.block_size)

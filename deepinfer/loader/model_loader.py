@@ -19,7 +19,7 @@ def load_model(model: str | Path | None, *, dtype: torch.dtype = torch.bfloat16,
     path = resolve_model_dir(str(model) if model else None, hf_model_dir=hf_model_dir, offline=offline)
     cfg = read_model_config(path)
     _, model_cls = model_classes(cfg.model_type)
-    extra = {"engram_device": engram_device} if engram_device else {}
+    extra = {"engram_device": engram_device} if engram_device and hasattr(cfg, "engram_layer_ids") else {}
     with torch.device(device):
         net = model_cls(cfg, dtype=dtype, quantized=quantized, **extra)
     load_weights(net, path, config=cfg)
