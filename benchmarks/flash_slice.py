@@ -1,0 +1,327 @@
+"""The Flash slice sweep: V4-Flash's first four layers at full width (sliding, sliding, CSA, HCA;
+hash, hash, hash, top-k MoE; 256 experts), random weights, on one GPU.
+
+Engines: deepinfer bf16, deepinfer FP8/FP4 (weights kept as the hub ships them), transformers
+bf16 (DeepseekV4ForCausalLM). Rows: prefill (batch x length) and decode steps (batch at a
+context), each with the roofline of that work on this GPU: max(bytes moved / measured copy
+bandwidth, FLOPs / measured bf16 matmul rate), both ceilings measured at the start of the run.
+Decode state for deepinfer is filled synthetically (timing does not depend on cache values);
+transformers builds its cache by prefilling, so its long-context rows are skipped.
+
+    python benchmarks/flash_slice.py --engines deepinfer,deepinfer-fp8,transformers --out results.json
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import subprocess
+import time
+from datetime import date
+from pathlib import Path
+
+import torch
+
+DEVICE = "cuda"
+PREFILL = [(1, 2048), (4, 2048), (1, 8192)]
+DECODE_BATCHES = [1, 4, 16, 64, 128]
+DECODE_CONTEXTS = [256, 4096]
+LAYER_RATIOS = [0, 0, 4, 128]
+
+
+BASE_PRESET = "flash"
+
+
+def slice_config() -> dict:
+    from deepinfer.tools.make_checkpoint import PRESETS
+
+    return {**PRESETS[BASE_PRESET], "num_hidden_layers": 4, "compress_ratios": LAYER_RATIOS,
+            "num_hash_layers": 3, "num_nextn_predict_layers": 0}
+
+
+def _sync() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed(fn, reps: int = 5) -> float:
+    """Median seconds of `fn` after one warm-up, synchronising the GPU."""
+    fn()
+    _sync()
+    ts = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        _sync()
+        ts.append(time.perf_counter() - t)
+    return sorted(ts)[len(ts) // 2]
+
+
+def ceilings() -> dict:
+    if DEVICE != "cuda":
+        return {"hbm_gbs": 1.0, "bf16_tflops": 1.0}  # smoke runs only
+    src = torch.empty(4 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    hbm = 2 * src.numel() / timed(lambda: dst.copy_(src), 10) / 1e9
+    del src, dst
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    tflops = 2 * 8192 ** 3 / timed(lambda: a @ a, 10) / 1e12
+    return {"hbm_gbs": round(hbm, 1), "bf16_tflops": round(tflops, 1)}
+
+
+# ---- cost model of the slice: weights touched + KV read (bytes), linear + attention FLOPs ----
+
+def _attn_params(c: dict, ratio: int) -> int:
+    d, h, hd, rq, ro, g = (c["hidden_size"], c["num_attention_heads"], c["head_dim"], c["q_lora_rank"],
+                           c["o_lora_rank"], c["o_groups"])
+    n = d * rq + rq * h * hd + d * hd + ro * h * hd + g * ro * d
+    if ratio == 4:  # overlapped compressor (2 x width 2*hd) + indexer (wq_b, weights_proj, its compressor)
+        hi, di = c["index_n_heads"], c["index_head_dim"]
+        n += 2 * 2 * hd * d + rq * hi * di + d * hi + 2 * 2 * di * d
+    elif ratio:
+        n += 2 * hd * d
+    return n
+
+
+def _keys(c: dict, ratio: int, context: int) -> int:
+    """Keys one query at `context` attends to in a layer of this ratio."""
+    extra = min(c["index_topk"], context // 4) if ratio == 4 else (context // ratio if ratio else 0)
+    return min(c["sliding_window"], context) + extra
+
+
+def roofline_ms(c: dict, tokens: int, batch: int, context: int, decode: bool, ceil: dict, fp8: bool) -> float:
+    """`tokens` new tokens over `batch` requests at `context` (decode) or prompts of tokens/batch."""
+    d, hd, h = c["hidden_size"], c["head_dim"], c["num_attention_heads"]
+    expert = 3 * d * c["moe_intermediate_size"]
+    wbytes, ebytes = (1, 0.5 + 1 / 64) if fp8 else (2, 2)   # FP8 dense / FP4 experts with E8M0 per 32
+    E, k = c["n_routed_experts"], c["num_experts_per_tok"]
+    touched = E * (1 - (1 - 1 / E) ** (tokens * k))       # expected distinct experts per layer
+    weights = sum(_attn_params(c, r) * wbytes + (expert * wbytes + touched * expert * ebytes)
+                  for r in LAYER_RATIOS) + 2 * c["vocab_size"] * d
+    entry = 584 if fp8 else 2 * hd
+    seq = tokens // batch
+    ctx_of = (lambda i: context) if decode else (lambda i: i + 1)  # noqa: E731
+    kv = batch * sum(entry * _keys(c, r, context) for r in LAYER_RATIOS) if decode else 0
+    attn_flops = sum(4 * h * hd * _keys(c, r, ctx_of(i)) for r in LAYER_RATIOS
+                     for i in (range(seq) if not decode else [0])) * batch
+    flops = 2 * tokens * sum(_attn_params(c, r) + (k + 1) * expert for r in LAYER_RATIOS) \
+        + attn_flops + 2 * batch * c["vocab_size"] * d
+    return 1e3 * max((weights + kv) / (ceil["hbm_gbs"] * 1e9), flops / (ceil["bf16_tflops"] * 1e12))
+
+
+# ---- deepinfer ----
+
+def _init_random(model) -> None:
+    g = torch.Generator(device=DEVICE).manual_seed(0)
+    for name, t in model.state_dict().items():
+        if t.dtype in (torch.bfloat16, torch.float32):
+            if name.endswith("norm.weight"):
+                t.fill_(1.0)
+            elif "hc_" in name and name.endswith("_scale"):
+                t.fill_(1.0)
+            else:
+                t.normal_(0, 0.02, generator=g)
+        elif name.endswith("tid2eid"):
+            t.copy_(torch.randint(0, model.config.n_routed_experts, t.shape, device=DEVICE, generator=g))
+        elif t.dtype == torch.float8_e4m3fn:
+            t.copy_((torch.randn(t.shape, device=DEVICE, generator=g) * 0.5).to(torch.float8_e4m3fn))
+        elif t.dtype == torch.float8_e8m0fnu:
+            t.view(torch.uint8).fill_(120)
+        elif t.dtype in (torch.int8, torch.uint8):
+            t.copy_(torch.randint(-128, 127, t.shape, device=DEVICE, generator=g).to(t.dtype))
+
+
+def deepinfer_model(fp8: bool):
+    from deepinfer.models import DeepseekV4Config, DeepseekV4ForCausalLM
+
+    cfg = DeepseekV4Config.from_dict(slice_config())
+    with torch.device(DEVICE):
+        model = DeepseekV4ForCausalLM(cfg, dtype=torch.bfloat16, quantized=fp8).eval()
+    _init_random(model)
+    return model
+
+
+def deepinfer_rows(fp8: bool, ceil: dict, args) -> list[dict]:
+    from deepinfer.layers.forward_batch import SeqChunk, build_forward_batch
+    from deepinfer.worker.kv_cache import static_v4_cache
+
+    model = deepinfer_model(fp8)
+    cfg, kv = model.config, ("fp8" if fp8 else "bfloat16")
+    name = "deepinfer-fp8" if fp8 else "deepinfer"
+    rows = []
+
+    def step(cache, chunks):
+        b = build_forward_batch(chunks, cfg.sliding_window, cache.compress_kinds, cache.block_size, DEVICE)
+        with torch.inference_mode():
+            h = model(b, cache.layers)
+            return model.compute_logits(h[b.logits_idx])
+
+    for B, S in PREFILL:
+        cache = static_v4_cache(cfg, B, S + 8, kv, DEVICE, block_size=64)
+        ids = torch.randint(0, cfg.vocab_size, (B, S)).tolist()
+        chunks = [SeqChunk(i, 0, ids[i], cache.static_tables(i)) for i in range(B)]
+        t = timed(lambda: step(cache, chunks), args.reps)
+        rows.append(_row(name, "prefill", B, S, 0, B * S / t, t, roofline_ms(slice_config(), B * S, B, S, False,
+                                                                         ceil, fp8)))
+        del cache
+    for C in DECODE_CONTEXTS:
+        for B in DECODE_BATCHES:
+            cache = static_v4_cache(cfg, B, C + 8, kv, DEVICE, block_size=64)
+            chunks = [SeqChunk(i, C, [int(torch.randint(0, cfg.vocab_size, ()))], cache.static_tables(i))
+                      for i in range(B)]
+            t = timed(lambda: step(cache, chunks), args.reps)
+            rows.append(_row(name, "decode", B, 1, C, B / t, t, roofline_ms(slice_config(), B, B, C, True, ceil, fp8)))
+            del cache
+    del model
+    gc.collect()
+    if DEVICE == "cuda":
+        torch.cuda.empty_cache()
+    return rows
+
+
+# ---- transformers ----
+
+def transformers_rows(ceil: dict, args) -> list[dict]:
+    from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
+
+    types = ["sliding_attention", "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"]
+    cfg = DeepseekV4Config(num_hidden_layers=4, layer_types=types, mlp_layer_types=["hash_moe"] * 3 + ["moe"])
+    cfg._experts_implementation = "grouped_mm"
+    torch.manual_seed(0)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device("cuda"):
+            model = DeepseekV4ForCausalLM(cfg).eval()
+    finally:
+        torch.set_default_dtype(default)
+    for m in model.modules():
+        if hasattr(m, "tid2eid"):
+            m.tid2eid.copy_(torch.randint(0, cfg.n_routed_experts, m.tid2eid.shape, device="cuda"))
+    rows = []
+    with torch.inference_mode():
+        for B, S in PREFILL:
+            ids = torch.randint(0, cfg.vocab_size, (B, S), device="cuda")
+            try:
+                t = timed(lambda: model(input_ids=ids, use_cache=False, logits_to_keep=1), args.reps)
+                rows.append(_row("transformers", "prefill", B, S, 0, B * S / t, t,
+                                 roofline_ms(slice_config(), B * S, B, S, False, ceil, False)))
+            except torch.OutOfMemoryError:
+                rows.append(_row("transformers", "prefill", B, S, 0, None, None, None, "out of memory"))
+            torch.cuda.empty_cache()
+        for C in DECODE_CONTEXTS:
+            for B in DECODE_BATCHES:
+                if B * C > args.hf_max_prefill_tokens:
+                    rows.append(_row("transformers", "decode", B, 1, C, None, None, None,
+                                     f"skipped: building its cache needs a {B}x{C} prefill"))
+                    continue
+                ids = torch.randint(0, cfg.vocab_size, (B, C), device="cuda")
+                gen = lambda n: model.generate(input_ids=ids, max_new_tokens=n, min_new_tokens=n,  # noqa: E731
+                                               do_sample=False)
+                t1, t9 = timed(lambda: gen(1), 1), timed(lambda: gen(9), 1)
+                t = (t9 - t1) / 8
+                rows.append(_row("transformers", "decode", B, 1, C, B / t, t,
+                                 roofline_ms(slice_config(), B, B, C, True, ceil, False)))
+                torch.cuda.empty_cache()
+    del model
+    gc.collect()
+    torch.cuda.empty_cache()
+    return rows
+
+
+def _row(engine, phase, batch, seq, context, tps, t, roof, note=None) -> dict:
+    row = {"engine": engine, "phase": phase, "batch": batch, "seq": seq, "context": context,
+           "tokens_per_s": None if tps is None else round(tps, 1),
+           "step_ms": None if t is None else round(1e3 * t, 3),
+           "roofline_ms": None if roof is None else round(roof, 3)}
+    if note:
+        row["note"] = note
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def plot(result: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(16, 4.5))
+    pre = [r for r in result["rows"] if r["phase"] == "prefill" and r["tokens_per_s"]]
+    labels = sorted({f"{r['batch']}x{r['seq']}" for r in pre})
+    for i, eng in enumerate(sorted({r["engine"] for r in pre})):
+        vals = [next((r["tokens_per_s"] for r in pre if r["engine"] == eng and f"{r['batch']}x{r['seq']}" == lab), 0)
+                for lab in labels]
+        axes[0].bar([j + 0.25 * i for j in range(len(labels))], vals, width=0.25, label=eng)
+    axes[0].set_xticks(range(len(labels)), labels)
+    axes[0].set_title("prefill tokens/s")
+    axes[0].legend()
+    for ax, ctx in zip(axes[1:], DECODE_CONTEXTS):
+        for eng in sorted({r["engine"] for r in result["rows"]}):
+            pts = [(r["batch"], r["step_ms"]) for r in result["rows"]
+                   if r["engine"] == eng and r["phase"] == "decode" and r["context"] == ctx and r["step_ms"]]
+            if pts:
+                ax.plot(*zip(*pts), marker="o", label=eng)
+        roof = [(r["batch"], r["roofline_ms"]) for r in result["rows"]
+                if r["engine"] == "deepinfer" and r["phase"] == "decode" and r["context"] == ctx]
+        if roof:
+            ax.plot(*zip(*roof), "k--", label="roofline (bf16)")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_title(f"decode step ms, context {ctx}")
+        ax.set_xlabel("batch")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--engines", default="deepinfer,deepinfer-fp8,transformers")
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--hf-max-prefill-tokens", type=int, default=64 * 256)
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--commit", default=None)
+    ap.add_argument("--smoke", action="store_true", help="tiny widths on the CPU: checks the script, times nothing")
+    args = ap.parse_args()
+    if args.smoke:
+        global DEVICE, BASE_PRESET, PREFILL, DECODE_BATCHES, DECODE_CONTEXTS
+        DEVICE, BASE_PRESET, PREFILL, DECODE_BATCHES, DECODE_CONTEXTS = "cpu", "tiny", [(1, 64)], [1, 2], [64]
+    ceil = ceilings()
+    print(json.dumps({"ceilings": ceil}), flush=True)
+    rows = []
+    for eng in args.engines.split(","):
+        if eng in ("deepinfer", "deepinfer-fp8"):
+            rows += deepinfer_rows(eng == "deepinfer-fp8", ceil, args)
+        elif eng == "transformers":
+            rows += transformers_rows(ceil, args)
+        else:
+            raise SystemExit(f"unknown engine {eng!r}")
+    gpu = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu-smoke"
+    result = {"device": gpu, "date": str(date.today()), "commit": args.commit or _commit(),
+              "ceilings": ceil, "rows": rows}
+    out = Path(args.out or Path(__file__).parent / "results" / f"{date.today()}-{gpu.replace(' ', '-')}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    try:
+        plot(result, out.with_suffix(".png"))
+    except ImportError:
+        print("matplotlib is not installed: no plot")
+    print(f"{'engine':<15}{'phase':<8}{'B':>5}{'S':>6}{'ctx':>6}{'tok/s':>12}{'step ms':>10}{'roof ms':>10}{'x roof':>8}")
+    for r in rows:
+        x = f"{r['step_ms'] / r['roofline_ms']:.1f}" if r["step_ms"] and r["roofline_ms"] else "-"
+        print(f"{r['engine']:<15}{r['phase']:<8}{r['batch']:>5}{r['seq']:>6}{r['context']:>6}"
+              f"{str(r['tokens_per_s']):>12}{str(r['step_ms']):>10}{str(r['roofline_ms']):>10}{x:>8}")
+    print(f"wrote {out} and {out.with_suffix('.png')}")
+
+
+def _commit() -> str:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=Path(__file__).parent).stdout.strip() or "unknown"
+    except OSError:
+        return "unknown"
+
+
+if __name__ == "__main__":
+    main()
