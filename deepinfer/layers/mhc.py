@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from deepinfer.kernels.mhc_coeffs import mhc_coeffs
 from deepinfer.layers.norm import rms_norm
 
 
@@ -30,15 +31,7 @@ class HyperConnection(nn.Module):
             mix = F.linear(f, fn.float()) * torch.rsqrt(f.square().mean(-1, keepdim=True) + self.norm_eps)
         else:
             mix = F.linear(rms_norm(f, self.norm_eps), fn.float())
-        pre = torch.sigmoid(mix[:, :n] * scale[0] + base[:n]) + self.hc_eps
-        post = 2 * torch.sigmoid(mix[:, n:2 * n] * scale[1] + base[n:2 * n])
-        comb = mix[:, 2 * n:].view(-1, n, n) * scale[2] + base[2 * n:].view(n, n)
-        comb = torch.softmax(comb, dim=-1) + self.hc_eps
-        comb = comb / (comb.sum(dim=-2, keepdim=True) + self.hc_eps)
-        for _ in range(self.iters - 1):
-            comb = comb / (comb.sum(dim=-1, keepdim=True) + self.hc_eps)
-            comb = comb / (comb.sum(dim=-2, keepdim=True) + self.hc_eps)
-        return pre, post, comb
+        return mhc_coeffs(mix, base, scale, n, self.iters, self.hc_eps)
 
 
 def register_hc_params(module: nn.Module, n: int, dim: int, sites=("attn", "ffn")) -> None:
