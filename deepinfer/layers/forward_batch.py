@@ -117,17 +117,34 @@ def _entry_addresses(chunks: list[SeqChunk], m: int, n_entries: int, block_size:
     return torch.stack(rows) if rows else torch.zeros(0, n_entries, dtype=torch.long)
 
 
+@dataclass(frozen=True)
+class FixedShape:
+    """Shapes that depend only on the batch size and these buckets (CUDA-graph capture of decode):
+    every token gets a compressor row (tokens that close no entry write theirs to `scratch[m]`, an
+    entry row no request owns), and entry tables are `visible[m]` wide (>= every request's count)."""
+
+    scratch: dict[int, int]
+    visible: dict[int, int]
+
+
 def _compress_plan(m: int, overlap: bool, chunks: list[SeqChunk], tok, pos, req, start, end, slot,
-                   req_end, block_size: int) -> CompressPlan:
+                   req_end, block_size: int, fixed: FixedShape | None = None) -> CompressPlan:
     span = 2 * m if overlap else m
     closing = (pos + 1) % m == 0
-    w = pos[closing] // m
-    src_new, src_carry = _gather_plan(tok[closing], pos[closing], start[closing], slot[closing], span, span)
+    rows = torch.ones_like(closing) if fixed else closing
+    w = pos[rows] // m
+    src_new, src_carry = _gather_plan(tok[rows], pos[rows], start[rows], slot[rows], span, span)
     carry_src, carry_dst = _keep_last(tok, pos, end, slot, span)
     max_vis = int((req_end // m).max()) if req_end.numel() else 0
+    if fixed:
+        if max_vis > fixed.visible[m]:
+            raise ValueError(f"FixedShape.visible[{m}]={fixed.visible[m]} < {max_vis} entries")
+        max_vis = fixed.visible[m]
     addr = _entry_addresses(chunks, m, max_vis, block_size)
-    return CompressPlan(m, src_new, src_carry, addr[req[closing], w], w * m,
-                        carry_src, carry_dst, (pos + 1) // m, addr)
+    dst = addr[req[rows], w.clamp(max=max(max_vis - 1, 0))] if max_vis else w
+    if fixed:
+        dst = torch.where(closing, dst, fixed.scratch[m])
+    return CompressPlan(m, src_new, src_carry, dst, w * m, carry_src, carry_dst, (pos + 1) // m, addr)
 
 
 def _in_spans(pos: torch.Tensor, spans: list[tuple[int, int]]) -> torch.Tensor:
@@ -162,7 +179,8 @@ def _token_windows(chunks: list[SeqChunk], width: int) -> torch.Tensor:
 
 
 def build_forward_batch(chunks: list[SeqChunk], window: int, compress_kinds: set[tuple[int, bool]],
-                        block_size: int, device: torch.device | str, history: int = 0) -> ForwardBatch:
+                        block_size: int, device: torch.device | str, history: int = 0,
+                        fixed: FixedShape | None = None) -> ForwardBatch:
     """Plan one step. `compress_kinds` = {(ratio, overlapped)} used by the model's layers;
     compressed entries are paged in blocks of `block_size` entries (see SeqChunk); `history` > 0
     also gives each token the `history` - 1 tokens before it (SeqChunk.prev_tokens must hold them)."""
@@ -179,7 +197,7 @@ def build_forward_batch(chunks: list[SeqChunk], window: int, compress_kinds: set
     start, end, slot = req_start[req], req_end[req], req_slot[req]
     win_new, win_ring = _gather_plan(tok, pos, start, slot, window, window)
     ring_src, ring_dst = _keep_last(tok, pos, end, slot, window)
-    plans = {(m, ov): _compress_plan(m, ov, chunks, tok, pos, req, start, end, slot, req_end, block_size)
+    plans = {(m, ov): _compress_plan(m, ov, chunks, tok, pos, req, start, end, slot, req_end, block_size, fixed)
              for m, ov in sorted(compress_kinds)}
     ids = torch.tensor([t for c in chunks for t in c.token_ids], dtype=torch.long)
     to = lambda t: t.to(device, non_blocking=True)  # noqa: E731

@@ -82,7 +82,8 @@ class Experts(nn.Module):
         flat = idx.flatten()
         order = torch.argsort(flat, stable=True)
         tok = order // idx.shape[1]
-        offs = torch.cumsum(torch.bincount(flat, minlength=self.num_experts), 0).to(torch.int32)
+        counts = torch.zeros(self.num_experts, dtype=torch.int32, device=x.device)  # bincount would sync
+        offs = torch.cumsum(counts.index_add_(0, flat, torch.ones_like(flat, dtype=torch.int32)), 0, dtype=torch.int32)
         xs = x[tok]
         gate = torch._grouped_mm(xs, self.w1.transpose(1, 2), offs=offs)
         up = torch._grouped_mm(xs, self.w3.transpose(1, 2), offs=offs)

@@ -130,13 +130,18 @@ class V4Cache:
     num_blocks: dict[int, int]
     block_size: int
     compress_kinds: set[tuple[int, bool]]
+    scratch_slot: int | None = None                 # a slot and an entry row per ratio no request owns
+    scratch_addr: dict[int, int] | None = None      # (padding rows of captured decode graphs write there)
 
     def nbytes(self) -> int:
         return sum(c.nbytes() for c in self.layers + self.mtp)
 
     def static_tables(self, slot: int) -> dict[int, list[int]]:
-        """Block tables of the static layout (slot s owns blocks [s*B/num_slots, (s+1)*B/num_slots))."""
-        return {m: list(range(slot * n // self.num_slots, (slot + 1) * n // self.num_slots))
+        """Block tables of the static layout (slot s owns blocks [s*B/S, (s+1)*B/S), S slots and B
+        blocks per ratio not counting the scratch ones)."""
+        scratch = self.scratch_slot is not None
+        slots = self.num_slots - scratch
+        return {m: list(range(slot * (n - scratch) // slots, (slot + 1) * (n - scratch) // slots))
                 for m, n in self.num_blocks.items()}
 
     def copy_state(self, src_slot: int, dst_slot: int, src_blocks: dict[int, list[int]],
@@ -165,8 +170,14 @@ def allocate_v4_cache(cfg, num_slots: int, num_blocks: dict[int, int], kv_cache_
 
 
 def static_v4_cache(cfg, num_slots: int, max_len: int, kv_cache_dtype: str, device,
-                    block_size: int = 16) -> V4Cache:
-    """Every slot owns enough blocks for `max_len` tokens (model tests drive the forward directly)."""
+                    block_size: int = 16, scratch: bool = False) -> V4Cache:
+    """Every slot owns enough blocks for `max_len` tokens (model tests drive the forward directly).
+    With `scratch`, one more slot and one more block per ratio are set aside (see V4Cache)."""
     ratios = {m for m, _ in _compressed(cfg)}
     blocks = {m: num_slots * -(-(max_len // m) // block_size) for m in ratios}
-    return allocate_v4_cache(cfg, num_slots, blocks, kv_cache_dtype, device, block_size)
+    if not scratch:
+        return allocate_v4_cache(cfg, num_slots, blocks, kv_cache_dtype, device, block_size)
+    cache = allocate_v4_cache(cfg, num_slots + 1, {m: n + 1 for m, n in blocks.items()}, kv_cache_dtype, device,
+                              block_size)
+    cache.scratch_slot, cache.scratch_addr = num_slots, {m: n * block_size for m, n in blocks.items()}
+    return cache
