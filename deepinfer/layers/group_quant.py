@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from deepinfer.layers.quant import FP4_VALUES, _fp4_codes
+from deepinfer.layers.quant import _fp4_codes, fp4_table
 
 GROUP = {"fp8": 32, "mxfp4": 32, "nvfp4": 16}
 
@@ -49,9 +49,8 @@ def decode(codes: torch.Tensor, scale: torch.Tensor, fmt: str, dtype: torch.dtyp
     if fmt == "fp8":
         vals = codes.float().unflatten(-1, (-1, GROUP[fmt]))
     else:
-        table = torch.tensor(FP4_VALUES, dtype=torch.float32, device=codes.device)
         b = codes.view(torch.uint8)
-        vals = table[torch.stack((b & 0xF, b >> 4), dim=-1).flatten(-2).long()].unflatten(-1, (-1, GROUP[fmt]))
+        vals = fp4_table(codes.device)[torch.stack((b & 0xF, b >> 4), dim=-1).flatten(-2).long()].unflatten(-1, (-1, GROUP[fmt]))
     s = torch.exp2(scale.float() - 127) if scale.dtype == torch.uint8 else scale.float()
     return (vals * s.unsqueeze(-1)).flatten(-2).to(dtype)
 

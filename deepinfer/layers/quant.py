@@ -7,6 +7,8 @@ share a power-of-two scale 2^ceil(log2(amax / fmt_max)).
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 FP8_MAX = 448.0
@@ -64,12 +66,17 @@ def float_to_e8m0(scale: torch.Tensor) -> torch.Tensor:
     return exp.clamp(0, 254).to(torch.uint8).view(torch.float8_e8m0fnu)
 
 
+@functools.lru_cache(maxsize=None)
+def fp4_table(device: torch.device) -> torch.Tensor:
+    """E2M1 code -> value, made once per device (no host copies inside captured CUDA graphs)."""
+    return torch.tensor(FP4_VALUES, dtype=torch.float32).to(device)
+
+
 def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
     """int8/uint8 [..., n/2] -> float32 values [..., n] (low nibble = even column)."""
     b = packed.view(torch.uint8)
     codes = torch.stack((b & 0xF, b >> 4), dim=-1).flatten(-2)
-    table = torch.tensor(FP4_VALUES, dtype=torch.float32, device=packed.device)
-    return table[codes.long()]
+    return fp4_table(packed.device)[codes.long()]
 
 
 def dequant_fp4(packed: torch.Tensor, scale: torch.Tensor, group: int = 32,
@@ -82,7 +89,8 @@ def dequant_fp4(packed: torch.Tensor, scale: torch.Tensor, group: int = 32,
     return out.to(dtype)
 
 
-def _fp4_boundaries(device) -> torch.Tensor:
+@functools.lru_cache(maxsize=None)
+def _fp4_boundaries(device: torch.device) -> torch.Tensor:
     """Midpoints between adjacent E2M1 magnitudes; a tie rounds to the even code (RNE), so the
     midpoints whose upper neighbour is even are nudged down one ulp to send ties upward."""
     mags = FP4_VALUES[:8]
