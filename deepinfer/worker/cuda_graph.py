@@ -31,14 +31,15 @@ def _tensors(obj, prefix=""):
 
 class DecodeGraphs:
     def __init__(self, model, cache: V4Cache, scratch_slot: int, scratch_addr: dict[int, int],
-                 visible_bucket: int = 64, batch_buckets: tuple[int, ...] = BATCH_BUCKETS):
-        self.model, self.cache = model, cache
+                 visible_bucket: int = 64, batch_buckets: tuple[int, ...] = BATCH_BUCKETS, device: str = "cuda"):
+        self.model, self.cache, self.device = model, cache, device
         self.scratch_slot, self.scratch_addr = scratch_slot, scratch_addr
         self.visible_bucket, self.batch_buckets = visible_bucket, batch_buckets
         self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, ForwardBatch, torch.Tensor]] = {}
-        self.pool = torch.cuda.graph_pool_handle()
+        self.pool = None
 
-    def _plan(self, chunks: list[SeqChunk]) -> tuple[tuple, ForwardBatch]:
+    def plan(self, chunks: list[SeqChunk]) -> tuple[tuple, ForwardBatch]:
+        """(graph key, fixed-shape batch) of a pure-decode step, padded with scratch requests."""
         B = len(chunks)
         padded = next(b for b in self.batch_buckets if b >= B)
         dummy = SeqChunk(self.scratch_slot, 0, [0], {m: [] for m in self.scratch_addr})
@@ -48,10 +49,11 @@ class DecodeGraphs:
         fixed = FixedShape(self.scratch_addr, visible)
         cfg = self.model.config
         batch = build_forward_batch(chunks, cfg.sliding_window, self.cache.compress_kinds, self.cache.block_size,
-                                    "cuda", fixed=fixed)
+                                    self.device, fixed=fixed)
         return (padded, tuple(sorted(visible.items()))), batch
 
-    def _forward(self, batch: ForwardBatch) -> torch.Tensor:
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:
+        """The step eagerly (what a graph captures): logits of every (padded) row."""
         return self.model.compute_logits(self.model(batch, self.cache.layers)[batch.logits_idx])
 
     @torch.inference_mode()
@@ -59,7 +61,7 @@ class DecodeGraphs:
         """Logits [len(chunks), V] of a pure-decode step (each chunk one token)."""
         if any(len(c.token_ids) != 1 for c in chunks):
             raise ValueError("DecodeGraphs runs pure-decode steps only (one token per request)")
-        key, batch = self._plan(chunks)
+        key, batch = self.plan(chunks)
         entry = self.graphs.get(key)
         if entry is None:
             entry = self._capture(batch)
@@ -77,9 +79,10 @@ class DecodeGraphs:
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            self._forward(batch)
+            self.forward(batch)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
+        self.pool = self.pool or torch.cuda.graph_pool_handle()
         with torch.cuda.graph(graph, pool=self.pool):
-            out = self._forward(batch)
+            out = self.forward(batch)
         return graph, batch, out
