@@ -41,6 +41,7 @@ class EngineConfig:
     yoco_prefill_truncation_mode: str = "compact"
     yoco_prefill_keep_tokens: int = 140
     engram_device: str | None = None  # "cpu": V4.1 Engram tables stay on the host, memory-mapped
+    enforce_eager: bool = False       # vLLM's name: True disables CUDA graphs for decode steps
 
     def __post_init__(self):
         _check_choice("accelerator", self.accelerator, ACCELERATORS)

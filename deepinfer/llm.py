@@ -33,14 +33,15 @@ class LLM:
                  max_num_batched_tokens: int = 8192, kv_cache_memory: int | None = None,
                  skip_tokenizer_init: bool = False, seed: int | None = None, block_size: int = 64,
                  yoco_prefill_truncation_mode: str | None = None, yoco_prefill_keep_tokens: int | None = None,
-                 engram_device: str | None = None):
+                 engram_device: str | None = None, enforce_eager: bool = False):
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         cfg = EngineConfig.from_env(
             model=model, device=device, dtype=dtype, kv_cache_dtype=kv_cache_dtype, max_model_len=max_model_len,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             kv_cache_memory=kv_cache_memory, skip_tokenizer_init=skip_tokenizer_init, seed=seed,
             block_size=block_size, yoco_prefill_truncation_mode=yoco_prefill_truncation_mode,
-            yoco_prefill_keep_tokens=yoco_prefill_keep_tokens, engram_device=engram_device)
+            yoco_prefill_keep_tokens=yoco_prefill_keep_tokens, engram_device=engram_device,
+            enforce_eager=enforce_eager)
         self.config = cfg
         ref = cfg.model or cfg.hf_model_dir or DEFAULT_MODEL
         if ref == DEMO_NAME:
@@ -57,10 +58,12 @@ class LLM:
                                               cfg.max_num_seqs, expected)
         kv = KVCacheManager(num_slots, num_blocks, cfg.block_size)
         self.max_model_len = _max_model_len(cfg.max_model_len, mcfg.max_position_embeddings, kv, memory)
-        cache = allocate_v4_cache(mcfg, num_slots, num_blocks, cfg.kv_cache_dtype, cfg.device, cfg.block_size)
+        # one slot and one block per ratio beyond the manager's: the padding rows of decode graphs
+        cache = allocate_v4_cache(mcfg, num_slots, num_blocks, cfg.kv_cache_dtype, cfg.device, cfg.block_size,
+                                  scratch=True)
         self.scheduler = Scheduler(kv, min(cfg.max_num_seqs, num_slots), cfg.max_num_batched_tokens,
                                    self.max_model_len)
-        runner = ModelRunner(self.model, cache, cfg.device, cfg.seed, _replay_keep(cfg, mcfg))
+        runner = ModelRunner(self.model, cache, cfg.device, cfg.seed, _replay_keep(cfg, mcfg), not cfg.enforce_eager)
         self.engine = EngineCore(self.scheduler, runner, self.detokenizer)
         self._ids = itertools.count()
 

@@ -163,10 +163,17 @@ class V4Cache:
 
 
 def allocate_v4_cache(cfg, num_slots: int, num_blocks: dict[int, int], kv_cache_dtype: str,
-                      device, block_size: int = DEFAULT_BLOCK_SIZE) -> V4Cache:
-    layers, mtp = _layer_caches(cfg, num_slots, num_blocks, block_size, kv_cache_dtype, device)
+                      device, block_size: int = DEFAULT_BLOCK_SIZE, scratch: bool = False) -> V4Cache:
+    """`num_slots` / `num_blocks` for requests; with `scratch`, one more slot (index num_slots) and
+    one more block per ratio (the last) are allocated for the padding rows of decode graphs."""
+    extra = int(scratch)
+    blocks = {m: n + extra for m, n in num_blocks.items()}
+    layers, mtp = _layer_caches(cfg, num_slots + extra, blocks, block_size, kv_cache_dtype, device)
     spec = cache_spec(cfg, kv_cache_dtype, block_size)
-    return V4Cache(layers, mtp, num_slots, dict(num_blocks), block_size, set(spec.compress_kinds))
+    cache = V4Cache(layers, mtp, num_slots + extra, blocks, block_size, set(spec.compress_kinds))
+    if scratch:
+        cache.scratch_slot, cache.scratch_addr = num_slots, {m: n * block_size for m, n in num_blocks.items()}
+    return cache
 
 
 def static_v4_cache(cfg, num_slots: int, max_len: int, kv_cache_dtype: str, device,
@@ -175,9 +182,4 @@ def static_v4_cache(cfg, num_slots: int, max_len: int, kv_cache_dtype: str, devi
     With `scratch`, one more slot and one more block per ratio are set aside (see V4Cache)."""
     ratios = {m for m, _ in _compressed(cfg)}
     blocks = {m: num_slots * -(-(max_len // m) // block_size) for m in ratios}
-    if not scratch:
-        return allocate_v4_cache(cfg, num_slots, blocks, kv_cache_dtype, device, block_size)
-    cache = allocate_v4_cache(cfg, num_slots + 1, {m: n + 1 for m, n in blocks.items()}, kv_cache_dtype, device,
-                              block_size)
-    cache.scratch_slot, cache.scratch_addr = num_slots, {m: n * block_size for m, n in blocks.items()}
-    return cache
+    return allocate_v4_cache(cfg, num_slots, blocks, kv_cache_dtype, device, block_size, scratch)

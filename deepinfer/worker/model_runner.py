@@ -11,11 +11,13 @@ from deepinfer.worker.sampler import SamplingBatch, sample, top_logprobs
 
 class ModelRunner:
     def __init__(self, model, cache: V4Cache, device: torch.device | str, seed: int | None = None,
-                 replay_keep: int | None = None):
+                 replay_keep: int | None = None, cuda_graphs: bool = True):
         """`replay_keep`: SWA bounded replay keeps each request's last `replay_keep` rows above the
-        model's replay layer (None = exact prefill, or a model without one)."""
+        model's replay layer (None = exact prefill, or a model without one). `cuda_graphs`: replay
+        pure-decode steps as CUDA graphs where the model allows it (see _graphs_for)."""
         self.model, self.cache, self.device = model, cache, torch.device(device)
         self.replay_keep = replay_keep if getattr(model, "replay_layer", -1) >= 0 else None
+        self.graphs = _graphs_for(model, cache, self.device) if cuda_graphs else None
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(seed if seed is not None else torch.seed())
 
@@ -23,6 +25,9 @@ class ModelRunner:
     def execute(self, so: SchedulerOutput) -> ModelOutput:
         for f in so.forks:
             self.cache.copy_state(f.src_slot, f.dst_slot, f.src_blocks, f.dst_blocks)
+        if self.graphs is not None and all(len(c.token_ids) == 1 and not c.images for c in so.chunks):
+            return self._sample(so, self.graphs.run([SeqChunk(c.slot, c.start, c.token_ids, c.block_tables)
+                                                     for c in so.chunks]), list(range(len(so.chunks))))
         keep = self.replay_keep
         chunks = [SeqChunk(c.slot, c.start, c.token_ids, c.block_tables, c.prev_tokens,
                            0 if keep is None else max(0, c.num_tokens - keep),
@@ -31,14 +36,23 @@ class ModelRunner:
                                     self.cache.block_size, self.device, getattr(self.model, "token_history", 0))
         batch.input_embeds = self._image_embeds(so)
         streams = self.model(batch, self.cache.layers)
-        sampled = [c for c in so.chunks if c.num_samples]
+        rows = [i for i, c in enumerate(so.chunks) if c.num_samples]
+        if not rows:
+            return ModelOutput({})
+        last = batch.logits_idx[torch.tensor(rows, device=self.device)]
+        return self._sample(so, self.model.compute_logits(streams[last]), rows)
+
+    def _sample(self, so: SchedulerOutput, logits: torch.Tensor, rows: list[int]) -> ModelOutput:
+        """logits [len(rows), V] of the chunks `rows` (in order); samples where chunks ask for it."""
+        keep = [k for k, i in enumerate(rows) if so.chunks[i].num_samples]
+        sampled = [so.chunks[rows[k]] for k in keep]
         if not sampled:
             return ModelOutput({})
-        rows = [i for i, c in enumerate(so.chunks) if c.num_samples]
+        if len(keep) < len(rows):
+            logits = logits[torch.tensor(keep, device=logits.device)]
         # a request forking into n siblings draws n tokens from its one last-position distribution
         repeat = torch.tensor([c.num_samples for c in sampled])
-        last = batch.logits_idx[torch.tensor(rows, device=self.device)]
-        logits = self.model.compute_logits(streams[last]).repeat_interleave(repeat.to(self.device), dim=0)
+        logits = logits.repeat_interleave(repeat.to(logits.device), dim=0)
         params = [c.params for c in sampled for _ in range(c.num_samples)]
         sb = SamplingBatch.build(params, logits.shape[-1], self.device)
         tokens = sample(logits, sb, self.generator)
@@ -79,3 +93,15 @@ class ModelRunner:
             d[token_list[r]] = chosen[r]
             out.append(d)
         return out
+
+
+def _graphs_for(model, cache: V4Cache, device: torch.device):
+    """Decode graphs need a CUDA device, a cache with scratch rows, grouped-GEMM experts (dense bf16:
+    the reference expert loop syncs with the host) and no host-side per-step inputs (Engram)."""
+    from deepinfer.worker.cuda_graph import DecodeGraphs
+
+    dense = not any(n.endswith("_scale") for n, _ in model.named_buffers())
+    if device.type != "cuda" or cache.scratch_slot is None or model.dtype != torch.bfloat16 or not dense \
+            or getattr(model.config, "engram_layer_ids", ()):
+        return None
+    return DecodeGraphs(model, cache, cache.scratch_slot, cache.scratch_addr, device=str(device))
