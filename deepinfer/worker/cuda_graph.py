@@ -2,7 +2,7 @@
 
 A graph is captured per (padded batch size, entry-width buckets): the batch is padded with
 dummy requests that own the cache's scratch slot, every token gets a compressor row
-(FixedShape), and entry tables are rounded up to `visible_bucket` entries. Replays copy the
+(FixedShape), and entry tables are rounded up to a power of two (at least `visible_bucket`). Replays copy the
 step's planned tensors into the captured ones, so the model's launches cost one graph launch.
 """
 from __future__ import annotations
@@ -44,13 +44,17 @@ class DecodeGraphs:
         padded = next(b for b in self.batch_buckets if b >= B)
         dummy = SeqChunk(self.scratch_slot, 0, [0], {m: [] for m in self.scratch_addr})
         chunks = chunks + [dummy] * (padded - B)
-        vb = self.visible_bucket
-        visible = {m: max(vb, -(-max((c.start + 1) // m for c in chunks) // vb) * vb) for m in self.scratch_addr}
+        # entry widths round up to a power of two (>= visible_bucket): O(log context) graphs per batch size
+        need = {m: max((c.start + 1) // m for c in chunks) for m in self.scratch_addr}
+        visible = {m: max(self.visible_bucket, 1 << max(n - 1, 0).bit_length()) for m, n in need.items()}
         fixed = FixedShape(self.scratch_addr, visible)
         cfg = self.model.config
         batch = build_forward_batch(chunks, cfg.sliding_window, self.cache.compress_kinds, self.cache.block_size,
                                     self.device, fixed=fixed)
         return (padded, tuple(sorted(visible.items()))), batch
+
+    def fits(self, num_requests: int) -> bool:
+        return num_requests <= self.batch_buckets[-1]
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
         """The step eagerly (what a graph captures): logits of every (padded) row."""

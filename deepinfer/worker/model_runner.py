@@ -25,7 +25,8 @@ class ModelRunner:
     def execute(self, so: SchedulerOutput) -> ModelOutput:
         for f in so.forks:
             self.cache.copy_state(f.src_slot, f.dst_slot, f.src_blocks, f.dst_blocks)
-        if self.graphs is not None and all(len(c.token_ids) == 1 and not c.images for c in so.chunks):
+        if self.graphs is not None and self.graphs.fits(len(so.chunks)) and \
+                all(len(c.token_ids) == 1 and not c.images for c in so.chunks):
             return self._sample(so, self.graphs.run([SeqChunk(c.slot, c.start, c.token_ids, c.block_tables)
                                                      for c in so.chunks]), list(range(len(so.chunks))))
         keep = self.replay_keep
