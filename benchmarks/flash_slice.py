@@ -15,12 +15,13 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import subprocess
 import time
 from datetime import date
 from pathlib import Path
 
 import torch
+
+from common import git_commit
 
 DEVICE = "cuda"
 PREFILL = [(1, 2048), (4, 2048), (1, 8192)]
@@ -308,7 +309,7 @@ def main() -> None:
         else:
             raise SystemExit(f"unknown engine {eng!r}")
     gpu = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu-smoke"
-    result = {"device": gpu, "date": str(date.today()), "commit": args.commit or _commit(),
+    result = {"device": gpu, "date": str(date.today()), "commit": args.commit or git_commit(),
               "ceilings": ceil, "rows": rows}
     out = Path(args.out or Path(__file__).parent / "results" / f"{date.today()}-{gpu.replace(' ', '-')}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -323,14 +324,6 @@ def main() -> None:
         print(f"{r['engine']:<15}{r['phase']:<8}{r['batch']:>5}{r['seq']:>6}{r['context']:>6}"
               f"{str(r['tokens_per_s']):>12}{str(r['step_ms']):>10}{str(r['roofline_ms']):>10}{x:>8}")
     print(f"wrote {out} and {out.with_suffix('.png')}")
-
-
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=Path(__file__).parent).stdout.strip() or "unknown"
-    except OSError:
-        return "unknown"
 
 
 if __name__ == "__main__":

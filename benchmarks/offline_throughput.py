@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import tempfile
 import time
 from datetime import date
 from pathlib import Path
 
 import torch
+
+from common import git_commit
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.tools.make_checkpoint import PRESETS, write_checkpoint
@@ -90,7 +91,7 @@ def main() -> None:
             rows.append(run_transformers(ckpt, prompts, args.output_len, args))
     device = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
     result = {
-        "device": device, "date": str(date.today()), "commit": args.commit or _commit(), "preset": args.preset,
+        "device": device, "date": str(date.today()), "commit": args.commit or git_commit(), "preset": args.preset,
         "dtype": args.dtype, "kv_cache_dtype": args.kv_cache_dtype, "num_prompts": args.num_prompts,
         "input_len": args.input_len, "output_len": args.output_len, "rows": rows,
         "command": "python benchmarks/offline_throughput.py " + " ".join(
@@ -109,14 +110,6 @@ def main() -> None:
     if "ratio_output_tokens_per_s" in result:
         print(f"deepinfer / transformers output tok/s: {result['ratio_output_tokens_per_s']}x")
     print(f"wrote {out}")
-
-
-def _commit() -> str:
-    try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=Path(__file__).parent).stdout.strip() or "unknown"
-    except OSError:
-        return "unknown"
 
 
 if __name__ == "__main__":

@@ -174,15 +174,7 @@ def _block_specs(c: dict, p: str, ratio: int, hashed: bool, *, compressor: bool 
     out += [
         S(f"{p}attn_norm.weight", (d,), "norm", "bf16"),
         S(f"{p}ffn_norm.weight", (d,), "norm", "bf16"),
-        S(f"{p}attn.wq_a.weight", (ql, d), "linear", "fp8"),
-        S(f"{p}attn.q_norm.weight", (ql,), "norm", "bf16"),
-        S(f"{p}attn.wq_b.weight", (h * dh, ql), "linear", "fp8"),
-        S(f"{p}attn.wkv.weight", (dh, d), "linear", "fp8"),
-        S(f"{p}attn.kv_norm.weight", (dh,), "norm", "bf16"),
-        S(f"{p}attn.wo_a.weight", (g * ol, h * dh // g), "linear", "fp8"),
-        S(f"{p}attn.wo_b.weight", (d, g * ol), "linear", "fp8"),
-        S(f"{p}attn.attn_sink", (h,), "sink", "fp32"),
-    ]
+    ] + attention_specs(p, d, ql, h, dh, g, ol)
     if ratio and compressor:
         # ratio 4 (CSA) uses overlapping windows: two halves per entry, and an indexer.
         coff = 2 if ratio == 4 else 1
@@ -220,6 +212,19 @@ def _hc_head_specs(c: dict, p: str) -> list[WeightSpec]:
     return [WeightSpec(f"{p}hc_head_fn", (hc, hc * d), "hc_fn", "fp32"),
             WeightSpec(f"{p}hc_head_base", (hc,), "hc_base", "fp32"),
             WeightSpec(f"{p}hc_head_scale", (1,), "hc_scale", "fp32")]
+
+
+def attention_specs(p: str, d: int, ql: int, h: int, dh: int, g: int, ol: int) -> list:
+    """The attention projections every V4 / V4.1 block has (compressor / indexer aside)."""
+    S = WeightSpec
+    return [S(f"{p}attn.wq_a.weight", (ql, d), "linear", "fp8"),
+            S(f"{p}attn.q_norm.weight", (ql,), "norm", "bf16"),
+            S(f"{p}attn.wq_b.weight", (h * dh, ql), "linear", "fp8"),
+            S(f"{p}attn.wkv.weight", (dh, d), "linear", "fp8"),
+            S(f"{p}attn.kv_norm.weight", (dh,), "norm", "bf16"),
+            S(f"{p}attn.wo_a.weight", (g * ol, h * dh // g), "linear", "fp8"),
+            S(f"{p}attn.wo_b.weight", (d, g * ol), "linear", "fp8"),
+            S(f"{p}attn.attn_sink", (h,), "sink", "fp32")]
 
 
 def dspark_head_specs(c: dict, k: int, n_mtp: int) -> list:

@@ -15,8 +15,8 @@ import json
 from pathlib import Path
 
 from deepinfer.layers.engram_hash import compressed_token_map
-from deepinfer.tools.make_checkpoint import (_FP8_QUANT, DTYPES, WeightSpec, _open_writer, dspark_head_specs,
-                                             encode_tensor, random_weights)
+from deepinfer.tools.make_checkpoint import (_FP8_QUANT, DTYPES, WeightSpec, _open_writer, attention_specs,
+                                             dspark_head_specs, encode_tensor, random_weights)
 from deepinfer.tools.tiny_tokenizer import build_tokenizer, write_tokenizer
 
 S = WeightSpec
@@ -48,16 +48,7 @@ def _block_specs_v41(t: dict, p: str, layer: int | None, n_experts: int) -> list
                 S(f"{p}engram.wkv.weight", ((hc + 1) * d, heads * ed), "linear", "fp8"),
                 S(f"{p}engram.q_weight", (hc, d), "norm", "bf16"),
                 S(f"{p}engram.k_weight", (hc, d), "norm", "bf16")]
-    out += [
-        S(f"{p}attn.wq_a.weight", (ql, d), "linear", "fp8"),
-        S(f"{p}attn.q_norm.weight", (ql,), "norm", "bf16"),
-        S(f"{p}attn.wq_b.weight", (h * dh, ql), "linear", "fp8"),
-        S(f"{p}attn.wkv.weight", (dh, d), "linear", "fp8"),
-        S(f"{p}attn.kv_norm.weight", (dh,), "norm", "bf16"),
-        S(f"{p}attn.wo_a.weight", (g * ol, h * dh // g), "linear", "fp8"),
-        S(f"{p}attn.wo_b.weight", (d, g * ol), "linear", "fp8"),
-        S(f"{p}attn.attn_sink", (h,), "sink", "fp32"),
-    ]
+    out += attention_specs(p, d, ql, h, dh, g, ol)
     if layer is not None:
         ratio = _ratios(t)[layer]
         ih, idim = t["index_n_heads"], t["index_head_dim"]
