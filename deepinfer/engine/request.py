@@ -32,7 +32,6 @@ class Request:
     block_tables: dict[int, list[int]] = field(default_factory=dict)
     siblings: list["Request"] = field(default_factory=list)  # n > 1: forks waiting on this leader
     images: list[tuple[int, Any]] = field(default_factory=list)  # (span start, preprocessed image)
-    text: str = ""
 
     @property
     def all_token_ids(self) -> list[int]:

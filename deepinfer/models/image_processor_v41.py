@@ -33,7 +33,6 @@ import torch
 
 # Span position types (the values NeMo's `vision_token_types` uses; TEXT = -1 elsewhere).
 TEXT, IMAGE_START, IMAGE, IMAGE_NEW_LINE, IMAGE_END = -1, 0, 1, 2, 3
-IMAGE_PLACEHOLDER = "<｜deepseek_image｜>"
 PAD_GREY = (127, 127, 127)
 
 

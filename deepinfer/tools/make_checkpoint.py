@@ -189,14 +189,7 @@ def _block_specs(c: dict, p: str, ratio: int, hashed: bool, *, compressor: bool 
         out.append(S(f"{p}ffn.gate.tid2eid", (c["vocab_size"], c["num_experts_per_tok"]), "tid2eid", "int32"))
     else:
         out.append(S(f"{p}ffn.gate.bias", (e,), "bias", "fp32"))
-    for i in range(e):
-        out += [S(f"{p}ffn.experts.{i}.w1.weight", (f, d), "linear", "expert"),
-                S(f"{p}ffn.experts.{i}.w2.weight", (d, f), "linear", "expert"),
-                S(f"{p}ffn.experts.{i}.w3.weight", (f, d), "linear", "expert")]
-    out += [S(f"{p}ffn.shared_experts.w1.weight", (fs, d), "linear", "fp8"),
-            S(f"{p}ffn.shared_experts.w2.weight", (d, fs), "linear", "fp8"),
-            S(f"{p}ffn.shared_experts.w3.weight", (fs, d), "linear", "fp8")]
-    return out
+    return out + expert_specs(p, e, f, fs, d)
 
 
 def _compressor_specs(p: str, d: int, dim: int, ratio: int, coff: int) -> list[WeightSpec]:
@@ -212,6 +205,19 @@ def _hc_head_specs(c: dict, p: str) -> list[WeightSpec]:
     return [WeightSpec(f"{p}hc_head_fn", (hc, hc * d), "hc_fn", "fp32"),
             WeightSpec(f"{p}hc_head_base", (hc,), "hc_base", "fp32"),
             WeightSpec(f"{p}hc_head_scale", (1,), "hc_scale", "fp32")]
+
+
+def expert_specs(p: str, n_experts: int, f: int, fs: int, d: int) -> list:
+    """Routed experts `ffn.experts.J.w1/w2/w3` (width f) and the shared expert (width fs)."""
+    S = WeightSpec
+    out = []
+    for j in range(n_experts):
+        out += [S(f"{p}ffn.experts.{j}.w1.weight", (f, d), "linear", "expert"),
+                S(f"{p}ffn.experts.{j}.w2.weight", (d, f), "linear", "expert"),
+                S(f"{p}ffn.experts.{j}.w3.weight", (f, d), "linear", "expert")]
+    return out + [S(f"{p}ffn.shared_experts.w1.weight", (fs, d), "linear", "fp8"),
+                  S(f"{p}ffn.shared_experts.w2.weight", (d, fs), "linear", "fp8"),
+                  S(f"{p}ffn.shared_experts.w3.weight", (fs, d), "linear", "fp8")]
 
 
 def attention_specs(p: str, d: int, ql: int, h: int, dh: int, g: int, ol: int) -> list:

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from deepinfer.layers.engram_hash import compressed_token_map
 from deepinfer.tools.make_checkpoint import (_FP8_QUANT, DTYPES, WeightSpec, _open_writer, attention_specs,
-                                             dspark_head_specs, encode_tensor, random_weights)
+                                             dspark_head_specs, expert_specs, encode_tensor, random_weights)
 from deepinfer.tools.tiny_tokenizer import build_tokenizer, write_tokenizer
 
 S = WeightSpec
@@ -65,14 +65,7 @@ def _block_specs_v41(t: dict, p: str, layer: int | None, n_experts: int) -> list
     out += [S(f"{p}ffn.gate.weight", (n_experts, d), "linear", "bf16"),
             S(f"{p}ffn.gate.bias", (n_experts,), "bias", "fp32"),
             S(f"{p}ffn.gate.bias_vl", (n_experts,), "bias", "fp32")]
-    for j in range(n_experts):
-        out += [S(f"{p}ffn.experts.{j}.w1.weight", (f, d), "linear", "expert"),
-                S(f"{p}ffn.experts.{j}.w2.weight", (d, f), "linear", "expert"),
-                S(f"{p}ffn.experts.{j}.w3.weight", (f, d), "linear", "expert")]
-    out += [S(f"{p}ffn.shared_experts.w1.weight", (f, d), "linear", "fp8"),
-            S(f"{p}ffn.shared_experts.w2.weight", (d, f), "linear", "fp8"),
-            S(f"{p}ffn.shared_experts.w3.weight", (f, d), "linear", "fp8")]
-    return out
+    return out + expert_specs(p, n_experts, f, f, d)
 
 
 def _vision_specs_v41(config: dict) -> list[WeightSpec]:

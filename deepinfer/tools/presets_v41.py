@@ -5,7 +5,6 @@ writer replaces `engram_compressed_vocab_size` with the count computed from the 
 it writes (`deepinfer.layers.engram_hash.compressed_token_map`)."""
 from __future__ import annotations
 
-import copy
 
 _FP8_QUANT_V41 = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "scale_fmt": "ue8m0",
                   "weight_block_size": [32, 32]}
@@ -168,8 +167,3 @@ PRESETS_V41: dict[str, dict] = {
 
 def is_v41(config: dict) -> bool:
     return config.get("model_type") == "deepseek_v41" or "text_config" in config
-
-
-def preset_v41(name: str) -> dict:
-    """A deep copy of a V4.1 preset (safe to edit)."""
-    return copy.deepcopy(PRESETS_V41[name])

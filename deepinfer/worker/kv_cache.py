@@ -133,9 +133,6 @@ class V4Cache:
     scratch_slot: int | None = None                 # a slot and an entry row per ratio no request owns
     scratch_addr: dict[int, int] | None = None      # (padding rows of captured decode graphs write there)
 
-    def nbytes(self) -> int:
-        return sum(c.nbytes() for c in self.layers + self.mtp)
-
     def static_tables(self, slot: int) -> dict[int, list[int]]:
         """Block tables of the static layout (slot s owns blocks [s*B/S, (s+1)*B/S), S slots and B
         blocks per ratio not counting the scratch ones)."""
