@@ -105,16 +105,15 @@ def _keep_last(tok, pos, end, slot, size: int):
 
 def _entry_addresses(chunks: list[SeqChunk], m: int, n_entries: int, block_size: int) -> torch.Tensor:
     """[B, n_entries] address of entry w of each request (its block table must cover it)."""
-    w = torch.arange(n_entries)
-    rows = []
-    for c in chunks:
-        table = c.block_tables.get(m, [])
+    tables = [c.block_tables.get(m, []) for c in chunks]
+    for c, table in zip(chunks, tables):
         need = -(-((c.start + len(c.token_ids)) // m) // block_size)
         if len(table) < need:
             raise ValueError(f"slot {c.slot}: block table for ratio {m} has {len(table)} blocks, needs {need}")
-        t = torch.tensor(table + [0] * max(0, -(-n_entries // block_size) - len(table)), dtype=torch.long)
-        rows.append(t[w // block_size] * block_size + w % block_size)
-    return torch.stack(rows) if rows else torch.zeros(0, n_entries, dtype=torch.long)
+    width = max([-(-n_entries // block_size)] + [len(t) for t in tables])
+    padded = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long).view(len(chunks), width)
+    w = torch.arange(n_entries)
+    return padded[:, w // block_size] * block_size + w % block_size
 
 
 @dataclass(frozen=True)

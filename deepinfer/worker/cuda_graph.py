@@ -2,8 +2,11 @@
 
 A graph is captured per (padded batch size, entry-width buckets): the batch is padded with
 dummy requests that own the cache's scratch slot, every token gets a compressor row
-(FixedShape), and entry tables are rounded up to a power of two (at least `visible_bucket`). Replays copy the
-step's planned tensors into the captured ones, so the model's launches cost one graph launch.
+(FixedShape), and entry tables are rounded up to a power of two (at least `visible_bucket`).
+The step is planned on the host; all its index tensors are packed into one pinned int64 buffer
+and reach the captured inputs (views of one device buffer) in a single non-blocking copy, so a
+step costs one copy and one graph launch. Pinned buffers rotate; one is refilled only after the
+copy that last read it has run (its event), so planning step N+1 may overlap step N on the GPU.
 """
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ from deepinfer.layers.forward_batch import FixedShape, ForwardBatch, SeqChunk, b
 from deepinfer.worker.kv_cache import V4Cache
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+PINNED_BUFFERS = 3
 
 
 def _tensors(obj, prefix=""):
@@ -29,14 +33,29 @@ def _tensors(obj, prefix=""):
             yield from _tensors(obj[k], f"{prefix}[{k}]")
 
 
+def _rebuild(obj, tensors):
+    """`obj` with its tensors (in `_tensors` order) taken from the iterator `tensors`."""
+    if isinstance(obj, torch.Tensor):
+        return next(tensors)
+    if dataclasses.is_dataclass(obj):
+        return dataclasses.replace(obj, **{f.name: _rebuild(getattr(obj, f.name), tensors)
+                                           for f in dataclasses.fields(obj) if f.init})
+    if isinstance(obj, dict):
+        return {k: _rebuild(obj[k], tensors) for k in sorted(obj)}
+    return obj
+
+
 class DecodeGraphs:
     def __init__(self, model, cache: V4Cache, scratch_slot: int, scratch_addr: dict[int, int],
                  visible_bucket: int = 64, batch_buckets: tuple[int, ...] = BATCH_BUCKETS, device: str = "cuda"):
         self.model, self.cache, self.device = model, cache, device
         self.scratch_slot, self.scratch_addr = scratch_slot, scratch_addr
         self.visible_bucket, self.batch_buckets = visible_bucket, batch_buckets
-        self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, ForwardBatch, torch.Tensor]] = {}
+        # key -> (graph, device input buffer, logits)
+        self.graphs: dict[tuple, tuple[torch.cuda.CUDAGraph, torch.Tensor, torch.Tensor]] = {}
         self.pool = None
+        self.pinned: list[tuple[torch.Tensor, torch.cuda.Event | None]] = []
+        self.turn = 0
 
     def plan(self, chunks: list[SeqChunk]) -> tuple[tuple, ForwardBatch]:
         """(graph key, fixed-shape batch) of a pure-decode step, padded with scratch requests."""
@@ -50,14 +69,40 @@ class DecodeGraphs:
         fixed = FixedShape(self.scratch_addr, visible)
         cfg = self.model.config
         batch = build_forward_batch(chunks, cfg.sliding_window, self.cache.compress_kinds, self.cache.block_size,
-                                    self.device, fixed=fixed)
+                                    "cpu", fixed=fixed)
         return (padded, tuple(sorted(visible.items()))), batch
+
+    def _stage(self, batch: ForwardBatch) -> torch.Tensor:
+        """The batch's index tensors packed into the next free pinned buffer (a flat int64 view)."""
+        parts = [t.reshape(-1) for _, t in _tensors(batch)]
+        if any(p.dtype != torch.long for p in parts):
+            raise TypeError("decode graph inputs must all be int64 index tensors")
+        n = sum(p.numel() for p in parts)
+        if len(self.pinned) < PINNED_BUFFERS:
+            self.pinned.append((torch.empty(0, dtype=torch.long).pin_memory(), None))
+        buf, done = self.pinned[self.turn]
+        if done is not None:
+            done.synchronize()  # the copy that last read this buffer has run
+        if buf.numel() < n:
+            buf = torch.empty(max(n, 2 * buf.numel()), dtype=torch.long).pin_memory()
+        torch.cat(parts, out=buf[:n])
+        return buf[:n]
+
+    def _upload(self, staged: torch.Tensor, dst: torch.Tensor) -> None:
+        dst.copy_(staged, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        self.pinned[self.turn] = (staged._base if staged._base is not None else staged, event)
+        self.turn = (self.turn + 1) % PINNED_BUFFERS
 
     def fits(self, num_requests: int) -> bool:
         return num_requests <= self.batch_buckets[-1]
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """The step eagerly (what a graph captures): logits of every (padded) row."""
+        """The step eagerly (what a graph captures): logits of every (padded) row. A host-planned
+        batch is moved to the device first."""
+        if batch.input_ids.device.type != torch.device(self.device).type:
+            batch = _rebuild(batch, iter([t.to(self.device) for _, t in _tensors(batch)]))
         return self.model.compute_logits(self.model(batch, self.cache.layers)[batch.logits_idx])
 
     @torch.inference_mode()
@@ -66,20 +111,27 @@ class DecodeGraphs:
         if any(len(c.token_ids) != 1 for c in chunks):
             raise ValueError("DecodeGraphs runs pure-decode steps only (one token per request)")
         key, batch = self.plan(chunks)
+        staged = self._stage(batch)
         entry = self.graphs.get(key)
         if entry is None:
-            entry = self._capture(batch)
+            inputs = torch.empty(staged.numel(), dtype=torch.long, device=self.device)
+            self._upload(staged, inputs)
+            entry = self._capture(batch, inputs)
             self.graphs[key] = entry
         else:
-            for (_, dst), (_, src) in zip(_tensors(entry[1]), _tensors(batch)):
-                dst.copy_(src, non_blocking=True)
+            self._upload(staged, entry[1])
         graph, _, out = entry
         graph.replay()
         return out[:len(chunks)]
 
-    def _capture(self, batch: ForwardBatch):
-        """Warm up on a side stream (the cache rows written belong to this very step, so the
-        repeated writes are idempotent), then capture the step's launches."""
+    def _capture(self, host_batch: ForwardBatch, inputs: torch.Tensor):
+        """The batch rebuilt as views of `inputs`; warm up on a side stream (the cache rows written
+        belong to this very step, so the repeated writes are idempotent), then capture the launches."""
+        views, off = [], 0
+        for _, t in _tensors(host_batch):
+            views.append(inputs[off:off + t.numel()].view(t.shape))
+            off += t.numel()
+        batch = _rebuild(host_batch, iter(views))
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
@@ -89,4 +141,4 @@ class DecodeGraphs:
         self.pool = self.pool or torch.cuda.graph_pool_handle()
         with torch.cuda.graph(graph, pool=self.pool):
             out = self.forward(batch)
-        return graph, batch, out
+        return graph, inputs, out

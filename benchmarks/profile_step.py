@@ -1,0 +1,150 @@
+"""Where a Flash-slice step spends its time: torch.profiler tables (GPU kernels, host ops).
+
+    python benchmarks/profile_step.py --phase prefill --batch 4 --seq 2048
+    python benchmarks/profile_step.py --phase decode --batch 1 --context 256 [--fp8]
+"""
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+import flash_slice as fs
+
+
+def print_module_times(model, step) -> None:
+    """GPU time per sub-module (CUDA events around each call), summed over layers by role."""
+    starts, spans = {}, {}
+
+    def pre(name):
+        def hook(mod, inp):
+            starts[name] = torch.cuda.Event(enable_timing=True)
+            starts[name].record()
+        return hook
+
+    def post(name):
+        def hook(mod, inp, out):
+            end = torch.cuda.Event(enable_timing=True)
+            end.record()
+            spans.setdefault(name, []).append((starts[name], end))
+        return hook
+
+    handles = []
+    for name, mod in model.named_modules():
+        if 2 <= name.count(".") + 1 <= 4 and name.startswith("layers.") or name in ("embed", "head"):
+            handles += [mod.register_forward_pre_hook(pre(name)), mod.register_forward_hook(post(name))]
+    step()
+    torch.cuda.synchronize()
+    for h in handles:
+        h.remove()
+    by_role: dict[str, float] = {}
+    for name, evs in spans.items():
+        role = name.split(".", 2)[-1] if name.startswith("layers.") else name
+        by_role[role] = by_role.get(role, 0.0) + sum(a.elapsed_time(b) for a, b in evs)
+    print("GPU ms per module role (summed over layers; parents include children):")
+    for role, ms in sorted(by_role.items(), key=lambda kv: -kv[1]):
+        print(f"  {role:<40}{ms:9.3f}")
+
+
+def graph_breakdown(model, cache, chunks) -> None:
+    """Decode through DecodeGraphs: host planning, input copies and replay timed apart."""
+    import time
+
+    from deepinfer.worker.cuda_graph import DecodeGraphs
+
+    graphs = DecodeGraphs(model, cache, cache.scratch_slot, cache.scratch_addr)
+    t0 = time.perf_counter()
+    graphs.run(chunks)
+    torch.cuda.synchronize()
+    print(f"capture (incl. warm-up): {1e3 * (time.perf_counter() - t0):.1f} ms")
+    n = 20
+    t0 = time.perf_counter()
+    for _ in range(n):
+        key, batch = graphs.plan(chunks)
+    torch.cuda.synchronize()
+    plan_ms = 1e3 * (time.perf_counter() - t0) / n
+    entry = graphs.graphs[key]
+    t0 = time.perf_counter()
+    for _ in range(n):
+        graphs._upload(graphs._stage(batch), entry[1])
+    torch.cuda.synchronize()
+    copy_ms = 1e3 * (time.perf_counter() - t0) / n
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(n):
+        entry[0].replay()
+    b.record()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        graphs.run(chunks)
+        torch.cuda.synchronize()
+    run_ms = 1e3 * (time.perf_counter() - t0) / n
+    t0 = time.perf_counter()
+    for _ in range(n):  # no sync between steps: planning step i+1 overlaps step i on the GPU
+        graphs.run(chunks)
+    torch.cuda.synchronize()
+    pipe_ms = 1e3 * (time.perf_counter() - t0) / n
+    print(f"B={len(chunks)}: plan {plan_ms:.2f} ms, stage+copy {copy_ms:.2f} ms, "
+          f"replay (GPU) {a.elapsed_time(b) / n:.3f} ms, run()+sync {run_ms:.2f} ms, pipelined run() {pipe_ms:.2f} ms")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--phase", choices=("prefill", "decode"), default="decode")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--seq", type=int, default=2048, help="prompt length (prefill)")
+    ap.add_argument("--context", type=int, default=256, help="tokens already cached (decode)")
+    ap.add_argument("--fp8", action="store_true", help="FP8/FP4 weights and fp8 KV")
+    ap.add_argument("--rows", type=int, default=30)
+    ap.add_argument("--graphs", action="store_true", help="decode: time host plan / input copies / graph replay")
+    ap.add_argument("--compile", action="store_true", help="torch.compile each decoder layer first")
+    ap.add_argument("--sort", default="self_cuda_time_total")
+    args = ap.parse_args()
+    from deepinfer.layers.forward_batch import SeqChunk, build_forward_batch
+    from deepinfer.worker.kv_cache import static_v4_cache
+
+    model = fs.deepinfer_model(fp8=args.fp8)
+    cfg = model.config
+    kv = "fp8" if args.fp8 else "bfloat16"
+    if args.phase == "prefill":
+        cache = static_v4_cache(cfg, args.batch, args.seq + 8, kv, "cuda", block_size=64)
+        ids = torch.randint(0, cfg.vocab_size, (args.batch, args.seq)).tolist()
+        chunks = [SeqChunk(i, 0, ids[i], cache.static_tables(i)) for i in range(args.batch)]
+    else:
+        cache = static_v4_cache(cfg, args.batch, args.context + 8, kv, "cuda", block_size=64)
+        ids = torch.randint(0, cfg.vocab_size, (args.batch,)).tolist()  # random: hash routing spreads experts
+        chunks = [SeqChunk(i, args.context, [ids[i]], cache.static_tables(i)) for i in range(args.batch)]
+
+    if args.compile:
+        for layer in model.layers:
+            layer.forward = torch.compile(layer.forward, dynamic=False)
+    if args.graphs:
+        cache = static_v4_cache(cfg, args.batch, args.context + 8, kv, "cuda", block_size=64, scratch=True)
+        chunks = [SeqChunk(i, c.start, c.token_ids, cache.static_tables(i)) for i, c in enumerate(chunks)]
+        with torch.inference_mode():
+            return graph_breakdown(model, cache, chunks)
+
+    def step():
+        b = build_forward_batch(chunks, cfg.sliding_window, cache.compress_kinds, cache.block_size, "cuda")
+        with torch.inference_mode():
+            return model.compute_logits(model(b, cache.layers)[b.logits_idx])
+
+    for _ in range(2):
+        step()
+    print_module_times(model, step)
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    events = prof.key_averages()
+    cuda = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+    total = sum(e.self_device_time_total for e in cuda)
+    print(f"{args.phase} B={args.batch} fp8={args.fp8}: {sum(e.count for e in cuda)} kernels, "
+          f"{total / 1e3:.2f} ms GPU time")
+    print(events.table(sort_by=args.sort, row_limit=args.rows, max_name_column_width=60))
+
+
+if __name__ == "__main__":
+    main()
