@@ -3,6 +3,8 @@
 Quantised mode keeps the checkpoint's tensors as they are (`weight` e4m3 + `scale`
 E8M0 or fp32, named exactly as on disk) and dequantises on the fly: this is the
 storage the GPU path consumes. Dense mode holds `weight` in the model dtype.
+On CUDA with bf16 activations a quantised Linear runs the Triton grouped GEMM with one group
+(kernels/grouped_gemm.py: FP8 weight tiles dequantised in registers, activations stay bf16).
 """
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from deepinfer.kernels.grouped_gemm import grouped_gemm, triton_available
 from deepinfer.layers.quant import dequant_fp4, dequant_fp8_blocks
 
 
@@ -59,6 +62,10 @@ class Linear(nn.Module):
         return dequant_fp8_blocks(self.weight, self.scale, self.block_size, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.block_size is not None and x.is_cuda and x.dtype == torch.bfloat16 and triton_available():
+            # W8A16 on the GPU: one group, the FP8 tiles dequantised in the GEMM's registers
+            y = grouped_gemm(x.reshape(-1, self.in_features), self.weight, None, self.scale, self.block_size)
+            return y.view(*x.shape[:-1], self.out_features)
         return F.linear(x, self.dense_weight(x.dtype))
 
 

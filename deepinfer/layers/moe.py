@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from deepinfer.kernels.grouped_gemm import grouped_gemm, triton_available
 from deepinfer.layers.linear import DENSE, Linear, QuantSpec, dequant_expert, expert_tensors
 
 
@@ -76,41 +77,56 @@ class Experts(nn.Module):
         scale = getattr(self, f"{name}_scale", None)
         return dequant_expert(getattr(self, name)[e], None if scale is None else scale[e], self.quant, dtype)
 
-    def grouped(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-        """GPU path for dense bf16 experts: one grouped GEMM per projection over the tokens sorted
-        by expert (torch._grouped_mm), offsets kept on the device: no host sync, no Python loop."""
+    def _sorted(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(order, tok, offs): the (token, slot) pairs sorted by expert, each one's token row, and the
+        cumulative row end of every expert (int32, torch._grouped_mm's convention). No host sync."""
         flat = idx.flatten()
         order = torch.argsort(flat, stable=True)
-        tok = order // idx.shape[1]
-        counts = torch.zeros(self.num_experts, dtype=torch.int32, device=x.device)  # bincount would sync
+        counts = torch.zeros(self.num_experts, dtype=torch.int32, device=idx.device)  # bincount would sync
         offs = torch.cumsum(counts.index_add_(0, flat, torch.ones_like(flat, dtype=torch.int32)), 0, dtype=torch.int32)
+        return order, order // idx.shape[1], offs
+
+    def _grouped_mm(self, xs: torch.Tensor, name: str, offs: torch.Tensor) -> torch.Tensor:
+        w, scale = getattr(self, name), getattr(self, f"{name}_scale", None)
+        if scale is None:
+            return torch._grouped_mm(xs, w.transpose(1, 2), offs=offs)
+        return grouped_gemm(xs, w, offs, scale, self.quant.block_size)
+
+    def grouped(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+        """GPU path: one grouped GEMM per projection over the tokens sorted by expert, offsets kept on
+        the device: no host sync, no Python loop. Dense bf16 experts use torch._grouped_mm, quantised
+        (FP8 / FP4) ones the Triton kernel that dequantises while loading (bf16 activations)."""
+        order, tok, offs = self._sorted(idx)
         xs = x[tok]
-        gate = torch._grouped_mm(xs, self.w1.transpose(1, 2), offs=offs)
-        up = torch._grouped_mm(xs, self.w3.transpose(1, 2), offs=offs)
-        y = torch._grouped_mm(clamped_swiglu(gate, up, self.limit).to(x.dtype), self.w2.transpose(1, 2), offs=offs)
+        gate = self._grouped_mm(xs, "w1", offs)
+        up = self._grouped_mm(xs, "w3", offs)
+        y = self._grouped_mm(clamped_swiglu(gate, up, self.limit).to(x.dtype), "w2", offs)
         out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
         return out.index_add_(0, tok, y.float() * weights.flatten()[order, None])
 
+    def _use_grouped(self, x: torch.Tensor) -> bool:
+        if not (x.is_cuda and x.dtype == torch.bfloat16):
+            return False
+        return triton_available() if self.quant.quantized else hasattr(torch, "_grouped_mm")
+
     def forward(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-        """Tokens grouped by expert; each token's k outputs summed in fp32. Reference loop on the
-        CPU and for quantised or fp32 experts; grouped GEMMs for dense bf16 on the GPU."""
-        if x.is_cuda and x.dtype == torch.bfloat16 and not self.quant.quantized and hasattr(torch, "_grouped_mm"):
+        """Tokens grouped by expert; each token's k outputs summed in fp32. Grouped GEMMs on the GPU
+        for bf16 activations (dense or quantised experts); the reference loop on the CPU and for fp32."""
+        if self._use_grouped(x):
             return self.grouped(x, weights, idx)
-        flat = idx.flatten()
-        order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=self.num_experts).tolist()
-        tok = order // idx.shape[1]
+        order, tok, offs = self._sorted(idx)
+        bounds = [0] + offs.tolist()
         w = weights.flatten()[order]
         out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
-        start = 0
-        for e, c in enumerate(counts):
-            if c == 0:
+        for e in range(self.num_experts):
+            start, end = bounds[e], bounds[e + 1]
+            if end == start:
                 continue
-            t, xe = tok[start:start + c], x[tok[start:start + c]]
+            t = tok[start:end]
+            xe = x[t]
             h = clamped_swiglu(F.linear(xe, self._w("w1", e, x.dtype)), F.linear(xe, self._w("w3", e, x.dtype)),
                                self.limit).to(x.dtype)
-            out.index_add_(0, t, F.linear(h, self._w("w2", e, x.dtype)).float() * w[start:start + c, None])
-            start += c
+            out.index_add_(0, t, F.linear(h, self._w("w2", e, x.dtype)).float() * w[start:end, None])
         return out
 
 

@@ -1,0 +1,283 @@
+"""Grouped GEMM over expert-sorted rows, dequantising the weights as they are loaded.
+
+    out[r, :] = A[r, :] @ W[e(r)]^T        A [M, K] bf16, out [M, N] bf16, fp32 accumulation
+
+Rows are sorted by expert; `offs` [E] int32 holds the cumulative row ends (torch._grouped_mm's
+convention: expert e owns rows offs[e-1] .. offs[e]-1, with 0 before expert 0; rows past offs[-1]
+are left unwritten). W is one of
+  * dense      [E, N, K] bf16 (fp16/fp32 are cast to bf16 in registers);
+  * FP8        [E, N, K] float8_e4m3fn + block scales [E, ceil(N/bo), ceil(K/bi)] (E8M0 or fp32);
+  * FP4        [E, N, K/2] int8, two e2m1 codes a byte (even column in the low nibble)
+               + E8M0 scales [E, N, K/32].
+A dense Linear is E = 1 with offs = None (all rows, 2-D weight accepted). Only the weights are
+quantised: activations stay bf16 (W8A16 / W4A16), each weight tile is widened to bf16 in
+registers and fed to tl.dot (bf16 x bf16 -> fp32). fp8 e4m3 and e2m1 x 2^k are exact in bf16,
+so with E8M0 scales the kernel multiplies the same operands as `reference`.
+
+Schedule (no host sync, CUDA-graph capturable): the grid is (m_tiles, cdiv(N, BLOCK_N)) where
+m_tiles is an upper bound known from shapes alone: an expert with c > 0 rows needs cdiv(c, BLOCK_M)
+tiles, so the total is at most (M + min(E, M) * (BLOCK_M - 1)) // BLOCK_M. Every program rebuilds
+the tile -> expert map from `offs` in registers (per-expert tile counts, cumsum, count of the
+experts that end at or before its tile), so no auxiliary launch is needed; programs past the real
+tile count return at once. A tile never spans two experts; its rows outside the expert are masked.
+
+Dequantisation in the K loop:
+  * FP8: e4m3 -> bf16; when the scale block covers the whole K tile (bi % BLOCK_K == 0) the scale
+    depends on the output column only and is applied to the tile's partial product in fp32
+    (acc += dot(a, w) * s[n]); otherwise each weight element is scaled before the dot.
+  * FP4: the packed bytes [BLOCK_N, BLOCK_K/2] are split into low / high nibbles; a code's value is
+    built arithmetically (bit 3 sign, bits 1-2 exponent, bit 0 mantissa: exponent 0 gives 0 or 0.5,
+    otherwise (2 + m) * 2^(exp - 2)) and multiplied by 2^(byte - 127). The even / odd columns of A
+    are loaded separately so each nibble plane goes to its own dot (no register shuffle).
+  * E8M0 bytes are decoded by placing the byte in an fp32 exponent field (byte 0 -> 2^-127).
+Under TRITON_INTERPRET=1 (CPU tensors) the dot operands are rounded to bf16 and then widened to
+fp32, because the interpreter's tl.dot cannot multiply bf16; on CUDA they stay bf16.
+"""
+from __future__ import annotations
+
+import torch
+
+from deepinfer.layers.quant import dequant_fp4, dequant_fp8_blocks
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the torch reference is used
+    triton = None
+
+DENSE, FP8, FP4 = 0, 1, 2
+FP4_GROUP = 32
+
+
+def triton_available() -> bool:
+    return triton is not None
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _format(w: torch.Tensor) -> int:
+    if w.dtype == torch.float8_e4m3fn:
+        return FP8
+    if w.dtype in (torch.int8, torch.uint8):
+        return FP4
+    if w.dtype in (torch.bfloat16, torch.float16, torch.float32):
+        return DENSE
+    raise TypeError(f"grouped_gemm: unsupported weight dtype {w.dtype}")
+
+
+def _as_3d(w: torch.Tensor, scale: torch.Tensor | None, offs: torch.Tensor | None):
+    if w.dim() == 2:
+        if offs is not None and offs.numel() != 1:
+            raise ValueError("a 2-D weight is one group: offs must be None or have one entry")
+        w = w.unsqueeze(0)
+        scale = None if scale is None else scale.unsqueeze(0)
+    if offs is None and w.shape[0] != 1:
+        raise ValueError(f"offs is required for {w.shape[0]} groups")
+    return w, scale
+
+
+def reference(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor | None, scale: torch.Tensor | None = None,
+              block_size: tuple[int, int] = (128, 128)) -> torch.Tensor:
+    """Plain torch: dequantise each group's weight to a.dtype (layers/quant.py), multiply in fp32.
+    Rows past offs[-1] are zero here (the kernel leaves them unwritten)."""
+    w, scale = _as_3d(w, scale, offs)
+    fmt = _format(w)
+    bounds = [0] + ([a.shape[0]] if offs is None else offs.tolist())
+    out = torch.zeros(a.shape[0], w.shape[1], dtype=a.dtype, device=a.device)
+    for e in range(w.shape[0]):
+        lo, hi = bounds[e], bounds[e + 1]
+        if hi <= lo:
+            continue
+        if fmt == FP8:
+            we = dequant_fp8_blocks(w[e], scale[e], block_size, a.dtype)
+        elif fmt == FP4:
+            we = dequant_fp4(w[e], scale[e], FP4_GROUP, a.dtype)
+        else:
+            we = w[e].to(a.dtype)
+        out[lo:hi] = (a[lo:hi].float() @ we.float().T).to(a.dtype)
+    return out
+
+
+def default_config(M: int, E: int, fmt: int = DENSE) -> dict:
+    """Tile sizes from the mean rows per group. Few rows (decode): the weight bytes dominate, so a
+    short M tile and wide N/K tiles with deep pipelining; many rows (prefill): compute-bound tiles."""
+    rows = M / max(E, 1)
+    if rows <= 16:
+        return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=256 if fmt == FP4 else 128, num_warps=4, num_stages=4)
+    if rows <= 64:
+        return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128 if fmt == FP4 else 64, num_warps=4, num_stages=4)
+    return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128 if fmt == FP4 else 64, num_warps=8, num_stages=3)
+
+
+def max_m_tiles(M: int, E: int, block_m: int, one_group: bool = False) -> int:
+    """Upper bound on sum_e cdiv(rows_e, block_m) over groups with sum_e rows_e <= M, from shapes only."""
+    if one_group:
+        return _cdiv(M, block_m)
+    return (M + min(E, M) * (block_m - 1)) // block_m
+
+
+if triton is not None:
+    @triton.jit
+    def _e8m0(byte):
+        """E8M0 bytes -> fp32 2^(byte - 127) (byte placed in the exponent field; 0 -> 2^-127)."""
+        b = byte.to(tl.int32) & 0xFF
+        return tl.where(b == 0, 5.877471754111438e-39, (b << 23).to(tl.float32, bitcast=True))
+
+    @triton.jit
+    def _e2m1(code):
+        """4-bit e2m1 codes (int32) -> fp32 values."""
+        m = (code & 1).to(tl.float32)
+        ex = (code >> 1) & 3
+        mag = tl.where(ex == 0, 0.5 * m, (2.0 + m) * (1 << ex).to(tl.float32) * 0.25)
+        return tl.where((code & 8) != 0, -mag, mag)
+
+    @triton.jit
+    def _grouped_gemm_kernel(a_ptr, w_ptr, s_ptr, offs_ptr, out_ptr, M, N, E,
+                             s_am, s_ak, s_we, s_wn, s_wk, s_se, s_sn, s_sk, s_om, s_on,
+                             K: tl.constexpr, FMT: tl.constexpr, E8M0: tl.constexpr, BO: tl.constexpr, BI: tl.constexpr,
+                             ONE_GROUP: tl.constexpr, E_PAD: tl.constexpr, OP: tl.constexpr,
+                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        pid_m = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        if ONE_GROUP:
+            row0 = pid_m * BLOCK_M
+            row_end = M
+            w_base = w_ptr
+            s_base = s_ptr
+        else:
+            ids = tl.arange(0, E_PAD)
+            ends = tl.load(offs_ptr + ids, mask=ids < E, other=0)
+            starts = tl.load(offs_ptr + ids - 1, mask=(ids > 0) & (ids < E), other=0)
+            tiles = (tl.maximum(ends - starts, 0) + BLOCK_M - 1) // BLOCK_M
+            tile_end = tl.cumsum(tiles, 0)                       # one past each group's last tile
+            if pid_m >= tl.max(tile_end, 0):
+                return
+            e = tl.sum((tile_end <= pid_m).to(tl.int32), 0)      # groups entirely before this tile
+            here = ids == e
+            first = tl.sum(tl.where(here, tile_end - tiles, 0), 0)
+            row0 = tl.sum(tl.where(here, starts, 0), 0) + (pid_m - first) * BLOCK_M
+            row_end = tl.sum(tl.where(here, ends, 0), 0)
+            w_base = w_ptr + e.to(tl.int64) * s_we
+            s_base = s_ptr + e.to(tl.int64) * s_se
+
+        rows = row0 + tl.arange(0, BLOCK_M)
+        rmask = (rows < row_end) & (rows < M)
+        a_rows = a_ptr + rows.to(tl.int64)[:, None] * s_am
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        nmask = cols < N
+        w_rows = w_base + cols.to(tl.int64)[:, None] * s_wn
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+
+        HALF: tl.constexpr = BLOCK_K // 2
+        for k0 in range(0, K, BLOCK_K):
+            if FMT == 2:  # FP4: byte j of the row holds columns 2j (low nibble) and 2j+1 (high)
+                kp = k0 // 2 + tl.arange(0, HALF)
+                kmask = kp < K // 2
+                a_even = tl.load(a_rows + (2 * kp)[None, :] * s_ak, mask=rmask[:, None] & kmask[None, :], other=0.0)
+                a_odd = tl.load(a_rows + (2 * kp + 1)[None, :] * s_ak, mask=rmask[:, None] & kmask[None, :],
+                                other=0.0)
+                wmask = nmask[:, None] & kmask[None, :]
+                byte = tl.load(w_rows + kp[None, :] * s_wk, mask=wmask, other=0).to(tl.int32) & 0xFF
+                sc = _e8m0(tl.load(s_base + cols[:, None] * s_sn + (kp // 16)[None, :] * s_sk,
+                                   mask=wmask, other=127))
+                lo = (_e2m1(byte & 0xF) * sc).to(tl.bfloat16).to(OP)
+                hi = (_e2m1(byte >> 4) * sc).to(tl.bfloat16).to(OP)
+                acc = tl.dot(a_even.to(tl.bfloat16).to(OP), tl.trans(lo), acc)
+                acc = tl.dot(a_odd.to(tl.bfloat16).to(OP), tl.trans(hi), acc)
+            else:
+                ks = k0 + tl.arange(0, BLOCK_K)
+                kmask = ks < K
+                a = tl.load(a_rows + ks[None, :] * s_ak, mask=rmask[:, None] & kmask[None, :], other=0.0)
+                a = a.to(tl.bfloat16).to(OP)
+                wmask = nmask[:, None] & kmask[None, :]
+                w = tl.load(w_rows + ks[None, :] * s_wk, mask=wmask, other=0.0)
+                if FMT == 0:
+                    acc = tl.dot(a, tl.trans(w.to(tl.bfloat16).to(OP)), acc)
+                elif BI % BLOCK_K == 0:  # one scale block spans the K tile: scale the partial product
+                    s = tl.load(s_base + (cols // BO) * s_sn + (k0 // BI) * s_sk, mask=nmask, other=0)
+                    s = _e8m0(s) if E8M0 else s.to(tl.float32)
+                    acc += tl.dot(a, tl.trans(w.to(tl.bfloat16).to(OP))) * s[None, :]
+                else:
+                    s = tl.load(s_base + (cols // BO)[:, None] * s_sn + (ks // BI)[None, :] * s_sk,
+                                mask=wmask, other=0)
+                    s = _e8m0(s) if E8M0 else s.to(tl.float32)
+                    acc = tl.dot(a, tl.trans((w.to(tl.float32) * s).to(tl.bfloat16).to(OP)), acc)
+
+        out = out_ptr + rows.to(tl.int64)[:, None] * s_om + cols[None, :] * s_on
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=rmask[:, None] & nmask[None, :])
+
+
+def _launch(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor | None, scale: torch.Tensor | None,
+            block_size: tuple[int, int], BLOCK_M=None, BLOCK_N=None, BLOCK_K=None, num_warps=None,
+            num_stages=None) -> torch.Tensor:
+    """The Triton launch on whatever device the tensors are on (CPU only under TRITON_INTERPRET=1)."""
+    w, scale = _as_3d(w, scale, offs)
+    fmt = _format(w)
+    E, N = w.shape[0], w.shape[1]
+    K = w.shape[2] * 2 if fmt == FP4 else w.shape[2]
+    M = a.shape[0]
+    if a.dim() != 2 or a.shape[1] != K:
+        raise ValueError(f"grouped_gemm: A {tuple(a.shape)} does not match weight {tuple(w.shape)} (K={K})")
+    if offs is not None and (offs.dim() != 1 or offs.shape[0] != E):
+        raise ValueError(f"grouped_gemm: offs {tuple(offs.shape)} for {E} groups")
+    bo, bi = block_size if fmt == FP8 else (1, 1)
+    if fmt == FP8:
+        want = (E, _cdiv(N, bo), _cdiv(K, bi))
+    elif fmt == FP4:
+        if K % FP4_GROUP:
+            raise ValueError(f"grouped_gemm: FP4 needs K % {FP4_GROUP} == 0, got {K}")
+        want = (E, N, K // FP4_GROUP)
+    if fmt == DENSE:
+        if scale is not None:
+            raise ValueError("grouped_gemm: a dense weight takes no scale")
+        scale = w  # unused placeholder pointer
+        e8m0 = False
+    else:
+        if scale is None or tuple(scale.shape) != want:
+            raise ValueError(f"grouped_gemm: scale {None if scale is None else tuple(scale.shape)} for weight "
+                             f"{tuple(w.shape)}, expected {want}")
+        e8m0 = scale.dtype in (torch.float8_e8m0fnu, torch.uint8)
+        if e8m0:
+            scale = scale.view(torch.uint8)
+        elif not scale.is_floating_point():
+            raise TypeError(f"grouped_gemm: unsupported scale dtype {scale.dtype}")
+    cfg = default_config(M, E, fmt)
+    for k, v in (("BLOCK_M", BLOCK_M), ("BLOCK_N", BLOCK_N), ("BLOCK_K", BLOCK_K), ("num_warps", num_warps),
+                 ("num_stages", num_stages)):
+        if v is not None:
+            cfg[k] = v
+    if fmt == FP4 and cfg["BLOCK_K"] < 32:
+        raise ValueError("grouped_gemm: FP4 needs BLOCK_K >= 32 (each nibble plane feeds a K/2-wide dot)")
+    out = torch.empty(M, N, dtype=torch.bfloat16, device=a.device)
+    if M == 0 or N == 0:
+        return out
+    if K == 0:
+        return out.zero_()
+    one_group = offs is None
+    grid = (max_m_tiles(M, E, cfg["BLOCK_M"], one_group), triton.cdiv(N, cfg["BLOCK_N"]))
+    _grouped_gemm_kernel[grid](
+        a, w, scale, a if one_group else offs, out, M, N, E,
+        a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2),
+        scale.stride(0), scale.stride(1), scale.stride(2), out.stride(0), out.stride(1),
+        K=K, FMT=fmt, E8M0=e8m0, BO=bo, BI=bi, ONE_GROUP=one_group, E_PAD=max(16, triton.next_power_of_2(E)),
+        OP=tl.bfloat16 if a.is_cuda else tl.float32,  # the interpreter's tl.dot cannot multiply bf16
+        **cfg)
+    return out
+
+
+def grouped_gemm(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor | None, scale: torch.Tensor | None = None,
+                 block_size: tuple[int, int] = (128, 128), *, BLOCK_M: int | None = None,
+                 BLOCK_N: int | None = None, BLOCK_K: int | None = None, num_warps: int | None = None,
+                 num_stages: int | None = None) -> torch.Tensor:
+    """out [M, N] bf16 = A [M, K] bf16 @ W[e]^T per row group. Triton on CUDA, `reference` elsewhere.
+    `block_size` (bo, bi) is read for FP8 weights only; the format follows w.dtype (bf16/fp16/fp32
+    dense, float8_e4m3fn FP8, int8 packed FP4). Tile kwargs default to `default_config(M, E)`.
+    No host sync: the launch depends on shapes only (CUDA-graph capturable)."""
+    if triton is None or not a.is_cuda:
+        return reference(a, w, offs, scale, block_size)
+    if a.dtype != torch.bfloat16:
+        raise TypeError(f"grouped_gemm: activations must be bf16, got {a.dtype}")
+    return _launch(a, w, offs, scale, block_size, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
+                   num_warps=num_warps, num_stages=num_stages)

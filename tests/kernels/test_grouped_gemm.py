@@ -1,0 +1,220 @@
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from deepinfer.kernels.grouped_gemm import grouped_gemm, max_m_tiles, reference
+from deepinfer.layers.linear import DENSE, Linear, QuantSpec, dequant_expert
+from deepinfer.layers.moe import Experts
+
+ROOT = Path(__file__).resolve().parents[2]
+QUANT = {"bf16": DENSE, "fp8": QuantSpec(block_size=(128, 128)),
+         "fp4": QuantSpec(block_size=(128, 128), fp4_experts=True)}
+
+
+def make_case(counts, N, K, fmt, block=(128, 128), scale_dtype="e8m0", device="cpu", seed=0, exps=(120, 125)):
+    """Rows sorted by group (counts[e] rows each) and random weights in the storage format: every
+    e4m3 / e2m1 code is reachable and the E8M0 scales vary per block (2^(exps[0]-127) .. 2^(exps[1]-128))."""
+    g = torch.Generator().manual_seed(seed)
+    E, M = len(counts), sum(counts)
+    a = torch.randn(M, K, generator=g).to(torch.bfloat16)
+    offs = torch.tensor(counts, dtype=torch.int64).cumsum(0).to(torch.int32)
+    if fmt == "bf16":
+        w, s = (torch.randn(E, N, K, generator=g) * 0.05).to(torch.bfloat16), None
+    elif fmt == "fp8":
+        w = (torch.randn(E, N, K, generator=g) * 4).to(torch.float8_e4m3fn)
+        shape = (E, -(-N // block[0]), -(-K // block[1]))
+        s = torch.randint(*exps, shape, generator=g, dtype=torch.uint8).view(torch.float8_e8m0fnu)
+        if scale_dtype == "fp32":
+            s = torch.rand(shape, generator=g) * 0.03 + 0.002
+    else:
+        w = torch.randint(-128, 128, (E, N, K // 2), generator=g, dtype=torch.int8)
+        s = torch.randint(*exps, (E, N, K // 32), generator=g, dtype=torch.uint8).view(torch.float8_e8m0fnu)
+    move = lambda t: None if t is None else t.to(device)  # noqa: E731
+    return move(a), move(w), move(offs), move(s)
+
+
+def _loop(a, w, offs, s, quant):
+    """The Experts reference loop's arithmetic: dequant_expert + F.linear per group."""
+    out = torch.zeros(a.shape[0], w.shape[1], dtype=a.dtype)
+    bounds = [0] + offs.tolist()
+    for e in range(w.shape[0]):
+        lo, hi = bounds[e], bounds[e + 1]
+        if hi > lo:
+            we = dequant_expert(w[e], None if s is None else s[e], quant, torch.float32)
+            out[lo:hi] = F.linear(a[lo:hi].float(), we).to(a.dtype)
+    return out
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "fp4"])
+@pytest.mark.parametrize("counts", [[0, 1, 30, 0, 3], [17]])
+def test_reference_matches_the_dequant_expert_loop(fmt, counts):
+    a, w, offs, s = make_case(counts, 80, 256, fmt)
+    got = reference(a, w, offs, s, (128, 128))
+    torch.testing.assert_close(got.float(), _loop(a, w, offs, s, QUANT[fmt]).float(), atol=2e-2, rtol=1e-2)
+    if fmt == "fp8":  # odd blocks dequantise the same way
+        a, w, offs, s = make_case(counts, 80, 96, fmt, block=(16, 48))
+        torch.testing.assert_close(reference(a, w, offs, s, (16, 48)).float(),
+                                   _loop(a, w, offs, s, QuantSpec(block_size=(16, 48))).float(), atol=2e-2, rtol=1e-2)
+
+
+def test_reference_shapes_and_one_group():
+    a, w, offs, s = make_case([9], 40, 64, "fp8")
+    one = reference(a, w[0], None, s[0], (128, 128))
+    torch.testing.assert_close(one, reference(a, w, offs, s, (128, 128)))
+    assert grouped_gemm(a, w, offs, s).shape == (9, 40)  # the CPU falls back to the reference
+    with pytest.raises(ValueError):
+        reference(a, w.expand(2, -1, -1), None, s.expand(2, -1, -1))
+
+
+def test_tile_bound_holds_for_any_split():
+    g = torch.Generator().manual_seed(0)
+    for _ in range(300):
+        E = int(torch.randint(1, 40, (1,), generator=g))
+        M = int(torch.randint(0, 400, (1,), generator=g))
+        bm = [16, 32, 64, 128][int(torch.randint(0, 4, (1,), generator=g))]
+        cuts = torch.sort(torch.randint(0, M + 1, (E - 1,), generator=g)).values.tolist()
+        counts = [b - a for a, b in zip([0] + cuts, cuts + [M])]
+        assert sum(-(-c // bm) for c in counts) <= max_m_tiles(M, E, bm)
+
+
+# ---------------------------------------------------------------- GPU: kernel vs reference
+
+SHAPES = [  # (counts per expert, N, K)
+    ([0, 1, 300, 0, 2, 37], 80, 96),          # empty experts, one row, many rows; N, K ragged
+    ([1, 0, 3, 2, 0, 0, 1, 1], 2048, 4096),   # decode-like at the real size
+    ([300, 5, 0, 129], 2048, 4096),           # prefill-like at the real size
+    ([0, 0, 0], 64, 128),                     # no rows at all in the groups
+]
+CONFIGS = [  # None: default_config's pick
+    None,
+    dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4),
+    dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, num_warps=4, num_stages=3),
+    dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=3),
+    dict(BLOCK_M=32, BLOCK_N=32, BLOCK_K=256, num_warps=4, num_stages=2),  # fp8: scale per element
+]
+
+
+def _check(got, want):
+    assert got.dtype == torch.bfloat16 and got.shape == want.shape
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=1.6e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "fp4"])
+@pytest.mark.parametrize("shape", range(len(SHAPES)))
+@pytest.mark.parametrize("cfg", range(len(CONFIGS)))
+def test_kernel_matches_reference_on_gpu(fmt, shape, cfg):
+    counts, N, K = SHAPES[shape]
+    a, w, offs, s = make_case(counts, N, K, fmt, device="cuda")
+    if sum(counts) == 0:
+        assert grouped_gemm(a, w, offs, s, **(CONFIGS[cfg] or {})).shape == (0, N)  # M = 0: no launch
+        a = torch.zeros(5, K, dtype=torch.bfloat16, device="cuda")  # rows past offs[-1] stay unwritten
+        assert grouped_gemm(a, w, offs, s, **(CONFIGS[cfg] or {})).shape == (5, N)
+        torch.cuda.synchronize()
+        return
+    _check(grouped_gemm(a, w, offs, s, **(CONFIGS[cfg] or {})), reference(a, w, offs, s))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block,scale_dtype", [((128, 128), "fp32"), ((64, 96), "e8m0"), ((16, 48), "fp32")])
+@pytest.mark.parametrize("cfg", [1, 2, 4])
+def test_fp8_other_blocks_and_fp32_scales_on_gpu(block, scale_dtype, cfg):
+    a, w, offs, s = make_case([3, 0, 150, 1], 200, 480, "fp8", block=block, scale_dtype=scale_dtype, device="cuda")
+    _check(grouped_gemm(a, w, offs, s, block, **CONFIGS[cfg]), reference(a, w, offs, s, block))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "fp4"])
+@pytest.mark.parametrize("M,N,K", [(1, 2048, 4096), (3, 80, 96), (700, 1536, 512)])
+def test_one_group_dense_linear_on_gpu(fmt, M, N, K):
+    a, w, offs, s = make_case([M], N, K, fmt, device="cuda")
+    want = reference(a, w, offs, s)
+    _check(grouped_gemm(a, w[0], None, None if s is None else s[0]), want)  # 2-D weight, offs None
+    _check(grouped_gemm(a, w, offs, s), want)                              # E = 1 with offs
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["fp8", "fp4"])
+def test_kernel_replays_in_a_cuda_graph_with_new_offsets(fmt):
+    a, w, offs, s = make_case([2, 0, 5, 1], 256, 512, fmt, device="cuda")
+    grouped_gemm(a, w, offs, s)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = grouped_gemm(a, w, offs, s)
+    for counts in ([8, 0, 0, 0], [0, 0, 0, 8], [1, 2, 3, 2]):
+        offs.copy_(torch.tensor(counts, device="cuda").cumsum(0))
+        a.normal_()
+        graph.replay()
+        _check(out, reference(a, w, offs, s))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["fp8", "fp4"])
+def test_quantised_experts_take_the_kernel_on_gpu(fmt):
+    torch.manual_seed(0)
+    quant = QUANT[fmt]
+    dim, inter, E = 256, 128, 16
+    ex = Experts(dim, inter, E, limit=10.0, dtype=torch.bfloat16, quant=quant)
+    for name, (o, i) in (("w1", (inter, dim)), ("w2", (dim, inter)), ("w3", (inter, dim))):
+        w, s = make_case([1] * E, o, i, fmt, seed=len(name) + o, exps=(117, 122))[1::2]
+        getattr(ex, name).copy_(w)
+        getattr(ex, f"{name}_scale").copy_(s)
+    x = torch.randn(37, dim, dtype=torch.bfloat16)
+    idx = torch.stack([torch.randperm(E)[:4] for _ in range(37)])
+    weights = torch.rand(37, 4)
+    ref = ex(x.float(), weights, idx)  # the CPU reference loop (fp32 activations)
+    ex.cuda()
+    assert ex._use_grouped(x.cuda())
+    fast = ex(x.cuda(), weights.cuda(), idx.cuda())
+    torch.testing.assert_close(fast.cpu(), ref, atol=5e-2, rtol=3e-2)
+
+
+@pytest.mark.gpu
+def test_fp8_linear_takes_the_kernel_on_gpu():
+    torch.manual_seed(0)
+    lin = Linear(384, 200, torch.bfloat16, QuantSpec(block_size=(128, 128)))
+    w, s = make_case([1], 200, 384, "fp8", exps=(117, 122))[1::2]
+    lin.weight.copy_(w[0])
+    lin.scale.copy_(s[0])
+    x = torch.randn(2, 5, 384, dtype=torch.bfloat16)
+    ref = F.linear(x.float(), lin.dense_weight(torch.float32))
+    lin.cuda()
+    fast = lin(x.cuda())
+    assert fast.shape == (2, 5, 200) and fast.dtype == torch.bfloat16
+    torch.testing.assert_close(fast.float().cpu(), ref, atol=3e-2, rtol=2e-2)
+
+
+# ---------------------------------------------------------------- Triton interpreter (CPU)
+
+def test_kernel_matches_reference_in_the_triton_interpreter():
+    pytest.importorskip("triton")
+    code = (
+        "import torch\n"
+        "from deepinfer.kernels.grouped_gemm import _launch, reference\n"
+        "from test_grouped_gemm import make_case\n"
+        "tile = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, num_warps=1, num_stages=1)\n"
+        "cases = [('bf16', [0, 1, 37, 0, 5], 40, 80, (128, 128), 'e8m0', tile),\n"
+        "         ('fp8', [0, 1, 37, 0, 5], 40, 80, (128, 128), 'e8m0', tile),\n"  # scale on the product
+        "         ('fp8', [2, 0, 19], 40, 96, (16, 48), 'fp32', tile),\n"          # scale per element
+        "         ('fp4', [0, 1, 37, 0, 5], 40, 96, (128, 128), 'e8m0', tile),\n"
+        "         ('fp4', [3, 20], 24, 96, (128, 128), 'e8m0', dict(tile, BLOCK_K=64)),\n"  # ragged K tile
+        "         ('bf16', [21], 24, 80, (128, 128), 'e8m0', tile),\n"
+        "         ('fp8', [21], 24, 80, (16, 32), 'e8m0', tile)]\n"
+        "for fmt, counts, N, K, block, sd, cfg in cases:\n"
+        "    a, w, offs, s = make_case(counts, N, K, fmt, block, sd)\n"
+        "    want = reference(a, w, offs, s, block)\n"
+        "    got = [_launch(a, w, offs, s, block, **cfg)]\n"
+        "    if len(counts) == 1:\n"  # one group: 2-D weight, no offs
+        "        got.append(_launch(a, w[0], None, None if s is None else s[0], block, **cfg))\n"
+        "    for g in got:\n"
+        "        torch.testing.assert_close(g.float(), want.float(), atol=2e-2, rtol=1.6e-2)\n"
+        "print('ok')\n")
+    env = {**os.environ, "TRITON_INTERPRET": "1",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests" / "kernels")])}
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0 and "ok" in res.stdout, res.stderr[-3000:]
