@@ -42,6 +42,9 @@ class EngineConfig:
     yoco_prefill_keep_tokens: int = 140
     engram_device: str | None = None  # "cpu": V4.1 Engram tables stay on the host, memory-mapped
     enforce_eager: bool = False       # vLLM's name: True disables CUDA graphs for decode steps
+    # plan and launch step N+1 while step N runs (DeepInfer's zero-overhead scheduler; vLLM's
+    # --async-scheduling). Models that hash tokens on the host (V4.1 Engram) run synchronously.
+    async_scheduling: bool = True
 
     def __post_init__(self):
         _check_choice("accelerator", self.accelerator, ACCELERATORS)

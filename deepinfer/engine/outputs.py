@@ -24,6 +24,10 @@ class ScheduledChunk:
     images: list[tuple[int, Any]] = field(default_factory=list)  # image spans near this chunk
 
 
+# input token of a chunk scheduled ahead (async scheduling): the token its request samples in the step
+# before, filled in on the device by the runner
+PLACEHOLDER = -1
+
 # tokens of context shipped with every chunk (V4.1 Engram hashes the 3 tokens before each position)
 CONTEXT_TOKENS = 7
 

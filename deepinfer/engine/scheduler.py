@@ -11,7 +11,8 @@ from __future__ import annotations
 from collections import deque
 
 from deepinfer.engine.kv_manager import KVCacheManager
-from deepinfer.engine.outputs import CONTEXT_TOKENS, ForkOp, ModelOutput, ScheduledChunk, SchedulerOutput
+from deepinfer.engine.outputs import (CONTEXT_TOKENS, PLACEHOLDER, ForkOp, ModelOutput, ScheduledChunk,
+                                     SchedulerOutput)
 from deepinfer.engine.request import Request, Status
 
 
@@ -78,13 +79,43 @@ class Scheduler:
             budget -= n
         return out
 
+    def schedule_ahead(self, inflight: SchedulerOutput) -> SchedulerOutput | None:
+        """Async scheduling: the next step, planned while `inflight` (not yet updated) runs. Every
+        request of `inflight` that samples one token and cannot finish by length there gets one
+        decode token, a PLACEHOLDER for the token it is sampling now. Returns None (the caller runs
+        the next step synchronously) where looking ahead would change scheduling decisions:
+        n > 1 forks, partial prefill chunks, requests waiting that could be admitted, or a cache
+        that cannot grow every such request without preempting. A request that finishes in
+        `inflight` by a stop token computes one wasted token here; `update` drops it."""
+        if self.pending_forks or not inflight.chunks or \
+                (self.waiting and len(self.running) < self.max_num_seqs):
+            return None
+        by_id = {r.request_id: r for r in self.running}
+        if any(c.num_samples != 1 or c.request_id not in by_id for c in inflight.chunks):
+            return None
+        out = SchedulerOutput()
+        for c in inflight.chunks:
+            req = by_id[c.request_id]
+            if len(req.output_token_ids) + 1 >= req.params.max_tokens or req.num_tokens + 1 >= self.max_model_len:
+                continue  # it finishes by length in `inflight`
+            start = c.start + len(c.token_ids)
+            if not self.kv.allocate(req, start + 1):
+                return None
+            out.chunks.append(ScheduledChunk(req.request_id, req.slot, start, [PLACEHOLDER],
+                                             {m: list(t) for m, t in req.block_tables.items()}, 1, req.params,
+                                             [], start + 1))
+        return out if out.chunks else None
+
     def update(self, so: SchedulerOutput, mo: ModelOutput) -> list[Request]:
         """Advance counters, append sampled tokens, finish on token-level stops. Returns the
-        requests that received tokens (stop strings are checked by the caller on those)."""
+        requests that received tokens (stop strings are checked by the caller on those).
+        A chunk whose request finished while it ran (scheduled ahead) is dropped."""
         by_id = {r.request_id: r for r in self.running}
         touched = []
         for c in so.chunks:
-            req = by_id[c.request_id]
+            req = by_id.get(c.request_id)
+            if req is None:
+                continue
             req.num_computed_tokens += len(c.token_ids)
             if c.num_samples == 0:
                 continue

@@ -106,8 +106,9 @@ class DecodeGraphs:
         return self.model.compute_logits(self.model(batch, self.cache.layers)[batch.logits_idx])
 
     @torch.inference_mode()
-    def run(self, chunks: list[SeqChunk]) -> torch.Tensor:
-        """Logits [len(chunks), V] of a pure-decode step (each chunk one token)."""
+    def run(self, chunks: list[SeqChunk], fill: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """Logits [len(chunks), V] of a pure-decode step (each chunk one token). `fill` = (rows,
+        device token ids) overwrites those rows' input ids after the upload (placeholder inputs)."""
         if any(len(c.token_ids) != 1 for c in chunks):
             raise ValueError("DecodeGraphs runs pure-decode steps only (one token per request)")
         key, batch = self.plan(chunks)
@@ -116,10 +117,14 @@ class DecodeGraphs:
         if entry is None:
             inputs = torch.empty(staged.numel(), dtype=torch.long, device=self.device)
             self._upload(staged, inputs)
+            if fill is not None:  # input_ids lead the packed buffer
+                inputs[fill[0]] = fill[1]
             entry = self._capture(batch, inputs)
             self.graphs[key] = entry
         else:
             self._upload(staged, entry[1])
+            if fill is not None:
+                entry[1][fill[0]] = fill[1]
         graph, _, out = entry
         graph.replay()
         return out[:len(chunks)]

@@ -1,12 +1,34 @@
-"""ModelRunner: owns the model and the cache tensors; SchedulerOutput in, ModelOutput out."""
+"""ModelRunner: owns the model and the cache tensors; SchedulerOutput in, ModelOutput out.
+
+`launch` enqueues a step's GPU work (forward, sampling, the copy of the sampled tokens to pinned
+host memory) and returns at once; `collect` waits for that copy. Between the two the engine may
+plan and launch the next step, whose decode inputs can be PLACEHOLDER: "the token this request
+samples in the step before", filled on the device from that step's sampled tokens.
+"""
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
-from deepinfer.engine.outputs import ModelOutput, SchedulerOutput
+from deepinfer.engine.outputs import PLACEHOLDER, ModelOutput, SchedulerOutput
 from deepinfer.layers.forward_batch import SeqChunk, build_forward_batch
 from deepinfer.worker.kv_cache import V4Cache
 from deepinfer.worker.sampler import SamplingBatch, sample, top_logprobs
+
+
+@dataclass
+class StepHandle:
+    """A launched step: rows of `tokens` per request (first row, count), and what collect reads."""
+
+    so: SchedulerOutput
+    rows: dict[str, tuple[int, int]]
+    tokens: torch.Tensor | None = None        # [R] on the device
+    host_tokens: torch.Tensor | None = None   # [R] pinned copy, valid once `done` has run
+    done: torch.cuda.Event | None = None
+    logits: torch.Tensor | None = None        # kept only when logprobs are asked for
+    params: list | None = None
+    max_logprobs: int = -1
 
 
 class ModelRunner:
@@ -21,14 +43,41 @@ class ModelRunner:
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(seed if seed is not None else torch.seed())
 
-    @torch.inference_mode()
+    @property
+    def supports_placeholders(self) -> bool:
+        """Placeholder inputs need every token-dependent input on the device (no host n-gram hashing)."""
+        return not getattr(self.model, "token_history", 0)
+
     def execute(self, so: SchedulerOutput) -> ModelOutput:
+        return self.collect(self.launch(so))
+
+    def _fill(self, so: SchedulerOutput, prev: StepHandle | None):
+        """(flat token rows, device values) replacing this step's PLACEHOLDER inputs, or None."""
+        dst, src, off = [], [], 0
+        for c in so.chunks:
+            for j, t in enumerate(c.token_ids):
+                if t == PLACEHOLDER:
+                    if prev is None or c.request_id not in prev.rows:
+                        raise ValueError(f"request {c.request_id}: placeholder input without a step before it")
+                    dst.append(off + j)
+                    src.append(prev.rows[c.request_id][0])
+            off += len(c.token_ids)
+        if not dst:
+            return None
+        if not self.supports_placeholders:
+            raise ValueError("this model hashes input tokens on the host: placeholder inputs are not supported")
+        to = lambda xs: torch.tensor(xs, dtype=torch.long).to(self.device, non_blocking=True)  # noqa: E731
+        return to(dst), prev.tokens[to(src)]
+
+    @torch.inference_mode()
+    def launch(self, so: SchedulerOutput, prev: StepHandle | None = None) -> StepHandle:
         for f in so.forks:
             self.cache.copy_state(f.src_slot, f.dst_slot, f.src_blocks, f.dst_blocks)
+        fill = self._fill(so, prev)
         if self.graphs is not None and self.graphs.fits(len(so.chunks)) and \
                 all(len(c.token_ids) == 1 and not c.images for c in so.chunks):
             return self._sample(so, self.graphs.run([SeqChunk(c.slot, c.start, c.token_ids, c.block_tables)
-                                                     for c in so.chunks]), list(range(len(so.chunks))))
+                                                     for c in so.chunks], fill), list(range(len(so.chunks))))
         keep = self.replay_keep
         chunks = [SeqChunk(c.slot, c.start, c.token_ids, c.block_tables, c.prev_tokens,
                            0 if keep is None else max(0, c.num_tokens - keep),
@@ -36,19 +85,25 @@ class ModelRunner:
         batch = build_forward_batch(chunks, self.model.config.sliding_window, self.cache.compress_kinds,
                                     self.cache.block_size, self.device, getattr(self.model, "token_history", 0))
         batch.input_embeds = self._image_embeds(so)
+        if fill is not None:
+            batch.input_ids[fill[0]] = fill[1]
+            if batch.replay is not None:  # its sub-batches hold copies of the kept rows' ids
+                for sub in (batch.replay.at_layer, batch.replay.upper):
+                    sub.input_ids = batch.input_ids[batch.replay.rows]
         streams = self.model(batch, self.cache.layers)
         rows = [i for i, c in enumerate(so.chunks) if c.num_samples]
         if not rows:
-            return ModelOutput({})
+            return StepHandle(so, {})
         last = batch.logits_idx[torch.tensor(rows, device=self.device)]
         return self._sample(so, self.model.compute_logits(streams[last]), rows)
 
-    def _sample(self, so: SchedulerOutput, logits: torch.Tensor, rows: list[int]) -> ModelOutput:
-        """logits [len(rows), V] of the chunks `rows` (in order); samples where chunks ask for it."""
+    def _sample(self, so: SchedulerOutput, logits: torch.Tensor, rows: list[int]) -> StepHandle:
+        """logits [len(rows), V] of the chunks `rows` (in order); samples where chunks ask for it,
+        and starts the copy of the tokens to the host (no sync here)."""
         keep = [k for k, i in enumerate(rows) if so.chunks[i].num_samples]
         sampled = [so.chunks[rows[k]] for k in keep]
         if not sampled:
-            return ModelOutput({})
+            return StepHandle(so, {})
         if len(keep) < len(rows):
             logits = logits[torch.tensor(keep, device=logits.device)]
         # a request forking into n siblings draws n tokens from its one last-position distribution
@@ -57,15 +112,38 @@ class ModelRunner:
         params = [c.params for c in sampled for _ in range(c.num_samples)]
         sb = SamplingBatch.build(params, logits.shape[-1], self.device)
         tokens = sample(logits, sb, self.generator)
-        out = ModelOutput({})
-        token_list = tokens.tolist()  # the one host sync of the step
-        lp = self._logprobs(logits, tokens, token_list, sb.max_logprobs, params) if sb.max_logprobs >= 0 else None
-        i = 0
+        row_of, i = {}, 0
         for c in sampled:
-            out.sampled[c.request_id] = token_list[i:i + c.num_samples]
-            if lp is not None and c.params.logprobs is not None:
-                out.logprobs[c.request_id] = lp[i:i + c.num_samples]
+            row_of[c.request_id] = (i, c.num_samples)
             i += c.num_samples
+        h = StepHandle(so, row_of, tokens, params=params, max_logprobs=sb.max_logprobs,
+                       logits=logits if sb.max_logprobs >= 0 else None)
+        if tokens.is_cuda:
+            h.host_tokens = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+            h.host_tokens.copy_(tokens, non_blocking=True)
+            h.done = torch.cuda.Event()
+            h.done.record()
+        else:
+            h.host_tokens = tokens
+        return h
+
+    @torch.inference_mode()
+    def collect(self, h: StepHandle) -> ModelOutput:
+        """Waits for the step's sampled tokens; the one host sync of a step."""
+        out = ModelOutput({})
+        if h.tokens is None:
+            return out
+        if h.done is not None:
+            h.done.synchronize()
+        token_list = h.host_tokens.tolist()
+        lp = None
+        if h.logits is not None:
+            lp = self._logprobs(h.logits, h.tokens, token_list, h.max_logprobs, h.params)
+        for rid, (i, n) in h.rows.items():
+            out.sampled[rid] = token_list[i:i + n]
+            c_params = h.params[i]
+            if lp is not None and c_params.logprobs is not None:
+                out.logprobs[rid] = lp[i:i + n]
         return out
 
     def _image_embeds(self, so: SchedulerOutput):

@@ -182,3 +182,38 @@ def test_cuda_graph_decode_in_the_engine(ckpt):
     # padded-batch GEMMs round differently in bf16, so a late token may flip; most agree
     same = sum(a == b for x, y in zip(outs[True], outs[False]) for a, b in zip(x, y))
     assert same >= 0.8 * sum(map(len, outs[True]))
+
+
+def test_async_scheduling_matches_synchronous_steps(ckpt, llm):
+    """Steps planned ahead with placeholder inputs give the synchronous engine's tokens, through
+    stop tokens (wasted look-ahead tokens dropped), length limits, admission and chunked prefill."""
+    prompts = _prompts(9, seed=21)
+    base = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)
+    # odd requests stop on their third greedy token, even ones run to a length of 4 + i
+    params = [SamplingParams(temperature=0, max_tokens=4 + i, ignore_eos=True,
+                             stop_token_ids=[b.outputs[0].token_ids[2]] if i % 2 else []) for i, b in enumerate(base)]
+    outs, ahead = {}, {}
+    for on in (False, True):
+        engine = LLM(str(ckpt), device="cpu", dtype="float32", kv_cache_dtype="float32", block_size=4,
+                     kv_cache_memory=_memory_for(ckpt, slots=4, tokens=400), max_num_seqs=4,
+                     max_num_batched_tokens=32, async_scheduling=on)
+        calls = []
+        launch = engine.engine.runner.launch
+        engine.engine.runner.launch = lambda so, prev=None: calls.append(prev is not None) or launch(so, prev)
+        outs[on] = [(o.outputs[0].token_ids, o.outputs[0].finish_reason)
+                    for o in engine.generate(prompts, params, use_tqdm=False)]
+        ahead[on] = sum(calls)
+        assert engine.scheduler.kv.all_free() and engine.engine.inflight is None
+    assert outs[True] == outs[False]
+    assert ahead[False] == 0 and ahead[True] > 10  # most decode steps were launched ahead
+    assert sum(why == "stop" for _, why in outs[True]) >= 4
+
+
+def test_scheduled_ahead_placeholders_need_a_step_before():
+    from deepinfer.engine.outputs import PLACEHOLDER, SchedulerOutput, ScheduledChunk
+    from deepinfer.worker.model_runner import ModelRunner
+
+    runner = ModelRunner.__new__(ModelRunner)
+    so = SchedulerOutput([ScheduledChunk("r", 0, 5, [PLACEHOLDER], {}, 1, GREEDY)])
+    with pytest.raises(ValueError, match="placeholder"):
+        runner._fill(so, None)
