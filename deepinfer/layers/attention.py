@@ -7,9 +7,9 @@ for HCA); a learned per-head sink logit joins the softmax denominator only.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from deepinfer.kernels import sparse_attention as _sa_kernel
 from deepinfer.layers.forward_batch import CompressPlan, ForwardBatch
 from deepinfer.layers.kv_state import CarryState, EntryStore, IndexKeyStore
 from deepinfer.layers.linear import DENSE, Linear, QuantSpec
@@ -46,8 +46,8 @@ class Compressor(nn.Module):
     def forward(self, x: torch.Tensor, positions: torch.Tensor, plan: CompressPlan, carry: CarryState,
                 inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (new entries [N, dim] normed + rotated, their addresses); updates carry."""
-        kv = F.linear(x.float(), self.wkv.dense_weight(torch.float32))
-        score = F.linear(x.float(), self.wgate.dense_weight(torch.float32)) + self.ape[positions % self.ratio]
+        kv = self.wkv.forward_fp32(x)
+        score = self.wgate.forward_fp32(x) + self.ape[positions % self.ratio]
         new, old = plan.src_new, plan.src_carry
         src_kv = torch.where((new >= 0)[..., None], kv[new.clamp(min=0)], carry.kv[old.clamp(min=0)])
         src_score = torch.where((new >= 0)[..., None], score[new.clamp(min=0)], carry.score[old.clamp(min=0)])
@@ -98,11 +98,31 @@ class Indexer(nn.Module):
         return out
 
 
+def _kernel_format(store) -> str | None:
+    """The store's layout as the kernel names it, or None (FormatStore "fp8" is another layout)."""
+    if store is None:
+        return None
+    if store.fmt == "bfloat16" or (store.fmt == "fp8" and isinstance(store, EntryStore)):
+        return store.fmt
+    return None
+
+
 def sparse_attention(q: torch.Tensor, kv_new: torch.Tensor, batch: ForwardBatch, ring: EntryStore,
                      entry_ids: torch.Tensor | None, plan: CompressPlan | None, entries: EntryStore | None,
                      sinks: torch.Tensor, scale: float) -> torch.Tensor:
     """q [T, H, D]; window keys from this step's kv or the ring, plus entries `entry_ids`
-    [T, K] (-1 = none) of the layer's compressed pool. K == V. Returns [T, H, D]."""
+    [T, K] (-1 = none) of the layer's compressed pool. K == V. Returns [T, H, D].
+    CUDA + bf16 + bf16/fp8 stores: the Triton kernel (deepinfer.kernels.sparse_attention); else torch."""
+    has_ent = entry_ids is not None and entry_ids.shape[1] > 0
+    ring_fmt, ent_fmt = _kernel_format(ring), _kernel_format(entries) if has_ent else None
+    if (q.is_cuda and _sa_kernel.triton is not None and q.dtype == torch.bfloat16 and ring_fmt is not None
+            and (not has_ent or ent_fmt is not None)
+            and _sa_kernel.supported(q, kv_new, ring_fmt, ent_fmt, has_ent)):
+        addr = None
+        if has_ent:
+            addr = torch.where(entry_ids >= 0, plan.addr[batch.token_req[:, None], entry_ids.clamp(min=0)], -1)
+        return _sa_kernel.sparse_attention(q, kv_new, batch.win_new, batch.win_ring, tuple(ring.tensors()), ring_fmt,
+                                           addr, tuple(entries.tensors()) if has_ent else None, ent_fmt, sinks, scale)
     T, H, D = q.shape
     out = torch.empty_like(q)
     n_keys = batch.win_new.shape[1] + (entry_ids.shape[1] if entry_ids is not None else 0)

@@ -1,0 +1,289 @@
+"""DeepSeek-V4 sparse attention with sinks: one shared KV head (K == V), head_dim D.
+
+For query token t, head h (q [T, H, D]) the keys are
+  window j = 0..W-1:  kv_new[win_new[t, j]]   if win_new[t, j] >= 0   (this step's kv, q's dtype)
+                      ring row win_ring[t, j] elif win_ring[t, j] >= 0 (else absent)
+  entry  k = 0..K-1:  entries row entry_addr[t, k] if >= 0              (else absent)
+  s_n  = scale * q[t, h] . key_n           (fp32)
+  out  = sum_n exp(s_n) key_n / (sum_n exp(s_n) + exp(sinks[h]))
+The sink only joins the denominator, so a token without any valid key gets 0.
+
+Stores are passed as `EntryStore.tensors()`: "bfloat16" / "float32": (data [R, D],);
+"fp8": (nope_q e4m3 [R, nope], nope_scale uint8 [R, nope / group], rope bf16 [R, D - nope]) with
+key = cat(nope_q * 2^(nope_scale - 127), rope) (E8M0 scale per group of columns).
+
+Kernel: grid (T, cdiv(H, BLOCK_H), splits). All heads share the KV head, so a program gathers a
+tile of BLOCK_N key rows once (window tiles first, then entry tiles), decodes it to q's dtype and
+uses it for BLOCK_H heads: logits = q_tile [BLOCK_H, D] @ k^T, online softmax in the exp2 domain,
+acc += P @ k. Invariants:
+  * the running max starts at the sink logit (and the running sum at exp(0) = 1 on split 0), so the
+    max is always finite, exp2 never overflows, masked keys give exactly 0, and a keyless token
+    ends with acc = 0, l = 1 -> out 0 (no NaN). Sinks must be finite.
+  * dots run in q's dtype with fp32 accumulation: bf16 q -> bf16 keys (exact for bf16 and fp8
+    stores: e4m3 * 2^k fits bf16), P rounded to bf16 for the P @ V dot (the only rounding vs
+    `reference`); fp32 q -> fp32 keys and IEEE fp32 dots (matches `reference` to ~1e-6).
+    bf16 q with a float32 store is not supported by the kernel (the launcher uses `reference`).
+  * an E8M0 byte s decodes as the fp32 with exponent bits s (2^(s-127) for s >= 1; s = 0 -> 0
+    instead of 2^-127, which only matters for |values| < 2^-118).
+  * D must be a power of two >= 16 (Triton block shapes). fp8: nope need not be (448 in V4-Flash);
+    the group (gcd(64, nope), a power of two) divides nope and D, so a key tile is gathered as
+    [BLOCK_N, D / group, group]: groups < nope / group from nope_q (one scale load per row and
+    group), the rest from rope, by masks; then flattened to [BLOCK_N, D].
+  * the two fp8 stores of one call (ring, entries) share nope / group / rope widths.
+Split-KV (decode, few programs): split s takes its share of the window tiles and of the entry
+tiles and writes (acc, m, l) in fp32; a second kernel merges the splits (sink counted by split 0).
+Defaults (block_h 16, block_n 32, 8 warps, 2 stages) compile for sm_90 at H = 64, D = 512 without
+register spills for both store formats; block_h 32 / 64 spill (the q operand of q @ k^T is held
+per warp across the whole D = 512 contraction).
+"""
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the torch reference is used
+    triton = None
+
+LOG2E = 1.4426950408889634
+_CHUNK_ELEMS = 1 << 26  # gathered key elements per query chunk in `reference`
+
+
+def _decode(store: tuple[torch.Tensor, ...], fmt: str, rows: torch.Tensor) -> torch.Tensor:
+    """Rows of a store as fp32 (same arithmetic as EntryStore.read(rows, torch.float32))."""
+    if fmt == "fp8":
+        nope_q, nope_scale, rope = store
+        group = nope_q.shape[1] // nope_scale.shape[1]
+        s = torch.exp2(nope_scale[rows].float() - 127).unsqueeze(-1)
+        nope = (nope_q[rows].float().unflatten(-1, (-1, group)) * s).flatten(-2)
+        return torch.cat((nope, rope[rows].float()), dim=-1)
+    return store[0][rows].float()
+
+
+def reference(q: torch.Tensor, kv_new: torch.Tensor, win_new: torch.Tensor, win_ring: torch.Tensor,
+              ring: tuple[torch.Tensor, ...], ring_fmt: str, entry_addr: torch.Tensor | None,
+              entries: tuple[torch.Tensor, ...] | None, entries_fmt: str | None, sinks: torch.Tensor,
+              scale: float) -> torch.Tensor:
+    """q [T, H, D], kv_new [Tn, D], win_new / win_ring [T, W], entry_addr [T, K] pool rows (-1 = none)
+    -> [T, H, D] in q's dtype; all math in fp32."""
+    T, H, D = q.shape
+    out = torch.empty_like(q)
+    has_ent = entry_addr is not None and entry_addr.shape[1] > 0
+    n_keys = win_new.shape[1] + (entry_addr.shape[1] if has_ent else 0)
+    step = max(1, _CHUNK_ELEMS // max(1, n_keys * D))
+    for s0 in range(0, T, step):
+        sl = slice(s0, min(T, s0 + step))
+        new, old = win_new[sl], win_ring[sl]
+        keys = torch.where((new >= 0)[..., None], kv_new[new.clamp(min=0)].float(),
+                           _decode(ring, ring_fmt, old.clamp(min=0)))
+        valid = (new >= 0) | (old >= 0)
+        if has_ent:
+            addr = entry_addr[sl]
+            keys = torch.cat((keys, _decode(entries, entries_fmt, addr.clamp(min=0))), dim=1)
+            valid = torch.cat((valid, addr >= 0), dim=1)
+        logits = torch.einsum("thd,tkd->thk", q[sl].float(), keys) * scale
+        logits = logits.masked_fill(~valid[:, None, :], float("-inf"))
+        sink = sinks.float().view(1, H, 1).expand(logits.shape[0], H, 1)
+        probs = torch.softmax(torch.cat((logits, sink), dim=-1), dim=-1)[..., :-1]
+        out[sl] = torch.einsum("thk,tkd->thd", probs, keys).to(q.dtype)
+    return out
+
+
+if triton is not None:
+    @triton.jit
+    def _gather_keys(rows, ok, t0, t1, t2, FP8: tl.constexpr, D: tl.constexpr, NOPE: tl.constexpr,
+                     GROUP: tl.constexpr, BLOCK_N: tl.constexpr, KDT: tl.constexpr):
+        """rows [BLOCK_N] (anything where ~ok) -> key rows [BLOCK_N, D] in KDT, 0 where ~ok."""
+        if FP8:
+            # [BLOCK_N, D / GROUP, GROUP] view: one E8M0 scale load per (row, group), not per column
+            NG: tl.constexpr = NOPE // GROUP
+            g = tl.arange(0, D // GROUP)
+            col = g[:, None] * GROUP + tl.arange(0, GROUP)[None, :]                   # [D/G, G]
+            is_nope = (g < NG)[:, None]
+            r3, ok3 = rows[:, None, None], ok[:, None, None]
+            v = tl.load(t0 + r3 * NOPE + col[None], mask=ok3 & is_nope[None], other=0.0).to(tl.float32)
+            sc = tl.load(t1 + rows[:, None] * NG + g[None, :], mask=ok[:, None] & (g < NG)[None, :], other=0)
+            v = v * (sc.to(tl.int32) << 23).to(tl.float32, bitcast=True)[:, :, None]  # E8M0 -> 2^(s-127)
+            r = tl.load(t2 + r3 * (D - NOPE) + (col - NOPE)[None], mask=ok3 & ~is_nope[None], other=0.0)
+            k = tl.reshape(tl.where(is_nope[None], v, r.to(tl.float32)), [BLOCK_N, D]).to(KDT)
+        else:
+            c = tl.arange(0, D)
+            k = tl.load(t0 + rows[:, None] * D + c[None, :], mask=ok[:, None], other=0.0).to(KDT)
+        return k
+
+    @triton.jit
+    def _softmax_step(q, k, ok, m_i, l_i, acc, qk_scale, PREC: tl.constexpr):
+        """One key tile of the online softmax (log2 domain; qk_scale has log2(e) folded in)."""
+        s = tl.dot(q, tl.trans(k), input_precision=PREC) * qk_scale                # [BH, BN] fp32
+        s = tl.where(ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))                                   # finite (>= sink)
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = tl.dot(p.to(k.dtype), k, acc * alpha[:, None], input_precision=PREC)
+        return m_new, l_i, acc
+
+    @triton.jit
+    def _sparse_attn_kernel(q_ptr, kvn_ptr, wnew_ptr, wring_ptr, r0, r1, r2, addr_ptr, e0, e1, e2, sink_ptr,
+                            out_ptr, part_ptr, ml_ptr, H, W, K, qk_scale,
+                            D: tl.constexpr, NOPE: tl.constexpr, GROUP: tl.constexpr,
+                            RING_FP8: tl.constexpr, ENT_FP8: tl.constexpr, HAS_ENT: tl.constexpr,
+                            SPLITS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr):
+        t = tl.program_id(0).to(tl.int64)
+        sp = tl.program_id(2)
+        KDT: tl.constexpr = q_ptr.dtype.element_ty
+        PREC: tl.constexpr = "ieee" if KDT == tl.float32 else "tf32"
+        heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+        h_ok = heads < H
+        c = tl.arange(0, D)
+        qrow = t * H + heads                                                          # [BH] int64
+        q = tl.load(q_ptr + qrow[:, None] * D + c[None, :], mask=h_ok[:, None], other=0.0)
+        m_i = tl.load(sink_ptr + heads, mask=h_ok, other=0.0).to(tl.float32) * 1.4426950408889634
+        l_i = tl.zeros([BLOCK_H], tl.float32) + tl.where(sp == 0, 1.0, 0.0)          # exp2(sink - m_i)
+        acc = tl.zeros([BLOCK_H, D], tl.float32)
+        j = tl.arange(0, BLOCK_N)
+
+        n_tiles = tl.cdiv(W, BLOCK_N)
+        for i in range(sp * n_tiles // SPLITS, (sp + 1) * n_tiles // SPLITS):        # window keys
+            n = i * BLOCK_N + j
+            new = tl.load(wnew_ptr + t * W + n, mask=n < W, other=-1)
+            old = tl.load(wring_ptr + t * W + n, mask=n < W, other=-1)
+            is_new = new >= 0
+            k_new = tl.load(kvn_ptr + new[:, None] * D + c[None, :], mask=is_new[:, None], other=0.0)
+            k_old = _gather_keys(old, (old >= 0) & ~is_new, r0, r1, r2, RING_FP8, D, NOPE, GROUP, BLOCK_N, KDT)
+            k = tl.where(is_new[:, None], k_new.to(KDT), k_old)
+            m_i, l_i, acc = _softmax_step(q, k, is_new | (old >= 0), m_i, l_i, acc, qk_scale, PREC)
+
+        if HAS_ENT:
+            n_tiles = tl.cdiv(K, BLOCK_N)
+            for i in range(sp * n_tiles // SPLITS, (sp + 1) * n_tiles // SPLITS):    # compressed entries
+                n = i * BLOCK_N + j
+                rows = tl.load(addr_ptr + t * K + n, mask=n < K, other=-1)
+                k = _gather_keys(rows, rows >= 0, e0, e1, e2, ENT_FP8, D, NOPE, GROUP, BLOCK_N, KDT)
+                m_i, l_i, acc = _softmax_step(q, k, rows >= 0, m_i, l_i, acc, qk_scale, PREC)
+
+        if SPLITS == 1:
+            o = acc / l_i[:, None]
+            tl.store(out_ptr + qrow[:, None] * D + c[None, :], o.to(out_ptr.dtype.element_ty), mask=h_ok[:, None])
+        else:  # partials [T, H, SPLITS, D] and (m, l) [T, H, SPLITS, 2]
+            prow = qrow * SPLITS + sp
+            tl.store(part_ptr + prow[:, None] * D + c[None, :], acc, mask=h_ok[:, None])
+            tl.store(ml_ptr + prow * 2, m_i, mask=h_ok)
+            tl.store(ml_ptr + prow * 2 + 1, l_i, mask=h_ok)
+
+    @triton.jit
+    def _merge_splits_kernel(part_ptr, ml_ptr, out_ptr, SPLITS: tl.constexpr, SP2: tl.constexpr,
+                             D: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)                                           # t * H + h
+        s = tl.arange(0, SP2)
+        s_ok = s < SPLITS
+        m = tl.load(ml_ptr + (row * SPLITS + s) * 2, mask=s_ok, other=float("-inf"))
+        l_s = tl.load(ml_ptr + (row * SPLITS + s) * 2 + 1, mask=s_ok, other=0.0)
+        w = tl.exp2(m - tl.max(m, axis=0))
+        c = tl.arange(0, D)
+        a = tl.load(part_ptr + (row * SPLITS + s)[:, None] * D + c[None, :], mask=s_ok[:, None], other=0.0)
+        o = tl.sum(a * w[:, None], axis=0) / tl.sum(l_s * w, axis=0)
+        tl.store(out_ptr + row * D + c, o.to(out_ptr.dtype.element_ty))
+
+
+_SM_COUNT: dict[int, int] = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SM_COUNT:
+        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SM_COUNT[idx]
+
+
+def supported(q: torch.Tensor, kv_new: torch.Tensor, ring_fmt: str, entries_fmt: str | None,
+              has_entries: bool) -> bool:
+    """Whether the kernel handles these dtypes / formats / head_dim (else `reference` is used)."""
+    D = q.shape[-1]
+    fmts = ("bfloat16", "fp8") if q.dtype == torch.bfloat16 else ("bfloat16", "float32", "fp8")
+    return (q.dtype in (torch.bfloat16, torch.float32) and kv_new.dtype == q.dtype
+            and D >= 16 and D & (D - 1) == 0 and ring_fmt in fmts and (not has_entries or entries_fmt in fmts))
+
+
+def default_splits(T: int, H: int, n_tiles: int, block_h: int, device: torch.device) -> int:
+    """Split the keys only when (tokens x head blocks) leaves most SMs idle (decode)."""
+    programs = T * -(-H // block_h)
+    sms = _sm_count(device) if device.type == "cuda" else 1
+    if 2 * programs > sms:
+        return 1
+    return max(1, min(sms // programs, 16, n_tiles))
+
+
+def sparse_attention(q: torch.Tensor, kv_new: torch.Tensor, win_new: torch.Tensor, win_ring: torch.Tensor,
+                     ring: tuple[torch.Tensor, ...], ring_fmt: str, entry_addr: torch.Tensor | None,
+                     entries: tuple[torch.Tensor, ...] | None, entries_fmt: str | None, sinks: torch.Tensor,
+                     scale: float, *, block_h: int = 16, block_n: int | None = None, num_warps: int = 8,
+                     num_stages: int | None = None, num_splits: int | None = None) -> torch.Tensor:
+    """Triton on CUDA for supported inputs (see `supported`), `reference` otherwise; same contract.
+
+    Tuning (defaults chosen for H = 64, D = 512 on sm_90 so that nothing spills): block_h heads per
+    program (>= 16; capped at next_pow2(H)), block_n keys per tile (>= 16; default 32 for bf16 q,
+    16 for fp32 q), num_warps, num_stages (software pipelining of the key loads; default 2 for bf16,
+    1 for fp32), num_splits key splits per (token, head block) (None: `default_splits`)."""
+    has_ent = entry_addr is not None and entry_addr.shape[1] > 0
+    if triton is None or not q.is_cuda or not supported(q, kv_new, ring_fmt, entries_fmt, has_ent):
+        return reference(q, kv_new, win_new, win_ring, ring, ring_fmt, entry_addr, entries, entries_fmt, sinks,
+                         scale)
+    return _launch(q, kv_new, win_new, win_ring, ring, ring_fmt, entry_addr, entries, entries_fmt, sinks, scale,
+                   block_h=block_h, block_n=block_n, num_warps=num_warps, num_stages=num_stages,
+                   num_splits=num_splits)
+
+
+def _launch(q, kv_new, win_new, win_ring, ring, ring_fmt, entry_addr, entries, entries_fmt, sinks, scale, *,
+            block_h: int = 16, block_n: int | None = None, num_warps: int = 8, num_stages: int | None = None,
+            num_splits: int | None = None) -> torch.Tensor:
+    """The kernel launch without the device / support checks (also runs under TRITON_INTERPRET=1)."""
+    T, H, D = q.shape
+    W = win_new.shape[1]
+    has_ent = entry_addr is not None and entry_addr.shape[1] > 0
+    K = entry_addr.shape[1] if has_ent else 0
+    out = torch.empty_like(q)
+    if T == 0:
+        return out
+    fp32 = q.dtype == torch.float32
+    block_h = max(16, min(block_h, triton.next_power_of_2(H)))
+    block_n = max(16, block_n or (16 if fp32 else 32))
+    num_stages = num_stages or (1 if fp32 else 2)
+    q, kv_new = q.contiguous(), kv_new.contiguous()
+    win_new, win_ring = win_new.contiguous(), win_ring.contiguous()
+    ring = tuple(t.contiguous() for t in ring)
+    ent = tuple(t.contiguous() for t in entries) if has_ent else ring
+    ent_fmt = entries_fmt if has_ent else ring_fmt
+    nope, group = D, 1
+    for tensors, fmt in ((ring, ring_fmt), (ent, ent_fmt)):
+        if fmt == "fp8":
+            nope, group = tensors[0].shape[1], tensors[0].shape[1] // tensors[1].shape[1]
+    for tensors, fmt in ((ring, ring_fmt), (ent, ent_fmt)):
+        if fmt == "fp8" and (tensors[0].shape[1] != nope or tensors[1].shape[1] * group != nope
+                             or tensors[2].shape[1] != D - nope):
+            raise ValueError("fp8 stores of one call must share nope / group / rope widths")
+    if group & (group - 1) or D % group:
+        raise ValueError(f"fp8 group {group} must be a power of two dividing head_dim {D}")
+    r = ring + (ring[0],) * (3 - len(ring))
+    e = ent + (ent[0],) * (3 - len(ent))
+    addr = entry_addr.contiguous() if has_ent else win_new
+    n_tiles = triton.cdiv(W, block_n) + triton.cdiv(K, block_n)
+    splits = num_splits or default_splits(T, H, n_tiles, block_h, q.device)
+    splits = max(1, min(splits, max(1, n_tiles)))
+    if splits > 1:
+        part = torch.empty(T, H, splits, D, dtype=torch.float32, device=q.device)
+        ml = torch.empty(T, H, splits, 2, dtype=torch.float32, device=q.device)
+    else:
+        part = ml = out
+    grid = (T, triton.cdiv(H, block_h), splits)
+    _sparse_attn_kernel[grid](q, kv_new, win_new, win_ring, r[0], r[1], r[2], addr, e[0], e[1], e[2],
+                              sinks.contiguous(), out, part, ml, H, W, K, float(scale) * LOG2E,
+                              D=D, NOPE=nope, GROUP=group, RING_FP8=ring_fmt == "fp8", ENT_FP8=ent_fmt == "fp8",
+                              HAS_ENT=has_ent, SPLITS=splits, BLOCK_H=block_h, BLOCK_N=block_n,
+                              num_warps=num_warps, num_stages=num_stages)
+    if splits > 1:
+        _merge_splits_kernel[(T * H,)](part, ml, out, SPLITS=splits, SP2=triton.next_power_of_2(splits), D=D,
+                                       num_warps=4)
+    return out
+
