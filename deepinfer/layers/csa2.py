@@ -41,8 +41,8 @@ class PoolCompressor(nn.Module):
         """-> unrotated normalised latents [N, head_dim] of the entries closing this step (plan order)."""
         if self.ratio == 1:
             return self.norm(F.linear(x, self.wkv.dense_weight(x.dtype)))
-        kv = F.linear(x.float(), self.wkv.dense_weight(torch.float32))
-        score = F.linear(x.float(), self.wgate.dense_weight(torch.float32))
+        kv = self.wkv.forward_fp32(x)
+        score = self.wgate.forward_fp32(x)
         new, old = plan.src_new, plan.src_carry
         src_kv = torch.where((new >= 0)[..., None], kv[new.clamp(min=0)], carry.kv[old.clamp(min=0)])
         src_score = torch.where((new >= 0)[..., None], score[new.clamp(min=0)], carry.score[old.clamp(min=0)])

@@ -61,12 +61,27 @@ class Linear(nn.Module):
             return self.weight.to(dtype)
         return dequant_fp8_blocks(self.weight, self.scale, self.block_size, dtype)
 
+    def forward_fp32(self, x: torch.Tensor) -> torch.Tensor:
+        """x W^T computed and returned in fp32 (see matmul_fp32)."""
+        if self.block_size is None:
+            return matmul_fp32(x, self.weight)
+        return F.linear(x.float(), self.dense_weight(torch.float32))
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.block_size is not None and x.is_cuda and x.dtype == torch.bfloat16 and triton_available():
             # W8A16 on the GPU: one group, the FP8 tiles dequantised in the GEMM's registers
             y = grouped_gemm(x.reshape(-1, self.in_features), self.weight, None, self.scale, self.block_size)
             return y.view(*x.shape[:-1], self.out_features)
         return F.linear(x, self.dense_weight(x.dtype))
+
+
+def matmul_fp32(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [..., K] @ w [N, K]^T in fp32, as the reference computes routers and compressors (both
+    upcast). bf16 x bf16 products are exact in fp32, so on CUDA one GEMM with fp32 accumulation and
+    output gives the same values up to summation order, without an fp32 copy of the weight."""
+    if x.is_cuda and x.dtype == torch.bfloat16 and w.dtype == torch.bfloat16:
+        return torch.mm(x.reshape(-1, x.shape[-1]), w.t(), out_dtype=torch.float32).view(*x.shape[:-1], w.shape[0])
+    return F.linear(x.float(), w.float())
 
 
 def expert_tensors(num_experts: int, out_features: int, in_features: int, dtype: torch.dtype,

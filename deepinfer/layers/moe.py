@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from deepinfer.kernels.grouped_gemm import grouped_gemm, triton_available
-from deepinfer.layers.linear import DENSE, Linear, QuantSpec, dequant_expert, expert_tensors
+from deepinfer.layers.linear import DENSE, Linear, QuantSpec, dequant_expert, expert_tensors, matmul_fp32
 
 
 def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
@@ -34,7 +34,7 @@ class Gate(nn.Module):
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor,
                 image_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, D] -> (weights [T, k] fp32, expert ids [T, k])."""
-        scores = F.softplus(F.linear(x.float(), self.weight.float())).sqrt()
+        scores = F.softplus(matmul_fp32(x, self.weight)).sqrt()
         if self.hashed:
             idx = self.tid2eid[input_ids].long()
         else:
