@@ -175,12 +175,14 @@ class ModelRunner:
 
 
 def _graphs_for(model, cache: V4Cache, device: torch.device):
-    """Decode graphs need a CUDA device, a cache with scratch rows, grouped-GEMM experts (dense bf16:
-    the reference expert loop syncs with the host) and no host-side per-step inputs (Engram)."""
+    """Decode graphs need a CUDA device, a cache with scratch rows, bf16 activations (grouped-GEMM
+    experts; quantised weights through the Triton kernels: the reference loop syncs with the host)
+    and no host-side per-step inputs (Engram)."""
+    from deepinfer.kernels.grouped_gemm import triton_available
     from deepinfer.worker.cuda_graph import DecodeGraphs
 
     dense = not any(n.endswith("_scale") for n, _ in model.named_buffers())
-    if device.type != "cuda" or cache.scratch_slot is None or model.dtype != torch.bfloat16 or not dense \
-            or getattr(model.config, "engram_layer_ids", ()):
+    if device.type != "cuda" or cache.scratch_slot is None or model.dtype != torch.bfloat16 \
+            or not (dense or triton_available()) or getattr(model.config, "engram_layer_ids", ()):
         return None
     return DecodeGraphs(model, cache, cache.scratch_slot, cache.scratch_addr, device=str(device))
