@@ -82,6 +82,15 @@ class ReplayPlan:
     upper: ForwardBatch
 
 
+def to_device(t: torch.Tensor, device) -> torch.Tensor:
+    """Host tensor -> device without waiting for the GPU: a copy from pageable memory blocks the
+    host until the stream drains (no overlap with the step running), so CUDA copies go through
+    pinned memory."""
+    if torch.device(device).type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def _ring_rows(slot: torch.Tensor, pos: torch.Tensor, size: int) -> torch.Tensor:
     return slot * size + pos % size
 
@@ -199,7 +208,7 @@ def build_forward_batch(chunks: list[SeqChunk], window: int, compress_kinds: set
     plans = {(m, ov): _compress_plan(m, ov, chunks, tok, pos, req, start, end, slot, req_end, block_size, fixed)
              for m, ov in sorted(compress_kinds)}
     ids = torch.tensor([t for c in chunks for t in c.token_ids], dtype=torch.long)
-    to = lambda t: t.to(device, non_blocking=True)  # noqa: E731
+    to = lambda t: to_device(t, device)  # noqa: E731
     for p in plans.values():
         for f in ("src_new", "src_carry", "dst", "rope_pos", "carry_src", "carry_dst", "visible", "addr"):
             setattr(p, f, to(getattr(p, f)))

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from deepinfer.engine.outputs import PLACEHOLDER, ModelOutput, SchedulerOutput
-from deepinfer.layers.forward_batch import SeqChunk, build_forward_batch
+from deepinfer.layers.forward_batch import SeqChunk, build_forward_batch, to_device
 from deepinfer.worker.kv_cache import V4Cache
 from deepinfer.worker.sampler import SamplingBatch, sample, top_logprobs
 
@@ -66,7 +66,7 @@ class ModelRunner:
             return None
         if not self.supports_placeholders:
             raise ValueError("this model hashes input tokens on the host: placeholder inputs are not supported")
-        to = lambda xs: torch.tensor(xs, dtype=torch.long).to(self.device, non_blocking=True)  # noqa: E731
+        to = lambda xs: to_device(torch.tensor(xs, dtype=torch.long), self.device)  # noqa: E731
         return to(dst), prev.tokens[to(src)]
 
     @torch.inference_mode()
@@ -105,10 +105,12 @@ class ModelRunner:
         if not sampled:
             return StepHandle(so, {})
         if len(keep) < len(rows):
-            logits = logits[torch.tensor(keep, device=logits.device)]
+            logits = logits[to_device(torch.tensor(keep), self.device)]
         # a request forking into n siblings draws n tokens from its one last-position distribution
-        repeat = torch.tensor([c.num_samples for c in sampled])
-        logits = logits.repeat_interleave(repeat.to(logits.device), dim=0)
+        # (rows repeated by a host-built index: repeat_interleave with device counts would sync)
+        if any(c.num_samples > 1 for c in sampled):
+            rep = [k for k, c in enumerate(sampled) for _ in range(c.num_samples)]
+            logits = logits[to_device(torch.tensor(rep), self.device)]
         params = [c.params for c in sampled for _ in range(c.num_samples)]
         sb = SamplingBatch.build(params, logits.shape[-1], self.device)
         tokens = sample(logits, sb, self.generator)

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from deepinfer.layers.forward_batch import to_device
 from deepinfer.sampling_params import SamplingParams
 
 
@@ -23,7 +24,7 @@ class SamplingBatch:
 
     @classmethod
     def build(cls, params: list[SamplingParams], vocab: int, device) -> "SamplingBatch":
-        t = lambda xs, dt=torch.float32: torch.tensor(xs, dtype=dt).to(device, non_blocking=True)  # noqa: E731
+        t = lambda xs, dt=torch.float32: to_device(torch.tensor(xs, dtype=dt), device)  # noqa: E731
         return cls(
             t([0.0 if p.greedy else p.temperature for p in params]),
             t([p.top_k if p.top_k > 0 else vocab for p in params], torch.long),

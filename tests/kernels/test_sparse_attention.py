@@ -130,15 +130,11 @@ def test_kernel_tuning_knobs_on_gpu(block_h, block_n, num_warps, num_stages):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["float32", "fp8"])
-@pytest.mark.parametrize("shape", [(13, 8, 64, 16, 10, 9), (37, 64, 512, 64, 128, 512), (1, 64, 512, 64, 128, 77)])
-@pytest.mark.parametrize("num_splits", [1, 4])
-def test_kernel_fp32_queries_on_gpu(fmt, shape, num_splits):
-    """fp32 q: IEEE fp32 dots and fp32 P, so the kernel's indexing / softmax / split merge are checked tightly."""
-    T, H, D, rope, W, K = shape
-    kargs, _ = make_case(T, H, D, rope, W, K, fmt, torch.float32, device="cuda", seed=2, empty_rows=min(2, T - 1),
+def test_fp32_queries_fall_back_to_the_reference_on_gpu(fmt):
+    """Compiled launches are bf16-only (see `supported`): fp32 q gives the reference's exact values."""
+    kargs, _ = make_case(37, 64, 512, 64, 128, 512, fmt, torch.float32, device="cuda", seed=2, empty_rows=2,
                          ring_rows=300, entry_rows=700, visible=600)
-    torch.testing.assert_close(sa.sparse_attention(*kargs, num_splits=num_splits), sa.reference(*kargs),
-                               atol=2e-5, rtol=1e-5)
+    assert torch.equal(sa.sparse_attention(*kargs), sa.reference(*kargs))
 
 
 @pytest.mark.gpu

@@ -1,0 +1,143 @@
+"""Tile-config sweep of the Triton kernels at the Flash slice's shapes (H200), with the torch baseline.
+
+    python benchmarks/kernel_sweep.py [--only moe|attn]
+
+MoE: 256 experts, K=4096 -> N=2048 (w1/w3), tokens x 6 experts routed at random: decode batch 1
+and 64 (bf16 torch._grouped_mm vs the Triton kernel on bf16 / FP8-block / FP4 weights), prefill
+8192 tokens (bf16). Attention: 64 heads x 512, window 128 + 512 selected entries (CSA), bf16 KV,
+prefill 8192 tokens and decode batch 1 / 64. Median of CUDA-event timings; GB/s where weight-bound.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+
+import torch
+
+from deepinfer.kernels import grouped_gemm as gg
+from deepinfer.kernels import sparse_attention as sa
+
+
+def bench(fn, reps: int = 7) -> float:
+    fn()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        ts.append(a.elapsed_time(b))
+    return sorted(ts)[len(ts) // 2]
+
+
+def moe_inputs(tokens: int, E=256, K=4096, N=2048, topk=6):
+    idx = torch.stack([torch.randperm(E, device="cuda")[:topk] for _ in range(tokens)])
+    counts = torch.bincount(idx.flatten(), minlength=E)
+    offs = torch.cumsum(counts, 0).to(torch.int32)
+    M = tokens * topk
+    a = torch.randn(M, K, device="cuda", dtype=torch.bfloat16)
+    w16 = torch.randn(E, N, K, device="cuda", dtype=torch.bfloat16) * 0.02
+    w8 = (torch.randn(E, N, K, device="cuda") * 100).to(torch.float8_e4m3fn)
+    s8 = torch.full((E, N // 128, K // 128), 120, dtype=torch.uint8, device="cuda").view(torch.float8_e8m0fnu)
+    w4 = torch.randint(-128, 127, (E, N, K // 2), dtype=torch.int8, device="cuda")
+    s4 = torch.full((E, N, K // 32), 120, dtype=torch.uint8, device="cuda").view(torch.float8_e8m0fnu)
+    touched = int((counts > 0).sum())
+    return a, offs, {"bf16": (w16, None), "fp8": (w8, s8), "fp4": (w4, s4)}, touched
+
+
+def moe_sweep(rows: list) -> None:
+    K, N = 4096, 2048
+    for tokens in (1, 64, 8192):
+        a, offs, ws, touched = moe_inputs(tokens)
+        per_expert = {"bf16": 2 * N * K, "fp8": N * K * (1 + 1 / 16384), "fp4": N * K * (0.5 + 1 / 32)}
+        w16 = ws["bf16"][0]
+        t = bench(lambda: torch._grouped_mm(a, w16.transpose(1, 2), offs=offs))
+        rows.append({"kernel": "moe", "tokens": tokens, "fmt": "bf16", "impl": "torch._grouped_mm", "ms": t,
+                     "GBps": touched * per_expert["bf16"] / t / 1e6})
+        print(json.dumps(rows[-1]), flush=True)
+        fmts = ("bf16",) if tokens > 64 else ("bf16", "fp8", "fp4")
+        for fmt in fmts:
+            w, s = ws[fmt]
+            if tokens > 64:
+                grid = itertools.product([64, 128], [128, 256], [64], [4, 8], [3, 4])
+            else:
+                grid = itertools.product([16], [32, 64, 128], [128, 256], [4, 8], [3, 4])
+            best = None
+            for bm, bn, bk, nw, ns in grid:
+                cfg = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, num_stages=ns)
+                try:
+                    t = bench(lambda: gg.grouped_gemm(a, w, offs, s, (128, 128), **cfg))
+                except Exception as e:  # out of shared memory / registers for this tile
+                    print(f"skip {fmt} {cfg}: {type(e).__name__}", flush=True)
+                    continue
+                if best is None or t < best[0]:
+                    best = (t, cfg)
+            t, cfg = best
+            dflt = bench(lambda: gg.grouped_gemm(a, w, offs, s, (128, 128)))
+            rows.append({"kernel": "moe", "tokens": tokens, "fmt": fmt, "impl": "triton", "ms": t, "best": cfg,
+                         "default_ms": dflt, "GBps": touched * per_expert[fmt] / t / 1e6})
+            print(json.dumps(rows[-1]), flush=True)
+
+
+def attn_inputs(T: int, prefill: bool, H=64, D=512, W=128, K=512, entries=4096):
+    q = torch.randn(T, H, D, device="cuda", dtype=torch.bfloat16)
+    kv = torch.randn(T, D, device="cuda", dtype=torch.bfloat16)
+    j = torch.arange(W, device="cuda")
+    t = torch.arange(T, device="cuda")[:, None]
+    if prefill:
+        win_new = torch.where(t - (W - 1) + j >= 0, t - (W - 1) + j, -1)
+        win_ring = torch.full_like(win_new, -1)
+    else:  # decode: the token itself is new, the rest come from the ring
+        win_new = torch.where(j == W - 1, t.expand(T, W), -1)
+        win_ring = torch.where(j < W - 1, t * W + j, -1)
+    ring = torch.randn(T * W, D, device="cuda", dtype=torch.bfloat16)
+    ent = torch.randn(entries, D, device="cuda", dtype=torch.bfloat16)
+    addr = torch.randint(0, entries, (T, K), device="cuda")
+    sinks = torch.zeros(H, device="cuda")
+    return (q, kv, win_new, win_ring, (ring,), "bfloat16", addr, (ent,), "bfloat16", sinks, D ** -0.5)
+
+
+def attn_sweep(rows: list) -> None:
+    for T, prefill in ((8192, True), (1, False), (64, False)):
+        args = attn_inputs(T, prefill)
+        ref_ms = bench(lambda: sa.reference(*args), 3) if T <= 64 else None
+        splits = [None] if prefill else [None, 1, 4, 8, 16]
+        best = None
+        for bh, bn, nw, ns, sp in itertools.product([16, 32], [32, 64], [4, 8], [1, 2], splits):
+            cfg = dict(block_h=bh, block_n=bn, num_warps=nw, num_stages=ns, num_splits=sp)
+            try:
+                t = bench(lambda: sa.sparse_attention(*args, **cfg))
+            except Exception as e:
+                print(f"skip attn {cfg}: {type(e).__name__}", flush=True)
+                continue
+            if best is None or t < best[0]:
+                best = (t, cfg)
+        dflt = bench(lambda: sa.sparse_attention(*args))
+        flops = 4 * T * 64 * 512 * (128 + 512)
+        rows.append({"kernel": "sparse_attention", "tokens": T, "phase": "prefill" if prefill else "decode",
+                     "ms": best[0], "best": best[1], "default_ms": dflt, "torch_reference_ms": ref_ms,
+                     "TFLOPs": flops / best[0] / 1e9})
+        print(json.dumps(rows[-1]), flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--only", choices=("moe", "attn"))
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    rows: list = []
+    if args.only in (None, "moe"):
+        moe_sweep(rows)
+    if args.only in (None, "attn"):
+        attn_sweep(rows)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
