@@ -320,17 +320,27 @@ def main() -> None:
         DEVICE, BASE_PRESET, PREFILL, DECODE_BATCHES, DECODE_CONTEXTS = "cpu", "tiny", [(1, 64)], [1, 2], [64]
     ceil = ceilings()
     print(json.dumps({"ceilings": ceil}), flush=True)
-    rows = []
+    rows, errors = [], {}
     for eng in args.engines.split(","):
-        if eng in ("deepinfer", "deepinfer-fp8"):
-            rows += deepinfer_rows(eng == "deepinfer-fp8", ceil, args)
-        elif eng == "transformers":
-            rows += transformers_rows(ceil, args)
-        else:
+        if eng not in ("deepinfer", "deepinfer-fp8", "transformers"):
             raise SystemExit(f"unknown engine {eng!r}")
+        try:  # one engine failing must not lose the other engines' rows of this run
+            if eng == "transformers":
+                rows += transformers_rows(ceil, args)
+            else:
+                rows += deepinfer_rows(eng == "deepinfer-fp8", ceil, args)
+        except Exception as e:  # noqa: BLE001 - recorded in the result, then the run goes on
+            import traceback
+
+            traceback.print_exc()
+            errors[eng] = f"{type(e).__name__}: {e}"[:500]
+            gc.collect()
+            torch.cuda.empty_cache() if DEVICE == "cuda" else None
     gpu = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu-smoke"
     result = {"device": gpu, "date": str(date.today()), "commit": args.commit or git_commit(),
               "ceilings": ceil, "rows": rows}
+    if errors:
+        result["errors"] = errors
     out = Path(args.out or Path(__file__).parent / "results" / f"{date.today()}-{gpu.replace(' ', '-')}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
