@@ -7,6 +7,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from deepinfer.kernels.grouped_gemm import FP4_GROUP, grouped_gemm, triton_available
+from deepinfer.kernels.moe_combine import moe_combine
+from deepinfer.kernels.swiglu import swiglu
 from deepinfer.layers.linear import DENSE, Linear, QuantSpec, dequant_expert, expert_tensors, matmul_fp32
 from deepinfer.layers.quant import unpack_fp4
 
@@ -56,6 +58,8 @@ class MLP(nn.Module):
         self.w3 = Linear(dim, inter, dtype, quant)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda and triton_available():  # one fused pass, same math (deepinfer/kernels/swiglu.py)
+            return self.w2(swiglu(self.w1(x), self.w3(x), self.limit, x.dtype))
         return self.w2(clamped_swiglu(self.w1(x), self.w3(x), self.limit).to(x.dtype))
 
 
@@ -125,6 +129,9 @@ class Experts(nn.Module):
         xs = x[tok]
         gate = self._grouped_mm(xs, "w1", offs)
         up = self._grouped_mm(xs, "w3", offs)
+        if x.is_cuda and triton_available():  # fused: one pass each, k slots summed in slot order (batch-invariant)
+            y = self._grouped_mm(swiglu(gate, up, self.limit, x.dtype), "w2", offs)
+            return moe_combine(y, order, weights, idx.shape[1])
         y = self._grouped_mm(clamped_swiglu(gate, up, self.limit).to(x.dtype), "w2", offs)
         out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
         return out.index_add_(0, tok, y.float() * weights.flatten()[order, None])

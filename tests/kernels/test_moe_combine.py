@@ -1,0 +1,96 @@
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from deepinfer.kernels.moe_combine import inverse_permutation, moe_combine, reference
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _inputs(T: int, k: int, D: int, E: int, device: str):
+    """Expert-sorted y [T*k, D] bf16, the sort order and routing weights [T, k] fp32, as Experts.grouped has them."""
+    g = torch.Generator(device="cpu").manual_seed(T * 131 + k * 7 + D)
+    idx = torch.stack([torch.randperm(E, generator=g)[:k] for _ in range(T)])
+    order = torch.argsort(idx.flatten(), stable=True)
+    y = torch.randn(T * k, D, generator=g).to(torch.bfloat16)
+    weights = torch.rand(T, k, generator=g) + 0.01
+    weights = weights / weights.sum(-1, keepdim=True)  # as the router's (up to route_scale)
+    return y.to(device), order.to(device), weights.to(device)
+
+
+def _index_add(y, order, weights, k):
+    """The former Experts.grouped formulation (sums in expert order)."""
+    tok = order // k
+    out = torch.zeros(weights.shape[0], y.shape[1], dtype=torch.float32, device=y.device)
+    return out.index_add_(0, tok, y.float() * weights.flatten()[order, None])
+
+
+def test_inverse_permutation():
+    order = torch.randperm(50)
+    inv = inverse_permutation(order)
+    assert torch.equal(inv[order], torch.arange(50)) and torch.equal(order[inv], torch.arange(50))
+
+
+@pytest.mark.parametrize("T,k,D", [(1, 6, 80), (37, 6, 80), (37, 1, 64), (16, 6, 4096)])
+def test_reference_matches_the_index_add_formulation(T, k, D):
+    y, order, weights = _inputs(T, k, D, 16, "cpu")
+    torch.testing.assert_close(reference(y, order, weights, k), _index_add(y, order, weights, k),
+                               atol=1e-6, rtol=1e-6)
+    assert torch.equal(moe_combine(y, order, weights, k), reference(y, order, weights, k))  # cpu: reference
+
+
+def test_reference_is_independent_of_the_other_tokens_routing():
+    """Token 0's row depends only on its own k outputs and weights, not on the batch's sort order."""
+    y, order, weights = _inputs(37, 6, 80, 16, "cpu")
+    inv = inverse_permutation(order)  # token 0's rows in slot order: pair j sits at sorted row inv[j]
+    alone = reference(y[inv[:6]], torch.arange(6), weights[:1], 6)
+    assert torch.equal(reference(y, order, weights, 6)[:1], alone)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("T,k,D", [(1, 6, 4096), (37, 6, 4096), (37, 6, 80), (1, 1, 80), (37, 1, 4096),
+                                   (300, 6, 1000), (8192, 6, 4096)])
+def test_kernel_matches_reference_exactly_on_gpu(T, k, D):
+    y, order, weights = _inputs(T, k, D, 64, "cuda")
+    got, want = moe_combine(y, order, weights, k), reference(y, order, weights, k)
+    assert got.shape == (T, D) and got.dtype == torch.float32
+    assert torch.equal(got, want)
+    torch.testing.assert_close(got, _index_add(y, order, weights, k), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.gpu
+def test_kernel_under_cuda_graph_capture():
+    y, order, weights = _inputs(64, 6, 4096, 64, "cuda")
+    moe_combine(y, order, weights, 6)  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = moe_combine(y, order, weights, 6)
+    y2, order2, weights2 = _inputs(64, 6, 4096, 32, "cuda")
+    y.copy_(y2), order.copy_(order2), weights.copy_(weights2)
+    graph.replay()
+    assert torch.equal(out, reference(y, order, weights, 6))
+
+
+def test_kernel_matches_reference_in_the_triton_interpreter():
+    pytest.importorskip("triton")
+    code = (
+        "import torch, triton\n"
+        "from deepinfer.kernels.moe_combine import _combine_kernel, inverse_permutation, reference\n"
+        "g = torch.Generator().manual_seed(0)\n"
+        "for T, k, D in ((5, 3, 40), (4, 1, 16)):\n"
+        "    idx = torch.stack([torch.randperm(8, generator=g)[:k] for _ in range(T)])\n"
+        "    order = torch.argsort(idx.flatten(), stable=True)\n"
+        "    y = (torch.randn(T * k, D, generator=g) * 3).to(torch.bfloat16)\n"
+        "    w = torch.rand(T, k, generator=g)\n"
+        "    out = torch.empty(T, D)\n"
+        "    _combine_kernel[(T, triton.cdiv(D, 16))](y, inverse_permutation(order), w, out, D, D, K=k,\n"
+        "                                             BLOCK_D=16, enable_fp_fusion=False)\n"
+        "    assert torch.equal(out, reference(y, order, w, k)), (T, k, D)\n"
+        "print('ok')\n")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
+    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0 and "ok" in res.stdout, res.stderr[-2000:]
