@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from deepinfer.kernels import rope as _kernel
+from deepinfer.layers.norm import rms_norm
 from deepinfer.models.config import YarnScaling
 
 
@@ -47,6 +49,8 @@ class RopeCache:
 
 def apply_rope(x: torch.Tensor, rope: RopeCache, inverse: bool = False) -> torch.Tensor:
     """Rotate the trailing rope slice of x [N, ..., D]; cos/sin broadcast over middle dims."""
+    if x.is_cuda:  # one fused Triton launch (torch fallback inside when Triton is absent)
+        return _kernel.rope(x, rope.cos, rope.sin, inverse)
     half = rope.cos.shape[-1]
     shape = (rope.cos.shape[0],) + (1,) * (x.dim() - 2) + (half,)
     cos, sin = rope.cos.view(shape), rope.sin.view(shape)
@@ -56,3 +60,11 @@ def apply_rope(x: torch.Tensor, rope: RopeCache, inverse: bool = False) -> torch
     even, odd = r[..., 0::2], r[..., 1::2]
     rot = torch.stack((even * cos - odd * sin, even * sin + odd * cos), dim=-1).flatten(-2)
     return torch.cat((nope, rot.to(x.dtype)), dim=-1)
+
+
+def norm_rope(x: torch.Tensor, eps: float, rope: RopeCache) -> torch.Tensor:
+    """apply_rope(rms_norm(x, eps).to(x.dtype), rope): weightless per-vector RMSNorm over the last dim,
+    cast back to x.dtype, then RoPE. One fused Triton launch on CUDA."""
+    if x.is_cuda:
+        return _kernel.rope(x, rope.cos, rope.sin, norm_eps=eps)
+    return apply_rope(rms_norm(x, eps).to(x.dtype), rope)

@@ -1,0 +1,113 @@
+"""Interleaved RoPE on the trailing R channels, optionally preceded by a weightless RMSNorm.
+
+x [N, ..., D] (middle dims = heads, flattened; may be absent), cos/sin [N, R/2] fp32 shared by
+all heads of a token. Per (token n, head h) row, channels c = D - R + 2j, D - R + 2j + 1 form
+pair j:
+  (optional) x = (x * rsqrt(sum(x^2) / D + eps)).to(x.dtype)      fp32 math, cast back first
+  s = -sin[n, j] if inverse else sin[n, j]
+  out[c]     = x[c] * cos[n, j] - x[c + 1] * s                    fp32, cast to x.dtype
+  out[c + 1] = x[c] * s         + x[c + 1] * cos[n, j]
+The leading D - R ("nope") channels are copied (normalised first when asked). The torch form
+is a slice/float/stack/cat chain of ~10 launches (plus ~6 for the norm); this is one, reading
+and writing each row once. Grid: one program per (token, head) row.
+"""
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU-only installs: the torch reference is used
+    triton = None
+
+
+def reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False,
+              norm_eps: float | None = None) -> torch.Tensor:
+    """Plain torch: same contract as `rope`."""
+    if norm_eps is not None:
+        xf = x.float()
+        x = (xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + norm_eps)).to(x.dtype)
+    half = cos.shape[-1]
+    shape = (cos.shape[0],) + (1,) * (x.dim() - 2) + (half,)
+    c, s = cos.float().view(shape), sin.float().view(shape)
+    if inverse:
+        s = -s
+    nope, r = x[..., : x.shape[-1] - 2 * half], x[..., x.shape[-1] - 2 * half:].float()
+    even, odd = r[..., 0::2], r[..., 1::2]
+    rot = torch.stack((even * c - odd * s, even * s + odd * c), dim=-1).flatten(-2)
+    return torch.cat((nope, rot.to(x.dtype)), dim=-1)
+
+
+if triton is not None:
+    @triton.jit
+    def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, H, stride_xn, stride_xh, stride_cn, stride_sn, eps,
+                     D: tl.constexpr, HALF: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_HALF: tl.constexpr,
+                     INVERSE: tl.constexpr, NORM: tl.constexpr):
+        row = tl.program_id(0)
+        n = row // H
+        h = row - n * H
+        x_row = x_ptr + n.to(tl.int64) * stride_xn + h.to(tl.int64) * stride_xh
+        o_row = out_ptr + row.to(tl.int64) * D
+        NOPE: tl.constexpr = D - 2 * HALF
+        dt = out_ptr.dtype.element_ty
+
+        j = tl.arange(0, BLOCK_HALF)
+        jm = j < HALF
+        ev = tl.load(x_row + NOPE + 2 * j, mask=jm, other=0.0)
+        od = tl.load(x_row + NOPE + 2 * j + 1, mask=jm, other=0.0)
+        if NORM:
+            cols = tl.arange(0, BLOCK_D)
+            cm = cols < D
+            xf = tl.load(x_row + cols, mask=cm, other=0.0).to(tl.float32)
+            r = tl.rsqrt(tl.sum(xf * xf, axis=0) / D + eps)
+            tl.store(o_row + cols, (xf * r).to(dt), mask=cols < NOPE)
+            ev = (ev.to(tl.float32) * r).to(dt)
+            od = (od.to(tl.float32) * r).to(dt)
+        else:
+            if NOPE > 0:
+                cols = tl.arange(0, BLOCK_D)
+                cm = cols < NOPE
+                tl.store(o_row + cols, tl.load(x_row + cols, mask=cm, other=0.0), mask=cm)
+        e = ev.to(tl.float32)
+        o = od.to(tl.float32)
+        c = tl.load(cos_ptr + n.to(tl.int64) * stride_cn + j, mask=jm, other=0.0).to(tl.float32)
+        s = tl.load(sin_ptr + n.to(tl.int64) * stride_sn + j, mask=jm, other=0.0).to(tl.float32)
+        if INVERSE:
+            s = -s
+        tl.store(o_row + NOPE + 2 * j, (e * c - o * s).to(dt), mask=jm)
+        tl.store(o_row + NOPE + 2 * j + 1, (e * s + o * c).to(dt), mask=jm)
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False,
+         norm_eps: float | None = None) -> torch.Tensor:
+    """Fused on CUDA (Triton), the torch reference elsewhere; same contract as `reference`."""
+    if triton is None or not x.is_cuda or x.numel() == 0 or x.dim() < 2:
+        return reference(x, cos, sin, inverse, norm_eps)
+    return _launch(x, cos, sin, inverse, norm_eps)
+
+
+def _launch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool,
+            norm_eps: float | None) -> torch.Tensor:
+    """The Triton launch itself (any device the active Triton backend takes, e.g. the interpreter)."""
+    N, D = x.shape[0], x.shape[-1]
+    half = cos.shape[-1]
+    x3 = x.reshape(N, -1, D)
+    if x3.stride(-1) != 1:
+        x3 = x3.contiguous()
+    H = x3.shape[1]
+    cos2 = cos.float().expand(N, half)          # a single position row broadcasts (stride 0)
+    sin2 = sin.float().expand(N, half)
+    if cos2.stride(-1) != 1:
+        cos2 = cos2.contiguous()
+    if sin2.stride(-1) != 1:
+        sin2 = sin2.contiguous()
+    out = torch.empty(N, H, D, dtype=x.dtype, device=x.device)
+    norm = norm_eps is not None
+    block_d = triton.next_power_of_2(D)
+    warps = 4 if block_d >= 2048 else 2 if block_d >= 512 else 1
+    _rope_kernel[(N * H,)](x3, cos2, sin2, out, H, x3.stride(0), x3.stride(1), cos2.stride(0), sin2.stride(0),
+                           norm_eps if norm else 0.0, D=D, HALF=half, BLOCK_D=block_d,
+                           BLOCK_HALF=triton.next_power_of_2(half), INVERSE=bool(inverse), NORM=norm,
+                           num_warps=warps)
+    return out.view(x.shape)
