@@ -84,6 +84,15 @@ def matmul_fp32(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return F.linear(x.float(), w.float())
 
 
+def grouped_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [T, G, I] @ w [G, O, I]^T per group -> [T, G*O]. Many tokens: one GEMM per group on the
+    strided views (the batched einsum picks slower batched kernels at prefill sizes); few tokens: one
+    batched launch."""
+    if x.shape[0] >= 512:
+        return torch.cat([F.linear(x[:, g], w[g]) for g in range(w.shape[0])], dim=1)
+    return torch.einsum("tgi,goi->tgo", x, w).flatten(1)
+
+
 def expert_tensors(num_experts: int, out_features: int, in_features: int, dtype: torch.dtype,
                    quant: QuantSpec, device=None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Storage for E stacked expert matrices: dense [E, out, in], FP4 packed [E, out, in/2]

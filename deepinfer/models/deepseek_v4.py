@@ -14,11 +14,11 @@ from torch import nn
 from deepinfer.layers.attention import Compressor, Indexer, sparse_attention
 from deepinfer.layers.forward_batch import ForwardBatch
 from deepinfer.layers.kv_state import LayerCache
-from deepinfer.layers.linear import DENSE, Linear, QuantSpec
+from deepinfer.layers.linear import DENSE, Linear, QuantSpec, grouped_linear
 from deepinfer.layers.mhc import HyperConnection, collapse, expand, register_hc_params, head_collapse
 from deepinfer.layers.moe import MoE
-from deepinfer.layers.norm import RMSNorm, rms_norm
-from deepinfer.layers.rotary import RopeCache, apply_rope, rope_inv_freq
+from deepinfer.layers.norm import RMSNorm
+from deepinfer.layers.rotary import RopeCache, apply_rope, norm_rope, rope_inv_freq
 from deepinfer.models.config import CSA, HCA, SLIDING, DeepseekV4Config
 
 
@@ -67,8 +67,7 @@ class Attention(nn.Module):
         T, batch = x.shape[0], ctx.batch
         rope = ctx.rope_main if self.kind == SLIDING else ctx.rope_compress
         qr = self.q_norm(self.wq_a(x))
-        q = rms_norm(self.wq_b(qr).view(T, self.n_heads, self.head_dim), self.eps).to(x.dtype)
-        q = apply_rope(q, rope)
+        q = norm_rope(self.wq_b(qr).view(T, self.n_heads, self.head_dim), self.eps, rope)  # per-head norm + rope
         kv = cache.ring.roundtrip(apply_rope(self.kv_norm(self.wkv(x)), rope))
         entry_ids = plan = None
         if self.kind != SLIDING:
@@ -86,7 +85,7 @@ class Attention(nn.Module):
         cache.ring.write(batch.ring_dst, kv[batch.ring_src])
         o = apply_rope(o, rope, inverse=True).view(T, self.o_groups, -1)
         wo_a = self.wo_a.dense_weight(x.dtype).view(self.o_groups, self.o_rank, -1)
-        return self.wo_b(torch.einsum("tgi,goi->tgo", o, wo_a).flatten(1))
+        return self.wo_b(grouped_linear(o, wo_a))
 
 
 class Block(nn.Module):
