@@ -321,6 +321,11 @@ def main() -> None:
     ceil = ceilings()
     print(json.dumps({"ceilings": ceil}), flush=True)
     rows, errors = [], {}
+    gpu = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu-smoke"
+    out = Path(args.out or Path(__file__).parent / "results" / f"{date.today()}-{gpu.replace(' ', '-')}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    result = {"device": gpu, "date": str(date.today()), "commit": args.commit or git_commit(), "ceilings": ceil,
+              "rows": rows}
     for eng in args.engines.split(","):
         if eng not in ("deepinfer", "deepinfer-fp8", "transformers"):
             raise SystemExit(f"unknown engine {eng!r}")
@@ -336,14 +341,9 @@ def main() -> None:
             errors[eng] = f"{type(e).__name__}: {e}"[:500]
             gc.collect()
             torch.cuda.empty_cache() if DEVICE == "cuda" else None
-    gpu = torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu-smoke"
-    result = {"device": gpu, "date": str(date.today()), "commit": args.commit or git_commit(),
-              "ceilings": ceil, "rows": rows}
-    if errors:
-        result["errors"] = errors
-    out = Path(args.out or Path(__file__).parent / "results" / f"{date.today()}-{gpu.replace(' ', '-')}.json")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
+        if errors:
+            result["errors"] = errors
+        out.write_text(json.dumps(result, indent=2) + "\n")  # after every engine: a cut-off run keeps its rows
     try:
         plot(result, out.with_suffix(".png"))
     except ImportError:
