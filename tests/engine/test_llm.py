@@ -169,21 +169,28 @@ def test_cuda_engine_matches_cpu_greedy(ckpt, llm):
 
 @pytest.mark.gpu
 def test_cuda_graph_decode_in_the_engine(ckpt):
+    """Graph-replayed decode vs eager decode in bf16: padded batches and bucketed entry widths round
+    differently, so a near-tie may flip a token (then the sequences part). Up to the first
+    difference the tokens are equal; at it, the graph's token is a near-tie of the eager one."""
     prompts = _prompts(5, seed=17)
+    params = SamplingParams(temperature=0, max_tokens=12, logprobs=5)
     outs = {}
     for eager in (True, False):
         llm = LLM(str(ckpt), device="cuda", dtype="bfloat16", kv_cache_dtype="bfloat16", kv_cache_memory=64 << 20,
                   enforce_eager=eager)
         assert (llm.engine.runner.graphs is None) == eager
-        outs[eager] = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+        outs[eager] = [o.outputs[0] for o in llm.generate(prompts, params, use_tqdm=False)]
         assert llm.scheduler.kv.all_free()
         if not eager:
             assert llm.engine.runner.graphs.graphs  # decode steps were captured and replayed
-    # padded-batch GEMMs round differently in bf16: a near-tie may flip a token, after which the
-    # sequences part; the first decode steps agree, and most tokens overall
-    assert all(x[:2] == y[:2] for x, y in zip(outs[True], outs[False]))
-    same = sum(a == b for x, y in zip(outs[True], outs[False]) for a, b in zip(x, y))
-    assert same >= 0.6 * sum(map(len, outs[True]))
+    same = 0
+    for e, g in zip(outs[True], outs[False]):
+        for i, (a, b) in enumerate(zip(e.token_ids, g.token_ids)):
+            if a != b:
+                assert b in e.logprobs[i] and e.logprobs[i][a] - e.logprobs[i][b] < 0.1, (i, e.logprobs[i], b)
+                break
+            same += 1
+    assert same >= 0.5 * sum(len(e.token_ids) for e in outs[True])
 
 
 def test_async_scheduling_matches_synchronous_steps(ckpt, llm):
