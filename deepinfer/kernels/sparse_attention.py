@@ -61,6 +61,16 @@ def _decode(store: tuple[torch.Tensor, ...], fmt: str, rows: torch.Tensor) -> to
     return store[0][rows].float()
 
 
+def attend(q: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, sinks: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [T, H, D] against each token's gathered keys [T, K, D] (fp32; K == V), masked by valid
+    [T, K]; the sink logit joins the softmax denominator only. fp32 math, q's dtype out."""
+    logits = torch.einsum("thd,tkd->thk", q.float(), keys) * scale
+    logits = logits.masked_fill(~valid[:, None, :], float("-inf"))
+    sink = sinks.float().view(1, -1, 1).expand(logits.shape[0], -1, 1)
+    probs = torch.softmax(torch.cat((logits, sink), dim=-1), dim=-1)[..., :-1]
+    return torch.einsum("thk,tkd->thd", probs, keys).to(q.dtype)
+
+
 def reference(q: torch.Tensor, kv_new: torch.Tensor, win_new: torch.Tensor, win_ring: torch.Tensor,
               ring: tuple[torch.Tensor, ...], ring_fmt: str, entry_addr: torch.Tensor | None,
               entries: tuple[torch.Tensor, ...] | None, entries_fmt: str | None, sinks: torch.Tensor,
@@ -82,11 +92,7 @@ def reference(q: torch.Tensor, kv_new: torch.Tensor, win_new: torch.Tensor, win_
             addr = entry_addr[sl]
             keys = torch.cat((keys, _decode(entries, entries_fmt, addr.clamp(min=0))), dim=1)
             valid = torch.cat((valid, addr >= 0), dim=1)
-        logits = torch.einsum("thd,tkd->thk", q[sl].float(), keys) * scale
-        logits = logits.masked_fill(~valid[:, None, :], float("-inf"))
-        sink = sinks.float().view(1, H, 1).expand(logits.shape[0], H, 1)
-        probs = torch.softmax(torch.cat((logits, sink), dim=-1), dim=-1)[..., :-1]
-        out[sl] = torch.einsum("thk,tkd->thd", probs, keys).to(q.dtype)
+        out[sl] = attend(q[sl], keys, valid, sinks, scale)
     return out
 
 

@@ -136,9 +136,5 @@ def sparse_attention(q: torch.Tensor, kv_new: torch.Tensor, batch: ForwardBatch,
             addr = plan.addr[batch.token_req[sl, None], ids.clamp(min=0)]
             keys = torch.cat((keys, entries.read(addr, torch.float32)), dim=1)
             valid = torch.cat((valid, ids >= 0), dim=1)
-        logits = torch.einsum("thd,tkd->thk", q[sl].float(), keys) * scale
-        logits = logits.masked_fill(~valid[:, None, :], float("-inf"))
-        sink = sinks.float().view(1, H, 1).expand(logits.shape[0], H, 1)
-        probs = torch.softmax(torch.cat((logits, sink), dim=-1), dim=-1)[..., :-1]
-        out[sl] = torch.einsum("thk,tkd->thd", probs, keys).to(q.dtype)
+        out[sl] = _sa_kernel.attend(q[sl], keys, valid, sinks, scale)
     return out

@@ -1,8 +1,3 @@
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -10,8 +5,8 @@ import torch.nn.functional as F
 from deepinfer.kernels.grouped_gemm import grouped_gemm, max_m_tiles, reference
 from deepinfer.layers.linear import DENSE, Linear, QuantSpec, dequant_expert
 from deepinfer.layers.moe import Experts
+from interpreter import run_interpreted
 
-ROOT = Path(__file__).resolve().parents[2]
 QUANT = {"bf16": DENSE, "fp8": QuantSpec(block_size=(128, 128)),
          "fp4": QuantSpec(block_size=(128, 128), fp4_experts=True)}
 
@@ -215,7 +210,4 @@ def test_kernel_matches_reference_in_the_triton_interpreter():
         "    for g in got:\n"
         "        torch.testing.assert_close(g.float(), want.float(), atol=2e-2, rtol=1.6e-2)\n"
         "print('ok')\n")
-    env = {**os.environ, "TRITON_INTERPRET": "1",
-           "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests" / "kernels")])}
-    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0 and "ok" in res.stdout, res.stderr[-3000:]
+    run_interpreted(code)

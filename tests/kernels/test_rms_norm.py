@@ -1,15 +1,10 @@
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 from deepinfer.kernels.rms_norm import reference, rms_norm
 from deepinfer.layers.norm import RMSNorm
+from interpreter import run_interpreted
 
-ROOT = Path(__file__).resolve().parents[2]
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=1e-2, rtol=1e-2)}
 
 
@@ -68,6 +63,4 @@ def test_kernel_matches_reference_in_the_triton_interpreter():
         "xb = x.to(torch.bfloat16)\n"  # the interpreter truncates fp32 -> bf16 (GPU rounds to nearest): 1 ulp
         "torch.testing.assert_close(_launch(xb, 1e-6, w, None), reference(xb, 1e-6, w), atol=1e-2, rtol=1e-2)\n"
         "print('ok')\n")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
-    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0 and "ok" in res.stdout, res.stderr[-2000:]
+    run_interpreted(code)

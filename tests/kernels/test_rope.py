@@ -1,16 +1,11 @@
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 from deepinfer.kernels.rope import reference, rope
 from deepinfer.layers.norm import rms_norm
 from deepinfer.layers.rotary import RopeCache, apply_rope, norm_rope, rope_inv_freq
+from interpreter import run_interpreted
 
-ROOT = Path(__file__).resolve().parents[2]
 TOL = {torch.float32: dict(atol=1e-5, rtol=1e-5), torch.bfloat16: dict(atol=1e-2, rtol=1e-2)}
 
 
@@ -86,6 +81,4 @@ def test_kernel_matches_reference_in_the_triton_interpreter():
         "torch.testing.assert_close(_launch(xb, ang.cos(), ang.sin(), False, None),\n"
         "                           reference(xb, ang.cos(), ang.sin()), atol=1e-2, rtol=1e-2)\n"
         "print('ok')\n")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
-    res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-    assert res.returncode == 0 and "ok" in res.stdout, res.stderr[-2000:]
+    run_interpreted(code)
