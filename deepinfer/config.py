@@ -16,6 +16,7 @@ ENV_FIELDS = {
     "DEEPINFER_HF_MODEL_DIR": "hf_model_dir",
     "DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE": "yoco_prefill_truncation_mode",
     "DEEPINFER_YOCO_PREFILL_KEEP_TOKENS": "yoco_prefill_keep_tokens",
+    "DEEPINFER_BATCH_INVARIANT": "batch_invariant",
 }
 REPLAY_MODES = ("compact", "none")
 
@@ -45,6 +46,9 @@ class EngineConfig:
     # plan and launch step N+1 while step N runs (DeepInfer's zero-overhead scheduler; vLLM's
     # --async-scheduling). Models that hash tokens on the host (V4.1 Engram) run synchronously.
     async_scheduling: bool = True
+    # a request's logits do not depend on the rest of the batch, its size or its prompt's chunking
+    # (fixed-tile GEMMs, fixed-block attention reductions); costs speed, so off by default
+    batch_invariant: bool = False
 
     def __post_init__(self):
         _check_choice("accelerator", self.accelerator, ACCELERATORS)
@@ -55,10 +59,15 @@ class EngineConfig:
             object.__setattr__(self, "yoco_prefill_keep_tokens", _parse_int("yoco_prefill_keep_tokens",
                                                                              self.yoco_prefill_keep_tokens))
         _check_positive("yoco_prefill_keep_tokens", self.yoco_prefill_keep_tokens)
+        if isinstance(self.batch_invariant, str):  # from the environment
+            object.__setattr__(self, "batch_invariant", _parse_bool("batch_invariant", self.batch_invariant))
         if self.engram_device not in (None, "cpu"):
             raise ValueError(f"engram_device: {self.engram_device!r} is not None or 'cpu'")
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"device: {self.device!r} is not 'cpu' or 'cuda[:N]'")
+        if self.batch_invariant and self.device != "cpu":
+            raise ValueError("batch_invariant: implemented on the CPU only so far (the GPU kernels have no "
+                             "invariant variants yet)")
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
             _check_positive(name, getattr(self, name))
         for name in ("max_model_len", "kv_cache_memory"):
@@ -88,6 +97,15 @@ def _parse_int(name: str, value: str) -> int:
         return int(value)
     except ValueError:
         raise ValueError(f"{name}: {value!r} is not an integer") from None
+
+
+def _parse_bool(name: str, value: str) -> bool:
+    v = value.strip().lower()
+    if v in ("1", "true", "yes", "on"):
+        return True
+    if v in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{name}: {value!r} is not a boolean (1/0, true/false)")
 
 
 def _check_positive(name: str, value) -> None:

@@ -33,7 +33,8 @@ class LLM:
                  max_num_batched_tokens: int = 8192, kv_cache_memory: int | None = None,
                  skip_tokenizer_init: bool = False, seed: int | None = None, block_size: int = 64,
                  yoco_prefill_truncation_mode: str | None = None, yoco_prefill_keep_tokens: int | None = None,
-                 engram_device: str | None = None, enforce_eager: bool = False, async_scheduling: bool = True):
+                 engram_device: str | None = None, enforce_eager: bool = False, async_scheduling: bool = True,
+                 batch_invariant: bool | None = None):
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         cfg = EngineConfig.from_env(
             model=model, device=device, dtype=dtype, kv_cache_dtype=kv_cache_dtype, max_model_len=max_model_len,
@@ -41,7 +42,7 @@ class LLM:
             kv_cache_memory=kv_cache_memory, skip_tokenizer_init=skip_tokenizer_init, seed=seed,
             block_size=block_size, yoco_prefill_truncation_mode=yoco_prefill_truncation_mode,
             yoco_prefill_keep_tokens=yoco_prefill_keep_tokens, engram_device=engram_device,
-            enforce_eager=enforce_eager, async_scheduling=async_scheduling)
+            enforce_eager=enforce_eager, async_scheduling=async_scheduling, batch_invariant=batch_invariant)
         self.config = cfg
         ref = cfg.model or cfg.hf_model_dir or DEFAULT_MODEL
         if ref == DEMO_NAME:
@@ -63,7 +64,8 @@ class LLM:
                                   scratch=True)
         self.scheduler = Scheduler(kv, min(cfg.max_num_seqs, num_slots), cfg.max_num_batched_tokens,
                                    self.max_model_len)
-        runner = ModelRunner(self.model, cache, cfg.device, cfg.seed, _replay_keep(cfg, mcfg), not cfg.enforce_eager)
+        runner = ModelRunner(self.model, cache, cfg.device, cfg.seed, _replay_keep(cfg, mcfg), not cfg.enforce_eager,
+                             cfg.batch_invariant)
         self.engine = EngineCore(self.scheduler, runner, self.detokenizer, cfg.async_scheduling)
         self._ids = itertools.count()
 
@@ -145,7 +147,7 @@ class LLM:
 
     def _submit(self, ids: list[int], sp: SamplingParams, images: list) -> list[Request]:
         eos = self.model.config.eos_token_id
-        reqs = [Request(f"{next(self._ids)}", ids, sp, eos, images=images) for _ in range(sp.n)]
+        reqs = [Request(f"{next(self._ids)}", ids, sp, eos, images=images, sample_index=j) for j in range(sp.n)]
         leader = reqs[0]
         leader.siblings = reqs[1:]  # n > 1: siblings reuse the leader's prompt prefill
         for sib in leader.siblings:

@@ -22,6 +22,7 @@ class ScheduledChunk:
     prev_tokens: list[int] = field(default_factory=list)  # up to CONTEXT_TOKENS tokens before `start`
     num_tokens: int = 0  # the request's length when scheduled (prompt + outputs so far)
     images: list[tuple[int, Any]] = field(default_factory=list)  # image spans near this chunk
+    sample_index: int = 0  # which of the prompt's n samples the request is (keys seeded sampling)
 
 
 # input token of a chunk scheduled ahead (async scheduling): the token its request samples in the step

@@ -32,6 +32,7 @@ class Request:
     block_tables: dict[int, list[int]] = field(default_factory=dict)
     siblings: list["Request"] = field(default_factory=list)  # n > 1: forks waiting on this leader
     images: list[tuple[int, Any]] = field(default_factory=list)  # (span start, preprocessed image)
+    sample_index: int = 0  # j of the prompt's n samples (0 = the leader)
 
     @property
     def all_token_ids(self) -> list[int]:

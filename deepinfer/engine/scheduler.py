@@ -48,7 +48,7 @@ class Scheduler:
         images = [(s0, img) for s0, img in req.images if s0 < start + n and s0 + img.num_tokens > lo]
         return ScheduledChunk(req.request_id, req.slot, start, ids[start:start + n],
                               {m: list(t) for m, t in req.block_tables.items()}, samples, req.params,
-                              ids[max(0, lo):start], req.num_tokens, images)
+                              ids[max(0, lo):start], req.num_tokens, images, req.sample_index)
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput(forks=self.pending_forks)
@@ -103,7 +103,7 @@ class Scheduler:
                 return None
             out.chunks.append(ScheduledChunk(req.request_id, req.slot, start, [PLACEHOLDER],
                                              {m: list(t) for m, t in req.block_tables.items()}, 1, req.params,
-                                             [], start + 1))
+                                             [], start + 1, sample_index=req.sample_index))
         return out if out.chunks else None
 
     def update(self, so: SchedulerOutput, mo: ModelOutput) -> list[Request]:

@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from deepinfer.layers import invariant  # batch-invariant mode: elementwise ops padded (CPU reference)
+
 try:
     import triton
     import triton.language as tl
@@ -21,8 +23,8 @@ except ImportError:  # CPU-only installs: the torch reference is used
 
 def reference(mix: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, n: int, iters: int, eps: float):
     """mix [T, (2+n)*n] fp32 -> pre [T, n], post [T, n], comb [T, n, n] (fp32)."""
-    pre = torch.sigmoid(mix[:, :n] * scale[0] + base[:n]) + eps
-    post = 2 * torch.sigmoid(mix[:, n:2 * n] * scale[1] + base[n:2 * n])
+    pre = invariant.pointwise(torch.sigmoid, mix[:, :n] * scale[0] + base[:n]) + eps
+    post = 2 * invariant.pointwise(torch.sigmoid, mix[:, n:2 * n] * scale[1] + base[n:2 * n])
     comb = mix[:, 2 * n:].view(-1, n, n) * scale[2] + base[2 * n:].view(n, n)
     comb = torch.softmax(comb, dim=-1) + eps
     comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)

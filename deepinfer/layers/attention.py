@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from deepinfer.kernels import sparse_attention as _sa_kernel
+from deepinfer.layers import invariant
 from deepinfer.layers.forward_batch import CompressPlan, ForwardBatch
 from deepinfer.layers.kv_state import CarryState, EntryStore, IndexKeyStore
 from deepinfer.layers.linear import DENSE, Linear, QuantSpec
@@ -56,7 +57,8 @@ class Compressor(nn.Module):
             m, d = self.ratio, self.dim
             src_kv = torch.cat((src_kv[:, :m, :d], src_kv[:, m:, d:]), dim=1)
             src_score = torch.cat((src_score[:, :m, :d], src_score[:, m:, d:]), dim=1)
-        pooled = (torch.softmax(src_score, dim=1) * src_kv).sum(dim=1).to(x.dtype)
+        weights = torch.softmax(src_score.transpose(1, 2), dim=-1).transpose(1, 2)  # row-local over the S slots
+        pooled = (weights * src_kv).sum(dim=1).to(x.dtype)
         entries = apply_rope(self.norm(pooled), RopeCache.at(plan.rope_pos, inv_freq))
         carry.kv[plan.carry_dst] = kv[plan.carry_src]
         carry.score[plan.carry_dst] = score[plan.carry_src]
@@ -89,8 +91,10 @@ class Indexer(nn.Module):
             return out
         for sl in _chunks(x.shape[0], nv * self.head_dim):
             kk = keys.read(plan.addr[batch.token_req[sl]], torch.float32)        # [Tc, nv, Di]
-            s = torch.einsum("thd,tcd->thc", q[sl], kk).relu()
-            s = torch.einsum("thc,th->tc", s, w[sl])
+            if invariant.enabled():
+                s = invariant.index_scores(q[sl], kk, w[sl])
+            else:
+                s = torch.einsum("thc,th->tc", torch.einsum("thd,tcd->thc", q[sl], kk).relu(), w[sl])
             s = s.masked_fill(torch.arange(nv, device=x.device) >= plan.visible[sl, None], float("-inf"))
             # stable descending sort: equal scores keep ascending entry order (lowest index first)
             val, idx = torch.sort(s, dim=-1, descending=True, stable=True)
@@ -136,5 +140,5 @@ def sparse_attention(q: torch.Tensor, kv_new: torch.Tensor, batch: ForwardBatch,
             addr = plan.addr[batch.token_req[sl, None], ids.clamp(min=0)]
             keys = torch.cat((keys, entries.read(addr, torch.float32)), dim=1)
             valid = torch.cat((valid, ids >= 0), dim=1)
-        out[sl] = _sa_kernel.attend(q[sl], keys, valid, sinks, scale)
+        out[sl] = (invariant.attend if invariant.enabled() else _sa_kernel.attend)(q[sl], keys, valid, sinks, scale)
     return out

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from deepinfer.kernels.grouped_gemm import grouped_gemm, triton_available
+from deepinfer.layers import invariant
 from deepinfer.layers.quant import dequant_fp4, dequant_fp8_blocks
 
 
@@ -65,31 +66,36 @@ class Linear(nn.Module):
         """x W^T computed and returned in fp32 (see matmul_fp32)."""
         if self.block_size is None:
             return matmul_fp32(x, self.weight)
-        return F.linear(x.float(), self.dense_weight(torch.float32))
+        return dense_linear(x.float(), self.dense_weight(torch.float32))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.block_size is not None and x.is_cuda and x.dtype == torch.bfloat16 and triton_available():
             # W8A16 on the GPU: one group, the FP8 tiles dequantised in the GEMM's registers
             y = grouped_gemm(x.reshape(-1, self.in_features), self.weight, None, self.scale, self.block_size)
             return y.view(*x.shape[:-1], self.out_features)
-        return F.linear(x, self.dense_weight(x.dtype))
+        return dense_linear(x, self.dense_weight(x.dtype))
+
+
+def dense_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """F.linear without bias; in batch-invariant mode with fixed row tiles (layers/invariant.py)."""
+    return invariant.linear(x, w) if invariant.enabled() else F.linear(x, w)
 
 
 def matmul_fp32(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x [..., K] @ w [N, K]^T in fp32, as the reference computes routers and compressors (both
     upcast). bf16 x bf16 products are exact in fp32, so on CUDA one GEMM with fp32 accumulation and
     output gives the same values up to summation order, without an fp32 copy of the weight."""
-    if x.is_cuda and x.dtype == torch.bfloat16 and w.dtype == torch.bfloat16:
+    if x.is_cuda and x.dtype == torch.bfloat16 and w.dtype == torch.bfloat16 and not invariant.enabled():
         return torch.mm(x.reshape(-1, x.shape[-1]), w.t(), out_dtype=torch.float32).view(*x.shape[:-1], w.shape[0])
-    return F.linear(x.float(), w.float())
+    return dense_linear(x.float(), w.float())
 
 
 def grouped_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x [T, G, I] @ w [G, O, I]^T per group -> [T, G*O]. Many tokens: one GEMM per group on the
     strided views (the batched einsum picks slower batched kernels at prefill sizes); few tokens: one
     batched launch."""
-    if x.shape[0] >= 512:
-        return torch.cat([F.linear(x[:, g], w[g]) for g in range(w.shape[0])], dim=1)
+    if x.shape[0] >= 512 or invariant.enabled():
+        return torch.cat([dense_linear(x[:, g], w[g]) for g in range(w.shape[0])], dim=1)
     return torch.einsum("tgi,goi->tgo", x, w).flatten(1)
 
 

@@ -8,10 +8,11 @@ index; comb is not symmetric).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from deepinfer.kernels.mhc_coeffs import mhc_coeffs
+from deepinfer.layers import invariant
+from deepinfer.layers.linear import dense_linear
 from deepinfer.layers.norm import rms_norm
 
 
@@ -28,9 +29,9 @@ class HyperConnection(nn.Module):
         n = self.n
         f = x.flatten(1).float()
         if self.project_first:
-            mix = F.linear(f, fn.float()) * torch.rsqrt(f.square().mean(-1, keepdim=True) + self.norm_eps)
+            mix = dense_linear(f, fn.float()) * torch.rsqrt(f.square().mean(-1, keepdim=True) + self.norm_eps)
         else:
-            mix = F.linear(rms_norm(f, self.norm_eps), fn.float())
+            mix = dense_linear(rms_norm(f, self.norm_eps), fn.float())
         return mhc_coeffs(mix, base, scale, n, self.iters, self.hc_eps)
 
 
@@ -56,6 +57,6 @@ def expand(x: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Ten
 def head_collapse(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
                   hc_eps: float, norm_eps: float) -> torch.Tensor:
     """Final hc_head: sigmoid weights, no Sinkhorn, no post/comb."""
-    mix = F.linear(rms_norm(x.flatten(1), norm_eps), fn.float())
-    pre = torch.sigmoid(mix * scale.float() + base.float()) + hc_eps
+    mix = dense_linear(rms_norm(x.flatten(1), norm_eps), fn.float())
+    pre = invariant.pointwise(torch.sigmoid, mix * scale.float() + base.float()) + hc_eps
     return collapse(x, pre)

@@ -9,13 +9,15 @@ from torch import nn
 from deepinfer.kernels.grouped_gemm import FP4_GROUP, grouped_gemm, triton_available
 from deepinfer.kernels.moe_combine import moe_combine
 from deepinfer.kernels.swiglu import swiglu
-from deepinfer.layers.linear import DENSE, Linear, QuantSpec, dequant_expert, expert_tensors, matmul_fp32
+from deepinfer.layers import invariant
+from deepinfer.layers.linear import (DENSE, Linear, QuantSpec, dense_linear, dequant_expert, expert_tensors,
+                                    matmul_fp32)
 from deepinfer.layers.quant import unpack_fp4
 
 
 def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
     """silu(min(gate, limit)) * clamp(up, -limit, limit), in fp32."""
-    return F.silu(gate.float().clamp(max=limit)) * up.float().clamp(-limit, limit)
+    return invariant.pointwise(F.silu, gate.float().clamp(max=limit)) * up.float().clamp(-limit, limit)
 
 
 class Gate(nn.Module):
@@ -37,7 +39,7 @@ class Gate(nn.Module):
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor,
                 image_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, D] -> (weights [T, k] fp32, expert ids [T, k])."""
-        scores = F.softplus(matmul_fp32(x, self.weight)).sqrt()
+        scores = invariant.pointwise(F.softplus, matmul_fp32(x, self.weight)).sqrt()
         if self.hashed:
             idx = self.tid2eid[input_ids].long()
         else:
@@ -156,9 +158,9 @@ class Experts(nn.Module):
                 continue
             t = tok[start:end]
             xe = x[t]
-            h = clamped_swiglu(F.linear(xe, self._w("w1", e, x.dtype)), F.linear(xe, self._w("w3", e, x.dtype)),
+            h = clamped_swiglu(dense_linear(xe, self._w("w1", e, x.dtype)), dense_linear(xe, self._w("w3", e, x.dtype)),
                                self.limit).to(x.dtype)
-            out.index_add_(0, t, F.linear(h, self._w("w2", e, x.dtype)).float() * w[start:end, None])
+            out.index_add_(0, t, dense_linear(h, self._w("w2", e, x.dtype)).float() * w[start:end, None])
         return out
 
 

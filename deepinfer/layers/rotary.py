@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from deepinfer.kernels import rope as _kernel
+from deepinfer.layers import invariant
 from deepinfer.layers.norm import rms_norm
 from deepinfer.models.config import YarnScaling
 
@@ -44,7 +45,7 @@ class RopeCache:
     @classmethod
     def at(cls, positions: torch.Tensor, inv_freq: torch.Tensor) -> "RopeCache":
         freqs = positions.to(torch.float32).unsqueeze(-1) * inv_freq.to(positions.device)
-        return cls(freqs.cos(), freqs.sin())
+        return cls(invariant.pointwise(torch.cos, freqs), invariant.pointwise(torch.sin, freqs))
 
 
 def apply_rope(x: torch.Tensor, rope: RopeCache, inverse: bool = False) -> torch.Tensor:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from deepinfer.engine.outputs import PLACEHOLDER, ModelOutput, SchedulerOutput
+from deepinfer.layers import invariant
 from deepinfer.layers.forward_batch import SeqChunk, build_forward_batch, to_device
 from deepinfer.worker.kv_cache import V4Cache
 from deepinfer.worker.sampler import SamplingBatch, sample, top_logprobs
@@ -33,11 +34,12 @@ class StepHandle:
 
 class ModelRunner:
     def __init__(self, model, cache: V4Cache, device: torch.device | str, seed: int | None = None,
-                 replay_keep: int | None = None, cuda_graphs: bool = True):
+                 replay_keep: int | None = None, cuda_graphs: bool = True, batch_invariant: bool = False):
         """`replay_keep`: SWA bounded replay keeps each request's last `replay_keep` rows above the
         model's replay layer (None = exact prefill, or a model without one). `cuda_graphs`: replay
         pure-decode steps as CUDA graphs where the model allows it (see _graphs_for)."""
         self.model, self.cache, self.device = model, cache, torch.device(device)
+        self.batch_invariant = batch_invariant  # EngineConfig allows it on the CPU only
         self.replay_keep = replay_keep if getattr(model, "replay_layer", -1) >= 0 else None
         self.graphs = _graphs_for(model, cache, self.device) if cuda_graphs else None
         self.generator = torch.Generator(device=self.device)
@@ -69,8 +71,12 @@ class ModelRunner:
         to = lambda xs: to_device(torch.tensor(xs, dtype=torch.long), self.device)  # noqa: E731
         return to(dst), prev.tokens[to(src)]
 
-    @torch.inference_mode()
     def launch(self, so: SchedulerOutput, prev: StepHandle | None = None) -> StepHandle:
+        with invariant.mode(self.batch_invariant):
+            return self._launch(so, prev)
+
+    @torch.inference_mode()
+    def _launch(self, so: SchedulerOutput, prev: StepHandle | None) -> StepHandle:
         for f in so.forks:
             self.cache.copy_state(f.src_slot, f.dst_slot, f.src_blocks, f.dst_blocks)
         fill = self._fill(so, prev)
@@ -112,7 +118,10 @@ class ModelRunner:
             rep = [k for k, c in enumerate(sampled) for _ in range(c.num_samples)]
             logits = logits[to_device(torch.tensor(rep), self.device)]
         params = [c.params for c in sampled for _ in range(c.num_samples)]
-        sb = SamplingBatch.build(params, logits.shape[-1], self.device)
+        # seeded rows draw from a generator keyed by (seq_seed, position sampled, sample index)
+        seeds = [None if c.params.seq_seed is None else (c.params.seq_seed, c.start + len(c.token_ids), c.sample_index + j)
+                 for c in sampled for j in range(c.num_samples)]
+        sb = SamplingBatch.build(params, logits.shape[-1], self.device, seeds)
         tokens = sample(logits, sb, self.generator)
         row_of, i = {}, 0
         for c in sampled:

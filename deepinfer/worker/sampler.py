@@ -5,7 +5,7 @@ host sync; the caller reads the result back once per step.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -21,9 +21,11 @@ class SamplingBatch:
     min_p: torch.Tensor        # [R]
     needs_sort: bool           # any row with top-k or top-p
     max_logprobs: int          # largest logprobs request (-1: none)
+    seed_keys: list[int | None] = field(default_factory=list)  # per row: counter-based RNG key, or None
 
     @classmethod
-    def build(cls, params: list[SamplingParams], vocab: int, device) -> "SamplingBatch":
+    def build(cls, params: list[SamplingParams], vocab: int, device,
+              seeds: list[tuple[int, ...] | None] | None = None) -> "SamplingBatch":
         t = lambda xs, dt=torch.float32: to_device(torch.tensor(xs, dtype=dt), device)  # noqa: E731
         return cls(
             t([0.0 if p.greedy else p.temperature for p in params]),
@@ -32,7 +34,24 @@ class SamplingBatch:
             t([p.min_p for p in params]),
             any(p.top_k > 0 or p.top_p < 1 for p in params if not p.greedy),
             max((p.logprobs for p in params if p.logprobs is not None), default=-1),
+            [None if k is None else seed_key(*k) for k in (seeds or [None] * len(params))],
         )
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def seed_key(*parts: int) -> int:
+    """A 63-bit generator seed from integers (seq_seed, position, sample index): splitmix64 mixing,
+    so nearby seeds / positions give unrelated streams (counter-based: no state between steps)."""
+    x = 0x9E3779B97F4A7C15
+    for p in parts:
+        x = (x ^ (p & _MASK64)) & _MASK64
+        x = (x + 0x9E3779B97F4A7C15) & _MASK64
+        x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+        x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+        x ^= x >> 31
+    return x >> 1
 
 
 def _filter(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
@@ -57,6 +76,9 @@ def sample(logits: torch.Tensor, sb: SamplingBatch, generator: torch.Generator |
     scaled = logits / sb.temperature.clamp(min=1e-5)[:, None]
     probs = _filter(scaled, sb).softmax(-1)
     noise = torch.empty_like(probs).exponential_(generator=generator)
+    for r, key in enumerate(sb.seed_keys):
+        if key is not None:  # this row's own stream: the same numbers alone or in any batch
+            noise[r].exponential_(generator=torch.Generator(device=probs.device).manual_seed(key))
     drawn = (probs / noise).argmax(-1)
     return torch.where(sb.temperature == 0, greedy, drawn)
 
