@@ -33,9 +33,9 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def run_deepinfer(ckpt: Path, prompts, out_len: int, args) -> dict:
+def run_deepinfer(ckpt: Path, prompts, out_len: int, args, batch_invariant: bool = False) -> dict:
     llm = LLM(str(ckpt), device=args.device, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
-              max_num_seqs=max(len(prompts), 1), skip_tokenizer_init=True)
+              max_num_seqs=max(len(prompts), 1), skip_tokenizer_init=True, batch_invariant=batch_invariant)
     params = SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True)
     llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True), use_tqdm=False)
     _sync(args.device)
@@ -43,7 +43,8 @@ def run_deepinfer(ckpt: Path, prompts, out_len: int, args) -> dict:
     outs = llm.generate(prompts, params, use_tqdm=False)
     _sync(args.device)
     elapsed = time.perf_counter() - t0
-    return _row("deepinfer", len(outs), sum(len(o.outputs[0].token_ids) for o in outs), elapsed)
+    return _row("deepinfer (batch_invariant)" if batch_invariant else "deepinfer", len(outs),
+                sum(len(o.outputs[0].token_ids) for o in outs), elapsed)
 
 
 def run_transformers(ckpt: Path, prompts, out_len: int, args) -> dict:
@@ -78,6 +79,8 @@ def main() -> None:
     ap.add_argument("--input-len", type=int, default=64)
     ap.add_argument("--output-len", type=int, default=32)
     ap.add_argument("--skip-transformers", action="store_true")
+    ap.add_argument("--batch-invariant-cost", action="store_true",
+                    help="also run deepinfer with batch_invariant=True and report the throughput it costs")
     ap.add_argument("--commit", default=None, help="recorded commit, for checkouts without .git")
     ap.add_argument("--out", default=None, help="JSON results path (default: benchmarks/results/<date>-<device>-offline.json)")
     args = ap.parse_args()
@@ -87,6 +90,8 @@ def main() -> None:
         ckpt = write_checkpoint(Path(tmp) / "ckpt", PRESETS[args.preset], seed=0, dtype=args.dtype, layout="hf")
         prompts = _prompts(args.num_prompts, args.input_len, PRESETS[args.preset]["vocab_size"], seed=1)
         rows = [run_deepinfer(ckpt, prompts, args.output_len, args)]
+        if args.batch_invariant_cost:
+            rows.append(run_deepinfer(ckpt, prompts, args.output_len, args, batch_invariant=True))
         if not args.skip_transformers:
             rows.append(run_transformers(ckpt, prompts, args.output_len, args))
     device = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
@@ -97,18 +102,23 @@ def main() -> None:
         "command": "python benchmarks/offline_throughput.py " + " ".join(
             f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
             if v not in (None, False) and k not in ("out", "commit") and v is not True)
-                   + (" --skip-transformers" if args.skip_transformers else ""),
+                   + "".join(f" --{k.replace('_', '-')}" for k, v in vars(args).items() if v is True),
     }
-    if len(rows) == 2:
-        result["ratio_output_tokens_per_s"] = round(rows[0]["output_tokens_per_s"] / rows[1]["output_tokens_per_s"], 2)
+    by = {r["engine"]: r["output_tokens_per_s"] for r in rows}
+    if "transformers" in by:
+        result["ratio_output_tokens_per_s"] = round(by["deepinfer"] / by["transformers"], 2)
+    if "deepinfer (batch_invariant)" in by:
+        result["batch_invariant_cost"] = round(1 - by["deepinfer (batch_invariant)"] / by["deepinfer"], 3)
     out = Path(args.out or Path(__file__).parent / "results" / f"{date.today()}-{device.replace(' ', '-')}-offline.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"{'engine':<14}{'req/s':>10}{'out tok/s':>12}{'seconds':>10}")
+    print(f"{'engine':<30}{'req/s':>10}{'out tok/s':>12}{'seconds':>10}")
     for r in rows:
-        print(f"{r['engine']:<14}{r['requests_per_s']:>10}{r['output_tokens_per_s']:>12}{r['seconds']:>10}")
+        print(f"{r['engine']:<30}{r['requests_per_s']:>10}{r['output_tokens_per_s']:>12}{r['seconds']:>10}")
     if "ratio_output_tokens_per_s" in result:
         print(f"deepinfer / transformers output tok/s: {result['ratio_output_tokens_per_s']}x")
+    if "batch_invariant_cost" in result:
+        print(f"batch_invariant costs {100 * result['batch_invariant_cost']:.1f} % of output tok/s")
     print(f"wrote {out}")
 
 
