@@ -91,10 +91,9 @@ class Indexer(nn.Module):
             return out
         for sl in _chunks(x.shape[0], nv * self.head_dim):
             kk = keys.read(plan.addr[batch.token_req[sl]], torch.float32)        # [Tc, nv, Di]
-            if invariant.enabled():
-                s = invariant.index_scores(q[sl], kk, w[sl])
-            else:
-                s = torch.einsum("thc,th->tc", torch.einsum("thd,tcd->thc", q[sl], kk).relu(), w[sl])
+            qs, ws = q[sl], w[sl]
+            s = invariant.by_key_blocks(lambda kb: torch.einsum("thc,th->tc", torch.einsum("thd,tcd->thc", qs, kb).relu(),
+                                                                ws), kk)
             s = s.masked_fill(torch.arange(nv, device=x.device) >= plan.visible[sl, None], float("-inf"))
             # stable descending sort: equal scores keep ascending entry order (lowest index first)
             val, idx = torch.sort(s, dim=-1, descending=True, stable=True)

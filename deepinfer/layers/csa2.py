@@ -10,7 +10,8 @@ from torch import nn
 from deepinfer.layers.attention import _chunks
 from deepinfer.layers.forward_batch import CompressPlan, ForwardBatch
 from deepinfer.layers.kv_state import CarryState, LayerCache
-from deepinfer.layers.linear import DENSE, Linear, QuantSpec
+from deepinfer.layers import invariant
+from deepinfer.layers.linear import DENSE, Linear, QuantSpec, dense_linear
 from deepinfer.layers.norm import RMSNorm
 from deepinfer.layers.quant import dequant_fp8_blocks
 
@@ -40,7 +41,7 @@ class PoolCompressor(nn.Module):
     def forward(self, x: torch.Tensor, plan: CompressPlan, carry: CarryState | None) -> torch.Tensor:
         """-> unrotated normalised latents [N, head_dim] of the entries closing this step (plan order)."""
         if self.ratio == 1:
-            return self.norm(F.linear(x, self.wkv.dense_weight(x.dtype)))
+            return self.norm(dense_linear(x, self.wkv.dense_weight(x.dtype)))
         kv = self.wkv.forward_fp32(x)
         score = self.wgate.forward_fp32(x)
         new, old = plan.src_new, plan.src_carry
@@ -48,7 +49,8 @@ class PoolCompressor(nn.Module):
         src_score = torch.where((new >= 0)[..., None], score[new.clamp(min=0)], carry.score[old.clamp(min=0)])
         carry.kv[plan.carry_dst] = kv[plan.carry_src]
         carry.score[plan.carry_dst] = score[plan.carry_src]
-        return self.norm((src_score.softmax(dim=1) * src_kv).sum(dim=1).to(x.dtype))
+        weights = src_score.transpose(1, 2).softmax(dim=-1).transpose(1, 2)  # row-local over the group
+        return self.norm((weights * src_kv).sum(dim=1).to(x.dtype))
 
 
 def _stable_topk(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -97,7 +99,8 @@ class Indexer41(nn.Module):
         cands = torch.zeros(x.shape[0], nv, dtype=torch.bool, device=x.device) if candidate_source else None
         for sl in _chunks(x.shape[0], nv * self.index_dim):
             kk = keys.read(plan.addr[batch.token_req[sl]], torch.float32)          # [Tc, nv, Di]
-            s = (torch.einsum("thd,tcd->thc", q[sl].float(), kk).relu() * w[sl, :, None]).sum(dim=1)
+            qs, ws = q[sl].float(), w[sl, :, None]
+            s = invariant.by_key_blocks(lambda kb: (torch.einsum("thd,tcd->thc", qs, kb).relu() * ws).sum(dim=1), kk)
             visible = torch.arange(nv, device=x.device) < plan.visible[sl, None]
             s = s.masked_fill(~visible, float("-inf"))
             if candidate_source:
@@ -153,7 +156,7 @@ class Engram(nn.Module):
         w = self.q_weight.float() * self.k_weight.float()
         rstd = torch.rsqrt(h.square().mean(-1) + self.eps) * torch.rsqrt(key.square().mean(-1) + self.eps)
         dot = (h * w * key).sum(-1) * rstd * self.dim ** -0.5
-        gate = torch.sigmoid(torch.copysign(dot.abs().clamp_min(1e-6).sqrt(), dot))
+        gate = invariant.pointwise(torch.sigmoid, torch.copysign(dot.abs().clamp_min(1e-6).sqrt(), dot))
         if token_mask is not None:
             gate = gate.masked_fill(~token_mask[:, None], 0)
         return (h + gate.unsqueeze(-1) * value.float().unsqueeze(1)).to(x.dtype)

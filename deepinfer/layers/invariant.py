@@ -106,10 +106,11 @@ def attend(q: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, sinks: torc
     return (acc / denom[..., None]).to(q.dtype)
 
 
-def index_scores(q: torch.Tensor, keys: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """Lightning-indexer scores sum_h w[t, h] * relu(q[t, h] . k[t, c]) -> [T, C], per key block."""
+def by_key_blocks(fn, keys: torch.Tensor) -> torch.Tensor:
+    """fn(keys [T, C, D]) -> [T, C] scores; in invariant mode applied to fixed blocks of KEYS keys
+    (padded with zero keys, cut off after), so a key's score does not depend on C."""
+    if not enabled():
+        return fn(keys)
     C = keys.shape[1]
     keys = torch.cat((keys, keys.new_zeros(keys.shape[0], -C % KEYS, keys.shape[2])), dim=1)
-    out = [torch.einsum("thc,th->tc", torch.einsum("thd,tcd->thc", q, keys[:, b]).relu(), w)
-           for b in _key_blocks(keys.shape[1])]
-    return torch.cat(out, dim=-1)[:, :C]
+    return torch.cat([fn(keys[:, b]) for b in _key_blocks(keys.shape[1])], dim=-1)[:, :C]

@@ -10,6 +10,7 @@ from deepinfer.layers import invariant
 from deepinfer.tools.make_checkpoint import PRESETS, write_checkpoint
 
 CFG = PRESETS["tiny"]  # index_topk 4 < visible entries: the indexer really selects
+VOCAB = CFG["vocab_size"]
 
 
 @pytest.fixture(scope="module")
@@ -17,26 +18,35 @@ def ckpt(tmp_path_factory):
     return write_checkpoint(tmp_path_factory.mktemp("inv") / "ckpt", CFG, seed=3, dtype="fp8")
 
 
-def _prompts(lens: list[int], seed: int) -> list[list[int]]:
+@pytest.fixture(scope="module")
+def ckpt41(tmp_path_factory):
+    return write_checkpoint(tmp_path_factory.mktemp("inv41") / "ckpt", PRESETS["tiny41"], seed=3, dtype="fp8")
+
+
+def _prompts(lens: list[int], seed: int, vocab: int = VOCAB) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
-    return [[0] + torch.randint(3, CFG["vocab_size"], (n - 1,), generator=g).tolist() for n in lens]
+    return [[0] + torch.randint(3, vocab, (n - 1,), generator=g).tolist() for n in lens]
 
 
-def _engine(ckpt, dtype: str, **kw) -> LLM:
-    return LLM(str(ckpt), device="cpu", dtype=dtype, kv_cache_dtype=dtype, kv_cache_memory=64 << 20,
+def _engine(ckpt, dtype: str, kv: str | None = None, **kw) -> LLM:
+    return LLM(str(ckpt), device="cpu", dtype=dtype, kv_cache_dtype=kv or dtype, kv_cache_memory=64 << 20,
                batch_invariant=True, **kw)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_logprobs_are_bit_identical_across_batch_mixes_and_chunking(ckpt, dtype):
-    target = _prompts([61], seed=1)[0]
-    short, long = _prompts([5, 9, 7], seed=2), _prompts([90, 75, 83], seed=3)
+@pytest.mark.parametrize("arch, dtype, kv", [("v4", "float32", "float32"), ("v4", "bfloat16", "bfloat16"),
+                                             ("v41", "float32", "auto"), ("v41", "bfloat16", "auto")])
+def test_logprobs_are_bit_identical_across_batch_mixes_and_chunking(request, arch, dtype, kv):
+    """V4 with exact KV; V4.1 (Engram, CSA2 roles, bounded replay) with its reference cache formats."""
+    path = request.getfixturevalue("ckpt" if arch == "v4" else "ckpt41")
+    vocab = VOCAB if arch == "v4" else PRESETS["tiny41"]["text_config"]["vocab_size"]
+    target = _prompts([61], seed=1, vocab=vocab)[0]
+    short, long = _prompts([5, 9, 7], seed=2, vocab=vocab), _prompts([90, 75, 83], seed=3, vocab=vocab)
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=5)
     runs = {}
     for name, budget, batch in [("solo", 8192, []), ("short neighbours", 8192, short),
                                 ("long neighbours", 64, long), ("chunked prompt", 8, []),
                                 ("chunked, mixed", 12, short[:1] + long[:1])]:
-        llm = _engine(ckpt, dtype, max_num_batched_tokens=budget)
+        llm = _engine(path, dtype, kv, max_num_batched_tokens=budget)
         out = llm.generate(batch[:1] + [target] + batch[1:], params, use_tqdm=False)[min(1, len(batch))].outputs[0]
         runs[name] = (out.token_ids, out.logprobs)
     solo = runs.pop("solo")
