@@ -10,10 +10,14 @@ a call, where the row sits among them, or how wide the padded key lists of the s
 - Transcendental elementwise ops (exp, sigmoid, silu, softplus, cos, sin): the CPU kernels run a
   vectorised loop and finish the last numel % vector-width elements with scalar code whose last
   bit differs, so which path a token's values take depends on the batch. `pointwise` flattens the
-  input, pads it to a multiple of PAD elements and runs it on one thread: every element takes the
-  vectorised path. Row-wise softmax / log_softmax over the last dim are row-local already.
-The mode is set around a model step (`mode`), thread-locally, so engines with and without it can
-share a process. CUDA needs invariant kernels that do not exist yet: the engine refuses it there.
+  input and pads it to a multiple of PAD elements: every element takes the vectorised path.
+  Row-wise softmax / log_softmax over the last dim are row-local already.
+- Threads: with one GEMM to run, the CPU library may split its reduction across threads, and
+  elementwise loops split their range per thread (each part with its own scalar tail), so the
+  results depend on how much work the step has. An invariant step runs on one CPU thread.
+The mode is set around a model step (`mode`); the flag is thread-local, the thread count is
+process-wide while the step runs. CUDA needs invariant kernels that do not exist yet: the engine
+refuses it there.
 """
 from __future__ import annotations
 
@@ -34,12 +38,16 @@ def enabled() -> bool:
 
 @contextlib.contextmanager
 def mode(on: bool):
-    prev = enabled()
+    prev, threads = enabled(), torch.get_num_threads()
     _state.on = on
+    if on:
+        torch.set_num_threads(1)
     try:
         yield
     finally:
         _state.on = prev
+        if on:
+            torch.set_num_threads(threads)
 
 
 def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -65,13 +73,7 @@ def pointwise(fn, x: torch.Tensor) -> torch.Tensor:
     flat = x.reshape(-1)
     if n % PAD:
         flat = torch.cat((flat, flat.new_zeros(PAD - n % PAD)))
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        out = fn(flat)
-    finally:
-        torch.set_num_threads(threads)
-    return out[:n].view(x.shape)
+    return fn(flat)[:n].view(x.shape)
 
 
 def _key_blocks(n: int):

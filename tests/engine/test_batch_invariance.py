@@ -91,15 +91,17 @@ def test_config_switch():
         EngineConfig(device="cuda", batch_invariant=True)
 
 
-def test_invariant_linear_rows_do_not_depend_on_the_batch():
+@pytest.mark.parametrize("n, k", [(96, 200), (24, 1024)])  # (24, 1024): one GEMM alone splits K across threads
+def test_invariant_linear_rows_do_not_depend_on_the_batch(n, k):
     g = torch.Generator().manual_seed(0)
-    w, x = torch.randn(96, 200, generator=g), torch.randn(40, 200, generator=g)
-    want = invariant.linear(x[7:8], w)
-    for T in (1, 5, 16, 17, 40):
-        for pos in (0, T // 2, T - 1):
-            batch = torch.randn(T, 200, generator=g)
-            batch[pos] = x[7]
-            assert torch.equal(invariant.linear(batch, w)[pos], want[0])
+    w, x = torch.randn(n, k, generator=g), torch.randn(40, k, generator=g)
+    with invariant.mode(True):
+        want = invariant.linear(x[7:8], w)
+        for T in (1, 5, 16, 17, 40, 48):
+            for pos in (0, T // 2, T - 1):
+                batch = torch.randn(T, k, generator=g)
+                batch[pos] = x[7]
+                assert torch.equal(invariant.linear(batch, w)[pos], want[0])
 
 
 def test_invariant_attention_ignores_padding_blocks():

@@ -1,0 +1,83 @@
+"""The "1000 completions" check (Thinking Machines' batch-invariance test): one prompt submitted N
+times amid varied neighbours, token budgets and batch sizes; count the distinct completions (tokens
+and logprob bits). With batch_invariant the count must be 1; without it, it may be more.
+
+    python benchmarks/identical_completions.py --device cpu --num 200
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import tempfile
+import time
+from datetime import date
+from pathlib import Path
+
+import torch
+
+from common import git_commit
+
+from deepinfer import LLM, SamplingParams
+from deepinfer.tools.make_checkpoint import PRESETS, write_checkpoint
+
+
+def run(ckpt: Path, args, invariant: bool) -> dict:
+    vocab = PRESETS[args.preset]["vocab_size"]
+    rng = random.Random(0)
+    prompt = [0] + [rng.randrange(3, vocab) for _ in range(args.prompt_len - 1)]
+    target = SamplingParams(temperature=args.temperature, max_tokens=args.output_len, ignore_eos=True, logprobs=1,
+                            seq_seed=None if args.temperature == 0 else 42)
+    seen: dict[tuple, int] = {}
+    done, t0 = 0, time.perf_counter()
+    budgets = [args.budget, 16, 64]
+    engines = {b: LLM(str(ckpt), device=args.device, dtype=args.dtype, kv_cache_dtype=args.dtype,
+                      max_num_batched_tokens=b, skip_tokenizer_init=True, batch_invariant=invariant)
+               for b in budgets}
+    while done < args.num:
+        copies = min(args.num - done, rng.randint(1, 8))
+        noise = [[0] + [rng.randrange(3, vocab) for _ in range(rng.randint(2, 3 * args.prompt_len))]
+                 for _ in range(rng.randint(0, 12))]
+        batch = [prompt] * copies + noise
+        rng.shuffle(batch)
+        params = [target if p is prompt else SamplingParams(temperature=rng.choice([0, 0.8]), ignore_eos=True,
+                                                            max_tokens=rng.randint(1, 2 * args.output_len))
+                  for p in batch]
+        outs = engines[rng.choice(budgets)].generate(batch, params, use_tqdm=False)
+        for p, o in zip(batch, outs):
+            if p is prompt:
+                c = o.outputs[0]
+                key = (tuple(c.token_ids), tuple(tuple(sorted(lp.items())) for lp in c.logprobs))
+                seen[key] = seen.get(key, 0) + 1
+                done += 1
+    return {"batch_invariant": invariant, "completions": done, "unique": len(seen),
+            "largest_group": max(seen.values()), "seconds": round(time.perf_counter() - t0, 1)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="demo")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--num", type=int, default=1000)
+    ap.add_argument("--prompt-len", type=int, default=48)
+    ap.add_argument("--output-len", type=int, default=32)
+    ap.add_argument("--temperature", type=float, default=0.0, help="> 0: seeded sampling (seq_seed=42)")
+    ap.add_argument("--budget", type=int, default=8192, help="max_num_batched_tokens of one of the engines")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        ckpt = write_checkpoint(Path(tmp) / "ckpt", PRESETS[args.preset], seed=0, dtype=args.dtype)
+        rows = [run(ckpt, args, inv) for inv in (False, True)]
+    for r in rows:
+        print(json.dumps(r))
+    device = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
+    result = {"device": device, "date": str(date.today()), "commit": git_commit(),
+              "workload": {k: v for k, v in vars(args).items() if k != "out"}, "rows": rows}
+    out = Path(args.out or Path(__file__).parent / "results" / f"{date.today()}-{device.replace(' ', '-')}-identical-completions.json")
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
