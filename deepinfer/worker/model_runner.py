@@ -149,7 +149,8 @@ class ModelRunner:
         token_list = h.host_tokens.tolist()
         lp = None
         if h.logits is not None:
-            lp = self._logprobs(h.logits, h.tokens, token_list, h.max_logprobs, h.params)
+            with invariant.mode(self.batch_invariant):
+                lp = self._logprobs(h.logits, h.tokens, token_list, h.max_logprobs, h.params)
         for rid, (i, n) in h.rows.items():
             out.sampled[rid] = token_list[i:i + n]
             c_params = h.params[i]
