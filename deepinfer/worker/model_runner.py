@@ -22,7 +22,6 @@ from deepinfer.worker.sampler import SamplingBatch, sample, top_logprobs
 class StepHandle:
     """A launched step: rows of `tokens` per request (first row, count), and what collect reads."""
 
-    so: SchedulerOutput
     rows: dict[str, tuple[int, int]]
     tokens: torch.Tensor | None = None        # [R] on the device
     host_tokens: torch.Tensor | None = None   # [R] pinned copy, valid once `done` has run
@@ -99,7 +98,7 @@ class ModelRunner:
         streams = self.model(batch, self.cache.layers)
         rows = [i for i, c in enumerate(so.chunks) if c.num_samples]
         if not rows:
-            return StepHandle(so, {})
+            return StepHandle({})
         last = batch.logits_idx[torch.tensor(rows, device=self.device)]
         return self._sample(so, self.model.compute_logits(streams[last]), rows)
 
@@ -109,7 +108,7 @@ class ModelRunner:
         keep = [k for k, i in enumerate(rows) if so.chunks[i].num_samples]
         sampled = [so.chunks[rows[k]] for k in keep]
         if not sampled:
-            return StepHandle(so, {})
+            return StepHandle({})
         if len(keep) < len(rows):
             logits = logits[to_device(torch.tensor(keep), self.device)]
         # a request forking into n siblings draws n tokens from its one last-position distribution
@@ -127,7 +126,7 @@ class ModelRunner:
         for c in sampled:
             row_of[c.request_id] = (i, c.num_samples)
             i += c.num_samples
-        h = StepHandle(so, row_of, tokens, params=params, max_logprobs=sb.max_logprobs,
+        h = StepHandle(row_of, tokens, params=params, max_logprobs=sb.max_logprobs,
                        logits=logits if sb.max_logprobs >= 0 else None)
         if tokens.is_cuda:
             h.host_tokens = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
