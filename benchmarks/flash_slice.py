@@ -85,6 +85,8 @@ def ceilings() -> dict:
     del src, dst
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     tflops = 2 * 8192 ** 3 / timed(lambda: a @ a, 10) / 1e12
+    del a
+    torch.cuda.empty_cache()  # the engines run in child processes that need the memory
     return {"hbm_gbs": round(hbm, 1), "bf16_tflops": round(tflops, 1)}
 
 
@@ -167,6 +169,8 @@ def deepinfer_rows(fp8: bool, ceil: dict, args) -> list[dict]:
     model = deepinfer_model(fp8)
     cfg, kv = model.config, ("fp8" if fp8 else "bfloat16")
     name = "deepinfer-fp8" if fp8 else "deepinfer"
+    gc.collect()
+    gc.freeze()
     rows = []
 
     def step(cache, chunks):
@@ -228,6 +232,8 @@ def transformers_rows(ceil: dict, args) -> list[dict]:
     for m in model.modules():
         if hasattr(m, "tid2eid"):
             m.tid2eid.copy_(torch.randint(0, cfg.n_routed_experts, m.tid2eid.shape, device="cuda"))
+    gc.collect()
+    gc.freeze()
     rows = []
     with torch.inference_mode():
         for B, S in PREFILL:
@@ -305,8 +311,36 @@ def plot(result: dict, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def engine_rows(eng: str, ceil: dict, args) -> list[dict]:
+    """Rows of one engine, timed with the Python heap frozen after setup (as a serving engine runs:
+    vLLM and our LLM call gc.freeze() after start-up), so collector pauses of earlier allocations
+    do not land in timed steps."""
+    if eng == "transformers":
+        return transformers_rows(ceil, args)
+    return deepinfer_rows(eng == "deepinfer-fp8", ceil, args)
+
+
+def run_engine_process(eng: str, ceil: dict, args) -> tuple[list[dict], str | None]:
+    """Each engine runs in a fresh process: no allocator, heap or compiled-kernel state carries
+    from one engine's run into the next one's timings."""
+    import subprocess
+    import sys
+    import tempfile
+
+    with tempfile.NamedTemporaryFile(suffix=".json") as f:
+        cmd = [sys.executable, __file__, "--engine-only", eng, "--rows-out", f.name, "--ceilings", json.dumps(ceil),
+               "--reps", str(args.reps), "--hf-max-prefill-tokens", str(args.hf_max_prefill_tokens)]
+        cmd += ["--no-cuda-graphs"] * args.no_cuda_graphs + ["--smoke"] * args.smoke
+        res = subprocess.run(cmd)
+        got = json.loads(Path(f.name).read_text() or "[]")
+    return got, None if res.returncode == 0 else f"engine process exited with {res.returncode} (traceback above)"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--engine-only", default=None, help=argparse.SUPPRESS)  # child process of run_engine_process
+    ap.add_argument("--rows-out", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--ceilings", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--engines", default="deepinfer,deepinfer-fp8,transformers")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--hf-max-prefill-tokens", type=int, default=64 * 256)
@@ -318,6 +352,10 @@ def main() -> None:
     if args.smoke:
         global DEVICE, BASE_PRESET, PREFILL, DECODE_BATCHES, DECODE_CONTEXTS
         DEVICE, BASE_PRESET, PREFILL, DECODE_BATCHES, DECODE_CONTEXTS = "cpu", "tiny", [(1, 64)], [1, 2], [64]
+    if args.engine_only:
+        rows = engine_rows(args.engine_only, json.loads(args.ceilings), args)
+        Path(args.rows_out).write_text(json.dumps(rows))
+        return
     ceil = ceilings()
     print(json.dumps({"ceilings": ceil}), flush=True)
     rows, errors = [], {}
@@ -329,19 +367,10 @@ def main() -> None:
     for eng in args.engines.split(","):
         if eng not in ("deepinfer", "deepinfer-fp8", "transformers"):
             raise SystemExit(f"unknown engine {eng!r}")
-        try:  # one engine failing must not lose the other engines' rows of this run
-            if eng == "transformers":
-                rows += transformers_rows(ceil, args)
-            else:
-                rows += deepinfer_rows(eng == "deepinfer-fp8", ceil, args)
-        except Exception as e:  # noqa: BLE001 - recorded in the result, then the run goes on
-            import traceback
-
-            traceback.print_exc()
-            errors[eng] = f"{type(e).__name__}: {e}"[:500]
-            gc.collect()
-            torch.cuda.empty_cache() if DEVICE == "cuda" else None
-        if errors:
+        got, err = run_engine_process(eng, ceil, args)  # one engine failing must not lose the others' rows
+        rows += got
+        if err:
+            errors[eng] = err
             result["errors"] = errors
         out.write_text(json.dumps(result, indent=2) + "\n")  # after every engine: a cut-off run keeps its rows
     try:

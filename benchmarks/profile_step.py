@@ -132,6 +132,8 @@ def main() -> None:
 
     for _ in range(2):
         step()
+    wall = fs.timed(step, 5)
+    print(f"wall time per step (host plan + launch + GPU, synchronised): {1e3 * wall:.2f} ms")
     print_module_times(model, step)
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,

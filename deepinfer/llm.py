@@ -1,6 +1,7 @@
 """LLM: the offline API (vLLM's shape): LLM(model=...).generate(prompts, SamplingParams(...))."""
 from __future__ import annotations
 
+import gc
 import itertools
 from typing import Sequence
 
@@ -68,6 +69,10 @@ class LLM:
                              cfg.batch_invariant)
         self.engine = EngineCore(self.scheduler, runner, self.detokenizer, cfg.async_scheduling)
         self._ids = itertools.count()
+        # the start-up heap (weights' Python objects, tokenizer, configs) is never garbage: moving it out
+        # of the collector's generations keeps full collections from pausing steps
+        gc.collect()
+        gc.freeze()
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,

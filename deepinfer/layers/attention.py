@@ -89,16 +89,34 @@ class Indexer(nn.Module):
         out = torch.full((x.shape[0], k), -1, dtype=torch.long, device=x.device)
         if k == 0:
             return out
+        lens = batch.req_lens
+        if lens and len(lens) * 4 <= x.shape[0] and not invariant.enabled():
+            # prefill: a request's tokens share its keys, read once per request (not once per token)
+            t0 = 0
+            for r, n in enumerate(lens):
+                kk = keys.read(plan.addr[r], torch.float32)                     # [nv, Di]
+                for sl in _chunks(n, nv * self.n_heads):
+                    sl = slice(t0 + sl.start, t0 + sl.stop)
+                    s = (q[sl].flatten(0, 1) @ kk.t()).view(-1, self.n_heads, nv).relu_()
+                    s = torch.bmm(w[sl, None, :], s).squeeze(1)                  # sum_h w_h * relu(q_h . k)
+                    out[sl] = self._top(s, plan.visible[sl], k)
+                t0 += n
+            return out
         for sl in _chunks(x.shape[0], nv * self.head_dim):
             kk = keys.read(plan.addr[batch.token_req[sl]], torch.float32)        # [Tc, nv, Di]
             qs, ws = q[sl], w[sl]
             s = invariant.by_key_blocks(lambda kb: torch.einsum("thc,th->tc", torch.einsum("thd,tcd->thc", qs, kb).relu(),
                                                                 ws), kk)
-            s = s.masked_fill(torch.arange(nv, device=x.device) >= plan.visible[sl, None], float("-inf"))
-            # stable descending sort: equal scores keep ascending entry order (lowest index first)
-            val, idx = torch.sort(s, dim=-1, descending=True, stable=True)
-            out[sl] = torch.where(val[:, :k] > float("-inf"), idx[:, :k], -1)
+            out[sl] = self._top(s, plan.visible[sl], k)
         return out
+
+    @staticmethod
+    def _top(s: torch.Tensor, visible: torch.Tensor, k: int) -> torch.Tensor:
+        """[Tc, nv] scores -> [Tc, k] ids of the k best visible entries, -1 where fewer exist."""
+        s = s.masked_fill(torch.arange(s.shape[1], device=s.device) >= visible[:, None], float("-inf"))
+        # stable descending sort: equal scores keep ascending entry order (lowest index first)
+        val, idx = torch.sort(s, dim=-1, descending=True, stable=True)
+        return torch.where(val[:, :k] > float("-inf"), idx[:, :k], -1)
 
 
 def _kernel_format(store) -> str | None:

@@ -64,6 +64,7 @@ class ForwardBatch:
     image_mask: torch.Tensor | None = None    # [T] True for image-span tokens (None: no image in the step)
     input_embeds: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, [rows, D]) embedding overrides
     replay: "ReplayPlan | None" = None
+    req_lens: tuple[int, ...] = ()  # (host) tokens of each request this step, in token order
 
     @property
     def num_tokens(self) -> int:
@@ -86,7 +87,7 @@ def to_device(t: torch.Tensor, device) -> torch.Tensor:
     """Host tensor -> device without waiting for the GPU: a copy from pageable memory blocks the
     host until the stream drains (no overlap with the step running), so CUDA copies go through
     pinned memory."""
-    if torch.device(device).type != "cuda":
+    if torch.device(device).type != "cuda" or t.is_cuda:
         return t.to(device)
     return t.pin_memory().to(device, non_blocking=True)
 
@@ -98,7 +99,7 @@ def _ring_rows(slot: torch.Tensor, pos: torch.Tensor, size: int) -> torch.Tensor
 def _gather_plan(tok, pos, start, slot, span: int, ring: int, lo=None):
     """Sources pos-span+1 .. pos for each row: new this step, or in a ring of `ring` rows.
     Positions below `lo` (per row; default 0) do not exist."""
-    k = torch.arange(span)
+    k = torch.arange(span, device=pos.device)
     q = pos[:, None] - (span - 1) + k
     valid = q >= (0 if lo is None else lo[:, None])
     new = valid & (q >= start[:, None])
@@ -203,20 +204,22 @@ def build_forward_batch(chunks: list[SeqChunk], window: int, compress_kinds: set
     cu = torch.cumsum(lens, 0)
     pos = tok - (cu - lens)[req] + req_start[req]
     start, end, slot = req_start[req], req_end[req], req_slot[req]
-    win_new, win_ring = _gather_plan(tok, pos, start, slot, window, window)
+    to = lambda t: to_device(t, device)  # noqa: E731
+    d_pos = to(pos)
+    # the [T, window] tables are expanded where they are read: only [T] vectors cross to a GPU
+    win_new, win_ring = _gather_plan(to(tok), d_pos, to(start), to(slot), window, window)
     ring_src, ring_dst = _keep_last(tok, pos, end, slot, window)
     plans = {(m, ov): _compress_plan(m, ov, chunks, tok, pos, req, start, end, slot, req_end, block_size, fixed)
              for m, ov in sorted(compress_kinds)}
     ids = torch.tensor([t for c in chunks for t in c.token_ids], dtype=torch.long)
-    to = lambda t: to_device(t, device)  # noqa: E731
     for p in plans.values():
         for f in ("src_new", "src_carry", "dst", "rope_pos", "carry_src", "carry_dst", "visible", "addr"):
             setattr(p, f, to(getattr(p, f)))
     windows = _token_windows(chunks, history) if history else None
     image_mask, window_mask = _image_masks(chunks, pos, req, history)
-    batch = ForwardBatch(to(ids), to(pos), to(req), to(cu - 1), to(win_new), to(win_ring),
+    batch = ForwardBatch(to(ids), d_pos, to(req), to(cu - 1), to(win_new), to(win_ring),
                          to(ring_src), to(ring_dst), plans, windows, window_mask,
-                         None if image_mask is None else to(image_mask))
+                         None if image_mask is None else to(image_mask), req_lens=tuple(lens.tolist()))
     replay_from = torch.tensor([c.replay_from for c in chunks])[req]
     keep = pos >= replay_from
     # replay applies if rows are dropped, or a kept row's window reaches below its request's replay_from

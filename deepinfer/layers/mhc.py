@@ -10,7 +10,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from deepinfer.kernels.mhc_coeffs import mhc_coeffs
+from deepinfer.kernels import mhc_collapse as _collapse_k
+from deepinfer.kernels import mhc_expand as _expand_k
+from deepinfer.kernels import mhc_mix as _mix_k
+from deepinfer.kernels.mhc_coeffs import mhc_coeffs, mhc_coeffs_from_partials
 from deepinfer.layers import invariant
 from deepinfer.layers.linear import dense_linear
 from deepinfer.layers.norm import rms_norm
@@ -27,6 +30,10 @@ class HyperConnection(nn.Module):
     def weights(self, x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor):
         """x [T, n, D] -> pre [T, n], post [T, n], comb [T, n, n] (all fp32)."""
         n = self.n
+        if _fused(x):  # split-K mix + coefficients: the streams read once, no fp32 copy
+            part, sq = _mix_k.mix_partials(x.flatten(1), fn)
+            return mhc_coeffs_from_partials(part, sq, x.shape[1] * x.shape[2], self.norm_eps, base, scale, n,
+                                            self.iters, self.hc_eps)
         f = x.flatten(1).float()
         if self.project_first:
             mix = dense_linear(f, fn.float()) * torch.rsqrt(f.square().mean(-1, keepdim=True) + self.norm_eps)
@@ -44,12 +51,29 @@ def register_hc_params(module: nn.Module, n: int, dim: int, sites=("attn", "ffn"
                                                                         requires_grad=False))
 
 
+def _fused(x: torch.Tensor) -> bool:
+    """The Triton mHC kernels run on CUDA outside batch-invariant mode (they round once, in fp32)."""
+    return x.is_cuda and _mix_k.triton is not None and not invariant.enabled()
+
+
 def collapse(x: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
     """sum_i pre[i] * X[i]: [T, n, D] -> [T, D] in x's dtype."""
+    if _fused(x):
+        return _collapse_k.mhc_collapse(x, pre)
     return (pre.unsqueeze(-1) * x).sum(dim=1).to(x.dtype)
 
 
+def collapse_norm(x: torch.Tensor, pre: torch.Tensor, norm: nn.Module) -> torch.Tensor:
+    """norm(collapse(x, pre)) for an RMSNorm `norm` (fp32 weight): one kernel on CUDA."""
+    if _fused(x):
+        return _collapse_k.mhc_collapse(x, pre, norm.weight, norm.eps)
+    return norm(collapse(x, pre))
+
+
 def expand(x: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """X_new[j] = post[j] * y + sum_i comb[i, j] * X[i]: [T, n, D] in x's dtype."""
+    if _fused(x):
+        return _expand_k.mhc_expand(x, y, post, comb)
     dt = x.dtype
     return post.to(dt).unsqueeze(-1) * y.unsqueeze(1) + torch.einsum("tij,tid->tjd", comb.to(dt), x)
 

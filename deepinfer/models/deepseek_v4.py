@@ -15,7 +15,7 @@ from deepinfer.layers.attention import Compressor, Indexer, sparse_attention
 from deepinfer.layers.forward_batch import ForwardBatch
 from deepinfer.layers.kv_state import LayerCache
 from deepinfer.layers.linear import DENSE, Linear, QuantSpec, grouped_linear
-from deepinfer.layers.mhc import HyperConnection, collapse, expand, register_hc_params, head_collapse
+from deepinfer.layers.mhc import HyperConnection, collapse_norm, expand, register_hc_params, head_collapse
 from deepinfer.layers.moe import MoE
 from deepinfer.layers.norm import RMSNorm
 from deepinfer.layers.rotary import RopeCache, apply_rope, norm_rope, rope_inv_freq
@@ -107,9 +107,9 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor, ctx: StepContext, cache: LayerCache):
         pre, post, comb = self.hc.weights(x, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale)
-        x = expand(x, self.attn(self.attn_norm(collapse(x, pre)), ctx, cache), post, comb)
+        x = expand(x, self.attn(collapse_norm(x, pre, self.attn_norm), ctx, cache), post, comb)
         pre, post, comb = self.hc.weights(x, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale)
-        return expand(x, self.ffn(self.ffn_norm(collapse(x, pre)), input_ids), post, comb)
+        return expand(x, self.ffn(collapse_norm(x, pre, self.ffn_norm), input_ids), post, comb)
 
 
 class MTPBlock(Block):

@@ -19,7 +19,7 @@ from deepinfer.layers.engram_hash import EngramHashParams, ngram_rows
 from deepinfer.layers.forward_batch import ForwardBatch, ReplayPlan
 from deepinfer.layers.kv_state import LayerCache
 from deepinfer.layers.linear import Linear, QuantSpec, grouped_linear
-from deepinfer.layers.mhc import HyperConnection, collapse, expand, register_hc_params
+from deepinfer.layers.mhc import HyperConnection, collapse, collapse_norm, expand, register_hc_params
 from deepinfer.layers.moe import MoE
 from deepinfer.layers.norm import RMSNorm
 from deepinfer.layers.rotary import RopeCache, apply_rope, rope_inv_freq
@@ -140,13 +140,13 @@ class Block41(nn.Module):
             mask = None if ctx.image_mask is None else ~ctx.image_mask
             x = self.engram(x, ctx.engram_rows[:, self.engram_index], mask)
         pre_a, post, comb = self.hc.weights(x, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale)
-        y, state = self.attn(self.attn_norm(collapse(x, pre_prev)), ctx, cache, state, replay)
+        y, state = self.attn(collapse_norm(x, pre_prev, self.attn_norm), ctx, cache, state, replay)
         if replay is not None:
             rows = replay.rows
             x, pre_a, post, comb, ctx = x[rows], pre_a[rows], post[rows], comb[rows], ctx.subset(rows, replay.upper)
         x = expand(x, y, post, comb)
         pre_f, post, comb = self.hc.weights(x, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale)
-        y = self.ffn(self.ffn_norm(collapse(x, pre_a)), ctx.batch.input_ids, ctx.image_mask)
+        y = self.ffn(collapse_norm(x, pre_a, self.ffn_norm), ctx.batch.input_ids, ctx.image_mask)
         return expand(x, y, post, comb), pre_f, state
 
 
