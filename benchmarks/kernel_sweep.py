@@ -45,22 +45,26 @@ def moe_inputs(tokens: int, E=256, K=4096, N=2048, topk=6):
     w4 = torch.randint(-128, 127, (E, N, K // 2), dtype=torch.int8, device="cuda")
     s4 = torch.full((E, N, K // 32), 120, dtype=torch.uint8, device="cuda").view(torch.float8_e8m0fnu)
     touched = int((counts > 0).sum())
-    return a, offs, {"bf16": (w16, None), "fp8": (w8, s8), "fp4": (w4, s4)}, touched
+    s32 = torch.full((E, N, K // 32), 120, dtype=torch.uint8, device="cuda").view(torch.float8_e8m0fnu)
+    # fp8x32: FP4 experts as the GPU runs them (repacked to e4m3 codes, one E8M0 scale per 32 inputs)
+    return a, offs, {"bf16": (w16, None), "fp8": (w8, s8), "fp4": (w4, s4), "fp8x32": (w8, s32)}, touched
 
 
 def moe_sweep(rows: list) -> None:
     K, N = 4096, 2048
     for tokens in (1, 64, 8192):
         a, offs, ws, touched = moe_inputs(tokens)
-        per_expert = {"bf16": 2 * N * K, "fp8": N * K * (1 + 1 / 16384), "fp4": N * K * (0.5 + 1 / 32)}
+        per_expert = {"bf16": 2 * N * K, "fp8": N * K * (1 + 1 / 16384), "fp4": N * K * (0.5 + 1 / 32),
+                      "fp8x32": N * K * (1 + 1 / 32)}
         w16 = ws["bf16"][0]
         t = bench(lambda: torch._grouped_mm(a, w16.transpose(1, 2), offs=offs))
         rows.append({"kernel": "moe", "tokens": tokens, "fmt": "bf16", "impl": "torch._grouped_mm", "ms": t,
                      "GBps": touched * per_expert["bf16"] / t / 1e6})
         print(json.dumps(rows[-1]), flush=True)
-        fmts = ("bf16",) if tokens > 64 else ("bf16", "fp8", "fp4")
+        fmts = ("bf16",) if tokens > 64 else ("bf16", "fp8", "fp4", "fp8x32")
         for fmt in fmts:
             w, s = ws[fmt]
+            block = (1, 32) if fmt == "fp8x32" else (128, 128)
             if tokens > 64:
                 grid = itertools.product([64, 128], [128, 256], [64], [4, 8], [3, 4])
             else:
@@ -69,14 +73,14 @@ def moe_sweep(rows: list) -> None:
             for bm, bn, bk, nw, ns in grid:
                 cfg = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, num_stages=ns)
                 try:
-                    t = bench(lambda: gg.grouped_gemm(a, w, offs, s, (128, 128), **cfg))
+                    t = bench(lambda: gg.grouped_gemm(a, w, offs, s, block, **cfg))
                 except Exception as e:  # out of shared memory / registers for this tile
                     print(f"skip {fmt} {cfg}: {type(e).__name__}", flush=True)
                     continue
                 if best is None or t < best[0]:
                     best = (t, cfg)
             t, cfg = best
-            dflt = bench(lambda: gg.grouped_gemm(a, w, offs, s, (128, 128)))
+            dflt = bench(lambda: gg.grouped_gemm(a, w, offs, s, block))
             rows.append({"kernel": "moe", "tokens": tokens, "fmt": fmt, "impl": "triton", "ms": t, "best": cfg,
                          "default_ms": dflt, "GBps": touched * per_expert[fmt] / t / 1e6})
             print(json.dumps(rows[-1]), flush=True)

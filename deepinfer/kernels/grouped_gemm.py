@@ -24,7 +24,9 @@ tile count return at once. A tile never spans two experts; its rows outside the 
 Dequantisation in the K loop:
   * FP8: e4m3 -> bf16; when the scale block covers the whole K tile (bi % BLOCK_K == 0) the scale
     depends on the output column only and is applied to the tile's partial product in fp32
-    (acc += dot(a, w) * s[n]); otherwise each weight element is scaled before the dot.
+    (acc += dot(a, w) * s[n]); otherwise each weight element is scaled before the dot, with the
+    tile's [BLOCK_N, BLOCK_K / bi] scales loaded once and broadcast when bi divides BLOCK_K (the
+    (1, 32) blocks of FP4 experts repacked to FP8), gathered per element otherwise.
   * FP4: the packed bytes [BLOCK_N, BLOCK_K/2] are split into low / high nibbles; a code's value is
     built arithmetically (bit 3 sign, bits 1-2 exponent, bit 0 mantissa: exponent 0 gives 0 or 0.5,
     otherwise (2 + m) * 2^(exp - 2)) and multiplied by 2^(byte - 127). The even / odd columns of A
@@ -200,6 +202,14 @@ if triton is not None:
                     s = tl.load(s_base + (cols // BO) * s_sn + (k0 // BI) * s_sk, mask=nmask, other=0)
                     s = _e8m0(s) if E8M0 else s.to(tl.float32)
                     acc += tl.dot(a, tl.trans(w.to(tl.bfloat16).to(OP))) * s[None, :]
+                elif BLOCK_K % BI == 0:  # BLOCK_K / BI scale blocks per K tile: load those, broadcast in registers
+                    NS: tl.constexpr = BLOCK_K // BI
+                    sk = k0 // BI + tl.arange(0, NS)
+                    s = tl.load(s_base + (cols // BO)[:, None] * s_sn + sk[None, :] * s_sk,
+                                mask=nmask[:, None] & (sk * BI < K)[None, :], other=0)
+                    s = _e8m0(s) if E8M0 else s.to(tl.float32)
+                    wf = tl.reshape(tl.reshape(w.to(tl.float32), (BLOCK_N, NS, BI)) * s[:, :, None], (BLOCK_N, BLOCK_K))
+                    acc = tl.dot(a, tl.trans(wf.to(tl.bfloat16).to(OP)), acc)
                 else:
                     s = tl.load(s_base + (cols // BO)[:, None] * s_sn + (ks // BI)[None, :] * s_sk,
                                 mask=wmask, other=0)

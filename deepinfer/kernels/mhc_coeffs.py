@@ -7,8 +7,6 @@ Per row (one token), with n = 4 streams and mix [24] = fn @ f / rms(f):
   comb = comb / (colsum + eps); then (iters - 1) x: comb / (rowsum + eps), comb / (colsum + eps)
 The torch version of these ~130 elementwise/reduction launches is `reference`; the Triton
 kernel keeps a block of rows' 4x4 matrices in registers. Grid: one program per BLOCK rows.
-`mhc_coeffs_from_partials` takes the mixes as S split-K partials (kernels/mhc_mix.py) and forms
-mix = sum_s part[s] * rsqrt(sum_s sq[s] / K + norm_eps), summing splits in split order.
 """
 from __future__ import annotations
 
@@ -39,8 +37,7 @@ def reference(mix: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, n: int
 if triton is not None:
     @triton.jit
     def _mhc_kernel(mix_ptr, base_ptr, scale_ptr, pre_ptr, post_ptr, comb_ptr, T, eps,
-                    N: tl.constexpr, ITERS: tl.constexpr, BLOCK: tl.constexpr,
-                    sq_ptr=None, S: tl.constexpr = 1, K=1, norm_eps=0.0, HAS_NORM: tl.constexpr = False):
+                    N: tl.constexpr, ITERS: tl.constexpr, BLOCK: tl.constexpr):
         W: tl.constexpr = (2 + N) * N
         rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)                  # [BLOCK]
         live = rows < T
@@ -50,26 +47,13 @@ if triton is not None:
         s2 = tl.load(scale_ptr + 2)
         m_pre = tl.load(mix_ptr + rows[:, None] * W + i[None, :], mask=live[:, None], other=0.0)
         m_post = tl.load(mix_ptr + rows[:, None] * W + N + i[None, :], mask=live[:, None], other=0.0)
-        cell = i[:, None] * N + i[None, :]                                       # [N, N] row-major
-        c = tl.load(mix_ptr + rows[:, None, None] * W + 2 * N + cell[None, :, :], mask=live[:, None, None],
-                    other=0.0)
-        if HAS_NORM:  # mix_ptr holds S partials [S, T, W]; split order is the summation order
-            ssq = tl.load(sq_ptr + rows, mask=live, other=0.0)
-            for s in tl.static_range(1, S):
-                at = mix_ptr + s * T * W
-                m_pre += tl.load(at + rows[:, None] * W + i[None, :], mask=live[:, None], other=0.0)
-                m_post += tl.load(at + rows[:, None] * W + N + i[None, :], mask=live[:, None], other=0.0)
-                c += tl.load(at + rows[:, None, None] * W + 2 * N + cell[None, :, :], mask=live[:, None, None],
-                             other=0.0)
-                ssq += tl.load(sq_ptr + s * T + rows, mask=live, other=0.0)
-            r = tl.rsqrt(ssq / K + norm_eps)
-            m_pre = m_pre * r[:, None]
-            m_post = m_post * r[:, None]
-            c = c * r[:, None, None]
         pre = tl.sigmoid(m_pre * s0 + tl.load(base_ptr + i)[None, :]) + eps
         post = 2 * tl.sigmoid(m_post * s1 + tl.load(base_ptr + N + i)[None, :])
         tl.store(pre_ptr + rows[:, None] * N + i[None, :], pre, mask=live[:, None])
         tl.store(post_ptr + rows[:, None] * N + i[None, :], post, mask=live[:, None])
+        cell = i[:, None] * N + i[None, :]                                       # [N, N] row-major
+        c = tl.load(mix_ptr + rows[:, None, None] * W + 2 * N + cell[None, :, :], mask=live[:, None, None],
+                    other=0.0)
         c = c * s2 + tl.load(base_ptr + 2 * N + cell)[None, :, :]
         c = tl.exp(c - tl.max(c, axis=2)[:, :, None])
         c = c / tl.sum(c, axis=2)[:, :, None] + eps
@@ -84,31 +68,12 @@ def mhc_coeffs(mix: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, n: in
     """Fused on CUDA (Triton), the torch reference elsewhere; same contract as `reference`."""
     if triton is None or not mix.is_cuda or n & (n - 1):
         return reference(mix, base, scale, n, iters, eps)
-    return _launch(mix.contiguous().float(), None, 0, 0.0, base, scale, n, iters, eps)
-
-
-def reference_from_partials(part, sq, K: int, norm_eps: float, base, scale, n: int, iters: int, eps: float):
-    """Plain torch: same contract as `mhc_coeffs_from_partials`."""
-    mix = part.sum(0) * torch.rsqrt(sq.sum(0) / K + norm_eps)[:, None]
-    return reference(mix, base, scale, n, iters, eps)
-
-
-def mhc_coeffs_from_partials(part: torch.Tensor, sq: torch.Tensor, K: int, norm_eps: float, base: torch.Tensor,
-                             scale: torch.Tensor, n: int, iters: int, eps: float):
-    """part [S, T, (2+n)*n], sq [S, T] (fp32 split-K sums over the K = n*D flattened streams) ->
-    pre, post, comb as `reference` gives them for mix = rms_norm(f) @ fn^T."""
-    if triton is None or not part.is_cuda or n & (n - 1):
-        return reference_from_partials(part, sq, K, norm_eps, base, scale, n, iters, eps)
-    return _launch(part, sq, K, norm_eps, base, scale, n, iters, eps)
-
-
-def _launch(mix, sq, K, norm_eps, base, scale, n, iters, eps):
-    T = mix.shape[-2]
+    mix = mix.contiguous().float()
+    T = mix.shape[0]
     pre = torch.empty(T, n, dtype=torch.float32, device=mix.device)
     post = torch.empty_like(pre)
     comb = torch.empty(T, n, n, dtype=torch.float32, device=mix.device)
     block = 64
-    extra = {} if sq is None else dict(sq_ptr=sq, S=mix.shape[0], K=K, norm_eps=norm_eps, HAS_NORM=True)
     _mhc_kernel[(triton.cdiv(T, block),)](mix, base.float().contiguous(), scale.float().contiguous(), pre, post,
-                                          comb, T, eps, N=n, ITERS=iters, BLOCK=block, **extra)
+                                          comb, T, eps, N=n, ITERS=iters, BLOCK=block)
     return pre, post, comb

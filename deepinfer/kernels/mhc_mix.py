@@ -1,14 +1,13 @@
-"""mHC mixes as split-K partial sums: the streams' projection onto `fn` and their sum of squares.
+"""mHC mixes: the streams' RMS-normalised projection onto `fn`, reading the streams once.
 
-For a token with flattened streams f [K] (K = n * D) and fn [W, K] (fp32, W = (2 + n) * n):
-  part[s, t, :] = sum_{k in split s} f[k] * fn[:, k]        (fp32)
-  sq[s, t]      = sum_{k in split s} f[k]^2                  (fp32)
-The consumer (mhc_coeffs) sums the S splits in split order and forms
-  mix = sum_s part[s] * rsqrt(sum_s sq[s] / K + eps)
+For a token with flattened streams f [K] (K = n * D, bf16/fp32) and fn [W, K] (fp32, W = (2 + n) * n):
+  mix = (f @ fn^T) * rsqrt(sum(f^2) / K + eps)                (fp32)
 i.e. rms_norm(f) @ fn^T with the norm applied after the projection (same value, other rounding).
-The torch form reads the streams three times (fp32 copy, norm, GEMM); this reads them once, and
-the K splits keep every SM busy at decode sizes. Grid: (row blocks of BT tokens, S splits).
-The split count depends only on T and K; batch-invariant callers pass a fixed one.
+The torch form reads the streams three times (fp32 copy, norm, GEMM) and runs an fp32 GEMM.
+Kernel: tl.dot with tf32x3 (three tf32 products: ~fp32 accuracy on tensor cores; bf16 streams
+are exact in tf32). Many tokens: one program per BT-row block over all of K. Few tokens: K is cut
+into S splits (grid rows x S) whose partial sums [S, T, W] and [S, T] a second launch adds in
+split order. S depends only on T and K; batch-invariant callers pass a fixed one.
 """
 from __future__ import annotations
 
@@ -23,26 +22,26 @@ except ImportError:  # CPU-only installs: the torch reference is used
 BK = 64
 
 
-def split_count(T: int, K: int, block_t: int = 32, target_programs: int = 264) -> int:
+def split_count(T: int, K: int, block_t: int = 32, target_programs: int = 132) -> int:
     """K splits so that row blocks x splits fills the GPU; each split a whole number of BK blocks."""
     kb = K // BK
-    s = max(1, min(kb // 4, target_programs // max(1, -(-T // block_t))))
+    s = max(1, min(kb // 4, 32, target_programs // max(1, -(-T // block_t))))
     while kb % s:
         s -= 1
     return s
 
 
-def reference(x: torch.Tensor, fn: torch.Tensor, splits: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Plain torch: x [T, K], fn [W, K] -> part [S, T, W], sq [S, T] (fp32), S = splits."""
-    f = x.float().view(x.shape[0], splits, -1).transpose(0, 1)               # [S, T, K/S]
-    w = fn.float().view(fn.shape[0], splits, -1).transpose(0, 1)             # [S, W, K/S]
-    return torch.bmm(f, w.transpose(1, 2)), f.square().sum(-1)
+def reference(x: torch.Tensor, fn: torch.Tensor, eps: float) -> torch.Tensor:
+    """Plain torch: x [T, K], fn [W, K] -> mix [T, W] (fp32)."""
+    f = x.float()
+    return (f @ fn.float().t()) * torch.rsqrt(f.square().mean(-1, keepdim=True) + eps)
 
 
 if triton is not None:
     @triton.jit
-    def _mix_kernel(x_ptr, fn_ptr, part_ptr, sq_ptr, T, stride_x, K, K_SPLIT: tl.constexpr,
-                    W: tl.constexpr, WP: tl.constexpr, BT: tl.constexpr, BLOCK_K: tl.constexpr):
+    def _mix_kernel(x_ptr, fn_ptr, out_ptr, sq_ptr, T, stride_x, K, eps, K_SPLIT: tl.constexpr,
+                    W: tl.constexpr, WP: tl.constexpr, BT: tl.constexpr, BLOCK_K: tl.constexpr,
+                    PARTIAL: tl.constexpr, PREC: tl.constexpr):
         s = tl.program_id(1)
         rows = tl.program_id(0) * BT + tl.arange(0, BT)
         live = rows < T
@@ -55,34 +54,55 @@ if triton is not None:
         for kk in range(0, K_SPLIT, BLOCK_K):
             k = k0 + kk
             f = tl.load(x_base + k + cols[None, :], mask=live[:, None], other=0.0).to(tl.float32)
-            w = tl.load(fn_ptr + w_rows[:, None] * K + k + cols[None, :],
-                        mask=(w_rows < W)[:, None], other=0.0)
-            acc = tl.dot(f, tl.trans(w), acc, input_precision="ieee")
+            w = tl.load(fn_ptr + w_rows[:, None] * K + k + cols[None, :], mask=(w_rows < W)[:, None], other=0.0)
+            acc = tl.dot(f, tl.trans(w), acc, input_precision=PREC)
             sq += f * f
-        out = part_ptr + (s * T + rows.to(tl.int64))[:, None] * W + w_rows[None, :]
-        tl.store(out, acc, mask=live[:, None] & (w_rows < W)[None, :])
-        tl.store(sq_ptr + s * T + rows, tl.sum(sq, axis=1), mask=live)
+        ssq = tl.sum(sq, axis=1)
+        omask = live[:, None] & (w_rows < W)[None, :]
+        if PARTIAL:  # [S, T, W] partial projections and [S, T] partial sums of squares
+            tl.store(out_ptr + (s * T + rows.to(tl.int64))[:, None] * W + w_rows[None, :], acc, mask=omask)
+            tl.store(sq_ptr + s * T + rows, ssq, mask=live)
+        else:
+            r = tl.rsqrt(ssq / K + eps)
+            tl.store(out_ptr + rows.to(tl.int64)[:, None] * W + w_rows[None, :], acc * r[:, None], mask=omask)
+
+    @triton.jit
+    def _reduce_kernel(part_ptr, sq_ptr, out_ptr, T, K, eps, S: tl.constexpr, W: tl.constexpr,
+                       WP: tl.constexpr):
+        t = tl.program_id(0)
+        s = tl.arange(0, S)
+        w = tl.arange(0, WP)
+        p = tl.load(part_ptr + (s[:, None] * T + t) * W + w[None, :], mask=(w < W)[None, :], other=0.0)
+        r = tl.rsqrt(tl.sum(tl.load(sq_ptr + s * T + t), axis=0) / K + eps)
+        tl.store(out_ptr + t * W + w, tl.sum(p, axis=0) * r, mask=w < W)
 
 
-def mix_partials(x: torch.Tensor, fn: torch.Tensor, splits: int | None = None):
-    """x [T, K] (bf16 / fp32, unit stride over K), fn [W, K] fp32 -> (part [S, T, W], sq [S, T]).
-    Triton on CUDA; the torch reference elsewhere."""
-    T, K = x.shape
-    splits = splits or (split_count(T, K) if triton is not None and x.is_cuda else 1)
-    if triton is None or not x.is_cuda:
-        return reference(x, fn, splits)
-    return _launch(x, fn, splits)
+def mhc_mix(x: torch.Tensor, fn: torch.Tensor, eps: float, splits: int | None = None) -> torch.Tensor:
+    """x [T, K] (unit stride over K), fn [W, K] fp32 -> mix [T, W] fp32. Triton on CUDA; the torch
+    reference elsewhere."""
+    if triton is None or not x.is_cuda or x.shape[0] == 0:
+        return reference(x, fn, eps)
+    return _launch(x, fn, eps, splits)
 
 
-def _launch(x: torch.Tensor, fn: torch.Tensor, splits: int):
+def _launch(x: torch.Tensor, fn: torch.Tensor, eps: float, splits: int | None = None) -> torch.Tensor:
     T, K = x.shape
     W = fn.shape[0]
-    if K % (splits * BK) or x.stride(-1) != 1:
-        raise ValueError(f"mix_partials: K={K} must split into {splits} x {BK}-wide blocks, unit stride")
+    bt = 16 if T <= 16 else 32
+    splits = splits or split_count(T, K, bt)
+    if K % (splits * BK) or x.stride(-1) != 1 or splits & (splits - 1):
+        raise ValueError(f"mhc_mix: K={K} must split into {splits} (a power of two) x {BK}-wide blocks, unit stride")
+    fn = fn.float().contiguous()
+    out = torch.empty(T, W, dtype=torch.float32, device=x.device)
+    wp = max(16, triton.next_power_of_2(W))
+    prec = "tf32x3" if x.is_cuda else "ieee"
+    if splits == 1:
+        _mix_kernel[(triton.cdiv(T, bt), 1)](x, fn, out, out, T, x.stride(0), K, eps, K_SPLIT=K, W=W, WP=wp, BT=bt,
+                                             BLOCK_K=BK, PARTIAL=False, PREC=prec, num_warps=4)
+        return out
     part = torch.empty(splits, T, W, dtype=torch.float32, device=x.device)
     sq = torch.empty(splits, T, dtype=torch.float32, device=x.device)
-    bt = 16 if T <= 16 else 32
-    _mix_kernel[(triton.cdiv(T, bt), splits)](x, fn.float().contiguous(), part, sq, T, x.stride(0), K, K // splits,
-                                             W=W, WP=max(16, triton.next_power_of_2(W)), BT=bt, BLOCK_K=BK,
-                                             num_warps=4)
-    return part, sq
+    _mix_kernel[(triton.cdiv(T, bt), splits)](x, fn, part, sq, T, x.stride(0), K, eps, K_SPLIT=K // splits, W=W,
+                                              WP=wp, BT=bt, BLOCK_K=BK, PARTIAL=True, PREC=prec, num_warps=4)
+    _reduce_kernel[(T,)](part, sq, out, T, K, eps, S=splits, W=W, WP=wp, num_warps=1)
+    return out

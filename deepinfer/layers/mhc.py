@@ -13,7 +13,7 @@ from torch import nn
 from deepinfer.kernels import mhc_collapse as _collapse_k
 from deepinfer.kernels import mhc_expand as _expand_k
 from deepinfer.kernels import mhc_mix as _mix_k
-from deepinfer.kernels.mhc_coeffs import mhc_coeffs, mhc_coeffs_from_partials
+from deepinfer.kernels.mhc_coeffs import mhc_coeffs
 from deepinfer.layers import invariant
 from deepinfer.layers.linear import dense_linear
 from deepinfer.layers.norm import rms_norm
@@ -30,10 +30,8 @@ class HyperConnection(nn.Module):
     def weights(self, x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor):
         """x [T, n, D] -> pre [T, n], post [T, n], comb [T, n, n] (all fp32)."""
         n = self.n
-        if _fused(x):  # split-K mix + coefficients: the streams read once, no fp32 copy
-            part, sq = _mix_k.mix_partials(x.flatten(1), fn)
-            return mhc_coeffs_from_partials(part, sq, x.shape[1] * x.shape[2], self.norm_eps, base, scale, n,
-                                            self.iters, self.hc_eps)
+        if _fused(x):  # the streams read once, no fp32 copy
+            return mhc_coeffs(_mix_k.mhc_mix(x.flatten(1), fn, self.norm_eps), base, scale, n, self.iters, self.hc_eps)
         f = x.flatten(1).float()
         if self.project_first:
             mix = dense_linear(f, fn.float()) * torch.rsqrt(f.square().mean(-1, keepdim=True) + self.norm_eps)

@@ -116,7 +116,8 @@ def test_kernel_matches_reference_on_gpu(fmt, shape, cfg):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("block,scale_dtype", [((128, 128), "fp32"), ((64, 96), "e8m0"), ((16, 48), "fp32")])
+@pytest.mark.parametrize("block,scale_dtype", [((128, 128), "fp32"), ((64, 96), "e8m0"), ((16, 48), "fp32"),
+                                              ((1, 32), "e8m0")])
 @pytest.mark.parametrize("cfg", [1, 2, 4])
 def test_fp8_other_blocks_and_fp32_scales_on_gpu(block, scale_dtype, cfg):
     a, w, offs, s = make_case([3, 0, 150, 1], 200, 480, "fp8", block=block, scale_dtype=scale_dtype, device="cuda")
