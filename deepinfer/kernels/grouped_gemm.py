@@ -106,9 +106,10 @@ def default_config(M: int, E: int, fmt: int = DENSE) -> dict:
     """Tile sizes from the mean rows per group. Few rows (decode): the weight bytes dominate, so a
     short M tile and wide N/K tiles with deep pipelining; many rows (prefill): compute-bound tiles."""
     rows = M / max(E, 1)
-    if rows <= 16:  # H200 sweep at 64 tokens x 6 of 256 experts (benchmarks/kernel_sweep.py)
-        return dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=256 if fmt == DENSE else 128, num_warps=4,
-                    num_stages=3 if fmt == FP8 else 4)
+    if rows <= 16:  # H200 sweeps at 64 tokens x 6 of 256 experts (benchmarks/kernel_sweep.py)
+        if fmt == FP8:  # 128-blocks and (1, 32) blocks both fastest with 64-wide N tiles
+            return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3)
+        return dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=256 if fmt == DENSE else 128, num_warps=4, num_stages=4)
     if rows <= 64:
         return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128 if fmt == FP4 else 64, num_warps=4, num_stages=4)
     return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128 if fmt == FP4 else 64, num_warps=8, num_stages=3)

@@ -22,8 +22,9 @@ except ImportError:  # CPU-only installs: the torch reference is used
 BK = 64
 
 
-def split_count(T: int, K: int, block_t: int = 32, target_programs: int = 132) -> int:
-    """K splits so that row blocks x splits fills the GPU; each split a whole number of BK blocks."""
+def split_count(T: int, K: int, block_t: int = 32, target_programs: int = 1024) -> int:
+    """K splits so that row blocks x splits keeps enough programs in flight for a memory-bound pass
+    (~8 per SM on an H200); each split a whole number of BK blocks, at most 32 splits."""
     kb = K // BK
     s = max(1, min(kb // 4, 32, target_programs // max(1, -(-T // block_t))))
     while kb % s:
