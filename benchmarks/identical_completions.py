@@ -3,10 +3,12 @@ times amid varied neighbours, token budgets and batch sizes; count the distinct 
 and logprob bits). With batch_invariant the count must be 1; without it, it may be more.
 
     python benchmarks/identical_completions.py --device cpu --num 200
+    python benchmarks/identical_completions.py --device cuda --dtype bfloat16 --num 1000
 """
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import random
 import tempfile
@@ -32,7 +34,8 @@ def run(ckpt: Path, args, invariant: bool) -> dict:
     done, t0 = 0, time.perf_counter()
     budgets = [args.budget, 16, 64]
     engines = {b: LLM(str(ckpt), device=args.device, dtype=args.dtype, kv_cache_dtype=args.dtype,
-                      max_num_batched_tokens=b, skip_tokenizer_init=True, batch_invariant=invariant)
+                      max_num_batched_tokens=b, skip_tokenizer_init=True, batch_invariant=invariant,
+                      kv_cache_memory=1 << 30)
                for b in budgets}
     while done < args.num:
         copies = min(args.num - done, rng.randint(1, 8))
@@ -50,6 +53,10 @@ def run(ckpt: Path, args, invariant: bool) -> dict:
                 key = (tuple(c.token_ids), tuple(tuple(sorted(lp.items())) for lp in c.logprobs))
                 seen[key] = seen.get(key, 0) + 1
                 done += 1
+    del engines
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
     return {"batch_invariant": invariant, "completions": done, "unique": len(seen),
             "largest_group": max(seen.values()), "seconds": round(time.perf_counter() - t0, 1)}
 

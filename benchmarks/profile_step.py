@@ -100,7 +100,15 @@ def main() -> None:
     ap.add_argument("--graphs", action="store_true", help="decode: time host plan / input copies / graph replay")
     ap.add_argument("--compile", action="store_true", help="torch.compile each decoder layer first")
     ap.add_argument("--sort", default="self_cuda_time_total")
+    ap.add_argument("--batch-invariant", action="store_true", help="run the steps in batch-invariant mode")
     args = ap.parse_args()
+    from deepinfer.layers import invariant
+
+    with invariant.mode(args.batch_invariant):
+        profile(args)
+
+
+def profile(args) -> None:
     from deepinfer.layers.forward_batch import SeqChunk, build_forward_batch
     from deepinfer.worker.kv_cache import static_v4_cache
 

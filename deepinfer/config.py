@@ -65,9 +65,6 @@ class EngineConfig:
             raise ValueError(f"engram_device: {self.engram_device!r} is not None or 'cpu'")
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"device: {self.device!r} is not 'cpu' or 'cuda[:N]'")
-        if self.batch_invariant and self.device != "cpu":
-            raise ValueError("batch_invariant: implemented on the CPU only so far (the GPU kernels have no "
-                             "invariant variants yet)")
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
             _check_positive(name, getattr(self, name))
         for name in ("max_model_len", "kv_cache_memory"):

@@ -78,18 +78,21 @@ if triton is not None:
         tl.store(out_ptr + t * W + w, tl.sum(p, axis=0) * r, mask=w < W)
 
 
-def mhc_mix(x: torch.Tensor, fn: torch.Tensor, eps: float, splits: int | None = None) -> torch.Tensor:
+def mhc_mix(x: torch.Tensor, fn: torch.Tensor, eps: float, splits: int | None = None,
+            fixed: bool = False) -> torch.Tensor:
     """x [T, K] (unit stride over K), fn [W, K] fp32 -> mix [T, W] fp32. Triton on CUDA; the torch
-    reference elsewhere."""
+    reference elsewhere. `fixed`: one tiling for every T (16-row blocks, no K split), so a row's
+    value does not depend on T (batch-invariant mode)."""
     if triton is None or not x.is_cuda or x.shape[0] == 0:
         return reference(x, fn, eps)
-    return _launch(x, fn, eps, splits)
+    return _launch(x, fn, eps, 1 if fixed else splits, 16 if fixed else None)
 
 
-def _launch(x: torch.Tensor, fn: torch.Tensor, eps: float, splits: int | None = None) -> torch.Tensor:
+def _launch(x: torch.Tensor, fn: torch.Tensor, eps: float, splits: int | None = None,
+            bt: int | None = None) -> torch.Tensor:
     T, K = x.shape
     W = fn.shape[0]
-    bt = 16 if T <= 16 else 32
+    bt = bt or (16 if T <= 16 else 32)
     splits = splits or split_count(T, K, bt)
     if K % (splits * BK) or x.stride(-1) != 1 or splits & (splits - 1):
         raise ValueError(f"mhc_mix: K={K} must split into {splits} (a power of two) x {BK}-wide blocks, unit stride")

@@ -58,7 +58,7 @@ class Compressor(nn.Module):
             src_kv = torch.cat((src_kv[:, :m, :d], src_kv[:, m:, d:]), dim=1)
             src_score = torch.cat((src_score[:, :m, :d], src_score[:, m:, d:]), dim=1)
         weights = torch.softmax(src_score.transpose(1, 2), dim=-1).transpose(1, 2)  # row-local over the S slots
-        pooled = (weights * src_kv).sum(dim=1).to(x.dtype)
+        pooled = invariant.reduce_sum(weights * src_kv, 1).to(x.dtype)
         entries = apply_rope(self.norm(pooled), RopeCache.at(plan.rope_pos, inv_freq))
         carry.kv[plan.carry_dst] = kv[plan.carry_src]
         carry.score[plan.carry_dst] = score[plan.carry_src]
@@ -89,16 +89,21 @@ class Indexer(nn.Module):
         out = torch.full((x.shape[0], k), -1, dtype=torch.long, device=x.device)
         if k == 0:
             return out
-        lens = batch.req_lens
-        if lens and len(lens) * 4 <= x.shape[0] and not invariant.enabled():
-            # prefill: a request's tokens share its keys, read once per request (not once per token)
+        lens, inv = batch.req_lens, invariant.enabled()
+        if lens and (len(lens) * 4 <= x.shape[0] and not inv or inv and x.is_cuda):
+            # a request's tokens share its keys, read once per request (not once per token); in
+            # invariant mode on CUDA every step takes this path, with fixed-order GEMMs and sums
             t0 = 0
             for r, n in enumerate(lens):
                 kk = keys.read(plan.addr[r], torch.float32)                     # [nv, Di]
                 for sl in _chunks(n, nv * self.n_heads):
                     sl = slice(t0 + sl.start, t0 + sl.stop)
-                    s = (q[sl].flatten(0, 1) @ kk.t()).view(-1, self.n_heads, nv).relu_()
-                    s = torch.bmm(w[sl, None, :], s).squeeze(1)                  # sum_h w_h * relu(q_h . k)
+                    qk = invariant.linear(q[sl], kk) if inv else q[sl].flatten(0, 1) @ kk.t()
+                    s = qk.view(-1, self.n_heads, nv).relu_()
+                    if inv:
+                        s = invariant.reduce_sum(s * w[sl, :, None], 1)          # sum_h w_h * relu(q_h . k)
+                    else:
+                        s = torch.bmm(w[sl, None, :], s).squeeze(1)
                     out[sl] = self._top(s, plan.visible[sl], k)
                 t0 += n
             return out
@@ -143,7 +148,8 @@ def sparse_attention(q: torch.Tensor, kv_new: torch.Tensor, batch: ForwardBatch,
         if has_ent:
             addr = torch.where(entry_ids >= 0, plan.addr[batch.token_req[:, None], entry_ids.clamp(min=0)], -1)
         return _sa_kernel.sparse_attention(q, kv_new, batch.win_new, batch.win_ring, tuple(ring.tensors()), ring_fmt,
-                                           addr, tuple(entries.tensors()) if has_ent else None, ent_fmt, sinks, scale)
+                                           addr, tuple(entries.tensors()) if has_ent else None, ent_fmt, sinks, scale,
+                                           **invariant.attention_tiles())
     T, H, D = q.shape
     out = torch.empty_like(q)
     n_keys = batch.win_new.shape[1] + (entry_ids.shape[1] if entry_ids is not None else 0)

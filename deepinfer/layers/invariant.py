@@ -15,9 +15,17 @@ a call, where the row sits among them, or how wide the padded key lists of the s
 - Threads: with one GEMM to run, the CPU library may split its reduction across threads, and
   elementwise loops split their range per thread (each part with its own scalar tail), so the
   results depend on how much work the step has. An invariant step runs on one CPU thread.
+On CUDA the same property comes from kernels whose tiling is fixed whatever the shapes:
+- GEMMs (`linear`, `linear_fp32`): kernels/invariant_matmul.py (cuBLAS picks kernels and split-K
+  by shape); grouped / quantised GEMMs run kernels/grouped_gemm.py with GEMM_TILES for every M.
+- Reductions over a dim (`reduce_sum`): torch's reduction kernels choose how to split a row's sum
+  from the tensor's shape, so sums run as a GEMM with a ones vector on the invariant tiling.
+- Sparse attention: one tiling (ATTENTION_TILES) and no key splits for prefill and decode; the
+  key blocks a wider (padded) entry list adds are fully masked and change nothing.
+- Row-local Triton kernels (RMSNorm, RoPE, SwiGLU, MoE combine, mHC) are invariant as they are;
+  the mHC mix runs unsplit with a fixed row block.
 The mode is set around a model step (`mode`); the flag is thread-local, the thread count is
-process-wide while the step runs. CUDA needs invariant kernels that do not exist yet: the engine
-refuses it there.
+process-wide while the step runs.
 """
 from __future__ import annotations
 
@@ -26,9 +34,13 @@ import threading
 
 import torch
 
+from deepinfer.kernels import invariant_matmul as _imm
+
 ROWS = 16
 KEYS = 16
 PAD = 64  # a multiple of every CPU vector width in elements (AVX-512 float: 16, bf16: 32)
+GEMM_TILES = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3)  # grouped_gemm, any M
+ATTENTION_TILES = dict(block_h=16, block_n=32, num_warps=8, num_stages=1, num_splits=1)
 _state = threading.local()
 
 
@@ -50,8 +62,20 @@ def mode(on: bool):
             torch.set_num_threads(threads)
 
 
+def gemm_tiles() -> dict:
+    """Tile kwargs for kernels.grouped_gemm: fixed in invariant mode, its shape-tuned defaults otherwise."""
+    return GEMM_TILES if enabled() else {}
+
+
+def attention_tiles() -> dict:
+    return ATTENTION_TILES if enabled() else {}
+
+
 def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x [..., K] @ w [N, K]^T in tiles of exactly ROWS rows (same dtype for x and w)."""
+    """x [..., K] @ w [N, K]^T (same dtype for x and w): on CUDA the fixed-tiling Triton GEMM; on the
+    CPU in tiles of exactly ROWS rows."""
+    if x.is_cuda:
+        return _imm.matmul(x, w)
     K, N = x.shape[-1], w.shape[0]
     rows = x.reshape(-1, K)
     T = rows.shape[0]
@@ -62,6 +86,22 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         rows = torch.cat((rows, rows.new_zeros(n * ROWS - T, K)))
     out = torch.bmm(rows.view(n, ROWS, K), w.t().expand(n, K, N))
     return out.reshape(n * ROWS, N)[:T].view(*x.shape[:-1], N)
+
+
+def linear_fp32(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x @ w^T with an fp32 result; on CUDA bf16 operands stay bf16 (their products are exact in fp32)."""
+    if x.is_cuda and x.dtype == w.dtype:
+        return _imm.matmul(x, w, torch.float32)
+    return linear(x.float(), w.float())
+
+
+def reduce_sum(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """x.sum(dim); in invariant mode on CUDA as a GEMM with a ones vector (fixed summation order)."""
+    if not (enabled() and x.is_cuda):
+        return x.sum(dim)
+    xt = x.movedim(dim, -1)
+    ones = torch.ones(1, xt.shape[-1], dtype=x.dtype, device=x.device)
+    return _imm.matmul(xt.reshape(-1, xt.shape[-1]), ones).view(xt.shape[:-1])
 
 
 def pointwise(fn, x: torch.Tensor) -> torch.Tensor:

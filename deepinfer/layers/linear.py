@@ -71,7 +71,8 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.block_size is not None and x.is_cuda and x.dtype == torch.bfloat16 and triton_available():
             # W8A16 on the GPU: one group, the FP8 tiles dequantised in the GEMM's registers
-            y = grouped_gemm(x.reshape(-1, self.in_features), self.weight, None, self.scale, self.block_size)
+            y = grouped_gemm(x.reshape(-1, self.in_features), self.weight, None, self.scale, self.block_size,
+                             **invariant.gemm_tiles())
             return y.view(*x.shape[:-1], self.out_features)
         return dense_linear(x, self.dense_weight(x.dtype))
 
@@ -85,7 +86,9 @@ def matmul_fp32(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x [..., K] @ w [N, K]^T in fp32, as the reference computes routers and compressors (both
     upcast). bf16 x bf16 products are exact in fp32, so on CUDA one GEMM with fp32 accumulation and
     output gives the same values up to summation order, without an fp32 copy of the weight."""
-    if x.is_cuda and x.dtype == torch.bfloat16 and w.dtype == torch.bfloat16 and not invariant.enabled():
+    if invariant.enabled():
+        return invariant.linear_fp32(x, w)
+    if x.is_cuda and x.dtype == torch.bfloat16 and w.dtype == torch.bfloat16:
         return torch.mm(x.reshape(-1, x.shape[-1]), w.t(), out_dtype=torch.float32).view(*x.shape[:-1], w.shape[0])
     return dense_linear(x.float(), w.float())
 

@@ -31,7 +31,7 @@ class HyperConnection(nn.Module):
         """x [T, n, D] -> pre [T, n], post [T, n], comb [T, n, n] (all fp32)."""
         n = self.n
         if _fused(x):  # the streams read once, no fp32 copy
-            return mhc_coeffs(_mix_k.mhc_mix(x.flatten(1), fn, self.norm_eps), base, scale, n, self.iters, self.hc_eps)
+            return mhc_coeffs(_mix(x, fn, self.norm_eps), base, scale, n, self.iters, self.hc_eps)
         f = x.flatten(1).float()
         if self.project_first:
             mix = dense_linear(f, fn.float()) * torch.rsqrt(f.square().mean(-1, keepdim=True) + self.norm_eps)
@@ -50,8 +50,13 @@ def register_hc_params(module: nn.Module, n: int, dim: int, sites=("attn", "ffn"
 
 
 def _fused(x: torch.Tensor) -> bool:
-    """The Triton mHC kernels run on CUDA outside batch-invariant mode (they round once, in fp32)."""
-    return x.is_cuda and _mix_k.triton is not None and not invariant.enabled()
+    """The Triton mHC kernels run on CUDA (they round once, in fp32; all are row-local)."""
+    return x.is_cuda and _mix_k.triton is not None
+
+
+def _mix(x: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.Tensor:
+    """rms_norm(streams) @ fn^T [T, W] fp32 by the Triton kernel (unsplit in batch-invariant mode)."""
+    return _mix_k.mhc_mix(x.flatten(1), fn, norm_eps, fixed=invariant.enabled())
 
 
 def collapse(x: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
@@ -79,6 +84,6 @@ def expand(x: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Ten
 def head_collapse(x: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
                   hc_eps: float, norm_eps: float) -> torch.Tensor:
     """Final hc_head: sigmoid weights, no Sinkhorn, no post/comb."""
-    mix = dense_linear(rms_norm(x.flatten(1), norm_eps), fn.float())
+    mix = _mix(x, fn, norm_eps) if _fused(x) else dense_linear(rms_norm(x.flatten(1), norm_eps), fn.float())
     pre = invariant.pointwise(torch.sigmoid, mix * scale.float() + base.float()) + hc_eps
     return collapse(x, pre)

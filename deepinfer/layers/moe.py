@@ -46,7 +46,7 @@ class Gate(nn.Module):
             bias = self.bias if image_mask is None else torch.where(image_mask[:, None], self.bias_vl, self.bias)
             idx = torch.topk(scores + bias, self.topk, dim=-1).indices
         w = scores.gather(1, idx)
-        return w / w.sum(dim=-1, keepdim=True) * self.route_scale, idx
+        return w / invariant.reduce_sum(w, -1).unsqueeze(-1) * self.route_scale, idx
 
 
 class MLP(nn.Module):
@@ -95,13 +95,14 @@ class Experts(nn.Module):
 
     def _grouped_mm(self, xs: torch.Tensor, name: str, offs: torch.Tensor) -> torch.Tensor:
         w, scale = getattr(self, name), getattr(self, f"{name}_scale", None)
+        tiles = invariant.gemm_tiles()  # batch-invariant mode: one tiling for every row count
         if scale is None:
-            if xs.shape[0] <= 16 * self.num_experts:  # decode: the Triton kernel streams weights faster
-                return grouped_gemm(xs, w, offs)
+            if xs.shape[0] <= 16 * self.num_experts or tiles:  # decode: the Triton kernel streams weights faster
+                return grouped_gemm(xs, w, offs, **tiles)
             return torch._grouped_mm(xs, w.transpose(1, 2), offs=offs)
         if w.dtype == torch.float8_e4m3fn and self.quant.fp4_experts:
-            return grouped_gemm(xs, w, offs, scale, (1, FP4_GROUP))
-        return grouped_gemm(xs, w, offs, scale, self.quant.block_size)
+            return grouped_gemm(xs, w, offs, scale, (1, FP4_GROUP), **tiles)
+        return grouped_gemm(xs, w, offs, scale, self.quant.block_size, **tiles)
 
     @torch.no_grad()
     def repack_fp4_as_fp8(self) -> None:

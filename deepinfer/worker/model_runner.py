@@ -38,7 +38,7 @@ class ModelRunner:
         model's replay layer (None = exact prefill, or a model without one). `cuda_graphs`: replay
         pure-decode steps as CUDA graphs where the model allows it (see _graphs_for)."""
         self.model, self.cache, self.device = model, cache, torch.device(device)
-        self.batch_invariant = batch_invariant  # EngineConfig allows it on the CPU only
+        self.batch_invariant = batch_invariant
         self.replay_keep = replay_keep if getattr(model, "replay_layer", -1) >= 0 else None
         self.graphs = _graphs_for(model, cache, self.device) if cuda_graphs else None
         self.generator = torch.Generator(device=self.device)

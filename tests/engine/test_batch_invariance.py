@@ -1,4 +1,5 @@
-"""Batch-invariant inference and deterministic (seeded) sampling on the CPU (issue: DEEPINFER_BATCH_INVARIANT)."""
+"""Batch-invariant inference and deterministic (seeded) sampling (issue: DEEPINFER_BATCH_INVARIANT);
+the gpu-marked cases run the same checks on CUDA (Triton kernels with fixed tilings, CUDA graphs)."""
 from __future__ import annotations
 
 import pytest
@@ -28,14 +29,20 @@ def _prompts(lens: list[int], seed: int, vocab: int = VOCAB) -> list[list[int]]:
     return [[0] + torch.randint(3, vocab, (n - 1,), generator=g).tolist() for n in lens]
 
 
-def _engine(ckpt, dtype: str, kv: str | None = None, **kw) -> LLM:
-    return LLM(str(ckpt), device="cpu", dtype=dtype, kv_cache_dtype=kv or dtype, kv_cache_memory=64 << 20,
+def _engine(ckpt, dtype: str, kv: str | None = None, device: str = "cpu", **kw) -> LLM:
+    return LLM(str(ckpt), device=device, dtype=dtype, kv_cache_dtype=kv or dtype, kv_cache_memory=64 << 20,
                batch_invariant=True, **kw)
 
 
-@pytest.mark.parametrize("arch, dtype, kv", [("v4", "float32", "float32"), ("v4", "bfloat16", "bfloat16"),
-                                             ("v41", "float32", "auto"), ("v41", "bfloat16", "auto")])
-def test_logprobs_are_bit_identical_across_batch_mixes_and_chunking(request, arch, dtype, kv):
+def _gpu(*args):
+    return pytest.param(*args, "cuda", marks=pytest.mark.gpu)
+
+
+@pytest.mark.parametrize("arch, dtype, kv, device", [
+    ("v4", "float32", "float32", "cpu"), ("v4", "bfloat16", "bfloat16", "cpu"),
+    ("v41", "float32", "auto", "cpu"), ("v41", "bfloat16", "auto", "cpu"),
+    _gpu("v4", "bfloat16", "bfloat16"), _gpu("v4", "float32", "float32"), _gpu("v41", "bfloat16", "auto")])
+def test_logprobs_are_bit_identical_across_batch_mixes_and_chunking(request, arch, dtype, kv, device):
     """V4 with exact KV; V4.1 (Engram, CSA2 roles, bounded replay) with its reference cache formats."""
     path = request.getfixturevalue("ckpt" if arch == "v4" else "ckpt41")
     vocab = VOCAB if arch == "v4" else PRESETS["tiny41"]["text_config"]["vocab_size"]
@@ -46,7 +53,7 @@ def test_logprobs_are_bit_identical_across_batch_mixes_and_chunking(request, arc
     for name, budget, batch in [("solo", 8192, []), ("short neighbours", 8192, short),
                                 ("long neighbours", 64, long), ("chunked prompt", 8, []),
                                 ("chunked, mixed", 12, short[:1] + long[:1])]:
-        llm = _engine(path, dtype, kv, max_num_batched_tokens=budget)
+        llm = _engine(path, dtype, kv, device, max_num_batched_tokens=budget)
         out = llm.generate(batch[:1] + [target] + batch[1:], params, use_tqdm=False)[min(1, len(batch))].outputs[0]
         runs[name] = (out.token_ids, out.logprobs)
     solo = runs.pop("solo")
@@ -55,15 +62,16 @@ def test_logprobs_are_bit_identical_across_batch_mixes_and_chunking(request, arc
         assert got[1] == solo[1], name  # every top-5 logprob, bit for bit (==, not close)
 
 
-def test_seeded_sampling_is_reproducible_alone_batched_and_across_instances(ckpt):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_seeded_sampling_is_reproducible_alone_batched_and_across_instances(ckpt, device):
     prompt = _prompts([40], seed=4)[0]
     seeded = SamplingParams(temperature=0.9, top_p=0.95, max_tokens=12, ignore_eos=True, seq_seed=1234)
-    alone = _engine(ckpt, "float32").generate([prompt], seeded, use_tqdm=False)[0].outputs[0].token_ids
+    alone = _engine(ckpt, "float32", device=device).generate([prompt], seeded, use_tqdm=False)[0].outputs[0].token_ids
     others = _prompts([12, 50, 30], seed=5)
     mix = [SamplingParams(temperature=0.9, top_p=0.95, max_tokens=12, ignore_eos=True, seq_seed=7),
            seeded, SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True),  # unseeded neighbour
            SamplingParams(temperature=0.9, top_k=20, min_p=0.01, max_tokens=12, ignore_eos=True, seq_seed=99)]
-    second = _engine(ckpt, "float32", max_num_batched_tokens=16)
+    second = _engine(ckpt, "float32", device=device, max_num_batched_tokens=16)
     batched = second.generate([others[0], prompt, others[1], others[2]], mix, use_tqdm=False)
     assert batched[1].outputs[0].token_ids == alone
     assert second.generate([prompt], seeded, use_tqdm=False)[0].outputs[0].token_ids == alone  # same instance again
@@ -87,8 +95,7 @@ def test_config_switch():
     assert not EngineConfig.from_env({"DEEPINFER_BATCH_INVARIANT": "1"}, device="cpu", batch_invariant=False).batch_invariant
     with pytest.raises(ValueError, match="batch_invariant"):
         EngineConfig.from_env({"DEEPINFER_BATCH_INVARIANT": "maybe"}, device="cpu")
-    with pytest.raises(ValueError, match="batch_invariant"):
-        EngineConfig(device="cuda", batch_invariant=True)
+    assert EngineConfig(device="cuda", batch_invariant=True).batch_invariant  # Triton kernels with fixed tilings
 
 
 @pytest.mark.parametrize("n, k", [(96, 200), (24, 1024)])  # (24, 1024): one GEMM alone splits K across threads
