@@ -223,7 +223,8 @@ def build_forward_batch(chunks: list[SeqChunk], window: int, compress_kinds: set
     replay_from = torch.tensor([c.replay_from for c in chunks])[req]
     keep = pos >= replay_from
     # replay applies if rows are dropped, or a kept row's window reaches below its request's replay_from
-    if not keep.all() or (pos - window + 1 < replay_from).any():
+    # (replay_from 0: nothing lies below it, whatever the window)
+    if not keep.all() or ((replay_from > 0) & (pos - window + 1 < replay_from)).any():
         batch.replay = _replay_plan(batch, keep, pos, start, end, slot, replay_from, window, to)
     return batch
 

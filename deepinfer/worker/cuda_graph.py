@@ -70,7 +70,9 @@ class DecodeGraphs:
         cfg = self.model.config
         batch = build_forward_batch(chunks, cfg.sliding_window, self.cache.compress_kinds, self.cache.block_size,
                                     "cpu", fixed=fixed)
-        return (padded, tuple(sorted(visible.items()))), batch
+        # the input layout (which tensors, their shapes) is part of the key: a graph reads exactly those
+        layout = tuple((name, tuple(t.shape)) for name, t in _tensors(batch))
+        return (padded, tuple(sorted(visible.items())), layout), batch
 
     def _stage(self, batch: ForwardBatch) -> torch.Tensor:
         """The batch's index tensors packed into the next free pinned buffer (a flat int64 view)."""

@@ -31,3 +31,13 @@ def test_compress_plan_closes_entries_and_tracks_visibility():
         build_forward_batch([SeqChunk(1, 6, [9, 9, 9], {4: []})], 8, {(4, True)}, 2, "cpu")
     # the last 8 positions (3..10) stay in the carry; only 6..10 are new here
     assert p.carry_src.tolist() == [0, 1, 2, 3, 4]
+
+
+def test_no_replay_plan_without_replay_from():
+    """replay_from 0 (no bounded replay): a short context's window reaching below position 0 is no
+    reason for a replay plan; the decode-graph input layout must not depend on the context length."""
+    for start in (3, 200):
+        b = build_forward_batch([SeqChunk(0, start, [7])], 128, set(), 16, "cpu")
+        assert b.replay is None
+    b = build_forward_batch([SeqChunk(0, 10, [7], replay_from=5)], 128, set(), 16, "cpu")
+    assert b.replay is not None

@@ -1,0 +1,122 @@
+"""Where does a request's computation first depend on its batch? Runs one target prompt through the
+model (batch-invariant mode) alone, amid neighbours, and chunked, records every module's output rows
+for the target's tokens, and prints the first module (in call order) whose rows differ in bits.
+
+    python benchmarks/invariance_probe.py --device cuda --dtype bfloat16
+"""
+from __future__ import annotations
+
+import argparse
+import tempfile
+from pathlib import Path
+
+import torch
+
+from deepinfer.layers import invariant
+from deepinfer.layers.forward_batch import SeqChunk, build_forward_batch
+from deepinfer.loader.model_loader import load_model
+from deepinfer.tools.make_checkpoint import PRESETS, write_checkpoint
+from deepinfer.worker.kv_cache import static_v4_cache
+
+
+def record(model, cache, steps, target_slot: int, on: bool = True) -> list[tuple[str, torch.Tensor]]:
+    """Run `steps` (lists of SeqChunk) in order; (module name, output rows of the target's tokens) in call order."""
+    seen: list[tuple[str, torch.Tensor]] = []
+    rows: list = []  # [target's token rows, tokens in the step]
+    handles = []
+    for name, mod in model.named_modules():
+        def hook(m, inp, out, name=name):
+            o = out[0] if isinstance(out, tuple) else out
+            if isinstance(o, torch.Tensor) and o.dim() and o.shape[0] == rows[1]:  # one row per token of the step
+                seen.append((name, o[rows[0]].detach().clone().cpu()))
+        handles.append(mod.register_forward_hook(hook))
+    cfg = model.config
+    try:
+        for chunks in steps:
+            lens = [len(c.token_ids) for c in chunks]
+            i = [c.slot for c in chunks].index(target_slot)
+            dev = model.embed.weight.device
+            rows[:] = [torch.arange(sum(lens[:i]), sum(lens[:i + 1]), device=dev), sum(lens)]
+            b = build_forward_batch(chunks, cfg.sliding_window, cache.compress_kinds, cache.block_size, dev)
+            with torch.inference_mode(), invariant.mode(on):
+                model.compute_logits(model(b, cache.layers)[b.logits_idx])
+            seen.append(("--step--", torch.zeros(0)))
+    finally:
+        for h in handles:
+            h.remove()
+    return seen
+
+
+def _pad(t: torch.Tensor, width: int) -> torch.Tensor:
+    return torch.nn.functional.pad(t, (0, max(0, width - t.shape[1])), value=-1)
+
+
+def _cat(ts: list[torch.Tensor]) -> torch.Tensor:
+    if all(t.dim() == 2 for t in ts):
+        w = max(t.shape[1] for t in ts)
+        ts = [_pad(t, w) for t in ts]
+    return torch.cat(ts)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--preset", default="tiny")
+    ap.add_argument("--off", action="store_true", help="without batch-invariant mode (shows what it fixes)")
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        ckpt = write_checkpoint(Path(tmp) / "ckpt", PRESETS[args.preset], seed=3, dtype="fp8")
+        model, _ = load_model(str(ckpt), dtype=getattr(torch, args.dtype), device=args.device)
+    cfg = model.config
+    g = torch.Generator().manual_seed(1)
+    target = [0] + torch.randint(3, cfg.vocab_size, (60,), generator=g).tolist()
+    short = [[0] + torch.randint(3, cfg.vocab_size, (n,), generator=g).tolist() for n in (4, 8)]
+
+    def fresh():
+        return static_v4_cache(cfg, 3, 128, args.dtype, args.device, block_size=16)
+
+    def chunk(cache, slot, start, ids):
+        return SeqChunk(slot, start, ids, cache.static_tables(slot))
+
+    n, nxt = len(target), [5]  # then one decode step (eager) with the same next token everywhere
+    c = fresh()
+    solo = record(model, c, [[chunk(c, 0, 0, target)], [chunk(c, 0, n, nxt)]], 0, not args.off)
+    c = fresh()
+    mixed = record(model, c, [[chunk(c, 1, 0, short[0]), chunk(c, 0, 0, target), chunk(c, 2, 0, short[1])],
+                              [chunk(c, 1, len(short[0]), nxt), chunk(c, 0, n, nxt), chunk(c, 2, len(short[1]), nxt)]], 0, not args.off)
+    c = fresh()
+    steps = [[chunk(c, 0, s, target[s:s + 8])] for s in range(0, n, 8)] + [[chunk(c, 0, n, nxt)]]
+    chunked = record(model, c, steps, 0, not args.off)
+    # the chunked run's rows: concatenate each module's outputs over the steps, in call order per step
+    per_step, cur = [], []
+    for name, t in chunked:
+        if name == "--step--":
+            per_step.append(cur)
+            cur = []
+        else:
+            cur.append((name, t))
+    prefill = per_step[:-1]
+    joined = [(name, _cat([s[k][1] for s in prefill])) for k, (name, _) in enumerate(prefill[0])
+              if all(len(s) > k and s[k][0] == name for s in prefill)]
+    joined += [("--step--", torch.zeros(0))] + per_step[-1]
+    for label, other in (("with neighbours", mixed), ("chunked by 8", joined)):
+        phase = "prefill"
+        for (n1, a), (n2, b) in zip(solo, other):
+            if n1 == "--step--":
+                phase = "decode"
+                continue
+            if a.dim() == 2 and b.dim() == 2 and a.shape[1] != b.shape[1]:  # selected-entry ids: pad with -1
+                a, b = _pad(a, b.shape[1]), _pad(b, a.shape[1])
+            if n1 != n2 or a.shape != b.shape:
+                print(f"{label}: call order differs at {n1} / {n2} ({tuple(a.shape)} vs {tuple(b.shape)})")
+                break
+            if not torch.equal(a, b):
+                print(f"{label}: first difference in {n1} ({phase}): max |diff| {(a.float() - b.float()).abs().max().item():.3g}")
+                break
+        else:
+            print(f"{label}: every module's rows bit-identical")
+
+
+if __name__ == "__main__":
+    main()
