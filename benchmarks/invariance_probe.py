@@ -64,6 +64,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--preset", default="tiny")
     ap.add_argument("--off", action="store_true", help="without batch-invariant mode (shows what it fixes)")
+    ap.add_argument("--chunk", type=int, default=8, help="prompt chunk size of the chunked run")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = write_checkpoint(Path(tmp) / "ckpt", PRESETS[args.preset], seed=3, dtype="fp8")
@@ -74,7 +75,7 @@ def main() -> None:
     short = [[0] + torch.randint(3, cfg.vocab_size, (n,), generator=g).tolist() for n in (4, 8)]
 
     def fresh():
-        return static_v4_cache(cfg, 3, 128, args.dtype, args.device, block_size=16)
+        return static_v4_cache(cfg, 3, 128, args.dtype, args.device, block_size=16, scratch=True)
 
     def chunk(cache, slot, start, ids):
         return SeqChunk(slot, start, ids, cache.static_tables(slot))
@@ -86,7 +87,8 @@ def main() -> None:
     mixed = record(model, c, [[chunk(c, 1, 0, short[0]), chunk(c, 0, 0, target), chunk(c, 2, 0, short[1])],
                               [chunk(c, 1, len(short[0]), nxt), chunk(c, 0, n, nxt), chunk(c, 2, len(short[1]), nxt)]], 0, not args.off)
     c = fresh()
-    steps = [[chunk(c, 0, s, target[s:s + 8])] for s in range(0, n, 8)] + [[chunk(c, 0, n, nxt)]]
+    k = args.chunk
+    steps = [[chunk(c, 0, s, target[s:s + k])] for s in range(0, n, k)] + [[chunk(c, 0, n, nxt)]]
     chunked = record(model, c, steps, 0, not args.off)
     # the chunked run's rows: concatenate each module's outputs over the steps, in call order per step
     per_step, cur = [], []
@@ -100,7 +102,7 @@ def main() -> None:
     joined = [(name, _cat([s[k][1] for s in prefill])) for k, (name, _) in enumerate(prefill[0])
               if all(len(s) > k and s[k][0] == name for s in prefill)]
     joined += [("--step--", torch.zeros(0))] + per_step[-1]
-    for label, other in (("with neighbours", mixed), ("chunked by 8", joined)):
+    for label, other in (("with neighbours", mixed), (f"chunked by {k}", joined)):
         phase = "prefill"
         for (n1, a), (n2, b) in zip(solo, other):
             if n1 == "--step--":
@@ -116,6 +118,37 @@ def main() -> None:
                 break
         else:
             print(f"{label}: every module's rows bit-identical")
+    if args.device.startswith("cuda"):
+        graph_check(model, cfg, fresh, chunk, target, short, nxt, not args.off)
+
+
+def graph_check(model, cfg, fresh, chunk, target, short, nxt, on: bool) -> None:
+    """The decode step through DecodeGraphs (padded batch buckets, fixed shapes): the target's logits
+    alone vs amid two neighbours vs the eager step."""
+    from deepinfer.worker.cuda_graph import DecodeGraphs
+
+    logits = {}
+    for label, prompts in (("alone", [target]), ("with neighbours", [short[0], target, short[1]])):
+        for graphs in (False, True):
+            c = fresh()
+            slots = list(range(len(prompts)))
+            with torch.inference_mode(), invariant.mode(on):
+                b = build_forward_batch([chunk(c, s, 0, p) for s, p in zip(slots, prompts)], cfg.sliding_window,
+                                        c.compress_kinds, c.block_size, "cuda")
+                model(b, c.layers)
+                dec = [chunk(c, s, len(p), nxt) for s, p in zip(slots, prompts)]
+                i = prompts.index(target)
+                if graphs:
+                    out = DecodeGraphs(model, c, c.scratch_slot, c.scratch_addr).run(dec)[i]
+                else:
+                    b = build_forward_batch(dec, cfg.sliding_window, c.compress_kinds, c.block_size, "cuda")
+                    out = model.compute_logits(model(b, c.layers)[b.logits_idx])[i]
+            logits[(label, graphs)] = out.float().cpu()
+    ref = logits[("alone", False)]
+    for key, val in logits.items():
+        same = torch.equal(val, ref)
+        print(f"decode logits {key[0]}, {'graph' if key[1] else 'eager'}: "
+              f"{'bit-identical' if same else 'max |diff| %.3g' % (val - ref).abs().max().item()} vs alone, eager")
 
 
 if __name__ == "__main__":

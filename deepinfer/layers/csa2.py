@@ -100,7 +100,7 @@ class Indexer41(nn.Module):
         for sl in _chunks(x.shape[0], nv * self.index_dim):
             kk = keys.read(plan.addr[batch.token_req[sl]], torch.float32)          # [Tc, nv, Di]
             qs, ws = q[sl].float(), w[sl, :, None]
-            s = invariant.by_key_blocks(lambda kb: (torch.einsum("thd,tcd->thc", qs, kb).relu() * ws).sum(dim=1), kk)
+            s = invariant.by_key_blocks(lambda kb: invariant.reduce_sum(invariant.qk(qs, kb).relu() * ws, 1), kk)
             visible = torch.arange(nv, device=x.device) < plan.visible[sl, None]
             s = s.masked_fill(~visible, float("-inf"))
             if candidate_source:

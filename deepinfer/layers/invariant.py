@@ -134,7 +134,7 @@ def attend(q: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, sinks: torc
     keys, valid = _pad_keys(keys, valid)
     qf = q.float()
     blocks = _key_blocks(keys.shape[1])
-    logits = torch.cat([torch.einsum("thd,tkd->thk", qf, keys[:, b]) for b in blocks], dim=-1) * scale
+    logits = torch.cat([qk(qf, keys[:, b]) for b in blocks], dim=-1) * scale
     logits = logits.masked_fill(~valid[:, None, :], float("-inf"))
     sink = sinks.float().view(1, -1)
     m = torch.maximum(logits.amax(-1), sink)
@@ -143,9 +143,24 @@ def attend(q: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, sinks: torc
     acc = torch.zeros_like(qf)
     for b in blocks:
         denom = denom + p[..., b].sum(-1)
-        acc = acc + torch.einsum("thk,tkd->thd", p[..., b], keys[:, b])
+        acc = acc + _pv(p[..., b], keys[:, b])
     denom = denom + pointwise(torch.exp, sink - m)
     return (acc / denom[..., None]).to(q.dtype)
+
+
+def qk(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """[T, H, D] x [T, K, D] -> [T, H, K]; on CUDA as products + fixed-order sums (a batched GEMM's
+    kernel, and so its reduction order, depends on the batch count)."""
+    if enabled() and q.is_cuda:
+        return reduce_sum(q[:, :, None, :] * k[:, None, :, :], -1)
+    return torch.einsum("thd,tkd->thk", q, k)
+
+
+def _pv(p: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """[T, H, K] x [T, K, D] -> [T, H, D] (see qk)."""
+    if enabled() and p.is_cuda:
+        return reduce_sum(p[:, :, :, None] * v[:, None, :, :], 2)
+    return torch.einsum("thk,tkd->thd", p, v)
 
 
 def by_key_blocks(fn, keys: torch.Tensor) -> torch.Tensor:
