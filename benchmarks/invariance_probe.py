@@ -34,13 +34,18 @@ def record(model, cache, steps, target_slot: int, on: bool = True) -> list[tuple
     try:
         for chunks in steps:
             lens = [len(c.token_ids) for c in chunks]
-            i = [c.slot for c in chunks].index(target_slot)
+            slots = [c.slot for c in chunks]
             dev = model.embed.weight.device
-            rows[:] = [torch.arange(sum(lens[:i]), sum(lens[:i + 1]), device=dev), sum(lens)]
+            if target_slot in slots:
+                i = slots.index(target_slot)
+                rows[:] = [torch.arange(sum(lens[:i]), sum(lens[:i + 1]), device=dev), sum(lens)]
+            else:  # a step without the target: run it, record nothing
+                rows[:] = [None, -1]
             b = build_forward_batch(chunks, cfg.sliding_window, cache.compress_kinds, cache.block_size, dev)
             with torch.inference_mode(), invariant.mode(on):
                 model.compute_logits(model(b, cache.layers)[b.logits_idx])
-            seen.append(("--step--", torch.zeros(0)))
+            if target_slot in slots:
+                seen.append(("--step--", torch.zeros(0)))
     finally:
         for h in handles:
             h.remove()
@@ -56,6 +61,22 @@ def _cat(ts: list[torch.Tensor]) -> torch.Tensor:
         w = max(t.shape[1] for t in ts)
         ts = [_pad(t, w) for t in ts]
     return torch.cat(ts)
+
+
+def _join(seen: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+    """A run whose prompt took several steps, as one prefill: each module's rows concatenated over
+    the prompt's steps (in call order per step), then the final (decode) step as recorded."""
+    per_step, cur = [], []
+    for name, t in seen:
+        if name == "--step--":
+            per_step.append(cur)
+            cur = []
+        else:
+            cur.append((name, t))
+    prefill = per_step[:-1]
+    joined = [(name, _cat([s[k][1] for s in prefill])) for k, (name, _) in enumerate(prefill[0])
+              if all(len(s) > k and s[k][0] == name for s in prefill)]
+    return joined + [("--step--", torch.zeros(0))] + per_step[-1] + [("--step--", torch.zeros(0))]
 
 
 def main() -> None:
@@ -89,20 +110,17 @@ def main() -> None:
     c = fresh()
     k = args.chunk
     steps = [[chunk(c, 0, s, target[s:s + k])] for s in range(0, n, k)] + [[chunk(c, 0, n, nxt)]]
-    chunked = record(model, c, steps, 0, not args.off)
-    # the chunked run's rows: concatenate each module's outputs over the steps, in call order per step
-    per_step, cur = [], []
-    for name, t in chunked:
-        if name == "--step--":
-            per_step.append(cur)
-            cur = []
-        else:
-            cur.append((name, t))
-    prefill = per_step[:-1]
-    joined = [(name, _cat([s[k][1] for s in prefill])) for k, (name, _) in enumerate(prefill[0])
-              if all(len(s) > k and s[k][0] == name for s in prefill)]
-    joined += [("--step--", torch.zeros(0))] + per_step[-1]
-    for label, other in (("with neighbours", mixed), (f"chunked by {k}", joined)):
+    chunked = _join(record(model, c, steps, 0, not args.off))
+    # the engine's "long neighbours" mix with a 64-token budget: the target's prompt in two pieces
+    # next to other requests' continuation chunks, its first decode beside another prefill chunk
+    c = fresh()
+    long = [[0] + torch.randint(3, cfg.vocab_size, (m,), generator=g).tolist() for m in (89, 40)]
+    steps = [[chunk(c, 1, 0, long[0][:64])], [chunk(c, 1, 64, long[0][64:]), chunk(c, 0, 0, target[:38])],
+             [chunk(c, 0, 38, target[38:]), chunk(c, 2, 0, long[1][:41])],
+             [chunk(c, 1, len(long[0]), nxt), chunk(c, 0, n, nxt)]]
+    interleaved = _join(record(model, c, steps, 0, not args.off))
+    for label, other in (("with neighbours", mixed), (f"chunked by {k}", chunked),
+                         ("interleaved with long neighbours", interleaved)):
         phase = "prefill"
         for (n1, a), (n2, b) in zip(solo, other):
             if n1 == "--step--":
@@ -118,7 +136,7 @@ def main() -> None:
                 break
         else:
             print(f"{label}: every module's rows bit-identical")
-    if args.device.startswith("cuda"):
+    if args.device.startswith("cuda") and args.dtype == "bfloat16":  # the engine graphs bf16 models only
         graph_check(model, cfg, fresh, chunk, target, short, nxt, not args.off)
 
 

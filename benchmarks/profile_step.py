@@ -98,7 +98,6 @@ def main() -> None:
     ap.add_argument("--fp8", action="store_true", help="FP8/FP4 weights and fp8 KV")
     ap.add_argument("--rows", type=int, default=30)
     ap.add_argument("--graphs", action="store_true", help="decode: time host plan / input copies / graph replay")
-    ap.add_argument("--compile", action="store_true", help="torch.compile each decoder layer first")
     ap.add_argument("--sort", default="self_cuda_time_total")
     ap.add_argument("--batch-invariant", action="store_true", help="run the steps in batch-invariant mode")
     args = ap.parse_args()
@@ -124,9 +123,6 @@ def profile(args) -> None:
         ids = torch.randint(0, cfg.vocab_size, (args.batch,)).tolist()  # random: hash routing spreads experts
         chunks = [SeqChunk(i, args.context, [ids[i]], cache.static_tables(i)) for i in range(args.batch)]
 
-    if args.compile:
-        for layer in model.layers:
-            layer.forward = torch.compile(layer.forward, dynamic=False)
     if args.graphs:
         cache = static_v4_cache(cfg, args.batch, args.context + 8, kv, "cuda", block_size=64, scratch=True)
         chunks = [SeqChunk(i, c.start, c.token_ids, cache.static_tables(i)) for i, c in enumerate(chunks)]
