@@ -79,6 +79,83 @@ def _join(seen: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]
     return joined + [("--step--", torch.zeros(0))] + per_step[-1] + [("--step--", torch.zeros(0))]
 
 
+def engine_probe(args) -> None:
+    """The engine's own schedules (async, chunked, mixed prefill/decode; eager so hooks see every
+    step): every module's output row of every target token, keyed by the token's position, solo vs
+    each mix; prints the first (position, module) that differs."""
+    from deepinfer import LLM, SamplingParams
+
+    with tempfile.TemporaryDirectory() as tmp:
+        ckpt = write_checkpoint(Path(tmp) / "ckpt", PRESETS[args.preset], seed=3, dtype="fp8")
+        vocab = PRESETS[args.preset]["vocab_size"]
+
+        def prompts(lens, seed):
+            g = torch.Generator().manual_seed(seed)
+            return [[0] + torch.randint(3, vocab, (n - 1,), generator=g).tolist() for n in lens]
+
+        target = prompts([61], 1)[0]
+        short, long = prompts([5, 9, 7], 2), prompts([90, 75, 83], 3)
+        params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=5)
+        runs = {}
+        for name, budget, batch in [("solo", 8192, []), ("short neighbours", 8192, short),
+                                    ("long neighbours", 64, long), ("chunked prompt", 8, []),
+                                    ("chunked, mixed", 12, short[:1] + long[:1])]:
+            llm = LLM(str(ckpt), device=args.device, dtype=args.dtype, kv_cache_dtype=args.dtype,
+                      kv_cache_memory=64 << 20, batch_invariant=not args.off, enforce_eager=True,
+                      max_num_batched_tokens=budget, skip_tokenizer_init=True)
+            tid = str(min(1, len(batch)))  # a fresh LLM numbers its requests 0, 1, ... in prompt order
+            runs[name] = _engine_rows(llm, tid, batch[:1] + [target] + batch[1:], params)
+            del llm
+    solo = runs.pop("solo")
+    for name, got in runs.items():
+        diff = next(((pos, m) for pos in sorted(solo) for (m, a), (m2, b) in zip(solo[pos], got.get(pos, []))
+                     if m != m2 or not torch.equal(a, b)), None)
+        missing = sorted(set(solo) ^ set(got))
+        print(f"{name}: " + (f"first difference at position {diff[0]}, module {diff[1]}" if diff else
+                             "every module's row of every target token bit-identical")
+              + (f" (positions recorded in one run only: {missing[:5]})" if missing else ""))
+
+
+def _engine_rows(llm, tid: str, prompts, params) -> dict[int, list[tuple[str, torch.Tensor]]]:
+    """position -> [(module, output row)] of request `tid`'s tokens, over the whole generate call."""
+    rows: dict[int, list] = {}
+    cur: list = []  # [(token row in the step, position)], tokens in the step
+    handles = []
+    for name, mod in llm.model.named_modules():
+        if "compressor" in name:  # one row per closed entry, not per token
+            continue
+
+        def hook(m, inp, out, name=name):
+            o = out[0] if isinstance(out, tuple) else out
+            if cur and isinstance(o, torch.Tensor) and o.dim() and o.shape[0] == cur[1]:
+                for r, pos in cur[0]:
+                    row = o[r].detach().cpu()
+                    if not row.is_floating_point():  # selected-entry ids: the width varies, -1 pads
+                        row = row[row >= 0]
+                    rows.setdefault(pos, []).append((name, row))
+        handles.append(mod.register_forward_hook(hook))
+    runner = llm.engine.runner
+    launch = runner.launch
+
+    def traced(so, prev=None):
+        off, mine = 0, []
+        for c in so.chunks:
+            if c.request_id == tid:
+                mine += [(off + j, c.start + j) for j in range(len(c.token_ids))]
+            off += len(c.token_ids)
+        cur[:] = [mine, off] if mine else []
+        return launch(so, prev)
+
+    runner.launch = traced
+    try:
+        llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        runner.launch = launch
+        for h in handles:
+            h.remove()
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cuda")
@@ -86,7 +163,11 @@ def main() -> None:
     ap.add_argument("--preset", default="tiny")
     ap.add_argument("--off", action="store_true", help="without batch-invariant mode (shows what it fixes)")
     ap.add_argument("--chunk", type=int, default=8, help="prompt chunk size of the chunked run")
+    ap.add_argument("--engine", action="store_true",
+                    help="drive the engine (eager steps) through the batch mixes of tests/engine/test_batch_invariance.py")
     args = ap.parse_args()
+    if args.engine:
+        return engine_probe(args)
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = write_checkpoint(Path(tmp) / "ckpt", PRESETS[args.preset], seed=3, dtype="fp8")
         model, _ = load_model(str(ckpt), dtype=getattr(torch, args.dtype), device=args.device)
