@@ -221,9 +221,10 @@ def main() -> None:
         graph_check(model, cfg, fresh, chunk, target, short, nxt, not args.off)
 
 
-def graph_check(model, cfg, fresh, chunk, target, short, nxt, on: bool) -> None:
-    """The decode step through DecodeGraphs (padded batch buckets, fixed shapes): the target's logits
-    alone vs amid two neighbours vs the eager step."""
+def graph_check(model, cfg, fresh, chunk, target, short, nxt, on: bool, steps: int = 6) -> None:
+    """Decode steps through DecodeGraphs (padded batch buckets, fixed shapes: every token gets a
+    compressor row) vs eager steps, alone vs amid two neighbours: the target's logits at each of
+    `steps` positions (some of which close compressed entries), against alone + eager."""
     from deepinfer.worker.cuda_graph import DecodeGraphs
 
     logits = {}
@@ -231,23 +232,27 @@ def graph_check(model, cfg, fresh, chunk, target, short, nxt, on: bool) -> None:
         for graphs in (False, True):
             c = fresh()
             slots = list(range(len(prompts)))
+            i = prompts.index(target)
+            runner = DecodeGraphs(model, c, c.scratch_slot, c.scratch_addr) if graphs else None
+            outs = []
             with torch.inference_mode(), invariant.mode(on):
                 b = build_forward_batch([chunk(c, s, 0, p) for s, p in zip(slots, prompts)], cfg.sliding_window,
                                         c.compress_kinds, c.block_size, "cuda")
                 model(b, c.layers)
-                dec = [chunk(c, s, len(p), nxt) for s, p in zip(slots, prompts)]
-                i = prompts.index(target)
-                if graphs:
-                    out = DecodeGraphs(model, c, c.scratch_slot, c.scratch_addr).run(dec)[i]
-                else:
-                    b = build_forward_batch(dec, cfg.sliding_window, c.compress_kinds, c.block_size, "cuda")
-                    out = model.compute_logits(model(b, c.layers)[b.logits_idx])[i]
-            logits[(label, graphs)] = out.float().cpu()
+                for k in range(steps):
+                    dec = [chunk(c, s, len(p) + k, [nxt[0] + k]) for s, p in zip(slots, prompts)]
+                    if graphs:
+                        outs.append(runner.run(dec)[i].float().cpu())
+                    else:
+                        b = build_forward_batch(dec, cfg.sliding_window, c.compress_kinds, c.block_size, "cuda")
+                        outs.append(model.compute_logits(model(b, c.layers)[b.logits_idx])[i].float().cpu())
+            logits[(label, graphs)] = outs
     ref = logits[("alone", False)]
-    for key, val in logits.items():
-        same = torch.equal(val, ref)
-        print(f"decode logits {key[0]}, {'graph' if key[1] else 'eager'}: "
-              f"{'bit-identical' if same else 'max |diff| %.3g' % (val - ref).abs().max().item()} vs alone, eager")
+    n = len(target)
+    for key, outs in logits.items():
+        bad = [(n + k, (o - r).abs().max().item()) for k, (o, r) in enumerate(zip(outs, ref)) if not torch.equal(o, r)]
+        print(f"decode logits {key[0]}, {'graph' if key[1] else 'eager'}, positions {n}..{n + steps - 1}: "
+              + ("bit-identical" if not bad else f"differ at {bad}") + " vs alone, eager")
 
 
 if __name__ == "__main__":
