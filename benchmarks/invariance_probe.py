@@ -221,7 +221,8 @@ def main() -> None:
         graph_check(model, cfg, fresh, chunk, target, short, nxt, not args.off)
 
 
-def graph_check(model, cfg, fresh, chunk, target, short, nxt, on: bool, steps: int = 6) -> None:
+def graph_check(model, cfg, fresh, chunk, target, short, nxt, on: bool, steps: int = 6,
+                modes: tuple[bool, ...] = (False, True)) -> None:
     """Decode steps through DecodeGraphs (padded batch buckets, fixed shapes: every token gets a
     compressor row) vs eager steps, alone vs amid two neighbours: the target's logits at each of
     `steps` positions (some of which close compressed entries), against alone + eager."""
@@ -229,22 +230,23 @@ def graph_check(model, cfg, fresh, chunk, target, short, nxt, on: bool, steps: i
 
     logits = {}
     for label, prompts in (("alone", [target]), ("with neighbours", [short[0], target, short[1]])):
-        for graphs in (False, True):
+        for graphs in modes:
             c = fresh()
+            dev = model.embed.weight.device
             slots = list(range(len(prompts)))
             i = prompts.index(target)
             runner = DecodeGraphs(model, c, c.scratch_slot, c.scratch_addr) if graphs else None
             outs = []
             with torch.inference_mode(), invariant.mode(on):
                 b = build_forward_batch([chunk(c, s, 0, p) for s, p in zip(slots, prompts)], cfg.sliding_window,
-                                        c.compress_kinds, c.block_size, "cuda")
+                                        c.compress_kinds, c.block_size, dev)
                 model(b, c.layers)
                 for k in range(steps):
                     dec = [chunk(c, s, len(p) + k, [nxt[0] + k]) for s, p in zip(slots, prompts)]
                     if graphs:
                         outs.append(runner.run(dec)[i].float().cpu())
                     else:
-                        b = build_forward_batch(dec, cfg.sliding_window, c.compress_kinds, c.block_size, "cuda")
+                        b = build_forward_batch(dec, cfg.sliding_window, c.compress_kinds, c.block_size, dev)
                         outs.append(model.compute_logits(model(b, c.layers)[b.logits_idx])[i].float().cpu())
             logits[(label, graphs)] = outs
     ref = logits[("alone", False)]
