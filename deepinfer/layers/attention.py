@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from deepinfer.kernels import compress_pool as _pool
 from deepinfer.kernels import sparse_attention as _sa_kernel
 from deepinfer.layers import invariant
 from deepinfer.layers.forward_batch import CompressPlan, ForwardBatch
@@ -49,6 +50,10 @@ class Compressor(nn.Module):
         """Returns (new entries [N, dim] normed + rotated, their addresses); updates carry."""
         kv = self.wkv.forward_fp32(x)
         score = self.wgate.forward_fp32(x) + self.ape[positions % self.ratio]
+        if x.is_cuda and _pool.triton is not None:  # one launch; slots reduced in order (batch-invariant)
+            pooled = _pool.compress_pool(kv, score, carry.kv, carry.score, plan.src_new, plan.src_carry, self.dim,
+                                         self.overlap).to(x.dtype)
+            return self._finish(pooled, kv, score, plan, carry, inv_freq)
         new, old = plan.src_new, plan.src_carry
         src_kv = torch.where((new >= 0)[..., None], kv[new.clamp(min=0)], carry.kv[old.clamp(min=0)])
         src_score = torch.where((new >= 0)[..., None], score[new.clamp(min=0)], carry.score[old.clamp(min=0)])
@@ -59,6 +64,9 @@ class Compressor(nn.Module):
             src_score = torch.cat((src_score[:, :m, :d], src_score[:, m:, d:]), dim=1)
         weights = torch.softmax(src_score.transpose(1, 2), dim=-1).transpose(1, 2)  # row-local over the S slots
         pooled = invariant.reduce_sum(weights * src_kv, 1).to(x.dtype)
+        return self._finish(pooled, kv, score, plan, carry, inv_freq)
+
+    def _finish(self, pooled, kv, score, plan: CompressPlan, carry: CarryState, inv_freq):
         entries = apply_rope(self.norm(pooled), RopeCache.at(plan.rope_pos, inv_freq))
         carry.kv[plan.carry_dst] = kv[plan.carry_src]
         carry.score[plan.carry_dst] = score[plan.carry_src]
