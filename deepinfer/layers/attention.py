@@ -12,7 +12,7 @@ from torch import nn
 from deepinfer.kernels import compress_pool as _pool
 from deepinfer.kernels import sparse_attention as _sa_kernel
 from deepinfer.layers import invariant
-from deepinfer.layers.forward_batch import CompressPlan, ForwardBatch
+from deepinfer.layers.forward_batch import CompressPlan, ForwardBatch, to_device
 from deepinfer.layers.kv_state import CarryState, EntryStore, IndexKeyStore
 from deepinfer.layers.linear import DENSE, Linear, QuantSpec
 from deepinfer.layers.norm import RMSNorm
@@ -20,6 +20,7 @@ from deepinfer.layers.rotary import RopeCache, apply_rope
 
 # elements of gathered keys per query chunk (bounds peak memory of the reference path)
 _CHUNK_ELEMS = 1 << 26
+SHARED_KEYS_MIN_TOKENS = 16  # indexer: requests with this many tokens in a step score against their keys once
 
 
 def _chunks(n_tokens: int, per_token: int):
@@ -98,11 +99,12 @@ class Indexer(nn.Module):
         if k == 0:
             return out
         lens, inv = batch.req_lens, invariant.enabled()
-        if lens and (len(lens) * 4 <= x.shape[0] and not inv or inv and x.is_cuda):
-            # a request's tokens share its keys, read once per request (not once per token); in
-            # invariant mode on CUDA every step takes this path, with fixed-order GEMMs and sums
-            t0 = 0
-            for r, n in enumerate(lens):
+        every = inv and x.is_cuda  # invariant mode on CUDA: every request on the fixed-order GEMM path
+        rest: list[torch.Tensor] = []  # token rows left to the per-token path
+        t0 = 0
+        for r, n in enumerate(lens):
+            if every or (n >= SHARED_KEYS_MIN_TOKENS and not inv):
+                # a request's tokens share its keys: read once per request, not once per token
                 kk = keys.read(plan.addr[r], torch.float32)                     # [nv, Di]
                 for sl in _chunks(n, nv * self.n_heads):
                     sl = slice(t0 + sl.start, t0 + sl.stop)
@@ -113,14 +115,21 @@ class Indexer(nn.Module):
                     else:
                         s = torch.bmm(w[sl, None, :], s).squeeze(1)
                     out[sl] = self._top(s, plan.visible[sl], k)
-                t0 += n
+            else:
+                rest.append(torch.arange(t0, t0 + n))
+            t0 += n
+        if lens and not rest:
             return out
-        for sl in _chunks(x.shape[0], nv * self.head_dim):
-            kk = keys.read(plan.addr[batch.token_req[sl]], torch.float32)        # [Tc, nv, Di]
-            qs, ws = q[sl], w[sl]
+        # per-token path: all tokens (plain slices), or the short requests' rows
+        rows = None if not lens or len(rest) == len(lens) else to_device(torch.cat(rest), x.device)
+        count = x.shape[0] if rows is None else rows.numel()
+        for sl in _chunks(count, nv * self.head_dim):
+            idx = sl if rows is None else rows[sl]
+            kk = keys.read(plan.addr[batch.token_req[idx]], torch.float32)       # [Tc, nv, Di]
+            qs, ws = q[idx], w[idx]
             s = invariant.by_key_blocks(lambda kb: torch.einsum("thc,th->tc", torch.einsum("thd,tcd->thc", qs, kb).relu(),
                                                                 ws), kk)
-            out[sl] = self._top(s, plan.visible[sl], k)
+            out[idx] = self._top(s, plan.visible[idx], k)
         return out
 
     @staticmethod
