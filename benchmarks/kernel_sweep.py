@@ -1,6 +1,6 @@
 """Tile-config sweep of the Triton kernels at the Flash slice's shapes (H200), with the torch baseline.
 
-    python benchmarks/kernel_sweep.py [--only moe|attn]
+    python benchmarks/kernel_sweep.py [--only moe|attn|attn-kinds]
 
 MoE: 256 experts, K=4096 -> N=2048 (w1/w3), tokens x 6 experts routed at random: decode batch 1
 and 64 (bf16 torch._grouped_mm vs the Triton kernel on bf16 / FP8-block / FP4 weights), prefill
@@ -127,9 +127,38 @@ def attn_sweep(rows: list) -> None:
         print(json.dumps(rows[-1]), flush=True)
 
 
+def attn_kinds(rows: list) -> None:
+    """Prefill 4 x 2048 tokens per layer kind as the slice runs them: sliding (window only), CSA
+    (window + 512 top-k entries, the valid ones first: min(512, pos // 4)), HCA (window + all
+    pos // 128 entries)."""
+    T, L = 8192, 2048
+    pos = torch.arange(T, device="cuda") % L
+    for kind, K, n_valid in (("sliding", 0, None), ("csa", 512, (pos // 4).clamp(max=512)),
+                             ("hca", L // 128, pos // 128)):
+        args = list(attn_inputs(T, True, K=max(K, 1)))
+        j = torch.arange(128, device="cuda")
+        args[2] = torch.where(pos[:, None] - 127 + j >= 0, torch.arange(T, device="cuda")[:, None] - 127 + j, -1)
+        if K:
+            args[6] = torch.where(torch.arange(K, device="cuda") < n_valid[:, None], args[6][:, :K], -1)
+        else:
+            args[6] = args[7] = args[8] = None
+        for bh, bn, nw, ns in itertools.product([16, 32, 64], [32, 64], [4, 8], [2]):
+            cfg = dict(block_h=bh, block_n=bn, num_warps=nw, num_stages=ns)
+            try:
+                t = bench(lambda: sa.sparse_attention(*args, **cfg))
+            except Exception as e:
+                print(f"skip {kind} {cfg}: {type(e).__name__}", flush=True)
+                continue
+            rows.append({"kernel": "sparse_attention", "kind": kind, "tokens": T, "ms": t, "cfg": cfg})
+            print(json.dumps(rows[-1]), flush=True)
+        rows.append({"kernel": "sparse_attention", "kind": kind, "tokens": T, "default_ms": bench(
+            lambda: sa.sparse_attention(*args))})
+        print(json.dumps(rows[-1]), flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--only", choices=("moe", "attn"))
+    ap.add_argument("--only", choices=("moe", "attn", "attn-kinds"))
     ap.add_argument("--out")
     args = ap.parse_args()
     torch.manual_seed(0)
@@ -138,6 +167,8 @@ def main() -> None:
         moe_sweep(rows)
     if args.only in (None, "attn"):
         attn_sweep(rows)
+    if args.only in (None, "attn-kinds"):
+        attn_kinds(rows)
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=2)

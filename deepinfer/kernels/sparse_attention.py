@@ -30,6 +30,9 @@ acc += P @ k. Invariants:
     [BLOCK_N, D / group, group]: groups < nope / group from nope_q (one scale load per row and
     group), the rest from rope, by masks; then flattened to [BLOCK_N, D].
   * the two fp8 stores of one call (ring, entries) share nope / group / rope widths.
+  * a tile with no valid key is skipped: it would leave (m, l, acc) bit-for-bit unchanged (alpha =
+    exp2(0) = 1, p = 0), so skipping changes no bits; it pays when -1s come in runs (top-k lists end
+    with them, prompt starts have short windows).
 Split-KV (decode, few programs): split s takes its share of the window tiles and of the entry
 tiles and writes (acc, m, l) in fp32; a second kernel merges the splits (sink counted by split 0).
 Defaults (block_h 16, block_n 32, 8 warps, 2 stages) compile for sm_90 at H = 64, D = 512 without
@@ -156,18 +159,22 @@ if triton is not None:
             new = tl.load(wnew_ptr + t * W + n, mask=n < W, other=-1)
             old = tl.load(wring_ptr + t * W + n, mask=n < W, other=-1)
             is_new = new >= 0
-            k_new = tl.load(kvn_ptr + new[:, None] * D + c[None, :], mask=is_new[:, None], other=0.0)
-            k_old = _gather_keys(old, (old >= 0) & ~is_new, r0, r1, r2, RING_FP8, D, NOPE, GROUP, BLOCK_N, KDT)
-            k = tl.where(is_new[:, None], k_new.to(KDT), k_old)
-            m_i, l_i, acc = _softmax_step(q, k, is_new | (old >= 0), m_i, l_i, acc, qk_scale, PREC)
+            ok = is_new | (old >= 0)
+            if tl.max(ok.to(tl.int32), axis=0) > 0:  # a keyless tile would add exactly nothing
+                k_new = tl.load(kvn_ptr + new[:, None] * D + c[None, :], mask=is_new[:, None], other=0.0)
+                k_old = _gather_keys(old, (old >= 0) & ~is_new, r0, r1, r2, RING_FP8, D, NOPE, GROUP, BLOCK_N,
+                                     KDT)
+                k = tl.where(is_new[:, None], k_new.to(KDT), k_old)
+                m_i, l_i, acc = _softmax_step(q, k, ok, m_i, l_i, acc, qk_scale, PREC)
 
         if HAS_ENT:
             n_tiles = tl.cdiv(K, BLOCK_N)
             for i in range(sp * n_tiles // SPLITS, (sp + 1) * n_tiles // SPLITS):    # compressed entries
                 n = i * BLOCK_N + j
                 rows = tl.load(addr_ptr + t * K + n, mask=n < K, other=-1)
-                k = _gather_keys(rows, rows >= 0, e0, e1, e2, ENT_FP8, D, NOPE, GROUP, BLOCK_N, KDT)
-                m_i, l_i, acc = _softmax_step(q, k, rows >= 0, m_i, l_i, acc, qk_scale, PREC)
+                if tl.max(rows, axis=0) >= 0:  # top-k lists put their -1s last: whole tiles drop out
+                    k = _gather_keys(rows, rows >= 0, e0, e1, e2, ENT_FP8, D, NOPE, GROUP, BLOCK_N, KDT)
+                    m_i, l_i, acc = _softmax_step(q, k, rows >= 0, m_i, l_i, acc, qk_scale, PREC)
 
         if SPLITS == 1:
             o = acc / l_i[:, None]
