@@ -97,9 +97,11 @@ def engine_probe(args) -> None:
         short, long = prompts([5, 9, 7], 2), prompts([90, 75, 83], 3)
         params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, logprobs=5)
         runs = {}
-        for name, budget, batch in [("solo", 8192, []), ("short neighbours", 8192, short),
-                                    ("long neighbours", 64, long), ("chunked prompt", 8, []),
-                                    ("chunked, mixed", 12, short[:1] + long[:1])]:
+        mixes = [("solo", 8192, []), ("short neighbours", 8192, short), ("long neighbours", 64, long),
+                 ("chunked prompt", 8, []), ("chunked, mixed", 12, short[:1] + long[:1])]
+        if args.graphs:
+            return graph_outputs(args, ckpt, target, mixes, params)
+        for name, budget, batch in mixes:
             llm = LLM(str(ckpt), device=args.device, dtype=args.dtype, kv_cache_dtype=args.dtype,
                       kv_cache_memory=64 << 20, batch_invariant=not args.off, enforce_eager=True,
                       max_num_batched_tokens=budget, skip_tokenizer_init=True)
@@ -114,6 +116,36 @@ def engine_probe(args) -> None:
         print(f"{name}: " + (f"first difference at position {diff[0]}, module {diff[1]}" if diff else
                              "every module's row of every target token bit-identical")
               + (f" (positions recorded in one run only: {missing[:5]})" if missing else ""))
+
+
+def graph_outputs(args, ckpt, target, mixes, params) -> None:
+    """The target's output (token ids, top logprobs) per mix with CUDA graphs vs eager: prints, per
+    mix and mode, the first output index differing from the eager solo run, and how many of the
+    engine's steps ran as graph replays."""
+    from deepinfer import LLM
+
+    ref = None
+    for eager in (True, False):
+        for name, budget, batch in mixes:
+            llm = LLM(str(ckpt), device=args.device, dtype=args.dtype, kv_cache_dtype=args.dtype,
+                      kv_cache_memory=64 << 20, batch_invariant=not args.off, enforce_eager=eager,
+                      max_num_batched_tokens=budget, skip_tokenizer_init=True)
+            graphs = llm.engine.runner.graphs
+            replays = [0]
+            if graphs is not None:
+                run = graphs.run
+
+                def counted(chunks, run=run):
+                    replays[0] += 1
+                    return run(chunks)
+                graphs.run = counted
+            out = llm.generate(batch[:1] + [target] + batch[1:], params, use_tqdm=False)[min(1, len(batch))].outputs[0]
+            got = list(zip(out.token_ids, out.logprobs))
+            ref = got if ref is None else ref
+            first = next((i for i, (a, b) in enumerate(zip(ref, got)) if a != b), None)
+            print(f"{'eager' if eager else 'graphs'} {name}: " + ("identical to eager solo" if first is None else
+                  f"output {first} differs from eager solo: {got[first]} vs {ref[first]}") + f"; graph replays {replays[0]}")
+            del llm
 
 
 def _engine_rows(llm, tid: str, prompts, params) -> dict[int, list[tuple[str, torch.Tensor]]]:
@@ -165,6 +197,8 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=8, help="prompt chunk size of the chunked run")
     ap.add_argument("--engine", action="store_true",
                     help="drive the engine (eager steps) through the batch mixes of tests/engine/test_batch_invariance.py")
+    ap.add_argument("--graphs", action="store_true",
+                    help="with --engine: compare the target's outputs with CUDA graphs vs eager, per mix")
     args = ap.parse_args()
     if args.engine:
         return engine_probe(args)

@@ -35,9 +35,9 @@ acc += P @ k. Invariants:
     with them, prompt starts have short windows).
 Split-KV (decode, few programs): split s takes its share of the window tiles and of the entry
 tiles and writes (acc, m, l) in fp32; a second kernel merges the splits (sink counted by split 0).
-Defaults (block_h 16, block_n 32, 8 warps, 2 stages) compile for sm_90 at H = 64, D = 512 without
-register spills for both store formats; block_h 32 / 64 spill (the q operand of q @ k^T is held
-per warp across the whole D = 512 contraction).
+Tiles: `default_config` per token count, measured on the H200. Wide head blocks (32 / 64 heads)
+spill registers at D = 512 (the q operand is held across the whole contraction) yet win at prefill
+with 8 warps, where key loads, not registers, bound the kernel.
 """
 from __future__ import annotations
 
@@ -231,15 +231,16 @@ def default_splits(T: int, H: int, n_tiles: int, block_h: int, device: torch.dev
 
 
 def default_config(T: int, fp8: bool = False) -> dict:
-    """Tiles measured best on the H200 at H = 64, D = 512 with bf16 keys (benchmarks/kernel_sweep.py,
-    benchmarks/results/2026-11-29-h200-kernel-sweep.json): prefill 8192 tokens 32/32/4 warps (5.9 ms
-    vs 12.8 ms with 16/32/8); decode batch 64 32/64/8 warps; batch 1 16 heads with 4 key splits.
+    """Tiles measured best on the H200 at H = 64, D = 512 with bf16 keys (benchmarks/kernel_sweep.py):
+    prefill 4 x 2048 tokens 64/32/8 warps (results/2026-11-29-h200-kernel-sweep-attn-kinds.json:
+    sliding 1.42 ms, CSA 4.44, HCA 2.17 vs 2.96 / 5.65 / 3.26 with 32/32/4); decode batch 64
+    32/64/8 warps; batch 1 16 heads with 4 key splits (results/2026-11-29-h200-kernel-sweep.json).
     fp8 keys need more registers and shared memory per tile (32 x 64 tiles failed on the H200):
     32 heads x 32 keys, 8 warps, 1 stage, the largest fp8 tiling the GPU tests cover."""
     if fp8 and T >= 32:
         return dict(block_h=32, block_n=32, num_warps=8, num_stages=1)
     if T >= 1024:
-        return dict(block_h=32, block_n=32, num_warps=4, num_stages=2)
+        return dict(block_h=64, block_n=32, num_warps=8, num_stages=2)
     if T >= 32:
         return dict(block_h=32, block_n=64, num_warps=8, num_stages=2)
     return dict(block_h=16, block_n=32, num_warps=8, num_stages=2)

@@ -94,6 +94,7 @@ GPU_SHAPES = [  # T, H, D, rope, W, K
     (37, 64, 512, 64, 128, 512),
     (37, 64, 512, 64, 128, 0),
     (5, 64, 512, 64, 128, 100),
+    (1030, 64, 512, 64, 128, 40),  # prefill-sized: the 64-head tiles
     (37, 3, 64, 16, 20, 33),
     (300, 8, 128, 32, 16, 40),
 ]
@@ -116,9 +117,11 @@ def test_kernel_matches_reference_on_gpu(fmt, shape, num_splits):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("block_h,block_n,num_warps,num_stages", [(16, 32, 8, 1), (16, 16, 4, 2), (32, 32, 8, 1),
-                                                                  (64, 32, 8, 1), (16, 64, 8, 1), (16, 32, 8, 3)])
-def test_kernel_tuning_knobs_on_gpu(block_h, block_n, num_warps, num_stages):
-    kargs, _ = make_case(9, 64, 512, 64, 128, 200, "fp8", torch.bfloat16, device="cuda", seed=1,
+                                                                  (64, 32, 8, 1), (16, 64, 8, 1), (16, 32, 8, 3),
+                                                                  (64, 32, 8, 2)])
+@pytest.mark.parametrize("fmt", ["bfloat16", "fp8"])
+def test_kernel_tuning_knobs_on_gpu(block_h, block_n, num_warps, num_stages, fmt):
+    kargs, _ = make_case(9, 64, 512, 64, 128, 200, fmt, torch.bfloat16, device="cuda", seed=1,
                          ring_rows=300, entry_rows=700, visible=600)
     got = sa.sparse_attention(*kargs, block_h=block_h, block_n=block_n, num_warps=num_warps, num_stages=num_stages)
     check_close(got, sa.reference(*kargs), 2e-2)
