@@ -9,7 +9,8 @@ pair j:
   out[c + 1] = x[c] * s         + x[c + 1] * cos[n, j]
 The leading D - R ("nope") channels are copied (normalised first when asked). The torch form
 is a slice/float/stack/cat chain of ~10 launches (plus ~6 for the norm); this is one, reading
-and writing each row once. Grid: one program per (token, head) row.
+and writing each row once (in place: only the rope channels). Grid: ROWS (token, head) rows per
+program.
 """
 from __future__ import annotations
 
@@ -41,59 +42,70 @@ def reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bo
 
 if triton is not None:
     @triton.jit
-    def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, H, stride_xn, stride_xh, stride_cn, stride_sn, eps,
-                     D: tl.constexpr, HALF: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_HALF: tl.constexpr,
-                     INVERSE: tl.constexpr, NORM: tl.constexpr):
-        row = tl.program_id(0)
-        n = row // H
-        h = row - n * H
-        x_row = x_ptr + n.to(tl.int64) * stride_xn + h.to(tl.int64) * stride_xh
-        o_row = out_ptr + row.to(tl.int64) * D
+    def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, R, H, stride_xn, stride_xh, stride_on, stride_oh,
+                     stride_cn, stride_sn, eps, D: tl.constexpr, HALF: tl.constexpr, BLOCK_D: tl.constexpr,
+                     BLOCK_HALF: tl.constexpr, ROWS: tl.constexpr, INVERSE: tl.constexpr, NORM: tl.constexpr,
+                     COPY_NOPE: tl.constexpr):
+        rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+        r_ok = rows < R
+        n = (rows // H).to(tl.int64)
+        h = (rows % H).to(tl.int64)
+        x_row = (x_ptr + n * stride_xn + h * stride_xh)[:, None]                     # [ROWS, 1]
+        o_row = (out_ptr + n * stride_on + h * stride_oh)[:, None]
         NOPE: tl.constexpr = D - 2 * HALF
         dt = out_ptr.dtype.element_ty
 
-        j = tl.arange(0, BLOCK_HALF)
-        jm = j < HALF
+        j = tl.arange(0, BLOCK_HALF)[None, :]
+        jm = r_ok[:, None] & (j < HALF)
         ev = tl.load(x_row + NOPE + 2 * j, mask=jm, other=0.0)
         od = tl.load(x_row + NOPE + 2 * j + 1, mask=jm, other=0.0)
         if NORM:
-            cols = tl.arange(0, BLOCK_D)
-            cm = cols < D
-            xf = tl.load(x_row + cols, mask=cm, other=0.0).to(tl.float32)
-            r = tl.rsqrt(tl.sum(xf * xf, axis=0) / D + eps)
-            tl.store(o_row + cols, (xf * r).to(dt), mask=cols < NOPE)
+            cols = tl.arange(0, BLOCK_D)[None, :]
+            xf = tl.load(x_row + cols, mask=r_ok[:, None] & (cols < D), other=0.0).to(tl.float32)
+            r = tl.rsqrt(tl.sum(xf * xf, axis=1) / D + eps)[:, None]
+            tl.store(o_row + cols, (xf * r).to(dt), mask=r_ok[:, None] & (cols < NOPE))
             ev = (ev.to(tl.float32) * r).to(dt)
             od = (od.to(tl.float32) * r).to(dt)
-        else:
+        elif COPY_NOPE:
             if NOPE > 0:
-                cols = tl.arange(0, BLOCK_D)
-                cm = cols < NOPE
+                cols = tl.arange(0, BLOCK_D)[None, :]
+                cm = r_ok[:, None] & (cols < NOPE)
                 tl.store(o_row + cols, tl.load(x_row + cols, mask=cm, other=0.0), mask=cm)
         e = ev.to(tl.float32)
         o = od.to(tl.float32)
-        c = tl.load(cos_ptr + n.to(tl.int64) * stride_cn + j, mask=jm, other=0.0).to(tl.float32)
-        s = tl.load(sin_ptr + n.to(tl.int64) * stride_sn + j, mask=jm, other=0.0).to(tl.float32)
+        c = tl.load(cos_ptr + n[:, None] * stride_cn + j, mask=jm, other=0.0).to(tl.float32)
+        sn = tl.load(sin_ptr + n[:, None] * stride_sn + j, mask=jm, other=0.0).to(tl.float32)
         if INVERSE:
-            s = -s
-        tl.store(o_row + NOPE + 2 * j, (e * c - o * s).to(dt), mask=jm)
-        tl.store(o_row + NOPE + 2 * j + 1, (e * s + o * c).to(dt), mask=jm)
+            sn = -sn
+        tl.store(o_row + NOPE + 2 * j, (e * c - o * sn).to(dt), mask=jm)
+        tl.store(o_row + NOPE + 2 * j + 1, (e * sn + o * c).to(dt), mask=jm)
 
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False,
-         norm_eps: float | None = None) -> torch.Tensor:
-    """Fused on CUDA (Triton), the torch reference elsewhere; same contract as `reference`."""
+         norm_eps: float | None = None, inplace: bool = False) -> torch.Tensor:
+    """Fused on CUDA (Triton), the torch reference elsewhere; same contract as `reference`.
+    inplace (no norm): the rope channels of x are rewritten and x is returned; only they are read
+    and written (an eighth of the row traffic at D = 512, R = 64)."""
     if triton is None or not x.is_cuda or x.numel() == 0 or x.dim() < 2:
-        return reference(x, cos, sin, inverse, norm_eps)
-    return _launch(x, cos, sin, inverse, norm_eps)
+        out = reference(x, cos, sin, inverse, norm_eps)
+        return x.copy_(out) if inplace else out
+    return _launch(x, cos, sin, inverse, norm_eps, inplace)
 
 
 def _launch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool,
-            norm_eps: float | None) -> torch.Tensor:
+            norm_eps: float | None, inplace: bool = False) -> torch.Tensor:
     """The Triton launch itself (any device the active Triton backend takes, e.g. the interpreter)."""
     N, D = x.shape[0], x.shape[-1]
     half = cos.shape[-1]
+    norm = norm_eps is not None
+    if inplace and norm:
+        raise ValueError("rope: inplace does not take norm_eps (the norm rewrites every channel)")
     x3 = x.reshape(N, -1, D)
+    if inplace and x3.data_ptr() != x.data_ptr():
+        raise ValueError("rope: inplace needs x viewable as [N, heads, D]")
     if x3.stride(-1) != 1:
+        if inplace:
+            raise ValueError("rope: inplace needs unit stride in the last dim")
         x3 = x3.contiguous()
     H = x3.shape[1]
     cos2 = cos.float().expand(N, half)          # a single position row broadcasts (stride 0)
@@ -102,12 +114,13 @@ def _launch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool
         cos2 = cos2.contiguous()
     if sin2.stride(-1) != 1:
         sin2 = sin2.contiguous()
-    out = torch.empty(N, H, D, dtype=x.dtype, device=x.device)
-    norm = norm_eps is not None
+    out = x3 if inplace else torch.empty(N, H, D, dtype=x.dtype, device=x.device)
     block_d = triton.next_power_of_2(D)
-    warps = 4 if block_d >= 2048 else 2 if block_d >= 512 else 1
-    _rope_kernel[(N * H,)](x3, cos2, sin2, out, H, x3.stride(0), x3.stride(1), cos2.stride(0), sin2.stride(0),
-                           norm_eps if norm else 0.0, D=D, HALF=half, BLOCK_D=block_d,
-                           BLOCK_HALF=triton.next_power_of_2(half), INVERSE=bool(inverse), NORM=norm,
-                           num_warps=warps)
-    return out.view(x.shape)
+    block_half = triton.next_power_of_2(half)
+    width = block_half if inplace else block_d          # elements per row a program touches
+    rows = max(1, min(64, 4096 // width))  # fixed per D: the norm's reduction tree never depends on N
+    _rope_kernel[(triton.cdiv(N * H, rows),)](
+        x3, cos2, sin2, out, N * H, H, x3.stride(0), x3.stride(1), out.stride(0), out.stride(1),
+        cos2.stride(0), sin2.stride(0), norm_eps if norm else 0.0, D=D, HALF=half, BLOCK_D=block_d,
+        BLOCK_HALF=block_half, ROWS=rows, INVERSE=bool(inverse), NORM=norm, COPY_NOPE=not inplace, num_warps=4)
+    return x if inplace else out.view(x.shape)

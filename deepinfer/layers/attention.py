@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from deepinfer.kernels import compress_pool as _pool
+from deepinfer.kernels import index_scores as _scores
 from deepinfer.kernels import sparse_attention as _sa_kernel
 from deepinfer.layers import invariant
 from deepinfer.layers.forward_batch import CompressPlan, ForwardBatch, to_device
@@ -68,7 +69,7 @@ class Compressor(nn.Module):
         return self._finish(pooled, kv, score, plan, carry, inv_freq)
 
     def _finish(self, pooled, kv, score, plan: CompressPlan, carry: CarryState, inv_freq):
-        entries = apply_rope(self.norm(pooled), RopeCache.at(plan.rope_pos, inv_freq))
+        entries = apply_rope(self.norm(pooled), RopeCache.at(plan.rope_pos, inv_freq), overwrite=True)
         carry.kv[plan.carry_dst] = kv[plan.carry_src]
         carry.score[plan.carry_dst] = score[plan.carry_src]
         return entries, plan.dst
@@ -90,8 +91,11 @@ class Indexer(nn.Module):
         """-> [T, k] selected entry ids (ascending score order not guaranteed), -1 = none."""
         new_keys, dst = self.compressor(x, batch.positions, plan, carry, inv_freq)
         keys.write(dst, new_keys)
-        q = apply_rope(self.wq_b(qr).view(-1, self.n_heads, self.head_dim), rope)
-        q = keys.prepare_query(q).float()
+        q = apply_rope(self.wq_b(qr).view(-1, self.n_heads, self.head_dim), rope, overwrite=True)
+        q = keys.prepare_query(q)
+        # the fused score kernel: bf16 queries, keys readable in bf16 without rounding
+        fused = keys.fmt in ("bfloat16", "fp4") and _scores.supported(q, q)
+        q = q if fused else q.float()
         w = self.weights_proj(x).float() * (self.head_dim ** -0.5 * self.n_heads ** -0.5)
         nv = plan.max_visible
         k = min(self.topk, nv)
@@ -105,15 +109,18 @@ class Indexer(nn.Module):
         for r, n in enumerate(lens):
             if every or (n >= SHARED_KEYS_MIN_TOKENS and not inv):
                 # a request's tokens share its keys: read once per request, not once per token
-                kk = keys.read(plan.addr[r], torch.float32)                     # [nv, Di]
-                for sl in _chunks(n, nv * self.n_heads):
+                kk = keys.read(plan.addr[r], q.dtype)                             # [nv, Di]
+                for sl in _chunks(n, nv if fused else nv * self.n_heads):
                     sl = slice(t0 + sl.start, t0 + sl.stop)
-                    qk = invariant.linear(q[sl], kk) if inv else q[sl].flatten(0, 1) @ kk.t()
-                    s = qk.view(-1, self.n_heads, nv).relu_()
-                    if inv:
-                        s = invariant.reduce_sum(s * w[sl, :, None], 1)          # sum_h w_h * relu(q_h . k)
+                    if fused:  # one kernel, no [T, H, nv] logits; batch-invariant by construction
+                        s = _scores.index_scores(q[sl], kk, w[sl], plan.visible[sl])
                     else:
-                        s = torch.bmm(w[sl, None, :], s).squeeze(1)
+                        qk = invariant.linear(q[sl], kk) if inv else q[sl].flatten(0, 1) @ kk.t()
+                        s = qk.view(-1, self.n_heads, nv).relu_()
+                        if inv:
+                            s = invariant.reduce_sum(s * w[sl, :, None], 1)      # sum_h w_h * relu(q_h . k)
+                        else:
+                            s = torch.bmm(w[sl, None, :], s).squeeze(1)
                     out[sl] = self._top(s, plan.visible[sl], k)
             else:
                 rest.append(torch.arange(t0, t0 + n))
@@ -126,7 +133,7 @@ class Indexer(nn.Module):
         for sl in _chunks(count, nv * self.head_dim):
             idx = sl if rows is None else rows[sl]
             kk = keys.read(plan.addr[batch.token_req[idx]], torch.float32)       # [Tc, nv, Di]
-            qs, ws = q[idx], w[idx]
+            qs, ws = q[idx].float(), w[idx]
             s = invariant.by_key_blocks(lambda kb: torch.einsum("thc,th->tc", torch.einsum("thd,tcd->thc", qs, kb).relu(),
                                                                 ws), kk)
             out[idx] = self._top(s, plan.visible[idx], k)

@@ -48,10 +48,13 @@ class RopeCache:
         return cls(invariant.pointwise(torch.cos, freqs), invariant.pointwise(torch.sin, freqs))
 
 
-def apply_rope(x: torch.Tensor, rope: RopeCache, inverse: bool = False) -> torch.Tensor:
-    """Rotate the trailing rope slice of x [N, ..., D]; cos/sin broadcast over middle dims."""
+def apply_rope(x: torch.Tensor, rope: RopeCache, inverse: bool = False, overwrite: bool = False) -> torch.Tensor:
+    """Rotate the trailing rope slice of x [N, ..., D]; cos/sin broadcast over middle dims.
+    overwrite: x is the caller's own fresh tensor and may be rotated in place (CUDA: only the rope
+    channels are read and written); use the return value either way."""
     if x.is_cuda:  # one fused Triton launch (torch fallback inside when Triton is absent)
-        return _kernel.rope(x, rope.cos, rope.sin, inverse)
+        inplace = overwrite and x.stride(-1) == 1 and x.reshape(x.shape[0], -1, x.shape[-1]).data_ptr() == x.data_ptr()
+        return _kernel.rope(x, rope.cos, rope.sin, inverse, inplace=inplace)
     half = rope.cos.shape[-1]
     shape = (rope.cos.shape[0],) + (1,) * (x.dim() - 2) + (half,)
     cos, sin = rope.cos.view(shape), rope.sin.view(shape)

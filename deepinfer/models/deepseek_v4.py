@@ -68,7 +68,7 @@ class Attention(nn.Module):
         rope = ctx.rope_main if self.kind == SLIDING else ctx.rope_compress
         qr = self.q_norm(self.wq_a(x))
         q = norm_rope(self.wq_b(qr).view(T, self.n_heads, self.head_dim), self.eps, rope)  # per-head norm + rope
-        kv = cache.ring.roundtrip(apply_rope(self.kv_norm(self.wkv(x)), rope))
+        kv = cache.ring.roundtrip(apply_rope(self.kv_norm(self.wkv(x)), rope, overwrite=True))
         entry_ids = plan = None
         if self.kind != SLIDING:
             plan = batch.plans[(self.ratio, self.kind == CSA)]
@@ -83,7 +83,7 @@ class Attention(nn.Module):
         o = sparse_attention(q, kv, batch, cache.ring, entry_ids, plan, cache.entries,
                              self.attn_sink, self.head_dim ** -0.5)
         cache.ring.write(batch.ring_dst, kv[batch.ring_src])
-        o = apply_rope(o, rope, inverse=True).view(T, self.o_groups, -1)
+        o = apply_rope(o, rope, inverse=True, overwrite=True).view(T, self.o_groups, -1)
         wo_a = self.wo_a.dense_weight(x.dtype).view(self.o_groups, self.o_rank, -1)
         return self.wo_b(grouped_linear(o, wo_a))
 

@@ -74,7 +74,7 @@ class Attention41(nn.Module):
         latent = self.compressor(x, plan, cache.carry.get("main"))
         rope = RopeCache.at(plan.rope_pos, ctx.inv_freq_compress)
         cache.entries.write(plan.dst, apply_rope(latent, rope))
-        cache.index_keys.write(plan.dst, apply_rope(self.indexer.keys(latent), rope))
+        cache.index_keys.write(plan.dst, apply_rope(self.indexer.keys(latent), rope, overwrite=True))
         return CSA2State(cache, plan)
 
     def forward(self, x: torch.Tensor, ctx: StepContext41, cache: LayerCache, state: CSA2State | None,
@@ -82,7 +82,7 @@ class Attention41(nn.Module):
         """With `replay`, the window kv and the published compressed state cover every row, the
         rest (queries, indexer, attention, output) only replay.rows; returns those rows."""
         rope = ctx.rope_main if self.role == SWA else ctx.rope_compress
-        kv = cache.ring.roundtrip(apply_rope(self.kv_norm(self.wkv(x)), rope))
+        kv = cache.ring.roundtrip(apply_rope(self.kv_norm(self.wkv(x)), rope, overwrite=True))
         if self.role == FULL:
             state = self._publish(x, ctx, cache)
         if replay is not None:
@@ -92,9 +92,10 @@ class Attention41(nn.Module):
                 state = replace(state, plan=replay.at_layer.plans[(state.plan.ratio, False)])
         T, batch = x.shape[0], ctx.batch
         qr = self.q_norm(self.wq_a(x))
-        q = apply_rope(self.wq_b(qr).view(T, self.n_heads, self.head_dim), rope)  # no per-head norm in V4.1
+        q = apply_rope(self.wq_b(qr).view(T, self.n_heads, self.head_dim), rope, overwrite=True)  # no per-head norm
         if self.role in (FULL, REINDEX):
-            qi = apply_rope(self.indexer.wq_b(qr).view(T, self.indexer.n_heads, self.indexer.index_dim), rope)
+            qi = apply_rope(self.indexer.wq_b(qr).view(T, self.indexer.n_heads, self.indexer.index_dim), rope,
+                            overwrite=True)
             qi = state.source.index_keys.roundtrip(qi)
             topk, cands = self.indexer(x, qi, batch, state, self.candidate_source, self.uses_candidates)
             state = replace(state, topk=topk, candidates=cands if cands is not None else state.candidates)
@@ -104,7 +105,8 @@ class Attention41(nn.Module):
             o = sparse_attention(q, kv, batch, cache.ring, state.topk, state.plan, state.source.entries,
                                  self.attn_sink, self.head_dim ** -0.5)
         cache.ring.write(batch.ring_dst, kv[batch.ring_src])
-        o = apply_rope(o, rope, inverse=True).view(T, self.o_groups, self.n_heads * self.head_dim // self.o_groups)
+        o = apply_rope(o, rope, inverse=True, overwrite=True)
+        o = o.view(T, self.o_groups, self.n_heads * self.head_dim // self.o_groups)
         wo_a = self.wo_a.dense_weight(x.dtype).view(self.o_groups, self.o_rank, -1)
         return self.wo_b(grouped_linear(o, wo_a)), state
 

@@ -46,6 +46,22 @@ def test_kernel_matches_reference_on_gpu(dtype, N, heads, D, R, inverse, norm_ep
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("N,heads,D,R", [(1, (64,), 512, 64), (37, (64,), 512, 64), (37, (), 512, 64),
+                                         (5, (2, 3), 80, 12)])
+@pytest.mark.parametrize("inverse", [False, True])
+def test_in_place_kernel_on_gpu(N, heads, D, R, inverse):
+    """In place: the same bits as the out-of-place kernel, written into x itself."""
+    x = (torch.randn((N, *heads, D), generator=torch.Generator(device="cuda").manual_seed(1), device="cuda") * 3
+         ).to(torch.bfloat16)
+    rc = _cache(N, R, "cuda")
+    want = rope(x, rc.cos, rc.sin, inverse)
+    got = rope(x, rc.cos, rc.sin, inverse, inplace=True)
+    assert got.data_ptr() == x.data_ptr() and torch.equal(got, want)
+    y = x.clone()
+    assert torch.equal(apply_rope(y, rc, inverse, overwrite=True), apply_rope(x.clone(), rc, inverse))
+
+
+@pytest.mark.gpu
 def test_wired_paths_on_gpu():
     g = torch.Generator(device="cuda").manual_seed(2)
     big = torch.randn(37, 64, 600, generator=g, device="cuda").to(torch.bfloat16)
@@ -80,5 +96,13 @@ def test_kernel_matches_reference_in_the_triton_interpreter():
         "xb = xs.to(torch.bfloat16)\n"  # the interpreter truncates fp32 -> bf16 (GPU rounds to nearest): 1 ulp
         "torch.testing.assert_close(_launch(xb, ang.cos(), ang.sin(), False, None),\n"
         "                           reference(xb, ang.cos(), ang.sin()), atol=1e-2, rtol=1e-2)\n"
+        "for N, heads, D, R in [(5, (3,), 80, 16), (70, (), 24, 12)]:\n"  # in place: only rope channels change
+        "    x = torch.randn((N, *heads, D), generator=g) * 3\n"
+        "    ang = torch.rand(N, R // 2, generator=g) * 6\n"
+        "    want, before = reference(x, ang.cos(), ang.sin(), True), x.clone()\n"
+        "    got = _launch(x, ang.cos(), ang.sin(), True, None, inplace=True)\n"
+        "    assert got.data_ptr() == x.data_ptr()\n"
+        "    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)\n"
+        "    assert torch.equal(x[..., : D - R], before[..., : D - R])\n"
         "print('ok')\n")
     run_interpreted(code)

@@ -6,7 +6,7 @@ import torch
 from deepinfer.kernels import sparse_attention as sa
 from deepinfer.layers.attention import sparse_attention as layers_sparse_attention
 from deepinfer.layers.kv_state import EntryStore
-from interpreter import run_interpreted
+from interpreter import SHIMS, run_interpreted
 
 
 
@@ -148,31 +148,10 @@ def test_layers_path_dispatches_to_kernel_on_gpu(fmt, monkeypatch):
     check_close(got, sa.reference(*kargs), 2e-2)
 
 
-# Two shortcomings of Triton 3.6's interpreter that this kernel meets (the compiled kernel is unaffected):
-#  * loop bounds become Python ints via int(1-element array), which numpy >= 2.3 refuses;
-#  * tl.dot on bf16 multiplies the raw uint16 bit patterns (bf16 is stored as uint16 there).
-_INTERPRETER_SHIMS = """
-import numpy as np
-import triton.language as tl
-import triton.runtime.interpreter as ti
-_patch_tensor = ti._patch_lang_tensor
-def _patch_index(tensor, scope):
-    _patch_tensor(tensor, scope)
-    scope.set_attr(tensor, '__index__', lambda self: int(self.handle.data.reshape(-1)[0]))
-ti._patch_lang_tensor = _patch_index
-_dot = ti.InterpreterBuilder.create_dot
-def _as_fp32(h):
-    if h.dtype.scalar != tl.bfloat16:
-        return h
-    return ti.TensorHandle((h.data.astype(np.uint32) << 16).view(np.float32), tl.float32)
-ti.InterpreterBuilder.create_dot = lambda self, a, b, d, *rest: _dot(self, _as_fp32(a), _as_fp32(b), d, *rest)
-"""
-
-
 def test_kernel_matches_reference_in_the_triton_interpreter():
     pytest.importorskip("triton")
     code = (
-        _INTERPRETER_SHIMS +
+        SHIMS +
         "import torch\n"
         "from deepinfer.kernels.sparse_attention import _launch, reference\n"
         "from test_sparse_attention import make_case, check_close\n"
