@@ -100,6 +100,7 @@ def main() -> None:
     ap.add_argument("--graphs", action="store_true", help="decode: time host plan / input copies / graph replay")
     ap.add_argument("--sort", default="self_cuda_time_total")
     ap.add_argument("--batch-invariant", action="store_true", help="run the steps in batch-invariant mode")
+    ap.add_argument("--sync-debug", action="store_true", help="list the calls that synchronise with the GPU")
     args = ap.parse_args()
     from deepinfer.layers import invariant
 
@@ -136,6 +137,19 @@ def profile(args) -> None:
 
     for _ in range(2):
         step()
+    if args.sync_debug:  # where the host waits for the GPU inside a step: call sites, most frequent first
+        import collections
+        import warnings
+
+        torch.cuda.set_sync_debug_mode("warn")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            step()
+        torch.cuda.set_sync_debug_mode(0)
+        sites = collections.Counter(f"{w.filename}:{w.lineno}" for w in caught)
+        print(f"synchronising calls in one step: {len(caught)}")
+        for site, n in sites.most_common(25):
+            print(f"  {n:4d}  {site}")
     wall = fs.timed(step, 5)
     print(f"wall time per step (host plan + launch + GPU, synchronised): {1e3 * wall:.2f} ms")
     print_module_times(model, step)

@@ -4,8 +4,9 @@ For a token with flattened streams f [K] (K = n * D, bf16/fp32) and fn [W, K] (f
   mix = (f @ fn^T) * rsqrt(sum(f^2) / K + eps)                (fp32)
 i.e. rms_norm(f) @ fn^T with the norm applied after the projection (same value, other rounding).
 The torch form reads the streams three times (fp32 copy, norm, GEMM) and runs an fp32 GEMM.
-Kernel: tl.dot with tf32x3 (three tf32 products: ~fp32 accuracy on tensor cores; bf16 streams
-are exact in tf32). Many tokens: one program per BT-row block over all of K. Few tokens: K is cut
+Kernel: bf16 streams: fn cut into three bf16 parts (hi + mid + lo hold its 24 bits) and three
+bf16 dots with fp32 accumulation (products exact); fp32 streams: tl.dot with tf32x3 (~fp32
+accuracy on tensor cores). Many tokens: one program per BT-row block over all of K. Few tokens: K is cut
 into S splits (grid rows x S) whose partial sums [S, T, W] and [S, T] a second launch adds in
 split order. S depends only on T and K; batch-invariant callers pass a fixed one.
 """
@@ -42,7 +43,7 @@ if triton is not None:
     @triton.jit
     def _mix_kernel(x_ptr, fn_ptr, out_ptr, sq_ptr, T, stride_x, K, eps, K_SPLIT: tl.constexpr,
                     W: tl.constexpr, WP: tl.constexpr, BT: tl.constexpr, BLOCK_K: tl.constexpr,
-                    PARTIAL: tl.constexpr, PREC: tl.constexpr):
+                    PARTIAL: tl.constexpr, PREC: tl.constexpr, SPLIT_W: tl.constexpr):
         s = tl.program_id(1)
         rows = tl.program_id(0) * BT + tl.arange(0, BT)
         live = rows < T
@@ -54,9 +55,19 @@ if triton is not None:
         k0 = s * K_SPLIT
         for kk in range(0, K_SPLIT, BLOCK_K):
             k = k0 + kk
-            f = tl.load(x_base + k + cols[None, :], mask=live[:, None], other=0.0).to(tl.float32)
+            xv = tl.load(x_base + k + cols[None, :], mask=live[:, None], other=0.0)
+            f = xv.to(tl.float32)
             w = tl.load(fn_ptr + w_rows[:, None] * K + k + cols[None, :], mask=(w_rows < W)[:, None], other=0.0)
-            acc = tl.dot(f, tl.trans(w), acc, input_precision=PREC)
+            if SPLIT_W:  # bf16 x: fn = hi + mid + lo in bf16 (24 bits), three bf16 dots, exact products
+                hi = w.to(tl.bfloat16)
+                r = w - hi.to(tl.float32)
+                mid = r.to(tl.bfloat16)
+                lo = (r - mid.to(tl.float32)).to(tl.bfloat16)
+                acc = tl.dot(xv, tl.trans(lo), acc)
+                acc = tl.dot(xv, tl.trans(mid), acc)
+                acc = tl.dot(xv, tl.trans(hi), acc)
+            else:
+                acc = tl.dot(f, tl.trans(w), acc, input_precision=PREC)
             sq += f * f
         ssq = tl.sum(sq, axis=1)
         omask = live[:, None] & (w_rows < W)[None, :]
@@ -92,7 +103,7 @@ def _launch(x: torch.Tensor, fn: torch.Tensor, eps: float, splits: int | None = 
             bt: int | None = None) -> torch.Tensor:
     T, K = x.shape
     W = fn.shape[0]
-    bt = bt or (16 if T <= 16 else 32)
+    bt = bt or (16 if T <= 16 else 32 if T < 4096 else 64)
     splits = splits or split_count(T, K, bt)
     if K % (splits * BK) or x.stride(-1) != 1 or splits & (splits - 1):
         raise ValueError(f"mhc_mix: K={K} must split into {splits} (a power of two) x {BK}-wide blocks, unit stride")
@@ -100,13 +111,15 @@ def _launch(x: torch.Tensor, fn: torch.Tensor, eps: float, splits: int | None = 
     out = torch.empty(T, W, dtype=torch.float32, device=x.device)
     wp = max(16, triton.next_power_of_2(W))
     prec = "tf32x3" if x.is_cuda else "ieee"
+    split_w = x.dtype == torch.bfloat16
     if splits == 1:
         _mix_kernel[(triton.cdiv(T, bt), 1)](x, fn, out, out, T, x.stride(0), K, eps, K_SPLIT=K, W=W, WP=wp, BT=bt,
-                                             BLOCK_K=BK, PARTIAL=False, PREC=prec, num_warps=4)
+                                             BLOCK_K=BK, PARTIAL=False, PREC=prec, SPLIT_W=split_w, num_warps=4)
         return out
     part = torch.empty(splits, T, W, dtype=torch.float32, device=x.device)
     sq = torch.empty(splits, T, dtype=torch.float32, device=x.device)
     _mix_kernel[(triton.cdiv(T, bt), splits)](x, fn, part, sq, T, x.stride(0), K, eps, K_SPLIT=K // splits, W=W,
-                                              WP=wp, BT=bt, BLOCK_K=BK, PARTIAL=True, PREC=prec, num_warps=4)
+                                              WP=wp, BT=bt, BLOCK_K=BK, PARTIAL=True, PREC=prec, SPLIT_W=split_w,
+                                              num_warps=4)
     _reduce_kernel[(T,)](part, sq, out, T, K, eps, S=splits, W=W, WP=wp, num_warps=1)
     return out

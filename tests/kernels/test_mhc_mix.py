@@ -3,7 +3,7 @@ import torch
 
 from deepinfer.kernels.mhc_mix import mhc_mix, reference, split_count
 from deepinfer.layers.norm import rms_norm
-from interpreter import run_interpreted
+from interpreter import SHIMS, run_interpreted
 
 
 def test_split_count_divides_k_into_power_of_two_splits():
@@ -36,6 +36,7 @@ def test_kernel_matches_reference_on_gpu(T, dtype):
 def test_kernel_matches_reference_in_the_triton_interpreter():
     pytest.importorskip("triton")
     code = (
+        SHIMS +
         "import torch\n"
         "from deepinfer.kernels.mhc_mix import _launch, reference\n"
         "g = torch.Generator().manual_seed(0)\n"
@@ -43,5 +44,7 @@ def test_kernel_matches_reference_in_the_triton_interpreter():
         "for T, s in ((1, 1), (3, 2), (37, 4), (40, 1)):\n"
         "    x = torch.randn(T, 256, generator=g)\n"
         "    torch.testing.assert_close(_launch(x, fn, 1e-6, s), reference(x, fn, 1e-6), atol=1e-4, rtol=1e-4)\n"
+        "    xb = x.to(torch.bfloat16)\n"  # the three-part bf16 path
+        "    torch.testing.assert_close(_launch(xb, fn, 1e-6, s), reference(xb, fn, 1e-6), atol=1e-4, rtol=1e-4)\n"
         "print('ok')\n")
     run_interpreted(code)
