@@ -1,6 +1,6 @@
 """Tile-config sweep of the Triton kernels at the Flash slice's shapes (H200), with the torch baseline.
 
-    python benchmarks/kernel_sweep.py [--only moe|attn|attn-kinds]
+    python benchmarks/kernel_sweep.py [--only moe|attn|attn-kinds|rope]
 
 MoE: 256 experts, K=4096 -> N=2048 (w1/w3), tokens x 6 experts routed at random: decode batch 1
 and 64 (bf16 torch._grouped_mm vs the Triton kernel on bf16 / FP8-block / FP4 weights), prefill
@@ -156,9 +156,28 @@ def attn_kinds(rows: list) -> None:
         print(json.dumps(rows[-1]), flush=True)
 
 
+def rope_sweep(rows: list) -> None:
+    """RoPE at prefill 8192 tokens x 64 heads x 512: the q path (norm + rope, out of place) and the
+    output's inverse rope in place, over rows per program and warps."""
+    from deepinfer.kernels import rope as rk
+
+    x = torch.randn(8192, 64, 512, device="cuda").to(torch.bfloat16)
+    ang = torch.rand(8192, 32, device="cuda") * 6
+    cos, sin = ang.cos(), ang.sin()
+    for mode in ("norm", "inplace"):
+        for r, nw in itertools.product([1, 2, 4, 8, 16, 32, 64], [1, 2, 4, 8]):
+            if mode == "norm" and r > 16:
+                continue
+            t = bench(lambda: rk._launch(x, cos, sin, mode == "inplace", 1e-6 if mode == "norm" else None,
+                                         mode == "inplace", rows=r, num_warps=nw))
+            moved = x.numel() * 2 * (2 if mode == "norm" else 2 * 64 / 512)
+            rows.append({"kernel": "rope", "mode": mode, "rows": r, "num_warps": nw, "ms": t, "GBs": moved / t / 1e6})
+            print(json.dumps(rows[-1]), flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--only", choices=("moe", "attn", "attn-kinds"))
+    ap.add_argument("--only", choices=("moe", "attn", "attn-kinds", "rope"))
     ap.add_argument("--out")
     args = ap.parse_args()
     torch.manual_seed(0)
@@ -169,6 +188,8 @@ def main() -> None:
         attn_sweep(rows)
     if args.only in (None, "attn-kinds"):
         attn_kinds(rows)
+    if args.only in (None, "rope"):
+        rope_sweep(rows)
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=2)

@@ -100,6 +100,7 @@ def main() -> None:
     ap.add_argument("--graphs", action="store_true", help="decode: time host plan / input copies / graph replay")
     ap.add_argument("--sort", default="self_cuda_time_total")
     ap.add_argument("--batch-invariant", action="store_true", help="run the steps in batch-invariant mode")
+    ap.add_argument("--cprofile", action="store_true", help="host time per Python function over one step")
     ap.add_argument("--sync-debug", action="store_true", help="list the calls that synchronise with the GPU")
     args = ap.parse_args()
     from deepinfer.layers import invariant
@@ -150,6 +151,17 @@ def profile(args) -> None:
         print(f"synchronising calls in one step: {len(caught)}")
         for site, n in sites.most_common(25):
             print(f"  {n:4d}  {site}")
+    if args.cprofile:  # host time per function over one step (the GPU runs behind; one sync at the end)
+        import cProfile
+        import pstats
+
+        torch.cuda.synchronize()
+        prof = cProfile.Profile()
+        prof.enable()
+        step()
+        prof.disable()
+        torch.cuda.synchronize()
+        pstats.Stats(prof).sort_stats("tottime").print_stats(args.rows)
     wall = fs.timed(step, 5)
     print(f"wall time per step (host plan + launch + GPU, synchronised): {1e3 * wall:.2f} ms")
     print_module_times(model, step)

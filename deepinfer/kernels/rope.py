@@ -93,7 +93,8 @@ def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = 
 
 
 def _launch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool,
-            norm_eps: float | None, inplace: bool = False) -> torch.Tensor:
+            norm_eps: float | None, inplace: bool = False, rows: int | None = None,
+            num_warps: int | None = None) -> torch.Tensor:
     """The Triton launch itself (any device the active Triton backend takes, e.g. the interpreter)."""
     N, D = x.shape[0], x.shape[-1]
     half = cos.shape[-1]
@@ -118,9 +119,10 @@ def _launch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool
     block_d = triton.next_power_of_2(D)
     block_half = triton.next_power_of_2(half)
     width = block_half if inplace else block_d          # elements per row a program touches
-    rows = max(1, min(64, 4096 // width))  # fixed per D: the norm's reduction tree never depends on N
+    rows = rows or max(1, min(64, 4096 // width))  # fixed per D: the norm's reduction tree never depends on N
     _rope_kernel[(triton.cdiv(N * H, rows),)](
         x3, cos2, sin2, out, N * H, H, x3.stride(0), x3.stride(1), out.stride(0), out.stride(1),
         cos2.stride(0), sin2.stride(0), norm_eps if norm else 0.0, D=D, HALF=half, BLOCK_D=block_d,
-        BLOCK_HALF=block_half, ROWS=rows, INVERSE=bool(inverse), NORM=norm, COPY_NOPE=not inplace, num_warps=4)
+        BLOCK_HALF=block_half, ROWS=rows, INVERSE=bool(inverse), NORM=norm, COPY_NOPE=not inplace,
+        num_warps=num_warps or 4)
     return x if inplace else out.view(x.shape)

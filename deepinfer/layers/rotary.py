@@ -53,7 +53,7 @@ def apply_rope(x: torch.Tensor, rope: RopeCache, inverse: bool = False, overwrit
     overwrite: x is the caller's own fresh tensor and may be rotated in place (CUDA: only the rope
     channels are read and written); use the return value either way."""
     if x.is_cuda:  # one fused Triton launch (torch fallback inside when Triton is absent)
-        inplace = overwrite and x.stride(-1) == 1 and x.reshape(x.shape[0], -1, x.shape[-1]).data_ptr() == x.data_ptr()
+        inplace = overwrite and x.numel() > 0 and x.is_contiguous()
         return _kernel.rope(x, rope.cos, rope.sin, inverse, inplace=inplace)
     half = rope.cos.shape[-1]
     shape = (rope.cos.shape[0],) + (1,) * (x.dim() - 2) + (half,)
