@@ -135,9 +135,9 @@ def graph_outputs(args, ckpt, target, mixes, params) -> None:
             if graphs is not None:
                 run = graphs.run
 
-                def counted(chunks, run=run):
+                def counted(*a, run=run, **k):
                     replays[0] += 1
-                    return run(chunks)
+                    return run(*a, **k)
                 graphs.run = counted
             out = llm.generate(batch[:1] + [target] + batch[1:], params, use_tqdm=False)[min(1, len(batch))].outputs[0]
             got = list(zip(out.token_ids, out.logprobs))

@@ -44,7 +44,7 @@ def test_kernel_matches_reference_in_the_triton_interpreter():
         "for T, s in ((1, 1), (3, 2), (37, 4), (40, 1)):\n"
         "    x = torch.randn(T, 256, generator=g)\n"
         "    torch.testing.assert_close(_launch(x, fn, 1e-6, s), reference(x, fn, 1e-6), atol=1e-4, rtol=1e-4)\n"
-        "    xb = x.to(torch.bfloat16)\n"  # the three-part bf16 path
+        "    xb = x.to(torch.bfloat16)\n"
         "    torch.testing.assert_close(_launch(xb, fn, 1e-6, s), reference(xb, fn, 1e-6), atol=1e-4, rtol=1e-4)\n"
         "print('ok')\n")
     run_interpreted(code)
