@@ -26,7 +26,9 @@ class StepHandle:
     tokens: torch.Tensor | None = None        # [R] on the device
     host_tokens: torch.Tensor | None = None   # [R] pinned copy, valid once `done` has run
     done: torch.cuda.Event | None = None
-    logits: torch.Tensor | None = None        # kept only when logprobs are asked for
+    # (chosen, top values, top ids) on the device, computed at launch in stream order: the logits
+    # may live in a CUDA graph's output buffer, which the next replay overwrites before collect
+    logprobs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     params: list | None = None
     max_logprobs: int = -1
 
@@ -127,7 +129,7 @@ class ModelRunner:
             row_of[c.request_id] = (i, c.num_samples)
             i += c.num_samples
         h = StepHandle(row_of, tokens, params=params, max_logprobs=sb.max_logprobs,
-                       logits=logits if sb.max_logprobs >= 0 else None)
+                       logprobs=top_logprobs(logits, tokens, sb.max_logprobs) if sb.max_logprobs >= 0 else None)
         if tokens.is_cuda:
             h.host_tokens = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
             h.host_tokens.copy_(tokens, non_blocking=True)
@@ -147,9 +149,8 @@ class ModelRunner:
             h.done.synchronize()
         token_list = h.host_tokens.tolist()
         lp = None
-        if h.logits is not None:
-            with invariant.mode(self.batch_invariant):
-                lp = self._logprobs(h.logits, h.tokens, token_list, h.max_logprobs, h.params)
+        if h.logprobs is not None:
+            lp = self._logprobs(h.logprobs, token_list, h.params)
         for rid, (i, n) in h.rows.items():
             out.sampled[rid] = token_list[i:i + n]
             c_params = h.params[i]
@@ -174,8 +175,8 @@ class ModelRunner:
         return torch.cat(rows).to(self.device), torch.cat(values)
 
     @staticmethod
-    def _logprobs(logits, tokens, token_list: list[int], k: int, params) -> list[dict[int, float]]:
-        chosen, vals, ids = (t.tolist() for t in top_logprobs(logits, tokens, k))
+    def _logprobs(top, token_list: list[int], params) -> list[dict[int, float]]:
+        chosen, vals, ids = (t.tolist() for t in top)
         out = []
         for r, p in enumerate(params):
             n = p.logprobs or 0

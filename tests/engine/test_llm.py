@@ -226,3 +226,28 @@ def test_scheduled_ahead_placeholders_need_a_step_before():
     so = SchedulerOutput([ScheduledChunk("r", 0, 5, [PLACEHOLDER], {}, 1, GREEDY)])
     with pytest.raises(ValueError, match="placeholder"):
         runner._fill(so, None)
+
+
+def test_logprobs_survive_a_reused_logits_buffer(ckpt):
+    """A CUDA graph returns its logits in one static buffer, and async scheduling launches step
+    i + 1 before collecting step i: logprobs must be taken at launch. Here compute_logits writes
+    into one reused buffer on the CPU, the same aliasing without a GPU."""
+    prompts = [[0] + list(range(5, 5 + n)) for n in (7, 12)]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=3)
+
+    def run(static: bool):
+        eng = LLM(str(ckpt), device="cpu", dtype="float32", kv_cache_dtype="float32", kv_cache_memory=64 << 20)
+        model = eng.engine.runner.model
+        if static:
+            plain, buf = model.compute_logits, {}
+
+            def into_buffer(h):
+                out = plain(h)
+                b = buf.get(out.shape)
+                if b is None:
+                    b = buf[out.shape] = torch.empty_like(out)
+                return b.copy_(out)
+            model.compute_logits = into_buffer
+        return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in eng.generate(prompts, params, use_tqdm=False)]
+
+    assert run(static=True) == run(static=False)
