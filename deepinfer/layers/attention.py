@@ -11,6 +11,7 @@ from torch import nn
 
 from deepinfer.kernels import compress_pool as _pool
 from deepinfer.kernels import index_scores as _scores
+from deepinfer.kernels import index_topk as _topk
 from deepinfer.kernels import sparse_attention as _sa_kernel
 from deepinfer.layers import invariant
 from deepinfer.layers.forward_batch import CompressPlan, ForwardBatch, to_device
@@ -141,11 +142,9 @@ class Indexer(nn.Module):
 
     @staticmethod
     def _top(s: torch.Tensor, visible: torch.Tensor, k: int) -> torch.Tensor:
-        """[Tc, nv] scores -> [Tc, k] ids of the k best visible entries, -1 where fewer exist."""
-        s = s.masked_fill(torch.arange(s.shape[1], device=s.device) >= visible[:, None], float("-inf"))
-        # stable descending sort: equal scores keep ascending entry order (lowest index first)
-        val, idx = torch.sort(s, dim=-1, descending=True, stable=True)
-        return torch.where(val[:, :k] > float("-inf"), idx[:, :k], -1)
+        """[Tc, nv] scores -> [Tc, k] ids of the k best visible entries, -1 where fewer exist; equal
+        scores keep ascending entry order (lowest index first). Short rows on CUDA: one launch."""
+        return _topk.index_topk(s, visible, k)
 
 
 def _kernel_format(store) -> str | None:

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from deepinfer.kernels.grouped_gemm import FP4_GROUP, grouped_gemm, triton_available
+from deepinfer.kernels.moe_align import moe_align
 from deepinfer.kernels.moe_combine import moe_combine
 from deepinfer.kernels.swiglu import swiglu
 from deepinfer.layers import invariant
@@ -86,12 +87,9 @@ class Experts(nn.Module):
 
     def _sorted(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(order, tok, offs): the (token, slot) pairs sorted by expert, each one's token row, and the
-        cumulative row end of every expert (int32, torch._grouped_mm's convention). No host sync."""
-        flat = idx.flatten()
-        order = torch.argsort(flat, stable=True)
-        counts = torch.zeros(self.num_experts, dtype=torch.int32, device=idx.device)  # bincount would sync
-        offs = torch.cumsum(counts.index_add_(0, flat, torch.ones_like(flat, dtype=torch.int32)), 0, dtype=torch.int32)
-        return order, order // idx.shape[1], offs
+        cumulative row end of every expert (int32, torch._grouped_mm's convention). No host sync;
+        one launch for small batches (deepinfer/kernels/moe_align.py)."""
+        return moe_align(idx, self.num_experts)
 
     def _grouped_mm(self, xs: torch.Tensor, name: str, offs: torch.Tensor) -> torch.Tensor:
         w, scale = getattr(self, name), getattr(self, f"{name}_scale", None)
