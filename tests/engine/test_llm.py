@@ -183,6 +183,9 @@ def test_cuda_graph_decode_in_the_engine(ckpt):
         assert llm.scheduler.kv.all_free()
         if not eager:
             assert llm.engine.runner.graphs.graphs  # decode steps were captured and replayed
+    for out in outs[True] + outs[False]:  # greedy: each step's token is its own logprobs' argmax (logprobs
+        for tok, lp in zip(out.token_ids, out.logprobs):  # once came from the next replay's logits)
+            assert lp[tok] == max(lp.values()), (tok, lp)
     same = 0
     for e, g in zip(outs[True], outs[False]):
         for i, (a, b) in enumerate(zip(e.token_ids, g.token_ids)):
