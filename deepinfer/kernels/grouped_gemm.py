@@ -20,6 +20,9 @@ tiles, so the total is at most (M + min(E, M) * (BLOCK_M - 1)) // BLOCK_M. Every
 the tile -> expert map from `offs` in registers (per-expert tile counts, cumsum, count of the
 experts that end at or before its tile), so no auxiliary launch is needed; programs past the real
 tile count return at once. A tile never spans two experts; its rows outside the expert are masked.
+One group (a dense Linear) with few output tiles: K is split over a third grid axis into fp32
+partials [S, M, N] that a second launch sums in split order (deterministic; S from the shapes
+only, and never when tiles are passed explicitly, as batch-invariant mode does).
 
 Dequantisation in the K loop:
   * FP8: e4m3 -> bf16; when the scale block covers the whole K tile (bi % BLOCK_K == 0) the scale
@@ -142,9 +145,15 @@ if triton is not None:
                              s_am, s_ak, s_we, s_wn, s_wk, s_se, s_sn, s_sk, s_om, s_on,
                              K: tl.constexpr, FMT: tl.constexpr, E8M0: tl.constexpr, BO: tl.constexpr, BI: tl.constexpr,
                              ONE_GROUP: tl.constexpr, E_PAD: tl.constexpr, OP: tl.constexpr,
-                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                             SPLIT_K: tl.constexpr = 1):
         pid_m = tl.program_id(0)
         pid_n = tl.program_id(1)
+        K_PART: tl.constexpr = K // SPLIT_K          # the launcher makes it a multiple of BLOCK_K
+        if SPLIT_K == 1:
+            k_lo = 0                                  # constexpr loop bounds, as without split-K
+        else:
+            k_lo = tl.program_id(2) * K_PART
         if ONE_GROUP:
             row0 = pid_m * BLOCK_M
             row_end = M
@@ -175,7 +184,7 @@ if triton is not None:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
 
         HALF: tl.constexpr = BLOCK_K // 2
-        for k0 in range(0, K, BLOCK_K):
+        for k0 in range(k_lo, k_lo + K_PART, BLOCK_K):
             if FMT == 2:  # FP4: byte j of the row holds columns 2j (low nibble) and 2j+1 (high)
                 kp = k0 // 2 + tl.arange(0, HALF)
                 kmask = kp < K // 2
@@ -218,12 +227,35 @@ if triton is not None:
                     acc = tl.dot(a, tl.trans((w.to(tl.float32) * s).to(tl.bfloat16).to(OP)), acc)
 
         out = out_ptr + rows.to(tl.int64)[:, None] * s_om + cols[None, :] * s_on
+        if SPLIT_K > 1:  # fp32 partials [SPLIT_K, M, N] (contiguous), summed in split order below
+            out += tl.program_id(2).to(tl.int64) * M * N
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=rmask[:, None] & nmask[None, :])
+
+    @triton.jit
+    def _split_sum_kernel(part_ptr, out_ptr, MN, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
+        i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        ok = i < MN
+        acc = tl.load(part_ptr + i, mask=ok, other=0.0)
+        for sk in tl.static_range(1, SPLIT_K):
+            acc += tl.load(part_ptr + sk * MN + i, mask=ok, other=0.0)
+        tl.store(out_ptr + i, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def split_k_for(M: int, N: int, K: int, cfg: dict, sms: int) -> int:
+    """Splits of K for one group (a dense Linear) when its output tiles leave most SMs idle (small
+    M, small N: the FP8 projections at decode): a power of two up to 16 that brings the programs
+    to ~2 per SM, keeping >= 4 K tiles per split and the splits a whole number of K tiles."""
+    programs = _cdiv(M, cfg["BLOCK_M"]) * _cdiv(N, cfg["BLOCK_N"])
+    k_tiles = K // cfg["BLOCK_K"] if K % cfg["BLOCK_K"] == 0 else 1
+    s = 1
+    while s < 16 and programs * s < 2 * sms and k_tiles % (2 * s) == 0 and k_tiles // (2 * s) >= 4:
+        s *= 2
+    return s
 
 
 def _launch(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor | None, scale: torch.Tensor | None,
             block_size: tuple[int, int], BLOCK_M=None, BLOCK_N=None, BLOCK_K=None, num_warps=None,
-            num_stages=None) -> torch.Tensor:
+            num_stages=None, split_k: int = 1) -> torch.Tensor:
     """The Triton launch on whatever device the tensors are on (CPU only under TRITON_INTERPRET=1)."""
     w, scale = _as_3d(w, scale, offs)
     fmt = _format(w)
@@ -268,14 +300,19 @@ def _launch(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor | None, scale: 
     if K == 0:
         return out.zero_()
     one_group = offs is None
-    grid = (max_m_tiles(M, E, cfg["BLOCK_M"], one_group), triton.cdiv(N, cfg["BLOCK_N"]))
+    if split_k > 1 and (not one_group or K % (split_k * cfg["BLOCK_K"])):
+        raise ValueError(f"grouped_gemm: split_k {split_k} needs one group and K % (split_k * BLOCK_K) == 0")
+    dst = out if split_k == 1 else torch.empty(split_k, M, N, dtype=torch.float32, device=a.device)
+    grid = (max_m_tiles(M, E, cfg["BLOCK_M"], one_group), triton.cdiv(N, cfg["BLOCK_N"]), split_k)
     _grouped_gemm_kernel[grid](
-        a, w, scale, a if one_group else offs, out, M, N, E,
+        a, w, scale, a if one_group else offs, dst, M, N, E,
         a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2),
-        scale.stride(0), scale.stride(1), scale.stride(2), out.stride(0), out.stride(1),
+        scale.stride(0), scale.stride(1), scale.stride(2), N, 1,
         K=K, FMT=fmt, E8M0=e8m0, BO=bo, BI=bi, ONE_GROUP=one_group, E_PAD=max(16, triton.next_power_of_2(E)),
         OP=tl.bfloat16 if a.is_cuda else tl.float32,  # the interpreter's tl.dot cannot multiply bf16
-        **cfg)
+        SPLIT_K=split_k, **cfg)
+    if split_k > 1:
+        _split_sum_kernel[(triton.cdiv(M * N, 1024),)](dst, out, M * N, SPLIT_K=split_k, BLOCK=1024, num_warps=4)
     return out
 
 
@@ -291,5 +328,22 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor | None, sc
         return reference(a, w, offs, scale, block_size)
     if a.dtype != torch.bfloat16:
         raise TypeError(f"grouped_gemm: activations must be bf16, got {a.dtype}")
+    split_k = 1
+    if offs is None and w.dim() == 2 and all(v is None for v in (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)):
+        # one group with the default tiles (explicit tiles, as batch-invariant mode passes, never split)
+        fmt = _format(w)
+        K = w.shape[1] * 2 if fmt == FP4 else w.shape[1]
+        cfg = default_config(a.shape[0], 1, fmt)
+        split_k = split_k_for(a.shape[0], w.shape[0], K, cfg, _sm_count(a.device))
     return _launch(a, w, offs, scale, block_size, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
-                   num_warps=num_warps, num_stages=num_stages)
+                   num_warps=num_warps, num_stages=num_stages, split_k=split_k)
+
+
+_SMS: dict[int, int] = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SMS:
+        _SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SMS[idx]

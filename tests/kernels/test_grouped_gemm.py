@@ -5,7 +5,7 @@ import torch.nn.functional as F
 from deepinfer.kernels.grouped_gemm import grouped_gemm, max_m_tiles, reference
 from deepinfer.layers.linear import DENSE, Linear, QuantSpec, dequant_expert
 from deepinfer.layers.moe import Experts
-from interpreter import run_interpreted
+from interpreter import SHIMS, run_interpreted
 
 QUANT = {"bf16": DENSE, "fp8": QuantSpec(block_size=(128, 128)),
          "fp4": QuantSpec(block_size=(128, 128), fp4_experts=True)}
@@ -185,11 +185,31 @@ def test_fp8_linear_takes_the_kernel_on_gpu():
     torch.testing.assert_close(fast.float().cpu(), ref, atol=3e-2, rtol=2e-2)
 
 
+def test_split_k_choice():
+    from deepinfer.kernels.grouped_gemm import default_config, split_k_for
+    dec = default_config(1, 1, 1)  # FP8 decode tiles: 16 x 64 x 128
+    assert split_k_for(1, 1024, 4096, dec, 132) == 8        # 16 output tiles: split to 128 programs
+    assert split_k_for(1, 32768, 1024, dec, 132) == 1       # 512 tiles keep every SM busy
+    assert split_k_for(64, 1024, 4096, default_config(64, 1, 1), 132) == 16
+    assert split_k_for(1, 1024, 4096 + 64, dec, 132) == 1   # K not a whole number of tiles
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M", [1, 16, 64])
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "fp4"])
+def test_split_k_one_group_on_gpu(M, fmt):
+    a, w, offs, s = make_case([M], 1024, 4096, fmt, (128, 128), "e8m0", device="cuda")
+    want = reference(a, w, offs, s)
+    got = grouped_gemm(a, w[0], None, None if s is None else s[0])  # the default: split over K
+    torch.testing.assert_close(got.float(), want.float(), atol=3e-2, rtol=2e-2)
+
+
 # ---------------------------------------------------------------- Triton interpreter (CPU)
 
 def test_kernel_matches_reference_in_the_triton_interpreter():
     pytest.importorskip("triton")
     code = (
+        SHIMS +  # split-K loops have runtime bounds
         "import torch\n"
         "from deepinfer.kernels.grouped_gemm import _launch, reference\n"
         "from test_grouped_gemm import make_case\n"
@@ -210,5 +230,11 @@ def test_kernel_matches_reference_in_the_triton_interpreter():
         "        got.append(_launch(a, w[0], None, None if s is None else s[0], block, **cfg))\n"
         "    for g in got:\n"
         "        torch.testing.assert_close(g.float(), want.float(), atol=2e-2, rtol=1.6e-2)\n"
+        "for fmt, K, block, sd, split in [('bf16', 128, (128, 128), 'e8m0', 4), ('fp8', 128, (16, 32), 'e8m0', 2),\n"
+        "                                 ('fp8', 128, (32, 32), 'fp32', 4), ('fp4', 256, (128, 128), 'e8m0', 2)]:\n"
+        "    a, w, offs, s = make_case([13], 24, K, fmt, block, sd)\n"  # split-K over one group
+        "    want = reference(a, w, offs, s, block)\n"
+        "    g = _launch(a, w[0], None, None if s is None else s[0], block, split_k=split, **dict(tile, BLOCK_K=32))\n"
+        "    torch.testing.assert_close(g.float(), want.float(), atol=2e-2, rtol=1.6e-2)\n"
         "print('ok')\n")
     run_interpreted(code)
