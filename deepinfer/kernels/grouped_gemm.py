@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import torch
 
+from deepinfer.kernels.split_sum import split_sum_into
 from deepinfer.layers.quant import dequant_fp4, dequant_fp8_blocks
 
 try:
@@ -231,15 +232,6 @@ if triton is not None:
             out += tl.program_id(2).to(tl.int64) * M * N
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=rmask[:, None] & nmask[None, :])
 
-    @triton.jit
-    def _split_sum_kernel(part_ptr, out_ptr, MN, SPLIT_K: tl.constexpr, BLOCK: tl.constexpr):
-        i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        ok = i < MN
-        acc = tl.load(part_ptr + i, mask=ok, other=0.0)
-        for sk in tl.static_range(1, SPLIT_K):
-            acc += tl.load(part_ptr + sk * MN + i, mask=ok, other=0.0)
-        tl.store(out_ptr + i, acc.to(out_ptr.dtype.element_ty), mask=ok)
-
 
 def split_k_for(M: int, N: int, K: int, cfg: dict, sms: int) -> int:
     """Splits of K for one group (a dense Linear) when its output tiles leave most SMs idle (small
@@ -312,7 +304,7 @@ def _launch(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor | None, scale: 
         OP=tl.bfloat16 if a.is_cuda else tl.float32,  # the interpreter's tl.dot cannot multiply bf16
         SPLIT_K=split_k, **cfg)
     if split_k > 1:
-        _split_sum_kernel[(triton.cdiv(M * N, 1024),)](dst, out, M * N, SPLIT_K=split_k, BLOCK=1024, num_warps=4)
+        split_sum_into(dst, out)
     return out
 
 

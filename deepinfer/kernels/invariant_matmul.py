@@ -6,11 +6,17 @@ BLOCK_M x BLOCK_N output block. The tiling (and so every element's reduction ord
 for every M, N and row position: a row's result never depends on the other rows of the call, the
 property batch-invariant inference needs (cuBLAS picks kernels and split-K by shape). bf16 inputs
 multiply on tensor cores (products exact in fp32); fp32 inputs use IEEE fp32 products.
-Grid: (cdiv(M, BLOCK_M), cdiv(N, BLOCK_N)).
+Split-K by (N, K) only: with few output columns (cdiv(N, BLOCK_N) tiles leave most SMs idle at
+decode) K is cut into S contiguous ranges, each accumulated as above into fp32 partials, and the
+partials are added in split order (kernels/split_sum.py). S never depends on M, so an element's
+reduction order stays the same for every M and row position.
+Grid: (cdiv(M, BLOCK_M), cdiv(N, BLOCK_N), S).
 """
 from __future__ import annotations
 
 import torch
+
+from deepinfer.kernels.split_sum import split_sum_into
 
 try:
     import triton
@@ -19,6 +25,19 @@ except ImportError:  # CPU-only installs: the torch reference is used
     triton = None
 
 BLOCK_M, BLOCK_N, BLOCK_K = 64, 64, 32
+TARGET_PROGRAMS = 256  # ~2 per SM on an H200 (132 SMs) for one M tile
+
+
+def splits(N: int, K: int) -> int:
+    """K splits from (N, K) alone: a power of two <= 8 bringing one M tile's programs to about
+    TARGET_PROGRAMS, each split a whole number (>= 4) of BLOCK_K tiles. The cap bounds the fp32
+    partial traffic at prefill sizes (S x M x N x 4 bytes), where the split buys nothing."""
+    n_tiles = -(-N // BLOCK_N)
+    k_tiles = K // BLOCK_K if K % BLOCK_K == 0 else 1
+    s = 1
+    while s < 8 and n_tiles * s * 2 <= TARGET_PROGRAMS and k_tiles % (2 * s) == 0 and k_tiles // (2 * s) >= 4:
+        s *= 2
+    return s
 
 
 def reference(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -29,7 +48,12 @@ def reference(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = 
 if triton is not None:
     @triton.jit
     def _matmul_kernel(x_ptr, w_ptr, out_ptr, M, N, s_xm, s_wn, s_om, K: tl.constexpr, PREC: tl.constexpr,
-                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr):
+                       BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, SPLITS: tl.constexpr = 1):
+        K_PART: tl.constexpr = K // SPLITS
+        if SPLITS == 1:
+            k_lo = 0
+        else:
+            k_lo = tl.program_id(2) * K_PART
         rows = tl.program_id(0) * BM + tl.arange(0, BM)
         cols = tl.program_id(1) * BN + tl.arange(0, BN)
         ks = tl.arange(0, BK)
@@ -37,12 +61,14 @@ if triton is not None:
         x_rows = x_ptr + rows.to(tl.int64)[:, None] * s_xm
         w_rows = w_ptr + cols.to(tl.int64)[:, None] * s_wn
         acc = tl.zeros([BM, BN], dtype=tl.float32)
-        for k0 in range(0, K, BK):
+        for k0 in range(k_lo, k_lo + K_PART, BK):
             kmask = (k0 + ks) < K
             a = tl.load(x_rows + (k0 + ks)[None, :], mask=rmask[:, None] & kmask[None, :], other=0.0)
             b = tl.load(w_rows + (k0 + ks)[None, :], mask=cmask[:, None] & kmask[None, :], other=0.0)
             acc = tl.dot(a, tl.trans(b), acc, input_precision=PREC)
         out = out_ptr + rows.to(tl.int64)[:, None] * s_om + cols[None, :]
+        if SPLITS > 1:  # fp32 partials [SPLITS, M, N]
+            out += tl.program_id(2).to(tl.int64) * M * N
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=rmask[:, None] & cmask[None, :])
 
 
@@ -54,7 +80,8 @@ def matmul(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = Non
     return _launch(x, w, out_dtype)
 
 
-def _launch(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+def _launch(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = None,
+            n_splits: int | None = None) -> torch.Tensor:
     K, N = x.shape[-1], w.shape[0]
     if w.shape[1] != K:
         raise ValueError(f"invariant matmul: x [..., {K}] and w {tuple(w.shape)} disagree on K")
@@ -65,9 +92,15 @@ def _launch(x: torch.Tensor, w: torch.Tensor, out_dtype: torch.dtype | None = No
     w = w if w.stride(-1) == 1 else w.contiguous()
     M = x2.shape[0]
     out = torch.empty(M, N, dtype=out_dtype or x.dtype, device=x.device)
+    S = n_splits or splits(N, K)
+    if S > 1 and K % (S * BLOCK_K):
+        raise ValueError(f"invariant matmul: {S} splits of K={K} need whole {BLOCK_K}-wide tiles")
     if M and N:
         prec = "ieee" if x.dtype == torch.float32 else "tf32"  # tf32 is ignored for bf16 operands
-        _matmul_kernel[(triton.cdiv(M, BLOCK_M), triton.cdiv(N, BLOCK_N))](
-            x2, w, out, M, N, x2.stride(0), w.stride(0), out.stride(0), K=K, PREC=prec,
-            BM=BLOCK_M, BN=BLOCK_N, BK=BLOCK_K, num_warps=4, num_stages=3)
+        dst = out if S == 1 else torch.empty(S, M, N, dtype=torch.float32, device=x.device)
+        _matmul_kernel[(triton.cdiv(M, BLOCK_M), triton.cdiv(N, BLOCK_N), S)](
+            x2, w, dst, M, N, x2.stride(0), w.stride(0), N, K=K, PREC=prec,
+            BM=BLOCK_M, BN=BLOCK_N, BK=BLOCK_K, SPLITS=S, num_warps=4, num_stages=3)
+        if S > 1:
+            split_sum_into(dst, out)
     return out.view(*x.shape[:-1], N)
