@@ -1,0 +1,14 @@
+"""Triton kernels, one op per file beside its torch reference; shared launch helpers here."""
+from __future__ import annotations
+
+import torch
+
+_SM_COUNT: dict[int, int] = {}
+
+
+def sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device (cached: the query costs a driver call)."""
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SM_COUNT:
+        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SM_COUNT[idx]

@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import torch
 
+from deepinfer.kernels import sm_count
 from deepinfer.kernels.split_sum import split_sum_into
 from deepinfer.layers.quant import dequant_fp4, dequant_fp8_blocks
 
@@ -326,16 +327,7 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor | None, sc
         fmt = _format(w)
         K = w.shape[1] * 2 if fmt == FP4 else w.shape[1]
         cfg = default_config(a.shape[0], 1, fmt)
-        split_k = split_k_for(a.shape[0], w.shape[0], K, cfg, _sm_count(a.device))
+        split_k = split_k_for(a.shape[0], w.shape[0], K, cfg, sm_count(a.device))
     return _launch(a, w, offs, scale, block_size, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
                    num_warps=num_warps, num_stages=num_stages, split_k=split_k)
 
-
-_SMS: dict[int, int] = {}
-
-
-def _sm_count(device: torch.device) -> int:
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _SMS:
-        _SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _SMS[idx]
