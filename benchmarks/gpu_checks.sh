@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The GPU checks of a device session in one call: every gpu-marked test (kernels first, stopping at
-# none), then the batch-invariance "1000 completions" run. Logs go to $1 (default benchmarks/results/gpu-checks);
+# The GPU checks of a device session in one call: every gpu-marked test (kernels first; a failure
+# does not stop the rest), then the batch-invariance "1000 completions" run. Logs go to $1 (default benchmarks/results/gpu-checks);
 # $2 picks a part (tests | identical | all, default all: together they can pass a 600 s call limit).
 #   bash benchmarks/gpu_checks.sh "$OUT" tests
 set -uo pipefail
