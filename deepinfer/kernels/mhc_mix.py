@@ -5,9 +5,9 @@ For a token with flattened streams f [K] (K = n * D, bf16/fp32) and fn [W, K] (f
 i.e. rms_norm(f) @ fn^T with the norm applied after the projection (same value, other rounding).
 The torch form reads the streams three times (fp32 copy, norm, GEMM) and runs an fp32 GEMM.
 Kernel: tl.dot with tf32x3 (three tf32 products: ~fp32 accuracy on tensor cores; bf16 streams
-are exact in tf32). SPLIT_W (off): fn as three bf16 parts and three bf16 dots on the raw bf16
-streams; on the H200 it missed the fp32 reference by up to ~1e-4 absolute (tf32x3: < 1e-5). Many tokens: one program per BT-row block over all of K. Few tokens: K is cut
-into S splits (grid rows x S) whose partial sums [S, T, W] and [S, T] a second launch adds in
+are exact in tf32; fn as three bf16 parts with bf16 dots missed the reference by ~1e-4 on the
+H200, benchmarks/NOTES.md). Many tokens: one program per BT-row block over all of K. Few tokens:
+K is cut into S splits (grid rows x S) whose partial sums [S, T, W] and [S, T] a second launch adds in
 split order. S depends only on T and K; batch-invariant callers pass a fixed one.
 """
 from __future__ import annotations
@@ -43,7 +43,7 @@ if triton is not None:
     @triton.jit
     def _mix_kernel(x_ptr, fn_ptr, out_ptr, sq_ptr, T, stride_x, K, eps, K_SPLIT: tl.constexpr,
                     W: tl.constexpr, WP: tl.constexpr, BT: tl.constexpr, BLOCK_K: tl.constexpr,
-                    PARTIAL: tl.constexpr, PREC: tl.constexpr, SPLIT_W: tl.constexpr):
+                    PARTIAL: tl.constexpr, PREC: tl.constexpr):
         s = tl.program_id(1)
         rows = tl.program_id(0) * BT + tl.arange(0, BT)
         live = rows < T
@@ -55,19 +55,9 @@ if triton is not None:
         k0 = s * K_SPLIT
         for kk in range(0, K_SPLIT, BLOCK_K):
             k = k0 + kk
-            xv = tl.load(x_base + k + cols[None, :], mask=live[:, None], other=0.0)
-            f = xv.to(tl.float32)
+            f = tl.load(x_base + k + cols[None, :], mask=live[:, None], other=0.0).to(tl.float32)
             w = tl.load(fn_ptr + w_rows[:, None] * K + k + cols[None, :], mask=(w_rows < W)[:, None], other=0.0)
-            if SPLIT_W:  # bf16 x: fn = hi + mid + lo in bf16 (24 bits), three bf16 dots, exact products
-                hi = w.to(tl.bfloat16)
-                r = w - hi.to(tl.float32)
-                mid = r.to(tl.bfloat16)
-                lo = (r - mid.to(tl.float32)).to(tl.bfloat16)
-                acc = tl.dot(xv, tl.trans(lo), acc)
-                acc = tl.dot(xv, tl.trans(mid), acc)
-                acc = tl.dot(xv, tl.trans(hi), acc)
-            else:
-                acc = tl.dot(f, tl.trans(w), acc, input_precision=PREC)
+            acc = tl.dot(f, tl.trans(w), acc, input_precision=PREC)
             sq += f * f
         ssq = tl.sum(sq, axis=1)
         omask = live[:, None] & (w_rows < W)[None, :]
@@ -111,15 +101,13 @@ def _launch(x: torch.Tensor, fn: torch.Tensor, eps: float, splits: int | None = 
     out = torch.empty(T, W, dtype=torch.float32, device=x.device)
     wp = max(16, triton.next_power_of_2(W))
     prec = "tf32x3" if x.is_cuda else "ieee"
-    split_w = False  # the bf16 three-part path missed the fp32 reference by ~1e-4 on the H200; tf32x3 holds 1e-5
     if splits == 1:
         _mix_kernel[(triton.cdiv(T, bt), 1)](x, fn, out, out, T, x.stride(0), K, eps, K_SPLIT=K, W=W, WP=wp, BT=bt,
-                                             BLOCK_K=BK, PARTIAL=False, PREC=prec, SPLIT_W=split_w, num_warps=4)
+                                             BLOCK_K=BK, PARTIAL=False, PREC=prec, num_warps=4)
         return out
     part = torch.empty(splits, T, W, dtype=torch.float32, device=x.device)
     sq = torch.empty(splits, T, dtype=torch.float32, device=x.device)
     _mix_kernel[(triton.cdiv(T, bt), splits)](x, fn, part, sq, T, x.stride(0), K, eps, K_SPLIT=K // splits, W=W,
-                                              WP=wp, BT=bt, BLOCK_K=BK, PARTIAL=True, PREC=prec, SPLIT_W=split_w,
-                                              num_warps=4)
+                                              WP=wp, BT=bt, BLOCK_K=BK, PARTIAL=True, PREC=prec, num_warps=4)
     _reduce_kernel[(T,)](part, sq, out, T, K, eps, S=splits, W=W, WP=wp, num_warps=1)
     return out

@@ -105,7 +105,7 @@ class Indexer(nn.Module):
             return out
         lens, inv = batch.req_lens, invariant.enabled()
         every = inv and x.is_cuda  # invariant mode on CUDA: every request on the fixed-order GEMM path
-        rest: list[torch.Tensor] = []  # token rows left to the per-token path
+        rest: list[tuple[int, int]] = []  # (first row, count) of requests left to the per-token path
         t0 = 0
         for r, n in enumerate(lens):
             if every or (n >= SHARED_KEYS_MIN_TOKENS and not inv):
@@ -124,12 +124,13 @@ class Indexer(nn.Module):
                             s = torch.bmm(w[sl, None, :], s).squeeze(1)
                     out[sl] = self._top(s, plan.visible[sl], k)
             else:
-                rest.append(torch.arange(t0, t0 + n))
+                rest.append((t0, n))
             t0 += n
         if lens and not rest:
             return out
         # per-token path: all tokens (plain slices), or the short requests' rows
-        rows = None if not lens or len(rest) == len(lens) else to_device(torch.cat(rest), x.device)
+        rows = None if not lens or len(rest) == len(lens) else \
+            to_device(torch.cat([torch.arange(a, a + n) for a, n in rest]), x.device)
         count = x.shape[0] if rows is None else rows.numel()
         for sl in _chunks(count, nv * self.head_dim):
             idx = sl if rows is None else rows[sl]
