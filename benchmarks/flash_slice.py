@@ -1,9 +1,9 @@
 """The Flash slice sweep: V4-Flash's first four layers at full width (sliding, sliding, CSA, HCA;
 hash, hash, hash, top-k MoE; 256 experts), random weights, on one GPU.
 
-Engines: deepinfer bf16, deepinfer FP8/FP4 (weights kept as the hub ships them), transformers
-bf16 (DeepseekV4ForCausalLM). Rows: prefill (batch x length) and decode steps (batch at a
-context), each with the roofline of that work on this GPU: max(bytes moved / measured copy
+Engines: deepinfer bf16, deepinfer FP8/FP4 (weights kept as the hub ships them), deepinfer bf16 in
+batch-invariant mode, transformers bf16 (DeepseekV4ForCausalLM). Rows: prefill (batch x length)
+and decode steps (batch at a context), each with the roofline of that work on this GPU: max(bytes moved / measured copy
 bandwidth, FLOPs / measured bf16 matmul rate), both ceilings measured at the start of the run.
 Decode state for deepinfer is filled synthetically (timing does not depend on cache values);
 transformers builds its cache by prefilling, so its long-context rows are skipped.
@@ -28,6 +28,8 @@ PREFILL = [(1, 2048), (4, 2048), (1, 8192)]
 DECODE_BATCHES = [1, 4, 16, 64, 128]
 DECODE_CONTEXTS = [256, 4096]
 LAYER_RATIOS = [0, 0, 4, 128]
+# deepinfer-invariant: bf16 in batch-invariant mode (DEEPINFER_BATCH_INVARIANT=1), for its cost
+ENGINES = ("deepinfer", "deepinfer-fp8", "deepinfer-invariant", "transformers")
 
 
 BASE_PRESET = "flash"
@@ -162,13 +164,12 @@ def deepinfer_model(fp8: bool):
     return model
 
 
-def deepinfer_rows(fp8: bool, ceil: dict, args) -> list[dict]:
+def deepinfer_rows(fp8: bool, ceil: dict, args, name: str) -> list[dict]:
     from deepinfer.layers.forward_batch import SeqChunk, build_forward_batch
     from deepinfer.worker.kv_cache import static_v4_cache
 
     model = deepinfer_model(fp8)
     cfg, kv = model.config, ("fp8" if fp8 else "bfloat16")
-    name = "deepinfer-fp8" if fp8 else "deepinfer"
     gc.collect()
     gc.freeze()
     rows = []
@@ -291,7 +292,8 @@ def plot(result: dict, path: Path) -> None:
     for i, eng in enumerate(sorted({r["engine"] for r in pre})):
         vals = [next((r["tokens_per_s"] for r in pre if r["engine"] == eng and f"{r['batch']}x{r['seq']}" == lab), 0)
                 for lab in labels]
-        axes[0].bar([j + 0.25 * i for j in range(len(labels))], vals, width=0.25, label=eng)
+        n = len({r["engine"] for r in pre})
+        axes[0].bar([j + 0.8 / n * i for j in range(len(labels))], vals, width=0.8 / n, label=eng)
     axes[0].set_xticks(range(len(labels)), labels)
     axes[0].set_title("prefill tokens/s")
     axes[0].legend()
@@ -320,7 +322,10 @@ def engine_rows(eng: str, ceil: dict, args) -> list[dict]:
     do not land in timed steps."""
     if eng == "transformers":
         return transformers_rows(ceil, args)
-    return deepinfer_rows(eng == "deepinfer-fp8", ceil, args)
+    from deepinfer.layers import invariant
+
+    with invariant.mode(eng == "deepinfer-invariant"):
+        return deepinfer_rows(eng == "deepinfer-fp8", ceil, args, eng)
 
 
 def run_engine_process(eng: str, ceil: dict, args) -> tuple[list[dict], str | None]:
@@ -368,7 +373,7 @@ def main() -> None:
     result = {"device": gpu, "date": str(date.today()), "commit": args.commit or git_commit(), "ceilings": ceil,
               "rows": rows}
     for eng in args.engines.split(","):
-        if eng not in ("deepinfer", "deepinfer-fp8", "transformers"):
+        if eng not in ENGINES:
             raise SystemExit(f"unknown engine {eng!r}")
         got, err = run_engine_process(eng, ceil, args)  # one engine failing must not lose the others' rows
         rows += got
@@ -380,10 +385,10 @@ def main() -> None:
         plot(result, out.with_suffix(".png"))
     except ImportError:
         print("matplotlib is not installed: no plot")
-    print(f"{'engine':<15}{'phase':<8}{'B':>5}{'S':>6}{'ctx':>6}{'tok/s':>12}{'step ms':>10}{'roof ms':>10}{'x roof':>8}")
+    print(f"{'engine':<21}{'phase':<8}{'B':>5}{'S':>6}{'ctx':>6}{'tok/s':>12}{'step ms':>10}{'roof ms':>10}{'x roof':>8}")
     for r in rows:
         x = f"{r['step_ms'] / r['roofline_ms']:.1f}" if r["step_ms"] and r["roofline_ms"] else "-"
-        print(f"{r['engine']:<15}{r['phase']:<8}{r['batch']:>5}{r['seq']:>6}{r['context']:>6}"
+        print(f"{r['engine']:<21}{r['phase']:<8}{r['batch']:>5}{r['seq']:>6}{r['context']:>6}"
               f"{str(r['tokens_per_s']):>12}{str(r['step_ms']):>10}{str(r['roofline_ms']):>10}{x:>8}")
     print(f"wrote {out} and {out.with_suffix('.png')}")
 

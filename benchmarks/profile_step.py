@@ -46,6 +46,52 @@ def print_module_times(model, step) -> None:
         print(f"  {role:<40}{ms:9.3f}")
 
 
+def print_module_launches(model, step) -> None:
+    """Kernels launched per module role (self: a launch counts for the innermost module whose call
+    encloses it on the host), summed over layers; decode steps are launch-bound, so the counts
+    say where launches can be cut."""
+    handles, ranges = [], {}
+
+    def pre(name):
+        def hook(mod, inp):
+            ranges[name] = torch.profiler.record_function(f"mod:{name}")
+            ranges[name].__enter__()
+        return hook
+
+    def post(name):
+        def hook(mod, inp, out):
+            ranges.pop(name).__exit__(None, None, None)
+        return hook
+
+    for name, mod in model.named_modules():
+        if name:
+            handles += [mod.register_forward_pre_hook(pre(name)), mod.register_forward_hook(post(name))]
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
+        step()
+        torch.cuda.synchronize()
+    for h in handles:
+        h.remove()
+    evs = prof.events()
+    spans = [(e.time_range.start, e.time_range.end, e.name[4:]) for e in evs if e.name.startswith("mod:")]
+    count: dict[str, list] = {}
+    for e in evs:
+        if not e.kernels or e.name.startswith("mod:"):
+            continue
+        t = e.time_range.start
+        inner = min((sp for sp in spans if sp[0] <= t <= sp[1]), key=lambda sp: sp[1] - sp[0], default=None)
+        name = inner[2] if inner else "(outside modules)"
+        role = name.split(".", 2)[-1] if name.startswith("layers.") else name
+        c = count.setdefault(role, [0, 0.0, {}])
+        c[0] += len(e.kernels)
+        c[1] += sum(k.duration for k in e.kernels)
+        c[2][e.name] = c[2].get(e.name, 0) + len(e.kernels)
+    print(f"kernels per module role (self, summed over layers): {sum(c[0] for c in count.values())} in all")
+    for role, (n, us, ops) in sorted(count.items(), key=lambda kv: -kv[1][0]):
+        top = ", ".join(f"{op} {k}" for op, k in sorted(ops.items(), key=lambda kv: -kv[1])[:6])
+        print(f"  {role:<32}{n:5d} launches {us / 1e3:7.3f} ms  [{top}]")
+
+
 def graph_breakdown(model, cache, chunks) -> None:
     """Decode through DecodeGraphs: host planning, input copies and replay timed apart."""
     import time
@@ -165,6 +211,7 @@ def profile(args) -> None:
     wall = fs.timed(step, 5)
     print(f"wall time per step (host plan + launch + GPU, synchronised): {1e3 * wall:.2f} ms")
     print_module_times(model, step)
+    print_module_launches(model, step)
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                             torch.profiler.ProfilerActivity.CUDA]) as prof:
