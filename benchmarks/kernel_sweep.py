@@ -1,6 +1,6 @@
 """Tile-config sweep of the Triton kernels at the Flash slice's shapes (H200), with the torch baseline.
 
-    python benchmarks/kernel_sweep.py [--only moe|attn|attn-kinds|rope]
+    python benchmarks/kernel_sweep.py [--only moe|attn|attn-kinds|rope|decode-small]
 
 MoE: 256 experts, K=4096 -> N=2048 (w1/w3), tokens x 6 experts routed at random: decode batch 1
 and 64 (bf16 torch._grouped_mm vs the Triton kernel on bf16 / FP8-block / FP4 weights), prefill
@@ -175,9 +175,51 @@ def rope_sweep(rows: list) -> None:
             print(json.dumps(rows[-1]), flush=True)
 
 
+def decode_small(rows: list) -> None:
+    """Decode-size launches of the slice: the MoE pair sort (moe_align vs torch) over block / warps;
+    the mHC mix at 1 and 64 tokens over K splits; the projections at M = 1 through cuBLAS
+    (bf16) vs the Triton one-group GEMM (bf16, FP8 128-blocks) over split-K and N tiles."""
+    from deepinfer.kernels import mhc_mix as mm
+    from deepinfer.kernels import moe_align as ma
+
+    for M in (6, 384):
+        idx = torch.randint(0, 256, (M // 6, 6), device="cuda")
+        rows.append({"kernel": "moe_align", "M": M, "impl": "torch", "ms": bench(lambda: ma.reference(idx, 256))})
+        print(json.dumps(rows[-1]), flush=True)
+        for blk, nw in itertools.product([16, 32, 64, 128], [1, 2, 4]):
+            rows.append({"kernel": "moe_align", "M": M, "block": blk, "num_warps": nw,
+                         "ms": bench(lambda: ma._launch(idx, 256, blk, nw))})
+            print(json.dumps(rows[-1]), flush=True)
+    fn = torch.randn(24, 16384, device="cuda") * 0.01
+    for T in (1, 64):
+        x = torch.randn(T, 16384, device="cuda").to(torch.bfloat16)
+        for s in (1, 8, 16, 32, 64, 128, 256):
+            rows.append({"kernel": "mhc_mix", "T": T, "splits": s, "ms": bench(lambda: mm._launch(x, fn, 1e-6, s))})
+            print(json.dumps(rows[-1]), flush=True)
+    shapes = {"wq_a": (1024, 4096), "wq_b": (32768, 1024), "wo_b": (4096, 8192), "shared_w1": (2048, 4096)}
+    for (name, (N, K)), M in itertools.product(shapes.items(), (1,)):
+        a = torch.randn(M, K, device="cuda").to(torch.bfloat16)
+        w = (torch.randn(N, K, device="cuda") * 0.02).to(torch.bfloat16)
+        t = bench(lambda: torch.mm(a, w.t()))
+        rows.append({"kernel": "linear", "w": name, "M": M, "impl": "cublas", "ms": t, "GBs": N * K * 2 / t / 1e6})
+        print(json.dumps(rows[-1]), flush=True)
+        w8 = w.to(torch.float8_e4m3fn)
+        sc = torch.ones(N // 128, K // 128, device="cuda")
+        for fmt, (ww, ss, nbytes) in {"bf16": (w, None, 2), "fp8": (w8, sc, 1)}.items():
+            for sk, bn in itertools.product((1, 4, 16), (64, 128)):
+                if K % (sk * 128):
+                    continue
+                f = (lambda: gg._launch(a, ww, None, ss, (128, 128), BLOCK_M=16, BLOCK_N=bn, BLOCK_K=128,
+                                        num_warps=4, num_stages=4, split_k=sk))
+                t = bench(f)
+                rows.append({"kernel": "linear", "w": name, "M": M, "impl": f"triton-{fmt}", "split_k": sk,
+                             "BLOCK_N": bn, "ms": t, "GBs": N * K * nbytes / t / 1e6})
+                print(json.dumps(rows[-1]), flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--only", choices=("moe", "attn", "attn-kinds", "rope"))
+    ap.add_argument("--only", choices=("moe", "attn", "attn-kinds", "rope", "decode-small"))
     ap.add_argument("--out")
     args = ap.parse_args()
     torch.manual_seed(0)
@@ -190,6 +232,8 @@ def main() -> None:
         attn_kinds(rows)
     if args.only in (None, "rope"):
         rope_sweep(rows)
+    if args.only in (None, "decode-small"):
+        decode_small(rows)
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=2)

@@ -72,14 +72,15 @@ def moe_align(idx: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.
     return _launch(idx, num_experts)
 
 
-def _launch(idx: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _launch(idx: torch.Tensor, num_experts: int, block: int = BLOCK, num_warps: int = 4
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The launch without the device / size checks (also runs under TRITON_INTERPRET=1)."""
     flat = idx.reshape(-1).contiguous()  # int64 ids read as they are (no cast launch)
     M = flat.numel()
     order = torch.empty(M, dtype=torch.int64, device=idx.device)
     tok = torch.empty(M, dtype=torch.int64, device=idx.device)
     offs = torch.empty(num_experts, dtype=torch.int32, device=idx.device)
-    rank_programs = triton.cdiv(M, BLOCK)
-    _align_kernel[(rank_programs + triton.cdiv(num_experts, BLOCK),)](
-        flat, order, tok, offs, M, num_experts, idx.shape[1], rank_programs, BLOCK=BLOCK, num_warps=4)
+    rank_programs = triton.cdiv(M, block)
+    _align_kernel[(rank_programs + triton.cdiv(num_experts, block),)](
+        flat, order, tok, offs, M, num_experts, idx.shape[1], rank_programs, BLOCK=block, num_warps=num_warps)
     return order, tok, offs
