@@ -33,6 +33,18 @@ def bench(fn, reps: int = 7) -> float:
     return sorted(ts)[len(ts) // 2]
 
 
+def bench_device(fn, reps: int = 20) -> float:
+    """GPU ms of fn's kernels per call (profiler device time, launch gaps excluded): CUDA-event
+    timing of a few-microsecond launch measures the host's launch latency instead."""
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    return sum(e.self_device_time_total for e in prof.key_averages()) / reps / 1e3
+
+
 def moe_inputs(tokens: int, E=256, K=4096, N=2048, topk=6):
     idx = torch.stack([torch.randperm(E, device="cuda")[:topk] for _ in range(tokens)])
     counts = torch.bincount(idx.flatten(), minlength=E)
@@ -176,45 +188,37 @@ def rope_sweep(rows: list) -> None:
 
 
 def decode_small(rows: list) -> None:
-    """Decode-size launches of the slice: the MoE pair sort (moe_align vs torch) over block / warps;
-    the mHC mix at 1 and 64 tokens over K splits; the projections at M = 1 through cuBLAS
-    (bf16) vs the Triton one-group GEMM (bf16, FP8 128-blocks) over split-K and N tiles."""
+    """Decode-size launches of the slice, timed by their kernels' device time (bench_device): the
+    MoE pair sort (moe_align over block / warps vs torch), the mHC mix at 1 and 64 tokens over K
+    splits, V4's grouped output projection wo_a with FP8 weights (grouped GEMM vs dequant + einsum)."""
     from deepinfer.kernels import mhc_mix as mm
     from deepinfer.kernels import moe_align as ma
+    from deepinfer.layers.linear import Linear, QuantSpec, grouped_linear
 
     for M in (6, 384):
         idx = torch.randint(0, 256, (M // 6, 6), device="cuda")
-        rows.append({"kernel": "moe_align", "M": M, "impl": "torch", "ms": bench(lambda: ma.reference(idx, 256))})
+        rows.append({"kernel": "moe_align", "M": M, "impl": "torch", "ms": bench_device(lambda: ma.reference(idx, 256))})
         print(json.dumps(rows[-1]), flush=True)
         for blk, nw in itertools.product([16, 32, 64, 128], [1, 2, 4]):
             rows.append({"kernel": "moe_align", "M": M, "block": blk, "num_warps": nw,
-                         "ms": bench(lambda: ma._launch(idx, 256, blk, nw))})
+                         "ms": bench_device(lambda: ma._launch(idx, 256, blk, nw))})
             print(json.dumps(rows[-1]), flush=True)
     fn = torch.randn(24, 16384, device="cuda") * 0.01
     for T in (1, 64):
         x = torch.randn(T, 16384, device="cuda").to(torch.bfloat16)
-        for s in (1, 8, 16, 32, 64, 128, 256):
-            rows.append({"kernel": "mhc_mix", "T": T, "splits": s, "ms": bench(lambda: mm._launch(x, fn, 1e-6, s))})
+        for sp in (1, 4, 8, 16, 32, 64, 128, 256):
+            rows.append({"kernel": "mhc_mix", "T": T, "splits": sp,
+                         "ms": bench_device(lambda: mm._launch(x, fn, 1e-6, sp))})
             print(json.dumps(rows[-1]), flush=True)
-    shapes = {"wq_a": (1024, 4096), "wq_b": (32768, 1024), "wo_b": (4096, 8192), "shared_w1": (2048, 4096)}
-    for (name, (N, K)), M in itertools.product(shapes.items(), (1,)):
-        a = torch.randn(M, K, device="cuda").to(torch.bfloat16)
-        w = (torch.randn(N, K, device="cuda") * 0.02).to(torch.bfloat16)
-        t = bench(lambda: torch.mm(a, w.t()))
-        rows.append({"kernel": "linear", "w": name, "M": M, "impl": "cublas", "ms": t, "GBs": N * K * 2 / t / 1e6})
-        print(json.dumps(rows[-1]), flush=True)
-        w8 = w.to(torch.float8_e4m3fn)
-        sc = torch.ones(N // 128, K // 128, device="cuda")
-        for fmt, (ww, ss, nbytes) in {"bf16": (w, None, 2), "fp8": (w8, sc, 1)}.items():
-            for sk, bn in itertools.product((1, 4, 16), (64, 128)):
-                if K % (sk * 128):
-                    continue
-                f = (lambda: gg._launch(a, ww, None, ss, (128, 128), BLOCK_M=16, BLOCK_N=bn, BLOCK_K=128,
-                                        num_warps=4, num_stages=4, split_k=sk))
-                t = bench(f)
-                rows.append({"kernel": "linear", "w": name, "M": M, "impl": f"triton-{fmt}", "split_k": sk,
-                             "BLOCK_N": bn, "ms": t, "GBs": N * K * nbytes / t / 1e6})
-                print(json.dumps(rows[-1]), flush=True)
+    lin = Linear(4096, 8 * 1024, torch.bfloat16, QuantSpec(block_size=(128, 128)), device="cuda")
+    lin.weight.copy_((torch.randn(8192, 4096, device="cuda") * 4).to(torch.float8_e4m3fn))
+    lin.scale.copy_(torch.randint(117, 122, lin.scale.shape, dtype=torch.uint8).view(lin.scale.dtype))
+    for T in (1, 64):
+        x = torch.randn(T, 8, 4096, device="cuda").to(torch.bfloat16)
+        for impl, f in (("grouped_gemm", lambda: lin.forward_grouped(x)),
+                        ("dequant+einsum", lambda: grouped_linear(x, lin.dense_weight(x.dtype).view(8, 1024, 4096)))):
+            rows.append({"kernel": "wo_a_fp8", "T": T, "impl": impl, "ms": bench_device(f)})
+            print(json.dumps(rows[-1]), flush=True)
 
 
 def main() -> None:

@@ -77,6 +77,27 @@ class Linear(nn.Module):
         return dense_linear(x, self.dense_weight(x.dtype))
 
 
+    def forward_grouped(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, G, I] through the weight as G row blocks [G, O, I] (O = out_features / G), group g's
+        inputs meeting block g only -> [T, G * O] (V4's grouped output projection wo_a).
+        FP8 on CUDA below GROUPED_GEMM_ROWS tokens: one Triton grouped GEMM over the group-major
+        rows, FP8 tiles dequantised in registers (no per-step bf16 copy of the weight); otherwise
+        the dense weight through `grouped_linear`."""
+        T, G, I = x.shape
+        O = self.out_features // G
+        if (self.block_size is not None and x.is_cuda and x.dtype == torch.bfloat16 and triton_available()
+                and 0 < T < GROUPED_GEMM_ROWS and O % self.block_size[0] == 0 and not invariant.enabled()):
+            a = x.transpose(0, 1).reshape(G * T, I)
+            offs = torch.arange(T, G * T + 1, T, dtype=torch.int32, device=x.device)  # group g: rows gT .. (g+1)T-1
+            y = grouped_gemm(a, self.weight.view(G, O, I), offs, self.scale.view(G, -1, self.scale.shape[-1]),
+                             self.block_size)
+            return y.view(G, T, O).transpose(0, 1).reshape(T, G * O)
+        return grouped_linear(x, self.dense_weight(x.dtype).view(G, O, I))
+
+
+GROUPED_GEMM_ROWS = 512  # prefill keeps dequant + cuBLAS per group (the weight copy is small beside its GEMMs)
+
+
 def dense_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """F.linear without bias; in batch-invariant mode with fixed row tiles (layers/invariant.py)."""
     return invariant.linear(x, w) if invariant.enabled() else F.linear(x, w)

@@ -14,7 +14,7 @@ from torch import nn
 from deepinfer.layers.attention import Compressor, Indexer, sparse_attention
 from deepinfer.layers.forward_batch import ForwardBatch
 from deepinfer.layers.kv_state import LayerCache
-from deepinfer.layers.linear import DENSE, Linear, QuantSpec, grouped_linear
+from deepinfer.layers.linear import DENSE, Linear, QuantSpec
 from deepinfer.layers.mhc import HyperConnection, collapse_norm, expand, register_hc_params, head_collapse
 from deepinfer.layers.moe import MoE
 from deepinfer.layers.norm import RMSNorm
@@ -84,8 +84,7 @@ class Attention(nn.Module):
                              self.attn_sink, self.head_dim ** -0.5)
         cache.ring.write(batch.ring_dst, kv[batch.ring_src])
         o = apply_rope(o, rope, inverse=True, overwrite=True).view(T, self.o_groups, -1)
-        wo_a = self.wo_a.dense_weight(x.dtype).view(self.o_groups, self.o_rank, -1)
-        return self.wo_b(grouped_linear(o, wo_a))
+        return self.wo_b(self.wo_a.forward_grouped(o))
 
 
 class Block(nn.Module):

@@ -18,7 +18,7 @@ from deepinfer.layers.csa2 import CSA2State, Engram, Indexer41, PoolCompressor
 from deepinfer.layers.engram_hash import EngramHashParams, ngram_rows
 from deepinfer.layers.forward_batch import ForwardBatch, ReplayPlan
 from deepinfer.layers.kv_state import LayerCache
-from deepinfer.layers.linear import Linear, QuantSpec, grouped_linear
+from deepinfer.layers.linear import Linear, QuantSpec
 from deepinfer.layers.mhc import HyperConnection, collapse, collapse_norm, expand, register_hc_params
 from deepinfer.layers.moe import MoE
 from deepinfer.layers.norm import RMSNorm
@@ -107,8 +107,7 @@ class Attention41(nn.Module):
         cache.ring.write(batch.ring_dst, kv[batch.ring_src])
         o = apply_rope(o, rope, inverse=True, overwrite=True)
         o = o.view(T, self.o_groups, self.n_heads * self.head_dim // self.o_groups)
-        wo_a = self.wo_a.dense_weight(x.dtype).view(self.o_groups, self.o_rank, -1)
-        return self.wo_b(grouped_linear(o, wo_a)), state
+        return self.wo_b(self.wo_a.forward_grouped(o)), state
 
 
 class Block41(nn.Module):

@@ -58,8 +58,7 @@ class DSparkStage41(Block41):
         probs = torch.softmax(torch.cat((logits, sink), dim=-1), dim=-1)[..., :-1]
         o = torch.einsum("bhsk,bkd->bshd", probs, keys.float()).to(u.dtype).flatten(0, 1)
         o = apply_rope(o, rope, inverse=True).view(B * S, a.o_groups, -1)
-        wo_a = a.wo_a.dense_weight(u.dtype).view(a.o_groups, a.o_rank, -1)
-        return a.wo_b(torch.einsum("tgi,goi->tgo", o, wo_a).flatten(1)).view(B, S, -1)
+        return a.wo_b(a.wo_a.forward_grouped(o)).view(B, S, -1)
 
     def draft_forward(self, x, pre, ctx_h, ctx_rope, ctx_valid, rope, kv_fmt, ids):
         """x [B, S, n, D], pre [B, S, n] -> (x, pre) after this stage."""

@@ -185,6 +185,24 @@ def test_fp8_linear_takes_the_kernel_on_gpu():
     torch.testing.assert_close(fast.float().cpu(), ref, atol=3e-2, rtol=2e-2)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("T", [1, 5, 64, 600])   # 600: past GROUPED_GEMM_ROWS, the dense-weight path
+def test_fp8_grouped_projection_on_gpu(T):
+    """V4's wo_a: 4 groups of 256 inputs -> 128 outputs each, FP8 weight with 128-blocks."""
+    torch.manual_seed(0)
+    lin = Linear(256, 4 * 128, torch.bfloat16, QuantSpec(block_size=(128, 128)))
+    w, s = make_case([1], 4 * 128, 256, "fp8", exps=(117, 122))[1::2]
+    lin.weight.copy_(w[0])
+    lin.scale.copy_(s[0])
+    x = torch.randn(T, 4, 256, dtype=torch.bfloat16)
+    wd = lin.dense_weight(torch.float32).view(4, 128, 256)
+    ref = torch.einsum("tgi,goi->tgo", x.float(), wd).flatten(1)
+    lin.cuda()
+    fast = lin.forward_grouped(x.cuda())
+    assert fast.shape == (T, 4 * 128) and fast.dtype == torch.bfloat16
+    torch.testing.assert_close(fast.float().cpu(), ref, atol=3e-2, rtol=2e-2)
+
+
 def test_split_k_choice():
     from deepinfer.kernels.grouped_gemm import default_config, split_k_for
     dec = default_config(1, 1, 1)  # FP8 decode tiles: 16 x 64 x 128
