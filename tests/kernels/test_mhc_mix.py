@@ -10,7 +10,7 @@ def test_split_count_divides_k_into_power_of_two_splits():
     for T in (1, 3, 64, 8192):
         s = split_count(T, 16384)
         assert 1 <= s and 16384 % (s * 64) == 0 and s & (s - 1) == 0
-    assert split_count(1, 16384) == 32 > split_count(8192, 16384)
+    assert split_count(1, 16384) == 128 > split_count(8192, 16384)
 
 
 def test_reference_is_the_normalised_projection():
