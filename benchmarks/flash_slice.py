@@ -3,8 +3,9 @@ hash, hash, hash, top-k MoE; 256 experts), random weights, on one GPU.
 
 Engines: deepinfer bf16, deepinfer FP8/FP4 (weights kept as the hub ships them), deepinfer bf16 in
 batch-invariant mode, transformers bf16 (DeepseekV4ForCausalLM). Rows: prefill (batch x length)
-and decode steps (batch at a context), each with the roofline of that work on this GPU: max(bytes moved / measured copy
-bandwidth, FLOPs / measured bf16 matmul rate), both ceilings measured at the start of the run.
+and decode steps (batch at a context), each with the roofline of that work on this GPU:
+max(bytes moved / measured copy bandwidth, FLOPs / measured bf16 matmul rate), both ceilings
+measured at the start of the run.
 Decode state for deepinfer is filled synthetically (timing does not depend on cache values);
 transformers builds its cache by prefilling, so its long-context rows are skipped.
 
