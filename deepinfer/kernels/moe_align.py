@@ -2,11 +2,13 @@
 
 idx [T, k] expert ids (0 <= id < E), flattened to f [M], M = T * k:
   order[r] = i    where r = #{j : f[j] < f[i]} + #{j < i : f[j] == f[i]}   (a stable sort by expert)
+  inv[i]   = r                                                            (order's inverse: where
+                                                                           pair i sits once sorted)
   tok[r]   = i // k                                                       (the pair's token row)
   offs[e]  = #{j : f[j] <= e}                                            (int32: cumulative row ends,
                                                                           torch._grouped_mm's convention)
 The torch form is argsort (a radix sort: several launches, ~14 us at decode on the H200) plus
-zeros / ones / index_add / cumsum / divide; this is one launch. Ranks by counting are O(M^2)
+zeros / ones / index_add / cumsum / divide (and a scatter for inv); this is one launch. Ranks by counting are O(M^2)
 compares, so the launcher takes M <= MAX_PAIRS (decode and small prefills) and the caller keeps
 the torch path above. Integer results: identical to the reference, bit for bit.
 Grid: cdiv(M, BLOCK) ranking programs, then cdiv(E, BLOCK) programs counting offsets.
@@ -27,18 +29,23 @@ MAX_PAIRS = 4096
 BLOCK = 32
 
 
-def reference(idx: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(order [M] int64, tok [M] int64, offs [E] int32) without a host sync (bincount would sync)."""
+Aligned = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]  # (order, tok, offs, inv)
+
+
+def reference(idx: torch.Tensor, num_experts: int) -> Aligned:
+    """(order [M] int64, tok [M] int64, offs [E] int32, inv [M] int64) without a host sync
+    (bincount would sync)."""
     flat = idx.flatten()
     order = torch.argsort(flat, stable=True)
     counts = torch.zeros(num_experts, dtype=torch.int32, device=idx.device)
     offs = torch.cumsum(counts.index_add_(0, flat, torch.ones_like(flat, dtype=torch.int32)), 0, dtype=torch.int32)
-    return order, order // idx.shape[1], offs
+    inv = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+    return order, order // idx.shape[1], offs, inv
 
 
 if triton is not None:
     @triton.jit
-    def _align_kernel(f_ptr, order_ptr, tok_ptr, offs_ptr, M, E, K, RANK_PROGRAMS, BLOCK: tl.constexpr):
+    def _align_kernel(f_ptr, order_ptr, tok_ptr, offs_ptr, inv_ptr, M, E, K, RANK_PROGRAMS, BLOCK: tl.constexpr):
         pid = tl.program_id(0)
         j0 = tl.arange(0, BLOCK)
         if pid < RANK_PROGRAMS:
@@ -53,6 +60,7 @@ if triton is not None:
                 rank += tl.sum((before & (j < M)[None, :]).to(tl.int32), axis=1)
             tl.store(order_ptr + rank, i.to(tl.int64), mask=i_ok)
             tl.store(tok_ptr + rank, (i // K).to(tl.int64), mask=i_ok)
+            tl.store(inv_ptr + i, rank.to(tl.int64), mask=i_ok)
         else:
             e = (pid - RANK_PROGRAMS) * BLOCK + tl.arange(0, BLOCK)
             cnt = tl.zeros([BLOCK], tl.int32)
@@ -67,22 +75,22 @@ def supported(idx: torch.Tensor) -> bool:
     return triton is not None and idx.is_cuda and 0 < idx.numel() <= MAX_PAIRS
 
 
-def moe_align(idx: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def moe_align(idx: torch.Tensor, num_experts: int) -> Aligned:
     """One Triton launch on CUDA for up to MAX_PAIRS pairs; `reference` otherwise. Same results."""
     if not supported(idx):
         return reference(idx, num_experts)
     return _launch(idx, num_experts)
 
 
-def _launch(idx: torch.Tensor, num_experts: int, block: int = BLOCK, num_warps: int = 4
-            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _launch(idx: torch.Tensor, num_experts: int, block: int = BLOCK, num_warps: int = 4) -> Aligned:
     """The launch without the device / size checks (also runs under TRITON_INTERPRET=1)."""
     flat = idx.reshape(-1).contiguous()  # int64 ids read as they are (no cast launch)
     M = flat.numel()
     order = torch.empty(M, dtype=torch.int64, device=idx.device)
     tok = torch.empty(M, dtype=torch.int64, device=idx.device)
     offs = torch.empty(num_experts, dtype=torch.int32, device=idx.device)
+    inv = torch.empty(M, dtype=torch.int64, device=idx.device)
     rank_programs = triton.cdiv(M, block)
     _align_kernel[(rank_programs + triton.cdiv(num_experts, block),)](
-        flat, order, tok, offs, M, num_experts, idx.shape[1], rank_programs, BLOCK=block, num_warps=num_warps)
-    return order, tok, offs
+        flat, order, tok, offs, inv, M, num_experts, idx.shape[1], rank_programs, BLOCK=block, num_warps=num_warps)
+    return order, tok, offs, inv

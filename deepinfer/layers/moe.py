@@ -85,10 +85,10 @@ class Experts(nn.Module):
         scale = getattr(self, f"{name}_scale", None)
         return dequant_expert(getattr(self, name)[e], None if scale is None else scale[e], self.quant, dtype)
 
-    def _sorted(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(order, tok, offs): the (token, slot) pairs sorted by expert, each one's token row, and the
-        cumulative row end of every expert (int32, torch._grouped_mm's convention). No host sync;
-        one launch for small batches (deepinfer/kernels/moe_align.py)."""
+    def _sorted(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(order, tok, offs, inv): the (token, slot) pairs sorted by expert, each one's token row, the
+        cumulative row end of every expert (int32, torch._grouped_mm's convention) and where each pair
+        landed. No host sync; one launch for small batches (deepinfer/kernels/moe_align.py)."""
         return moe_align(idx, self.num_experts)
 
     def _grouped_mm(self, xs: torch.Tensor, name: str, offs: torch.Tensor) -> torch.Tensor:
@@ -120,34 +120,41 @@ class Experts(nn.Module):
                 fp8[e] = unpack_fp4(packed[e]).to(torch.float8_e4m3fn)
             setattr(self, name, fp8)
 
-    def grouped(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    def grouped(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor,
+                shared: torch.Tensor | None = None) -> torch.Tensor:
         """GPU path: one grouped GEMM per projection over the tokens sorted by expert, offsets kept on
         the device: no host sync, no Python loop. Dense bf16 experts use torch._grouped_mm, quantised
-        (FP8 / FP4) ones the Triton kernel that dequantises while loading (bf16 activations)."""
+        (FP8 / FP4) ones the Triton kernel that dequantises while loading (bf16 activations).
+        -> fp32 [T, D]; with `shared` (the shared expert's output) the layer's result
+        (sum + float(shared)).to(x.dtype), added inside the combine kernel."""
         if self.quant.fp4_experts and self.w1.dtype != torch.float8_e4m3fn:
             self.repack_fp4_as_fp8()  # once, on the first GPU step (before any graph capture)
-        order, tok, offs = self._sorted(idx)
+        order, tok, offs, inv = self._sorted(idx)
         xs = x[tok]
         gate = self._grouped_mm(xs, "w1", offs)
         up = self._grouped_mm(xs, "w3", offs)
         if x.is_cuda and triton_available():  # fused: one pass each, k slots summed in slot order (batch-invariant)
             y = self._grouped_mm(swiglu(gate, up, self.limit, x.dtype), "w2", offs)
-            return moe_combine(y, order, weights, idx.shape[1])
+            return moe_combine(y, order, weights, idx.shape[1], inv, shared,
+                               torch.float32 if shared is None else x.dtype)
         y = self._grouped_mm(clamped_swiglu(gate, up, self.limit).to(x.dtype), "w2", offs)
         out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
-        return out.index_add_(0, tok, y.float() * weights.flatten()[order, None])
+        out.index_add_(0, tok, y.float() * weights.flatten()[order, None])
+        return out if shared is None else (out + shared.float()).to(x.dtype)
 
     def _use_grouped(self, x: torch.Tensor) -> bool:
         if not (x.is_cuda and x.dtype == torch.bfloat16):
             return False
         return triton_available() if self.quant.quantized else hasattr(torch, "_grouped_mm")
 
-    def forward(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
-        """Tokens grouped by expert; each token's k outputs summed in fp32. Grouped GEMMs on the GPU
-        for bf16 activations (dense or quantised experts); the reference loop on the CPU and for fp32."""
+    def forward(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor,
+                shared: torch.Tensor | None = None) -> torch.Tensor:
+        """Tokens grouped by expert; each token's k outputs summed in fp32 -> [T, D] fp32, or with
+        `shared` (the shared expert's output) (sum + float(shared)).to(x.dtype). Grouped GEMMs on the
+        GPU for bf16 activations (dense or quantised experts); the reference loop on the CPU and for fp32."""
         if self._use_grouped(x):
-            return self.grouped(x, weights, idx)
-        order, tok, offs = self._sorted(idx)
+            return self.grouped(x, weights, idx, shared)
+        order, tok, offs, _ = self._sorted(idx)
         bounds = [0] + offs.tolist()
         w = weights.flatten()[order]
         out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
@@ -160,7 +167,7 @@ class Experts(nn.Module):
             h = clamped_swiglu(dense_linear(xe, self._w("w1", e, x.dtype)), dense_linear(xe, self._w("w3", e, x.dtype)),
                                self.limit).to(x.dtype)
             out.index_add_(0, t, dense_linear(h, self._w("w2", e, x.dtype)).float() * w[start:end, None])
-        return out
+        return out if shared is None else (out + shared.float()).to(x.dtype)
 
 
 class MoE(nn.Module):
@@ -174,4 +181,4 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor, image_mask: torch.Tensor | None = None):
         weights, idx = self.gate(x, input_ids, image_mask)
-        return (self.experts(x, weights, idx) + self.shared_experts(x).float()).to(x.dtype)
+        return self.experts(x, weights, idx, self.shared_experts(x))

@@ -58,6 +58,18 @@ def test_kernel_matches_reference_exactly_on_gpu(T, k, D):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("T,D", [(1, 4096), (37, 4096), (300, 1000)])
+def test_kernel_adds_the_shared_output_on_gpu(T, D):
+    """With `add` and a bf16 output: the MoE layer's (sum + float(shared)).to(bf16), bit for bit."""
+    y, order, weights = _inputs(T, 6, D, 64, "cuda")
+    add = torch.randn(T, D, device="cuda").to(torch.bfloat16)
+    inv = inverse_permutation(order)
+    got = moe_combine(y, order, weights, 6, inv, add, torch.bfloat16)
+    assert got.dtype == torch.bfloat16
+    assert torch.equal(got, (reference(y, order, weights, 6) + add.float()).to(torch.bfloat16))
+
+
+@pytest.mark.gpu
 def test_kernel_under_cuda_graph_capture():
     y, order, weights = _inputs(64, 6, 4096, 64, "cuda")
     moe_combine(y, order, weights, 6)  # compile outside the capture
@@ -82,8 +94,17 @@ def test_kernel_matches_reference_in_the_triton_interpreter():
         "    y = (torch.randn(T * k, D, generator=g) * 3).to(torch.bfloat16)\n"
         "    w = torch.rand(T, k, generator=g)\n"
         "    out = torch.empty(T, D)\n"
-        "    _combine_kernel[(T, triton.cdiv(D, 16))](y, inverse_permutation(order), w, out, D, D, K=k,\n"
-        "                                             BLOCK_D=16, enable_fp_fusion=False)\n"
+        "    _combine_kernel[(T, triton.cdiv(D, 16))](y, inverse_permutation(order), w, y, out, D, D, 0, K=k,\n"
+        "                                             BLOCK_D=16, HAS_ADD=False, enable_fp_fusion=False)\n"
         "    assert torch.equal(out, reference(y, order, w, k)), (T, k, D)\n"
+        "    add = (torch.randn(T, D + 3, generator=g) * 2).to(torch.bfloat16)[:, :D]\n"  # strided rows
+        # fp32 output: the interpreter's fp32 -> bf16 cast truncates (the GPU rounds to nearest
+        # even), so the bf16 output is checked bit for bit on the GPU only
+        "    out = torch.empty(T, D)\n"
+        "    _combine_kernel[(T, triton.cdiv(D, 16))](y, inverse_permutation(order), w, add, out, D, D, D + 3, K=k,\n"
+        "                                             BLOCK_D=16, HAS_ADD=True, enable_fp_fusion=False)\n"
+        "    assert torch.equal(out, reference(y, order, w, k, add=add)), (T, k, D)\n"
+        "    assert torch.equal(reference(y, order, w, k, add=add, out_dtype=torch.bfloat16),\n"
+        "                       (reference(y, order, w, k) + add.float()).to(torch.bfloat16))\n"
         "print('ok')\n")
     run_interpreted(code)
