@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from deepinfer.kernels.grouped_gemm import FP4_GROUP, grouped_gemm, triton_available
+from deepinfer.kernels import router as _router
 from deepinfer.kernels.moe_align import moe_align
 from deepinfer.kernels.moe_combine import moe_combine
 from deepinfer.kernels.swiglu import swiglu
@@ -40,7 +41,14 @@ class Gate(nn.Module):
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor,
                 image_mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, D] -> (weights [T, k] fp32, expert ids [T, k])."""
-        scores = invariant.pointwise(F.softplus, matmul_fp32(x, self.weight)).sqrt()
+        logits = matmul_fp32(x, self.weight)
+        if _router.supported(logits, self.topk):  # CUDA: one row-local kernel after the GEMM
+            if self.hashed:
+                return _router.route(logits, self.topk, self.route_scale, input_ids, self.tid2eid)
+            vision = image_mask is not None and hasattr(self, "bias_vl")
+            return _router.route(logits, self.topk, self.route_scale, bias=self.bias,
+                                 bias_vl=self.bias_vl if vision else None, image_mask=image_mask if vision else None)
+        scores = invariant.pointwise(F.softplus, logits).sqrt()
         if self.hashed:
             idx = self.tid2eid[input_ids].long()
         else:
