@@ -49,14 +49,15 @@ class Compressor(nn.Module):
         self.norm = RMSNorm(dim, eps)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, plan: CompressPlan, carry: CarryState,
-                inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Returns (new entries [N, dim] normed + rotated, their addresses); updates carry."""
+                rope: RopeCache) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (new entries [N, dim] normed + rotated, their addresses); updates carry. `rope`:
+        cos/sin at plan.rope_pos (shared by every compressor of the plan's kind in a step)."""
         kv = self.wkv.forward_fp32(x)
         score = self.wgate.forward_fp32(x) + self.ape[positions % self.ratio]
         if x.is_cuda and _pool.triton is not None:  # one launch; slots reduced in order (batch-invariant)
             pooled = _pool.compress_pool(kv, score, carry.kv, carry.score, plan.src_new, plan.src_carry, self.dim,
                                          self.overlap).to(x.dtype)
-            return self._finish(pooled, kv, score, plan, carry, inv_freq)
+            return self._finish(pooled, kv, score, plan, carry, rope)
         new, old = plan.src_new, plan.src_carry
         src_kv = torch.where((new >= 0)[..., None], kv[new.clamp(min=0)], carry.kv[old.clamp(min=0)])
         src_score = torch.where((new >= 0)[..., None], score[new.clamp(min=0)], carry.score[old.clamp(min=0)])
@@ -67,10 +68,10 @@ class Compressor(nn.Module):
             src_score = torch.cat((src_score[:, :m, :d], src_score[:, m:, d:]), dim=1)
         weights = torch.softmax(src_score.transpose(1, 2), dim=-1).transpose(1, 2)  # row-local over the S slots
         pooled = invariant.reduce_sum(weights * src_kv, 1).to(x.dtype)
-        return self._finish(pooled, kv, score, plan, carry, inv_freq)
+        return self._finish(pooled, kv, score, plan, carry, rope)
 
-    def _finish(self, pooled, kv, score, plan: CompressPlan, carry: CarryState, inv_freq):
-        entries = apply_rope(self.norm(pooled), RopeCache.at(plan.rope_pos, inv_freq), overwrite=True)
+    def _finish(self, pooled, kv, score, plan: CompressPlan, carry: CarryState, rope: RopeCache):
+        entries = apply_rope(self.norm(pooled), rope, overwrite=True)
         carry.kv[plan.carry_dst] = kv[plan.carry_src]
         carry.score[plan.carry_dst] = score[plan.carry_src]
         return entries, plan.dst
@@ -88,9 +89,10 @@ class Indexer(nn.Module):
         self.compressor = Compressor(dim, head_dim, ratio, True, eps, dtype)
 
     def forward(self, x: torch.Tensor, qr: torch.Tensor, batch: ForwardBatch, plan: CompressPlan,
-                keys: IndexKeyStore, carry: CarryState, rope: RopeCache, inv_freq: torch.Tensor) -> torch.Tensor:
-        """-> [T, k] selected entry ids (ascending score order not guaranteed), -1 = none."""
-        new_keys, dst = self.compressor(x, batch.positions, plan, carry, inv_freq)
+                keys: IndexKeyStore, carry: CarryState, rope: RopeCache, entry_rope: RopeCache) -> torch.Tensor:
+        """-> [T, k] selected entry ids (ascending score order not guaranteed), -1 = none. `rope`: at
+        the tokens' positions (queries); `entry_rope`: at the new entries' (plan.rope_pos)."""
+        new_keys, dst = self.compressor(x, batch.positions, plan, carry, entry_rope)
         keys.write(dst, new_keys)
         q = apply_rope(self.wq_b(qr).view(-1, self.n_heads, self.head_dim), rope, overwrite=True)
         q = keys.prepare_query(q)

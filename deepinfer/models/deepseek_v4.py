@@ -6,13 +6,13 @@ Module and parameter names follow DeepSeek's checkpoint (`layers.N.attn.wq_a`, `
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 from deepinfer.layers.attention import Compressor, Indexer, sparse_attention
-from deepinfer.layers.forward_batch import ForwardBatch
+from deepinfer.layers.forward_batch import CompressPlan, ForwardBatch
 from deepinfer.layers.kv_state import LayerCache
 from deepinfer.layers.linear import DENSE, Linear, QuantSpec
 from deepinfer.layers.mhc import HyperConnection, collapse_norm, expand, register_hc_params, head_collapse
@@ -30,6 +30,25 @@ class StepContext:
     rope_main: RopeCache
     rope_compress: RopeCache
     inv_freq_compress: torch.Tensor
+    # values that depend on one compress plan only, built by the first layer of that kind that reads
+    # them and shared by the rest (a context lives for one forward: never stale across CUDA-graph
+    # warm-up and capture)
+    memo: dict = field(default_factory=dict)
+
+    def entry_rope(self, plan: CompressPlan) -> RopeCache:
+        """cos/sin at the rotation positions of the entries of `plan`'s kind that close this step."""
+        key = ("rope", id(plan))
+        if key not in self.memo:
+            self.memo[key] = RopeCache.at(plan.rope_pos, self.inv_freq_compress)
+        return self.memo[key]
+
+    def all_entries(self, plan: CompressPlan) -> torch.Tensor:
+        """[T, max_visible] ids of every visible entry per token, -1 past its count (HCA reads all)."""
+        key = ("all", id(plan))
+        if key not in self.memo:
+            w = torch.arange(plan.max_visible, device=plan.visible.device)
+            self.memo[key] = torch.where(w < plan.visible[:, None], w, -1)
+        return self.memo[key]
 
 
 def quant_spec(cfg: DeepseekV4Config, quantized: bool) -> tuple[QuantSpec, QuantSpec]:
@@ -72,14 +91,13 @@ class Attention(nn.Module):
         entry_ids = plan = None
         if self.kind != SLIDING:
             plan = batch.plans[(self.ratio, self.kind == CSA)]
-            entries, dst = self.compressor(x, batch.positions, plan, cache.carry["main"], ctx.inv_freq_compress)
+            entries, dst = self.compressor(x, batch.positions, plan, cache.carry["main"], ctx.entry_rope(plan))
             cache.entries.write(dst, entries)
         if self.kind == CSA:
             entry_ids = self.indexer(x, qr, batch, plan, cache.index_keys, cache.carry["indexer"],
-                                     rope, ctx.inv_freq_compress)
+                                     rope, ctx.entry_rope(plan))
         elif self.kind == HCA:
-            w = torch.arange(plan.max_visible, device=x.device)
-            entry_ids = torch.where(w < plan.visible[:, None], w, -1)
+            entry_ids = ctx.all_entries(plan)
         o = sparse_attention(q, kv, batch, cache.ring, entry_ids, plan, cache.entries,
                              self.attn_sink, self.head_dim ** -0.5)
         cache.ring.write(batch.ring_dst, kv[batch.ring_src])

@@ -25,6 +25,7 @@ def test_reference_is_the_layers_pooling():
     from deepinfer.layers.attention import Compressor
     from deepinfer.layers.forward_batch import CompressPlan
     from deepinfer.layers.kv_state import CarryState
+    from deepinfer.layers.rotary import RopeCache
 
     for overlap in (True, False):
         m, dim = 4, 16
@@ -39,7 +40,7 @@ def test_reference_is_the_layers_pooling():
         with torch.no_grad():
             comp.ape.zero_()
             comp(torch.zeros(kv.shape[0], 8), torch.zeros(kv.shape[0], dtype=torch.long), plan,
-                 CarryState(ckv, cscore), torch.ones(1))
+                 CarryState(ckv, cscore), RopeCache.at(torch.zeros(5, dtype=torch.long), torch.ones(1)))
         torch.testing.assert_close(got["pooled"], reference(kv, score, ckv, cscore, new, old, dim, overlap))
 
 

@@ -186,7 +186,7 @@ def test_indexer_ties_break_to_the_lowest_entry(tmp_path):
     qr = torch.randn(40, cfg.q_lora_rank)
     with torch.inference_mode():
         sel = idx(x, qr, b, b.plans[(4, True)], cache.layers[1].index_keys, cache.layers[1].carry["indexer"],
-                  ctx.rope_compress, ctx.inv_freq_compress)
+                  ctx.rope_compress, ctx.entry_rope(b.plans[(4, True)]))
     visible = (torch.arange(40) + 1) // 4
     for t in range(40):
         want = list(range(min(int(visible[t]), 4)))
