@@ -190,7 +190,9 @@ def rope_sweep(rows: list) -> None:
 def decode_small(rows: list) -> None:
     """Decode-size launches of the slice, timed by their kernels' device time (bench_device): the
     MoE pair sort (moe_align over block / warps vs torch), the mHC mix at 1 and 64 tokens over K
-    splits, V4's grouped output projection wo_a with FP8 weights (grouped GEMM vs dequant + einsum)."""
+    splits, the mHC coefficients over rows per program / warps, the fused router vs torch, the routed
+    experts' w1 over N / K tiles, V4's grouped output projection wo_a with FP8 weights (grouped GEMM
+    vs dequant + einsum)."""
     from deepinfer.kernels import mhc_mix as mm
     from deepinfer.kernels import moe_align as ma
     from deepinfer.layers.linear import Linear, QuantSpec, grouped_linear
@@ -210,6 +212,40 @@ def decode_small(rows: list) -> None:
             rows.append({"kernel": "mhc_mix", "T": T, "splits": sp,
                          "ms": bench_device(lambda: mm._launch(x, fn, 1e-6, sp))})
             print(json.dumps(rows[-1]), flush=True)
+    from deepinfer.kernels import mhc_coeffs as mc
+
+    base, scale = torch.randn(24, device="cuda") * 0.1, torch.rand(3, device="cuda")
+    for T in (1, 64, 8192):
+        mix = torch.randn(T, 24, device="cuda")
+        for blk, nw in itertools.product([1, 4, 16, 64], [1, 2, 4]):
+            rows.append({"kernel": "mhc_coeffs", "T": T, "block": blk, "num_warps": nw,
+                         "ms": bench_device(lambda: mc._launch(mix, base, scale, 4, 20, 1e-6, blk, nw))})
+            print(json.dumps(rows[-1]), flush=True)
+    from deepinfer.kernels import router as rt
+
+    for T, hashed in itertools.product((1, 64), (True, False)):
+        logits = torch.randn(T, 256, device="cuda")
+        table = torch.randint(0, 256, (1000, 6), device="cuda")
+        ids, bias = torch.randint(0, 1000, (T,), device="cuda"), torch.randn(256, device="cuda") * 0.1
+        kw = dict(ids=ids, tid2eid=table) if hashed else dict(bias=bias)
+        for impl, f in (("kernel", lambda: rt.route(logits, 6, 2.5, **kw)),
+                        ("torch", lambda: rt.reference(logits, 6, 2.5, **kw))):
+            rows.append({"kernel": "router", "T": T, "hashed": hashed, "impl": impl, "ms": bench_device(f)})
+            print(json.dumps(rows[-1]), flush=True)
+    from deepinfer.kernels import grouped_gemm as gg2
+
+    w = (torch.randn(256, 2048, 4096, device="cuda") * 0.02).to(torch.bfloat16)
+    for T in (1, 4, 64):  # routed experts' w1 at decode: default tiles vs the other N width
+        idx = torch.randint(0, 256, (T, 6), device="cuda")
+        order, tok, offs, _ = ma.moe_align(idx, 256)
+        a = torch.randn(T * 6, 4096, device="cuda").to(torch.bfloat16)
+        for bn, bk in ((None, None), (64, 128), (128, 256), (32, 128)):
+            t = bench_device(lambda: gg2.grouped_gemm(a, w, offs, BLOCK_N=bn, BLOCK_K=bk) if bn else
+                             gg2.grouped_gemm(a, w, offs))
+            rows.append({"kernel": "experts_w1", "T": T, "BLOCK_N": bn or "default", "BLOCK_K": bk or "default",
+                         "ms": t, "GBs": min(T * 6, 256) * 2048 * 4096 * 2 / t / 1e6})
+            print(json.dumps(rows[-1]), flush=True)
+    del w
     lin = Linear(4096, 8 * 1024, torch.bfloat16, QuantSpec(block_size=(128, 128)), device="cuda")
     lin.weight.copy_((torch.randn(8192, 4096, device="cuda") * 4).to(torch.float8_e4m3fn))
     lin.scale.copy_(torch.randint(117, 122, lin.scale.shape, dtype=torch.uint8).view(lin.scale.dtype))

@@ -68,12 +68,16 @@ def mhc_coeffs(mix: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, n: in
     """Fused on CUDA (Triton), the torch reference elsewhere; same contract as `reference`."""
     if triton is None or not mix.is_cuda or n & (n - 1):
         return reference(mix, base, scale, n, iters, eps)
+    return _launch(mix, base, scale, n, iters, eps)
+
+
+def _launch(mix, base, scale, n: int, iters: int, eps: float, block: int = 64, num_warps: int = 4):
+    """The launch (rows per program and warps are row-local choices: a row's values do not depend on them)."""
     mix = mix.contiguous().float()
     T = mix.shape[0]
     pre = torch.empty(T, n, dtype=torch.float32, device=mix.device)
     post = torch.empty_like(pre)
     comb = torch.empty(T, n, n, dtype=torch.float32, device=mix.device)
-    block = 64
     _mhc_kernel[(triton.cdiv(T, block),)](mix, base.float().contiguous(), scale.float().contiguous(), pre, post,
-                                          comb, T, eps, N=n, ITERS=iters, BLOCK=block)
+                                          comb, T, eps, N=n, ITERS=iters, BLOCK=block, num_warps=num_warps)
     return pre, post, comb
