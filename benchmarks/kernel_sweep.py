@@ -245,7 +245,6 @@ def decode_small(rows: list) -> None:
             rows.append({"kernel": "experts_w1", "T": T, "BLOCK_N": bn or "default", "BLOCK_K": bk or "default",
                          "ms": t, "GBs": min(T * 6, 256) * 2048 * 4096 * 2 / t / 1e6})
             print(json.dumps(rows[-1]), flush=True)
-    del w
     lin = Linear(4096, 8 * 1024, torch.bfloat16, QuantSpec(block_size=(128, 128)), device="cuda")
     lin.weight.copy_((torch.randn(8192, 4096, device="cuda") * 4).to(torch.float8_e4m3fn))
     lin.scale.copy_(torch.randint(117, 122, lin.scale.shape, dtype=torch.uint8).view(lin.scale.dtype))
