@@ -9,7 +9,7 @@ out="${1:-benchmarks/results/gpu-checks}"
 what="${2:-all}"
 mkdir -p "$out"
 export PYTHONPATH=. TORCHDYNAMO_DISABLE=1
-commit=$(git rev-parse --short HEAD 2>/dev/null || echo unknown)
+commit=$(cd benchmarks && python3 -c "from common import git_commit; print(git_commit())")
 echo "# commit $commit, $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null)" | tee "$out/summary.txt"
 [ "$what" = identical ] || for part in tests/kernels "tests/models tests/layers" tests/engine; do
   # shellcheck disable=SC2086
