@@ -35,6 +35,8 @@ acc += P @ k. Invariants:
     with them, prompt starts have short windows).
 Split-KV (decode, few programs): split s takes its share of the window tiles and of the entry
 tiles and writes (acc, m, l) in fp32; a second kernel merges the splits (sink counted by split 0).
+Batch-invariant mode uses fixed splits instead (`_launch`, tiles_per_split): their boundaries do not
+move with the padded entry width, and they are folded in split order.
 Tiles: `default_config` per token count, measured on the H200. Wide head blocks (32 / 64 heads)
 spill registers at D = 512 (the q operand is held across the whole contraction) yet win at prefill
 with 8 warps, where key loads, not registers, bound the kernel.
@@ -136,27 +138,12 @@ if triton is not None:
         return m_new, l_i, acc
 
     @triton.jit
-    def _sparse_attn_kernel(q_ptr, kvn_ptr, wnew_ptr, wring_ptr, r0, r1, r2, addr_ptr, e0, e1, e2, sink_ptr,
-                            out_ptr, part_ptr, ml_ptr, H, W, K, qk_scale,
-                            D: tl.constexpr, NOPE: tl.constexpr, GROUP: tl.constexpr,
-                            RING_FP8: tl.constexpr, ENT_FP8: tl.constexpr, HAS_ENT: tl.constexpr,
-                            SPLITS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr):
-        t = tl.program_id(0).to(tl.int64)
-        sp = tl.program_id(2)
-        KDT: tl.constexpr = q_ptr.dtype.element_ty
-        PREC: tl.constexpr = "ieee" if KDT == tl.float32 else "tf32"
-        heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-        h_ok = heads < H
-        c = tl.arange(0, D)
-        qrow = t * H + heads                                                          # [BH] int64
-        q = tl.load(q_ptr + qrow[:, None] * D + c[None, :], mask=h_ok[:, None], other=0.0)
-        m_i = tl.load(sink_ptr + heads, mask=h_ok, other=0.0).to(tl.float32) * 1.4426950408889634
-        l_i = tl.zeros([BLOCK_H], tl.float32) + tl.where(sp == 0, 1.0, 0.0)          # exp2(sink - m_i)
-        acc = tl.zeros([BLOCK_H, D], tl.float32)
-        j = tl.arange(0, BLOCK_N)
-
-        n_tiles = tl.cdiv(W, BLOCK_N)
-        for i in range(sp * n_tiles // SPLITS, (sp + 1) * n_tiles // SPLITS):        # window keys
+    def _attend(q, t, c, j, kvn_ptr, wnew_ptr, wring_ptr, r0, r1, r2, addr_ptr, e0, e1, e2, W, K, qk_scale,
+                w_lo, w_hi, e_lo, e_hi, m_i, l_i, acc, D: tl.constexpr, NOPE: tl.constexpr,
+                GROUP: tl.constexpr, RING_FP8: tl.constexpr, ENT_FP8: tl.constexpr, HAS_ENT: tl.constexpr,
+                BLOCK_N: tl.constexpr, KDT: tl.constexpr, PREC: tl.constexpr):
+        """Window key tiles [w_lo, w_hi) then entry tiles [e_lo, e_hi) of token t into (m, l, acc)."""
+        for i in range(w_lo, w_hi):                                                   # window keys
             n = i * BLOCK_N + j
             new = tl.load(wnew_ptr + t * W + n, mask=n < W, other=-1)
             old = tl.load(wring_ptr + t * W + n, mask=n < W, other=-1)
@@ -168,15 +155,72 @@ if triton is not None:
                                      KDT)
                 k = tl.where(is_new[:, None], k_new.to(KDT), k_old)
                 m_i, l_i, acc = _softmax_step(q, k, ok, m_i, l_i, acc, qk_scale, PREC)
-
         if HAS_ENT:
-            n_tiles = tl.cdiv(K, BLOCK_N)
-            for i in range(sp * n_tiles // SPLITS, (sp + 1) * n_tiles // SPLITS):    # compressed entries
+            for i in range(e_lo, e_hi):                                               # compressed entries
                 n = i * BLOCK_N + j
                 rows = tl.load(addr_ptr + t * K + n, mask=n < K, other=-1)
                 if tl.max(rows, axis=0) >= 0:  # top-k lists put their -1s last: whole tiles drop out
                     k = _gather_keys(rows, rows >= 0, e0, e1, e2, ENT_FP8, D, NOPE, GROUP, BLOCK_N, KDT)
                     m_i, l_i, acc = _softmax_step(q, k, rows >= 0, m_i, l_i, acc, qk_scale, PREC)
+        return m_i, l_i, acc
+
+    @triton.jit
+    def _merge(M, L, A, m, l, a):
+        """Fold split (m, l, a) into the running (M, L, A); explicit fmas, so every kernel that merges
+        rounds alike. An empty split (m = sink logit <= M, l = 0, a = 0) leaves (M, L, A) unchanged."""
+        M_new = tl.maximum(M, m)
+        alpha = tl.exp2(M - M_new)
+        beta = tl.exp2(m - M_new)
+        return M_new, tl.fma(L, alpha, l * beta), tl.fma(A, alpha[:, None], a * beta[:, None])
+
+    @triton.jit
+    def _sparse_attn_kernel(q_ptr, kvn_ptr, wnew_ptr, wring_ptr, r0, r1, r2, addr_ptr, e0, e1, e2, sink_ptr,
+                            out_ptr, part_ptr, ml_ptr, H, W, K, qk_scale,
+                            D: tl.constexpr, NOPE: tl.constexpr, GROUP: tl.constexpr,
+                            RING_FP8: tl.constexpr, ENT_FP8: tl.constexpr, HAS_ENT: tl.constexpr,
+                            SPLITS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+                            TPS: tl.constexpr, SEQ: tl.constexpr):
+        t = tl.program_id(0).to(tl.int64)
+        sp = tl.program_id(2)
+        KDT: tl.constexpr = q_ptr.dtype.element_ty
+        PREC: tl.constexpr = "ieee" if KDT == tl.float32 else "tf32"
+        heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+        h_ok = heads < H
+        c = tl.arange(0, D)
+        qrow = t * H + heads                                                          # [BH] int64
+        q = tl.load(q_ptr + qrow[:, None] * D + c[None, :], mask=h_ok[:, None], other=0.0)
+        sink = tl.load(sink_ptr + heads, mask=h_ok, other=0.0).to(tl.float32) * 1.4426950408889634
+        m_i = sink
+        l_i = tl.zeros([BLOCK_H], tl.float32) + tl.where(sp == 0, 1.0, 0.0)          # exp2(sink - m_i)
+        acc = tl.zeros([BLOCK_H, D], tl.float32)
+        j = tl.arange(0, BLOCK_N)
+        n_w = tl.cdiv(W, BLOCK_N)
+        n_e = tl.cdiv(K, BLOCK_N)
+        if TPS == 0:  # balanced: split sp takes its share of the window tiles and of the entry tiles
+            m_i, l_i, acc = _attend(q, t, c, j, kvn_ptr, wnew_ptr, wring_ptr, r0, r1, r2, addr_ptr, e0, e1, e2,
+                                    W, K, qk_scale, sp * n_w // SPLITS, (sp + 1) * n_w // SPLITS,
+                                    sp * n_e // SPLITS, (sp + 1) * n_e // SPLITS, m_i, l_i, acc, D, NOPE, GROUP,
+                                    RING_FP8, ENT_FP8, HAS_ENT, BLOCK_N, KDT, PREC)
+        else:
+            # fixed splits (batch-invariant): split 0 = the window, split s >= 1 = entry tiles
+            # [(s - 1) * TPS, s * TPS); a wider (padded) entry list only adds empty splits
+            if SEQ:  # every split in this program, folded in split order as `_merge_splits_kernel` does
+                m_i, l_i, acc = _attend(q, t, c, j, kvn_ptr, wnew_ptr, wring_ptr, r0, r1, r2, addr_ptr, e0, e1,
+                                        e2, W, K, qk_scale, 0, n_w, 0, 0, m_i, l_i, acc, D, NOPE, GROUP,
+                                        RING_FP8, ENT_FP8, HAS_ENT, BLOCK_N, KDT, PREC)
+                for s in range(0, tl.cdiv(n_e, TPS)):
+                    m_s, l_s, a_s = _attend(q, t, c, j, kvn_ptr, wnew_ptr, wring_ptr, r0, r1, r2, addr_ptr, e0,
+                                            e1, e2, W, K, qk_scale, 0, 0, s * TPS, tl.minimum((s + 1) * TPS, n_e),
+                                            sink, tl.zeros([BLOCK_H], tl.float32),
+                                            tl.zeros([BLOCK_H, D], tl.float32), D, NOPE, GROUP, RING_FP8,
+                                            ENT_FP8, HAS_ENT, BLOCK_N, KDT, PREC)
+                    m_i, l_i, acc = _merge(m_i, l_i, acc, m_s, l_s, a_s)
+            else:  # this program is split sp
+                e_lo = tl.maximum(sp - 1, 0) * TPS
+                m_i, l_i, acc = _attend(q, t, c, j, kvn_ptr, wnew_ptr, wring_ptr, r0, r1, r2, addr_ptr, e0, e1,
+                                        e2, W, K, qk_scale, 0, tl.where(sp == 0, n_w, 0), e_lo,
+                                        tl.where(sp == 0, 0, tl.minimum(e_lo + TPS, n_e)), m_i, l_i, acc, D, NOPE,
+                                        GROUP, RING_FP8, ENT_FP8, HAS_ENT, BLOCK_N, KDT, PREC)
 
         if SPLITS == 1:
             o = acc / l_i[:, None]
@@ -200,6 +244,24 @@ if triton is not None:
         a = tl.load(part_ptr + (row * SPLITS + s)[:, None] * D + c[None, :], mask=s_ok[:, None], other=0.0)
         o = tl.sum(a * w[:, None], axis=0) / tl.sum(l_s * w, axis=0)
         tl.store(out_ptr + row * D + c, o.to(out_ptr.dtype.element_ty))
+
+    @triton.jit
+    def _merge_in_order_kernel(part_ptr, ml_ptr, out_ptr, SPLITS: tl.constexpr, D: tl.constexpr):
+        """Fixed splits: fold split 1, 2, ... into split 0 one at a time (`_merge`), as the SEQ kernel
+        does in registers, so both give the same bits."""
+        row = tl.program_id(0).to(tl.int64)                                           # t * H + h
+        c = tl.arange(0, D)
+        base = row * SPLITS
+        M = tl.load(ml_ptr + base * 2 + tl.zeros([1], tl.int64))
+        L = tl.load(ml_ptr + base * 2 + 1 + tl.zeros([1], tl.int64))
+        A = tl.load(part_ptr + base * D + c)[None, :]
+        for s in range(1, SPLITS):
+            m = tl.load(ml_ptr + (base + s) * 2 + tl.zeros([1], tl.int64))
+            l_s = tl.load(ml_ptr + (base + s) * 2 + 1 + tl.zeros([1], tl.int64))
+            a = tl.load(part_ptr + (base + s) * D + c)[None, :]
+            M, L, A = _merge(M, L, A, m, l_s, a)
+        o = A / L[:, None]
+        tl.store(out_ptr + row * D + c[None, :], o.to(out_ptr.dtype.element_ty))
 
 
 def supported(q: torch.Tensor, kv_new: torch.Tensor, ring_fmt: str, entries_fmt: str | None,
@@ -243,13 +305,15 @@ def sparse_attention(q: torch.Tensor, kv_new: torch.Tensor, win_new: torch.Tenso
                      entries: tuple[torch.Tensor, ...] | None, entries_fmt: str | None, sinks: torch.Tensor,
                      scale: float, *, block_h: int | None = None, block_n: int | None = None,
                      num_warps: int | None = None, num_stages: int | None = None,
-                     num_splits: int | None = None) -> torch.Tensor:
+                     num_splits: int | None = None, tiles_per_split: int = 0) -> torch.Tensor:
     """Triton on CUDA for supported inputs (see `supported`), `reference` otherwise; same contract.
 
     Tuning (defaults chosen for H = 64, D = 512 on sm_90 so that nothing spills): block_h heads per
     program (>= 16; capped at next_pow2(H)), block_n keys per tile (>= 16; default 32 for bf16 q,
     16 for fp32 q), num_warps, num_stages (software pipelining of the key loads; default 2 for bf16,
-    1 for fp32), num_splits key splits per (token, head block) (None: `default_splits`)."""
+    1 for fp32), num_splits key splits per (token, head block) (None: `default_splits`).
+    tiles_per_split > 0 (batch-invariant mode): fixed splits instead (see `_launch`); num_splits
+    is then ignored."""
     has_ent = entry_addr is not None and entry_addr.shape[1] > 0
     if triton is None or not q.is_cuda or not supported(q, kv_new, ring_fmt, entries_fmt, has_ent):
         return reference(q, kv_new, win_new, win_ring, ring, ring_fmt, entry_addr, entries, entries_fmt, sinks,
@@ -258,13 +322,21 @@ def sparse_attention(q: torch.Tensor, kv_new: torch.Tensor, win_new: torch.Tenso
     return _launch(q, kv_new, win_new, win_ring, ring, ring_fmt, entry_addr, entries, entries_fmt, sinks, scale,
                    block_h=block_h or cfg["block_h"], block_n=block_n or cfg["block_n"],
                    num_warps=num_warps or cfg["num_warps"], num_stages=num_stages or cfg["num_stages"],
-                   num_splits=num_splits)
+                   num_splits=num_splits, tiles_per_split=tiles_per_split)
 
 
 def _launch(q, kv_new, win_new, win_ring, ring, ring_fmt, entry_addr, entries, entries_fmt, sinks, scale, *,
             block_h: int = 16, block_n: int | None = None, num_warps: int = 8, num_stages: int | None = None,
-            num_splits: int | None = None) -> torch.Tensor:
-    """The kernel launch without the device / support checks (also runs under TRITON_INTERPRET=1)."""
+            num_splits: int | None = None, tiles_per_split: int = 0, split_programs: bool | None = None
+            ) -> torch.Tensor:
+    """The kernel launch without the device / support checks (also runs under TRITON_INTERPRET=1).
+
+    tiles_per_split > 0: fixed splits, a token's split boundaries depending on nothing but the
+    position of its keys: split 0 = the window, split s >= 1 = entry tiles (s - 1) * tps .. s * tps - 1.
+    With few programs (decode; or split_programs=True) each split is a program and a second kernel
+    folds splits 1, 2, ... into split 0 in order; otherwise (split_programs=False) one program runs
+    the splits in order and folds them in registers the same way. Both give the same bits, whatever
+    the padded entry width (the extra splits are empty and fold in as exact no-ops)."""
     T, H, D = q.shape
     W = win_new.shape[1]
     has_ent = entry_addr is not None and entry_addr.shape[1] > 0
@@ -295,8 +367,16 @@ def _launch(q, kv_new, win_new, win_ring, ring, ring_fmt, entry_addr, entries, e
     e = ent + (ent[0],) * (3 - len(ent))
     addr = entry_addr.contiguous() if has_ent else win_new
     n_tiles = triton.cdiv(W, block_n) + triton.cdiv(K, block_n)
-    splits = num_splits or default_splits(T, H, n_tiles, block_h, q.device)
-    splits = max(1, min(splits, max(1, n_tiles)))
+    tps, seq = tiles_per_split, False
+    if tps:
+        if split_programs is None:
+            sms = sm_count(q.device) if q.device.type == "cuda" else 1
+            split_programs = 2 * T * triton.cdiv(H, block_h) <= sms
+        splits = 1 + triton.cdiv(triton.cdiv(K, block_n), tps) if split_programs else 1
+        seq = not split_programs
+    else:
+        splits = num_splits or default_splits(T, H, n_tiles, block_h, q.device)
+        splits = max(1, min(splits, max(1, n_tiles)))
     if splits > 1:
         part = torch.empty(T, H, splits, D, dtype=torch.float32, device=q.device)
         ml = torch.empty(T, H, splits, 2, dtype=torch.float32, device=q.device)
@@ -306,9 +386,11 @@ def _launch(q, kv_new, win_new, win_ring, ring, ring_fmt, entry_addr, entries, e
     _sparse_attn_kernel[grid](q, kv_new, win_new, win_ring, r[0], r[1], r[2], addr, e[0], e[1], e[2],
                               sinks.contiguous(), out, part, ml, H, W, K, float(scale) * LOG2E,
                               D=D, NOPE=nope, GROUP=group, RING_FP8=ring_fmt == "fp8", ENT_FP8=ent_fmt == "fp8",
-                              HAS_ENT=has_ent, SPLITS=splits, BLOCK_H=block_h, BLOCK_N=block_n,
+                              HAS_ENT=has_ent, SPLITS=splits, BLOCK_H=block_h, BLOCK_N=block_n, TPS=tps, SEQ=seq,
                               num_warps=num_warps, num_stages=num_stages)
-    if splits > 1:
+    if splits > 1 and tps:
+        _merge_in_order_kernel[(T * H,)](part, ml, out, SPLITS=splits, D=D, num_warps=4)
+    elif splits > 1:
         _merge_splits_kernel[(T * H,)](part, ml, out, SPLITS=splits, SP2=triton.next_power_of_2(splits), D=D,
                                        num_warps=4)
     return out

@@ -20,8 +20,11 @@ On CUDA the same property comes from kernels whose tiling is fixed whatever the 
   by shape); grouped / quantised GEMMs run kernels/grouped_gemm.py with GEMM_TILES for every M.
 - Reductions over a dim (`reduce_sum`): torch's reduction kernels choose how to split a row's sum
   from the tensor's shape, so sums run as a GEMM with a ones vector on the invariant tiling.
-- Sparse attention: one tiling (ATTENTION_TILES) and no key splits for prefill and decode; the
-  key blocks a wider (padded) entry list adds are fully masked and change nothing.
+- Sparse attention: one tiling (ATTENTION_TILES) for prefill and decode, with fixed key splits:
+  split 0 is the window, split s the entry tiles (s-1)*4 .. s*4-1, folded in split order (as
+  parallel programs plus an in-order merge at decode, in registers in one program otherwise: the
+  same bits); the key blocks and splits a wider (padded) entry list adds are fully masked and
+  change nothing.
 - Row-local Triton kernels (RMSNorm, RoPE, SwiGLU, MoE combine, mHC) are invariant as they are;
   the mHC mix runs unsplit with a fixed row block.
 The mode is set around a model step (`mode`); the flag is thread-local, the thread count is
@@ -40,7 +43,9 @@ ROWS = 16
 KEYS = 16
 PAD = 64  # a multiple of every CPU vector width in elements (AVX-512 float: 16, bf16: 32)
 GEMM_TILES = dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, num_warps=4, num_stages=3)  # grouped_gemm, any M
-ATTENTION_TILES = dict(block_h=16, block_n=32, num_warps=8, num_stages=1, num_splits=1)
+# fixed key splits (kernels/sparse_attention.py `_launch`): 4 entry tiles of 32 per split, so decode
+# at long context keeps its parallelism; software pipelining (num_stages) changes no arithmetic
+ATTENTION_TILES = dict(block_h=16, block_n=32, num_warps=8, num_stages=2, tiles_per_split=4)
 _state = threading.local()
 
 

@@ -170,3 +170,47 @@ def test_kernel_matches_reference_in_the_triton_interpreter():
         "    assert (got[:2] == 0).all(), fmt\n"
         "print('ok')\n")
     run_interpreted(code)
+
+
+FIXED_SPLIT_CHECK = (
+    "import torch\n"
+    "from deepinfer.kernels.sparse_attention import _launch, reference\n"
+    "from test_sparse_attention import make_case, check_close\n"
+    "def pad(kargs, extra):\n"  # the same keys with `extra` more -1 entry columns (a wider batch)
+    "    a = list(kargs)\n"
+    "    if a[6] is None:\n"
+    "        return kargs\n"
+    "    a[6] = torch.cat((a[6], torch.full((a[6].shape[0], extra), -1, dtype=a[6].dtype, device=a[6].device)), 1)\n"
+    "    return tuple(a)\n"
+    "for fmt, dtype, W, K, tps in CASES:\n"
+    "    kargs, _ = make_case(5, H, D, 8, W, K, fmt, dtype, device=DEV, entry_rows=80, ring_rows=60,\n"
+    "                         visible=70)\n"
+    "    runs = [_launch(*args, block_h=16, block_n=BN, tiles_per_split=tps, split_programs=progs)\n"
+    "            for args in (kargs, pad(kargs, 3 * BN)) for progs in (True, False)]\n"
+    "    for r in runs[1:]:\n"
+    "        assert torch.equal(r, runs[0]), (fmt, W, K, tps)\n"
+    "    check_close(runs[0].to(torch.bfloat16), reference(*kargs).to(torch.bfloat16), 2e-2)\n"
+    "    assert (runs[0][:2] == 0).all()\n"
+    "print('ok')\n")
+
+
+def test_fixed_splits_are_invariant_in_the_triton_interpreter():
+    """Split programs + in-order merge == one program folding the splits in registers, and a wider
+    (padded) entry list changes no bit."""
+    pytest.importorskip("triton")
+    run_interpreted(SHIMS + "import torch\nCASES = [('bfloat16', torch.bfloat16, 4, 40, 1), ('fp8', torch.bfloat16, 18, 20, 2),"
+                    " ('bfloat16', torch.bfloat16, 4, 0, 1), ('float32', torch.float32, 4, 40, 1)]\n"
+                    "H, D, BN, DEV = 4, 32, 16, 'cpu'\n" + FIXED_SPLIT_CHECK)
+
+
+@pytest.mark.gpu
+def test_fixed_splits_are_invariant_on_gpu():
+    import subprocess
+    import sys
+    code = ("import torch\nbf = torch.bfloat16\nCASES = [('bfloat16', bf, 128, 512, 4), ('fp8', bf, 128, 512, 4),"
+            " ('bfloat16', bf, 128, 40, 4), ('bfloat16', bf, 128, 0, 4), ('fp8', bf, 128, 2048, 2)]\n"
+            "H, D, BN, DEV = 64, 512, 32, 'cuda'\n")
+    res = subprocess.run([sys.executable, "-c", code + FIXED_SPLIT_CHECK], capture_output=True, text=True,
+                         cwd=str(__import__("pathlib").Path(__file__).parent))
+    assert res.returncode == 0 and "ok" in res.stdout, res.stderr[-3000:]
+
