@@ -8,7 +8,7 @@ Kernel: tl.dot with tf32x3 (three tf32 products: ~fp32 accuracy on tensor cores;
 are exact in tf32; fn as three bf16 parts with bf16 dots missed the reference by ~1e-4 on the
 H200, benchmarks/NOTES.md). Many tokens: one program per BT-row block over all of K. Few tokens:
 K is cut into S splits (grid rows x S) whose partial sums [S, T, W] and [S, T] a second launch adds in
-split order. S depends only on T and K; batch-invariant callers pass a fixed one.
+split order. S depends only on T and K; batch-invariant mode takes one from K alone.
 """
 from __future__ import annotations
 
@@ -81,14 +81,21 @@ if triton is not None:
         tl.store(out_ptr + t * W + w, tl.sum(p, axis=0) * r, mask=w < W)
 
 
+def fixed_splits(K: int) -> int:
+    """The batch-invariant split count: from K alone (32 at K = 16384: 8.6 us at 1 token on the H200,
+    where one split took 193 us; results/2026-11-29-h200-kernel-sweep-decode-small.json)."""
+    return split_count(1, K, target_programs=32)
+
+
 def mhc_mix(x: torch.Tensor, fn: torch.Tensor, eps: float, splits: int | None = None,
             fixed: bool = False) -> torch.Tensor:
     """x [T, K] (unit stride over K), fn [W, K] fp32 -> mix [T, W] fp32. Triton on CUDA; the torch
-    reference elsewhere. `fixed`: one tiling for every T (16-row blocks, no K split), so a row's
+    reference elsewhere. `fixed`: one tiling for every T (16-row blocks, `fixed_splits(K)` K splits
+    added in split order by a kernel whose reduction tree depends on the split count only), so a row's
     value does not depend on T (batch-invariant mode)."""
     if triton is None or not x.is_cuda or x.shape[0] == 0:
         return reference(x, fn, eps)
-    return _launch(x, fn, eps, 1 if fixed else splits, 16 if fixed else None)
+    return _launch(x, fn, eps, fixed_splits(x.shape[1]) if fixed else splits, 16 if fixed else None)
 
 
 def _launch(x: torch.Tensor, fn: torch.Tensor, eps: float, splits: int | None = None,

@@ -26,7 +26,7 @@ On CUDA the same property comes from kernels whose tiling is fixed whatever the 
   same bits); the key blocks and splits a wider (padded) entry list adds are fully masked and
   change nothing.
 - Row-local Triton kernels (RMSNorm, RoPE, SwiGLU, MoE combine, mHC) are invariant as they are;
-  the mHC mix runs unsplit with a fixed row block.
+  the mHC mix runs a fixed row block and a split count from K alone (kernels/mhc_mix.py fixed_splits).
 The mode is set around a model step (`mode`); the flag is thread-local, the thread count is
 process-wide while the step runs.
 """

@@ -55,7 +55,7 @@ def _fused(x: torch.Tensor) -> bool:
 
 
 def _mix(x: torch.Tensor, fn: torch.Tensor, norm_eps: float) -> torch.Tensor:
-    """rms_norm(streams) @ fn^T [T, W] fp32 by the Triton kernel (unsplit in batch-invariant mode)."""
+    """rms_norm(streams) @ fn^T [T, W] fp32 by the Triton kernel (fixed splits in batch-invariant mode)."""
     return _mix_k.mhc_mix(x.flatten(1), fn, norm_eps, fixed=invariant.enabled())
 
 

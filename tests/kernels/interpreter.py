@@ -1,5 +1,6 @@
 """Runs a kernel check under the Triton interpreter (TRITON_INTERPRET=1) in a fresh process: the
-variable must be set before triton is imported. The code prints 'ok' when every check passed."""
+variable must be set before triton is imported. The code prints 'ok' when every check passed.
+interpret=False runs the same check compiled (GPU tests that share the interpreter test's code)."""
 import os
 import subprocess
 import sys
@@ -30,8 +31,11 @@ ti.InterpreterBuilder.create_dot = lambda self, a, b, d, *rest: _dot(self, _as_f
 """
 
 
-def run_interpreted(code: str, timeout: int = 300) -> None:
-    env = {**os.environ, "TRITON_INTERPRET": "1",
-           "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests" / "kernels")])}
+def run_interpreted(code: str, timeout: int = 300, interpret: bool = True) -> None:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests" / "kernels")])}
+    if interpret:
+        env["TRITON_INTERPRET"] = "1"
+    else:  # the same check on the GPU, compiled
+        env.pop("TRITON_INTERPRET", None)
     res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=timeout)
     assert res.returncode == 0 and "ok" in res.stdout, res.stderr[-3000:]

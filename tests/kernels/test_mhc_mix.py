@@ -33,6 +33,31 @@ def test_kernel_matches_reference_on_gpu(T, dtype):
         torch.testing.assert_close(mhc_mix(x, fn, 1e-6, s), want, atol=1e-5, rtol=1e-4)
 
 
+FIXED_ROWS_CHECK = (
+    "import torch\n"
+    "from deepinfer.kernels.mhc_mix import fixed_splits, mhc_mix, _launch\n"
+    "g = torch.Generator().manual_seed(0)\n"
+    "fn = (torch.randn(24, K, generator=g) * 0.01).to(DEV)\n"
+    "x = (torch.randn(70, K, generator=g) * 2).to(torch.bfloat16).to(DEV)\n"
+    "assert fixed_splits(K) > 1\n"
+    "run = (lambda t: mhc_mix(t, fn, 1e-6, fixed=True)) if DEV == 'cuda' else \\\n"
+    "    (lambda t: _launch(t, fn, 1e-6, fixed_splits(K), 16))\n"
+    "full = run(x)\n"
+    "for lo, hi in ((0, 1), (5, 6), (3, 40), (17, 70)):\n"  # a row's bits do not depend on its neighbours
+    "    assert torch.equal(run(x[lo:hi]), full[lo:hi]), (lo, hi)\n"
+    "print('ok')\n")
+
+
+def test_fixed_mode_rows_do_not_depend_on_the_batch_in_the_triton_interpreter():
+    pytest.importorskip("triton")
+    run_interpreted(SHIMS + "K, DEV = 1024, 'cpu'\n" + FIXED_ROWS_CHECK)
+
+
+@pytest.mark.gpu
+def test_fixed_mode_rows_do_not_depend_on_the_batch_on_gpu():
+    run_interpreted("K, DEV = 16384, 'cuda'\n" + FIXED_ROWS_CHECK, interpret=False)
+
+
 def test_kernel_matches_reference_in_the_triton_interpreter():
     pytest.importorskip("triton")
     code = (
