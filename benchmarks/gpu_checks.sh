@@ -1,22 +1,33 @@
 #!/usr/bin/env bash
 # The GPU checks of a device session in one call: every gpu-marked test (kernels first; a failure
 # does not stop the rest), then the batch-invariance "1000 completions" run. Logs go to $1 (default benchmarks/results/gpu-checks);
-# $2 picks a part (tests | identical | all, default all: together they can pass a 600 s call limit).
+# $2 picks a part (tests | identical | probes | all, default all: together they pass a 600 s call limit);
+# probes = the decode-size kernel sweep and the GEMM tile probe (benchmarks/mma_rows_probe.py).
 #   bash benchmarks/gpu_checks.sh "$OUT" tests
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${1:-benchmarks/results/gpu-checks}"
 what="${2:-all}"
 mkdir -p "$out"
+out=$(cd "$out" && pwd)  # absolute: the probes run from benchmarks/
 export PYTHONPATH=. TORCHDYNAMO_DISABLE=1
 commit=$(cd benchmarks && python3 -c "from common import git_commit; print(git_commit())")
 echo "# commit $commit, $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null)" | tee "$out/summary.txt"
-[ "$what" = identical ] || for part in tests/kernels "tests/models tests/layers" tests/engine; do
-  # shellcheck disable=SC2086
-  timeout 400 python -m pytest -q -m gpu $part -rfE > "$out/pytest-$(echo $part | tr ' /' '__').log" 2>&1
-  echo "pytest -m gpu $part: $(tail -1 "$out/pytest-$(echo $part | tr ' /' '__').log")" | tee -a "$out/summary.txt"
-done
+if [ "$what" = tests ] || [ "$what" = all ]; then
+  for part in tests/kernels "tests/models tests/layers" tests/engine; do
+    # shellcheck disable=SC2086
+    timeout 400 python -m pytest -q -m gpu $part -rfE > "$out/pytest-$(echo $part | tr ' /' '__').log" 2>&1
+    echo "pytest -m gpu $part: $(tail -1 "$out/pytest-$(echo $part | tr ' /' '__').log")" | tee -a "$out/summary.txt"
+  done
+fi
 [ "$what" = tests ] && exit 0
+if [ "$what" = probes ]; then
+  (cd benchmarks && PYTHONPATH=.. timeout 300 python kernel_sweep.py --only decode-small --out "$out/decode-small.json" \
+     > "$out/decode-small.log" 2>&1; PYTHONPATH=.. timeout 200 python mma_rows_probe.py --out "$out/mma-rows.json" \
+     > "$out/mma-rows.log" 2>&1)
+  echo "probes: $(tail -1 "$out/mma-rows.log")" | tee -a "$out/summary.txt"
+  exit 0
+fi
 timeout 300 python benchmarks/identical_completions.py --device cuda --dtype bfloat16 --num 1000 --modes on \
   --out "$out/identical-completions.json" > "$out/identical-completions.log" 2>&1
 echo "identical completions: $(tail -2 "$out/identical-completions.log" | head -1)" | tee -a "$out/summary.txt"
