@@ -111,6 +111,8 @@ def _launch(logits, k, route_scale, ids=None, tid2eid=None, bias=None, bias_vl=N
         raise ValueError(f"route: hash routing needs ids and a [vocab, {k}] table, got {tuple(tid2eid.shape)}")
     if not hashed and bias is None:
         raise ValueError("route: top-k routing needs a bias")
+    if hashed:
+        ids, tid2eid = ids.contiguous(), tid2eid.contiguous()
     if logits.stride(1) != 1:
         logits = logits.contiguous()
     w = torch.empty(T, k, dtype=torch.float32, device=logits.device)

@@ -76,7 +76,6 @@ class Linear(nn.Module):
             return y.view(*x.shape[:-1], self.out_features)
         return dense_linear(x, self.dense_weight(x.dtype))
 
-
     def forward_grouped(self, x: torch.Tensor) -> torch.Tensor:
         """x [T, G, I] through the weight as G row blocks [G, O, I] (O = out_features / G), group g's
         inputs meeting block g only -> [T, G * O] (V4's grouped output projection wo_a).

@@ -6,8 +6,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from deepinfer.kernels.grouped_gemm import FP4_GROUP, grouped_gemm, triton_available
 from deepinfer.kernels import router as _router
+from deepinfer.kernels.grouped_gemm import FP4_GROUP, grouped_gemm, triton_available
 from deepinfer.kernels.moe_align import moe_align
 from deepinfer.kernels.moe_combine import moe_combine
 from deepinfer.kernels.swiglu import swiglu
