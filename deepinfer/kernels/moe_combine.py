@@ -75,6 +75,11 @@ def moe_combine(y: torch.Tensor, order: torch.Tensor, weights: torch.Tensor, k: 
     """Fused on CUDA (Triton), the torch reference elsewhere; same contract (and bits) as `reference`."""
     if triton is None or not y.is_cuda:
         return reference(y, order, weights, k, inv, add, out_dtype)
+    return _launch(y, order, weights, k, inv, add, out_dtype)
+
+
+def _launch(y, order, weights, k: int, inv=None, add=None, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The launch without the device check (also runs under TRITON_INTERPRET=1)."""
     T, D = weights.shape[0], y.shape[1]
     assert weights.shape == (T, k) and y.shape[0] == order.numel() == T * k, (y.shape, order.shape, weights.shape)
     if y.stride(1) != 1:

@@ -1,0 +1,112 @@
+"""Every Triton kernel compiles for sm_90 at the launch configurations the Flash slice uses.
+
+The launchers run with CPU tensors of the model's widths (few rows) inside `sm90.record()`, so the
+constexprs, dtypes and tile options are the ones a real step would pass; each distinct launch is
+then compiled ahead of time for the H200's architecture. No GPU needed.
+"""
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+
+from sm90 import compile_sm90, record  # noqa: E402
+
+from deepinfer.kernels import (compress_pool, grouped_gemm, index_scores, index_topk, invariant_matmul,  # noqa: E402
+                               mhc_coeffs, mhc_collapse, mhc_expand, mhc_mix, moe_align, moe_combine, rms_norm, rope,
+                               router, sparse_attention, split_sum, swiglu)
+from deepinfer.layers import invariant  # noqa: E402
+
+BF = torch.bfloat16
+
+
+def _e(*shape, dtype=BF):
+    return torch.empty(*shape, dtype=dtype)  # values are never read: launches are recorded, not run
+
+
+def _i(*shape, dtype=torch.int64):
+    return torch.zeros(*shape, dtype=dtype)
+
+
+def attention_launches():
+    H, D, W = 64, 512, 128
+    fp8_store = (_e(40, 448, dtype=torch.float8_e4m3fn), _i(40, 7, dtype=torch.uint8), _e(40, 64))
+    for T, fmt in ((1, "bfloat16"), (64, "bfloat16"), (1024, "bfloat16"), (1, "fp8"), (64, "fp8")):
+        store = (_e(40, D),) if fmt == "bfloat16" else fp8_store
+        args = (_e(T, H, D), _e(T, D), _i(T, W), _i(T, W), store, fmt, _i(T, 512), store, fmt, _e(H, dtype=torch.float32),
+                D ** -0.5)
+        cfg = sparse_attention.default_config(T, fmt == "fp8")
+        sparse_attention._launch(*args, **cfg, num_splits=4 if T == 1 else 1)
+        inv = {k: v for k, v in invariant.ATTENTION_TILES.items()}
+        for programs in (True, False):
+            sparse_attention._launch(*args, **inv, split_programs=programs)
+    sparse_attention._launch(_e(3, H, D), _e(3, D), _i(3, W), _i(3, W), (_e(40, D),), "bfloat16", None, None, None,
+                             _e(H, dtype=torch.float32), D ** -0.5)
+
+
+def moe_launches():
+    for M, E in ((6, 256), (384, 256), (8192 * 6, 256)):
+        a, offs = _e(M, 4096), _i(E, dtype=torch.int32)  # 8192 x 6 pairs: the prefill tiles
+        grouped_gemm._launch(a, _e(E, 2048, 4096), offs, None, (128, 128))
+        grouped_gemm._launch(a, _e(E, 2048, 4096, dtype=torch.float8_e4m3fn), offs,
+                             _i(E, 16, 32, dtype=torch.uint8).view(torch.float8_e8m0fnu), (128, 128))
+        grouped_gemm._launch(a, _e(E, 2048, 4096, dtype=torch.float8_e4m3fn), offs,
+                             _i(E, 2048, 128, dtype=torch.uint8).view(torch.float8_e8m0fnu), (1, 32))
+    grouped_gemm._launch(_e(1, 4096), _e(1024, 4096, dtype=torch.float8_e4m3fn), None,
+                         _i(8, 32, dtype=torch.uint8).view(torch.float8_e8m0fnu), (128, 128), split_k=8)
+    grouped_gemm._launch(_e(6, 4096), _e(4, 2048, 4096), _i(4, dtype=torch.int32), None, (128, 128),
+                         **invariant.GEMM_TILES)
+    for T in (1, 64):
+        moe_align._launch(_i(T, 6), 256)
+        router._launch(_e(T, 256, dtype=torch.float32), 6, 1.5, _i(T), _i(1000, 6))
+        router._launch(_e(T, 256, dtype=torch.float32), 6, 1.5, bias=_e(256, dtype=torch.float32),
+                       bias_vl=_e(256, dtype=torch.float32), image_mask=_i(T, dtype=torch.bool))
+        moe_combine._launch(_e(T * 6, 4096), _i(T * 6), _e(T, 6, dtype=torch.float32), 6, _i(T * 6), _e(T, 4096), BF)
+        moe_combine._launch(_e(T * 6, 4096), _i(T * 6), _e(T, 6, dtype=torch.float32), 6)
+        swiglu._launch(_e(T, 2048), _e(T, 2048), 10.0, BF)
+
+
+def dense_launches():
+    for M, dtype in ((1, BF), (200, BF), (3, torch.float32)):
+        invariant_matmul._launch(_e(M, 4096, dtype=dtype), _e(1024, 4096, dtype=dtype))
+        invariant_matmul._launch(_e(M, 4096, dtype=dtype), _e(1024, 4096, dtype=dtype), torch.float32, n_splits=1)
+    split_sum._launch(_e(8, 2, 1024, dtype=torch.float32), _e(2, 1024))
+    for T in (1, 64, 8192):
+        x = _e(T, 16384)
+        mhc_mix._launch(x, _e(24, 16384, dtype=torch.float32), 1e-6)
+        mhc_mix._launch(x, _e(24, 16384, dtype=torch.float32), 1e-6, mhc_mix.fixed_splits(16384), 16)
+        mhc_coeffs._launch(_e(T, 24, dtype=torch.float32), _e(24, dtype=torch.float32), _e(3, dtype=torch.float32), 4,
+                           20, 1e-6)
+        mhc_collapse._launch(_e(T, 4, 4096), _e(T, 4, dtype=torch.float32), _e(4096, dtype=torch.float32), 1e-6)
+        mhc_expand._launch(_e(T, 4, 4096), _e(T, 4096), _e(T, 4, dtype=torch.float32), _e(T, 4, 4, dtype=torch.float32))
+    for T in (1, 64):
+        x, cs = _e(T, 64, 512), _e(T, 32, dtype=torch.float32)
+        rope._launch(x, cs, cs, False, 1e-6)
+        rope._launch(x, cs, cs, True, None, inplace=True)
+        rms_norm._launch(_e(T, 4096), 1e-6, _e(4096, dtype=torch.float32), None)
+        rms_norm._launch(_e(T, 1024), 1e-6, _e(1024, dtype=torch.float32), None)
+    compress_pool._launch(_e(8, 1024, dtype=torch.float32), _e(8, 1024, dtype=torch.float32),
+                          _e(8, 1024, dtype=torch.float32), _e(8, 1024, dtype=torch.float32), _i(2, 8), _i(2, 8), 512,
+                          True)
+    compress_pool._launch(_e(8, 512, dtype=torch.float32), _e(8, 512, dtype=torch.float32),
+                          _e(8, 512, dtype=torch.float32), _e(8, 512, dtype=torch.float32), _i(1, 128), _i(1, 128), 512,
+                          False)
+    index_scores._launch(_e(4, 64, 128), _e(512, 128), _e(4, 64, dtype=torch.float32), _i(4))
+    index_topk._launch(_e(4, 512, dtype=torch.float32), _i(4), 64)
+
+
+@pytest.mark.parametrize("launches", [attention_launches, moe_launches, dense_launches])
+def test_kernels_compile_for_sm90(launches):
+    with record() as got:
+        launches()
+    assert got, "no launch was recorded"
+    seen = {}
+    for launch in got:
+        seen.setdefault(launch.key, launch)
+    failed = []
+    for launch in seen.values():
+        try:
+            compile_sm90(launch)
+        except Exception as e:  # noqa: BLE001 - report every failing configuration at once
+            failed.append(f"{launch.fn.__name__} {launch.constexprs} {launch.options}: {type(e).__name__}: "
+                          + " | ".join(str(e).strip().splitlines()[-3:]))
+    assert not failed, "\n".join(failed)
