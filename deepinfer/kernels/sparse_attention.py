@@ -138,11 +138,12 @@ if triton is not None:
         return m_new, l_i, acc
 
     @triton.jit
-    def _attend(q, t, c, j, kvn_ptr, wnew_ptr, wring_ptr, r0, r1, r2, addr_ptr, e0, e1, e2, W, K, qk_scale,
-                w_lo, w_hi, e_lo, e_hi, m_i, l_i, acc, D: tl.constexpr, NOPE: tl.constexpr,
+    def _attend(q, t, c, j, kvn_ptr, wnew_ptr, wring_ptr, r0, r1, r2, addr_ptr, paddr_row, e0, e1, e2, W, K,
+                qk_scale, w_lo, w_hi, e_lo, e_hi, m_i, l_i, acc, D: tl.constexpr, NOPE: tl.constexpr,
                 GROUP: tl.constexpr, RING_FP8: tl.constexpr, ENT_FP8: tl.constexpr, HAS_ENT: tl.constexpr,
-                BLOCK_N: tl.constexpr, KDT: tl.constexpr, PREC: tl.constexpr):
-        """Window key tiles [w_lo, w_hi) then entry tiles [e_lo, e_hi) of token t into (m, l, acc)."""
+                BLOCK_N: tl.constexpr, KDT: tl.constexpr, PREC: tl.constexpr, INDIRECT: tl.constexpr):
+        """Window key tiles [w_lo, w_hi) then entry tiles [e_lo, e_hi) of token t into (m, l, acc).
+        INDIRECT: addr_ptr holds entry ids, translated through the token's request row paddr_row."""
         for i in range(w_lo, w_hi):                                                   # window keys
             n = i * BLOCK_N + j
             new = tl.load(wnew_ptr + t * W + n, mask=n < W, other=-1)
@@ -159,6 +160,8 @@ if triton is not None:
             for i in range(e_lo, e_hi):                                               # compressed entries
                 n = i * BLOCK_N + j
                 rows = tl.load(addr_ptr + t * K + n, mask=n < K, other=-1)
+                if INDIRECT:  # entry id -> its address in the request's table (-1 stays -1)
+                    rows = tl.load(paddr_row + rows, mask=rows >= 0, other=-1)
                 if tl.max(rows, axis=0) >= 0:  # top-k lists put their -1s last: whole tiles drop out
                     k = _gather_keys(rows, rows >= 0, e0, e1, e2, ENT_FP8, D, NOPE, GROUP, BLOCK_N, KDT)
                     m_i, l_i, acc = _softmax_step(q, k, rows >= 0, m_i, l_i, acc, qk_scale, PREC)
@@ -174,12 +177,12 @@ if triton is not None:
         return M_new, tl.fma(L, alpha, l * beta), tl.fma(A, alpha[:, None], a * beta[:, None])
 
     @triton.jit
-    def _sparse_attn_kernel(q_ptr, kvn_ptr, wnew_ptr, wring_ptr, r0, r1, r2, addr_ptr, e0, e1, e2, sink_ptr,
-                            out_ptr, part_ptr, ml_ptr, H, W, K, qk_scale,
+    def _sparse_attn_kernel(q_ptr, kvn_ptr, wnew_ptr, wring_ptr, r0, r1, r2, addr_ptr, req_ptr, paddr_ptr, e0, e1,
+                            e2, sink_ptr, out_ptr, part_ptr, ml_ptr, H, W, K, stride_pa, qk_scale,
                             D: tl.constexpr, NOPE: tl.constexpr, GROUP: tl.constexpr,
                             RING_FP8: tl.constexpr, ENT_FP8: tl.constexpr, HAS_ENT: tl.constexpr,
                             SPLITS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-                            TPS: tl.constexpr, SEQ: tl.constexpr):
+                            TPS: tl.constexpr, SEQ: tl.constexpr, INDIRECT: tl.constexpr):
         t = tl.program_id(0).to(tl.int64)
         sp = tl.program_id(2)
         KDT: tl.constexpr = q_ptr.dtype.element_ty
@@ -196,31 +199,35 @@ if triton is not None:
         j = tl.arange(0, BLOCK_N)
         n_w = tl.cdiv(W, BLOCK_N)
         n_e = tl.cdiv(K, BLOCK_N)
+        if INDIRECT:
+            paddr_row = paddr_ptr + tl.load(req_ptr + t) * stride_pa
+        else:
+            paddr_row = addr_ptr
         if TPS == 0:  # balanced: split sp takes its share of the window tiles and of the entry tiles
-            m_i, l_i, acc = _attend(q, t, c, j, kvn_ptr, wnew_ptr, wring_ptr, r0, r1, r2, addr_ptr, e0, e1, e2,
+            m_i, l_i, acc = _attend(q, t, c, j, kvn_ptr, wnew_ptr, wring_ptr, r0, r1, r2, addr_ptr, paddr_row, e0, e1, e2,
                                     W, K, qk_scale, sp * n_w // SPLITS, (sp + 1) * n_w // SPLITS,
                                     sp * n_e // SPLITS, (sp + 1) * n_e // SPLITS, m_i, l_i, acc, D, NOPE, GROUP,
-                                    RING_FP8, ENT_FP8, HAS_ENT, BLOCK_N, KDT, PREC)
+                                    RING_FP8, ENT_FP8, HAS_ENT, BLOCK_N, KDT, PREC, INDIRECT)
         else:
             # fixed splits (batch-invariant): split 0 = the window, split s >= 1 = entry tiles
             # [(s - 1) * TPS, s * TPS); a wider (padded) entry list only adds empty splits
             if SEQ:  # every split in this program, folded in split order as `_merge_splits_kernel` does
-                m_i, l_i, acc = _attend(q, t, c, j, kvn_ptr, wnew_ptr, wring_ptr, r0, r1, r2, addr_ptr, e0, e1,
+                m_i, l_i, acc = _attend(q, t, c, j, kvn_ptr, wnew_ptr, wring_ptr, r0, r1, r2, addr_ptr, paddr_row, e0, e1,
                                         e2, W, K, qk_scale, 0, n_w, 0, 0, m_i, l_i, acc, D, NOPE, GROUP,
-                                        RING_FP8, ENT_FP8, HAS_ENT, BLOCK_N, KDT, PREC)
+                                        RING_FP8, ENT_FP8, HAS_ENT, BLOCK_N, KDT, PREC, INDIRECT)
                 for s in range(0, tl.cdiv(n_e, TPS)):
-                    m_s, l_s, a_s = _attend(q, t, c, j, kvn_ptr, wnew_ptr, wring_ptr, r0, r1, r2, addr_ptr, e0,
+                    m_s, l_s, a_s = _attend(q, t, c, j, kvn_ptr, wnew_ptr, wring_ptr, r0, r1, r2, addr_ptr, paddr_row, e0,
                                             e1, e2, W, K, qk_scale, 0, 0, s * TPS, tl.minimum((s + 1) * TPS, n_e),
                                             sink, tl.zeros([BLOCK_H], tl.float32),
                                             tl.zeros([BLOCK_H, D], tl.float32), D, NOPE, GROUP, RING_FP8,
-                                            ENT_FP8, HAS_ENT, BLOCK_N, KDT, PREC)
+                                            ENT_FP8, HAS_ENT, BLOCK_N, KDT, PREC, INDIRECT)
                     m_i, l_i, acc = _merge(m_i, l_i, acc, m_s, l_s, a_s)
             else:  # this program is split sp
                 e_lo = tl.maximum(sp - 1, 0) * TPS
-                m_i, l_i, acc = _attend(q, t, c, j, kvn_ptr, wnew_ptr, wring_ptr, r0, r1, r2, addr_ptr, e0, e1,
+                m_i, l_i, acc = _attend(q, t, c, j, kvn_ptr, wnew_ptr, wring_ptr, r0, r1, r2, addr_ptr, paddr_row, e0, e1,
                                         e2, W, K, qk_scale, 0, tl.where(sp == 0, n_w, 0), e_lo,
                                         tl.where(sp == 0, 0, tl.minimum(e_lo + TPS, n_e)), m_i, l_i, acc, D, NOPE,
-                                        GROUP, RING_FP8, ENT_FP8, HAS_ENT, BLOCK_N, KDT, PREC)
+                                        GROUP, RING_FP8, ENT_FP8, HAS_ENT, BLOCK_N, KDT, PREC, INDIRECT)
 
         if SPLITS == 1:
             o = acc / l_i[:, None]
@@ -264,6 +271,11 @@ if triton is not None:
         tl.store(out_ptr + row * D + c[None, :], o.to(out_ptr.dtype.element_ty))
 
 
+def entry_addresses(ids: torch.Tensor, token_req: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """[T, K] entry ids (-1 = none) -> their addresses table[token_req[t], id] (-1 kept)."""
+    return torch.where(ids >= 0, table[token_req[:, None], ids.clamp(min=0)], -1)
+
+
 def supported(q: torch.Tensor, kv_new: torch.Tensor, ring_fmt: str, entries_fmt: str | None,
               has_entries: bool) -> bool:
     """Whether the kernel handles these dtypes / formats / head_dim (else `reference` is used).
@@ -305,8 +317,11 @@ def sparse_attention(q: torch.Tensor, kv_new: torch.Tensor, win_new: torch.Tenso
                      entries: tuple[torch.Tensor, ...] | None, entries_fmt: str | None, sinks: torch.Tensor,
                      scale: float, *, block_h: int | None = None, block_n: int | None = None,
                      num_warps: int | None = None, num_stages: int | None = None,
-                     num_splits: int | None = None, tiles_per_split: int = 0) -> torch.Tensor:
+                     num_splits: int | None = None, tiles_per_split: int = 0,
+                     indirect: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """Triton on CUDA for supported inputs (see `supported`), `reference` otherwise; same contract.
+    indirect = (token_req [T], table [B, V]): entry_addr holds entry ids (-1 = none) that the kernel
+    translates itself, address = table[token_req[t], id] (saves the host-side gather's launches).
 
     Tuning (defaults chosen for H = 64, D = 512 on sm_90 so that nothing spills): block_h heads per
     program (>= 16; capped at next_pow2(H)), block_n keys per tile (>= 16; default 32 for bf16 q,
@@ -316,19 +331,21 @@ def sparse_attention(q: torch.Tensor, kv_new: torch.Tensor, win_new: torch.Tenso
     is then ignored."""
     has_ent = entry_addr is not None and entry_addr.shape[1] > 0
     if triton is None or not q.is_cuda or not supported(q, kv_new, ring_fmt, entries_fmt, has_ent):
+        if indirect is not None and has_ent:
+            entry_addr = entry_addresses(entry_addr, *indirect)
         return reference(q, kv_new, win_new, win_ring, ring, ring_fmt, entry_addr, entries, entries_fmt, sinks,
                          scale)
     cfg = default_config(q.shape[0], "fp8" in (ring_fmt, entries_fmt))
     return _launch(q, kv_new, win_new, win_ring, ring, ring_fmt, entry_addr, entries, entries_fmt, sinks, scale,
                    block_h=block_h or cfg["block_h"], block_n=block_n or cfg["block_n"],
                    num_warps=num_warps or cfg["num_warps"], num_stages=num_stages or cfg["num_stages"],
-                   num_splits=num_splits, tiles_per_split=tiles_per_split)
+                   num_splits=num_splits, tiles_per_split=tiles_per_split, indirect=indirect)
 
 
 def _launch(q, kv_new, win_new, win_ring, ring, ring_fmt, entry_addr, entries, entries_fmt, sinks, scale, *,
             block_h: int = 16, block_n: int | None = None, num_warps: int = 8, num_stages: int | None = None,
-            num_splits: int | None = None, tiles_per_split: int = 0, split_programs: bool | None = None
-            ) -> torch.Tensor:
+            num_splits: int | None = None, tiles_per_split: int = 0, split_programs: bool | None = None,
+            indirect: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """The kernel launch without the device / support checks (also runs under TRITON_INTERPRET=1).
 
     tiles_per_split > 0: fixed splits, a token's split boundaries depending on nothing but the
@@ -366,6 +383,8 @@ def _launch(q, kv_new, win_new, win_ring, ring, ring_fmt, entry_addr, entries, e
     r = ring + (ring[0],) * (3 - len(ring))
     e = ent + (ent[0],) * (3 - len(ent))
     addr = entry_addr.contiguous() if has_ent else win_new
+    indirect = indirect if has_ent else None
+    req, paddr = (indirect[0].contiguous(), indirect[1].contiguous()) if indirect is not None else (addr, addr)
     n_tiles = triton.cdiv(W, block_n) + triton.cdiv(K, block_n)
     tps, seq = tiles_per_split, False
     if tps:
@@ -383,10 +402,11 @@ def _launch(q, kv_new, win_new, win_ring, ring, ring_fmt, entry_addr, entries, e
     else:
         part = ml = out
     grid = (T, triton.cdiv(H, block_h), splits)
-    _sparse_attn_kernel[grid](q, kv_new, win_new, win_ring, r[0], r[1], r[2], addr, e[0], e[1], e[2],
-                              sinks.contiguous(), out, part, ml, H, W, K, float(scale) * LOG2E,
+    _sparse_attn_kernel[grid](q, kv_new, win_new, win_ring, r[0], r[1], r[2], addr, req, paddr, e[0], e[1], e[2],
+                              sinks.contiguous(), out, part, ml, H, W, K, paddr.stride(0), float(scale) * LOG2E,
                               D=D, NOPE=nope, GROUP=group, RING_FP8=ring_fmt == "fp8", ENT_FP8=ent_fmt == "fp8",
                               HAS_ENT=has_ent, SPLITS=splits, BLOCK_H=block_h, BLOCK_N=block_n, TPS=tps, SEQ=seq,
+                              INDIRECT=indirect is not None,
                               num_warps=num_warps, num_stages=num_stages)
     if splits > 1 and tps:
         _merge_in_order_kernel[(T * H,)](part, ml, out, SPLITS=splits, D=D, num_warps=4)

@@ -170,12 +170,11 @@ def sparse_attention(q: torch.Tensor, kv_new: torch.Tensor, batch: ForwardBatch,
     if (q.is_cuda and _sa_kernel.triton is not None and q.dtype == torch.bfloat16 and ring_fmt is not None
             and (not has_ent or ent_fmt is not None)
             and _sa_kernel.supported(q, kv_new, ring_fmt, ent_fmt, has_ent)):
-        addr = None
-        if has_ent:
-            addr = torch.where(entry_ids >= 0, plan.addr[batch.token_req[:, None], entry_ids.clamp(min=0)], -1)
+        # entry ids go in as they are: the kernel reads their addresses from plan.addr itself
         return _sa_kernel.sparse_attention(q, kv_new, batch.win_new, batch.win_ring, tuple(ring.tensors()), ring_fmt,
-                                           addr, tuple(entries.tensors()) if has_ent else None, ent_fmt, sinks, scale,
-                                           **invariant.attention_tiles())
+                                           entry_ids if has_ent else None, tuple(entries.tensors()) if has_ent else None,
+                                           ent_fmt, sinks, scale, **invariant.attention_tiles(),
+                                           indirect=(batch.token_req, plan.addr) if has_ent else None)
     T, H, D = q.shape
     out = torch.empty_like(q)
     n_keys = batch.win_new.shape[1] + (entry_ids.shape[1] if entry_ids is not None else 0)

@@ -36,9 +36,10 @@ def attention_launches():
                 D ** -0.5)
         cfg = sparse_attention.default_config(T, fmt == "fp8")
         sparse_attention._launch(*args, **cfg, num_splits=4 if T == 1 else 1)
+        sparse_attention._launch(*args, **cfg, num_splits=1, indirect=(_i(T), _i(3, 1024)))
         inv = {k: v for k, v in invariant.ATTENTION_TILES.items()}
         for programs in (True, False):
-            sparse_attention._launch(*args, **inv, split_programs=programs)
+            sparse_attention._launch(*args, **inv, split_programs=programs, indirect=(_i(T), _i(3, 1024)))
     sparse_attention._launch(_e(3, H, D), _e(3, D), _i(3, W), _i(3, W), (_e(40, D),), "bfloat16", None, None, None,
                              _e(H, dtype=torch.float32), D ** -0.5)
 

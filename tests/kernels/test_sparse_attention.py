@@ -128,6 +128,18 @@ def test_kernel_tuning_knobs_on_gpu(block_h, block_n, num_warps, num_stages, fmt
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["bfloat16", "fp8"])
+@pytest.mark.parametrize("T", [1, 64, 1030])
+def test_entry_ids_translated_in_the_kernel_on_gpu(fmt, T):
+    """indirect=(token_req, table): the kernel reads the same addresses the host gather makes."""
+    kargs, largs = make_case(T, 64, 512, 64, 128, 512, fmt, torch.bfloat16, device="cuda", seed=5,
+                             ring_rows=300, entry_rows=700, visible=600)
+    ids, table, req = largs[4], largs[5].addr, largs[2].token_req
+    want = sa.sparse_attention(*kargs)
+    assert torch.equal(sa.sparse_attention(*kargs[:6], ids, *kargs[7:], indirect=(req, table)), want)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["float32", "fp8"])
 def test_fp32_queries_fall_back_to_the_reference_on_gpu(fmt):
     """Compiled launches are bf16-only (see `supported`): fp32 q gives the reference's exact values."""
@@ -158,10 +170,15 @@ def test_kernel_matches_reference_in_the_triton_interpreter():
         "for fmt, dtype, splits, W, K in [('bfloat16', torch.bfloat16, 1, 4, 3), ('fp8', torch.bfloat16, 2, 4, 3),\n"
         "                                 ('float32', torch.float32, 1, 4, 3), ('fp8', torch.float32, 3, 18, 20),\n"
         "                                 ('fp8', torch.bfloat16, 1, 4, 0), ('bfloat16', torch.bfloat16, 4, 18, 20)]:\n"
-        "    kargs, _ = make_case(5, 4, 32, 8, W, K, fmt, dtype, entry_rows=8, ring_rows=6, visible=6)\n"
+        "    kargs, largs = make_case(5, 4, 32, 8, W, K, fmt, dtype, entry_rows=8, ring_rows=6, visible=6)\n"
         "    if K > 16:  # a top-k list's trailing -1s: the second entry tile is keyless for tokens 2..4\n"
         "        kargs[6][2:, 16:] = -1\n"
+        "        largs[4][2:, 16:] = -1\n"
         "    got = _launch(*kargs, block_h=16, block_n=16, num_splits=splits)\n"
+        "    if K:  # entry ids translated in the kernel: the same addresses, the same bits\n"
+        "        ids, table, req = largs[4], largs[5].addr, largs[2].token_req\n"
+        "        assert torch.equal(_launch(*kargs[:6], ids, *kargs[7:], block_h=16, block_n=16, num_splits=splits,\n"
+        "                                   indirect=(req, table)), got)\n"
         "    want = reference(*kargs)\n"
         "    if dtype == torch.float32:\n"
         "        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)\n"
