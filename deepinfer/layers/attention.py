@@ -13,6 +13,7 @@ from deepinfer.kernels import compress_pool as _pool
 from deepinfer.kernels import index_scores as _scores
 from deepinfer.kernels import index_topk as _topk
 from deepinfer.kernels import sparse_attention as _sa_kernel
+from deepinfer.kernels.copy_rows import copy_rows
 from deepinfer.layers import invariant
 from deepinfer.layers.forward_batch import CompressPlan, ForwardBatch, to_device
 from deepinfer.layers.kv_state import CarryState, EntryStore, IndexKeyStore
@@ -72,8 +73,7 @@ class Compressor(nn.Module):
 
     def _finish(self, pooled, kv, score, plan: CompressPlan, carry: CarryState, rope: RopeCache):
         entries = apply_rope(self.norm(pooled), rope, overwrite=True)
-        carry.kv[plan.carry_dst] = kv[plan.carry_src]
-        carry.score[plan.carry_dst] = score[plan.carry_src]
+        copy_rows(((carry.kv, kv), (carry.score, score)), plan.carry_dst, plan.carry_src)  # one launch on CUDA
         return entries, plan.dst
 
 

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from deepinfer.kernels.copy_rows import copy_rows
 from deepinfer.layers.attention import _chunks
 from deepinfer.layers.forward_batch import CompressPlan, ForwardBatch
 from deepinfer.layers.kv_state import CarryState, LayerCache
@@ -47,8 +48,7 @@ class PoolCompressor(nn.Module):
         new, old = plan.src_new, plan.src_carry
         src_kv = torch.where((new >= 0)[..., None], kv[new.clamp(min=0)], carry.kv[old.clamp(min=0)])
         src_score = torch.where((new >= 0)[..., None], score[new.clamp(min=0)], carry.score[old.clamp(min=0)])
-        carry.kv[plan.carry_dst] = kv[plan.carry_src]
-        carry.score[plan.carry_dst] = score[plan.carry_src]
+        copy_rows(((carry.kv, kv), (carry.score, score)), plan.carry_dst, plan.carry_src)  # one launch on CUDA
         weights = src_score.transpose(1, 2).softmax(dim=-1).transpose(1, 2)  # row-local over the group
         return self.norm((weights * src_kv).sum(dim=1).to(x.dtype))
 

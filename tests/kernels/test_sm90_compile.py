@@ -11,7 +11,7 @@ triton = pytest.importorskip("triton")
 
 from sm90 import compile_sm90, record  # noqa: E402
 
-from deepinfer.kernels import (compress_pool, grouped_gemm, index_scores, index_topk, invariant_matmul,  # noqa: E402
+from deepinfer.kernels import (compress_pool, copy_rows, grouped_gemm, index_scores, index_topk, invariant_matmul,  # noqa: E402
                                mhc_coeffs, mhc_collapse, mhc_expand, mhc_mix, moe_align, moe_combine, rms_norm, rope,
                                router, sparse_attention, split_sum, swiglu)
 from deepinfer.layers import invariant  # noqa: E402
@@ -91,6 +91,8 @@ def dense_launches():
     compress_pool._launch(_e(8, 512, dtype=torch.float32), _e(8, 512, dtype=torch.float32),
                           _e(8, 512, dtype=torch.float32), _e(8, 512, dtype=torch.float32), _i(1, 128), _i(1, 128), 512,
                           False)
+    copy_rows._launch(((_e(16, 1024, dtype=torch.float32), _e(8, 1024, dtype=torch.float32)),
+                       (_e(16, 1024, dtype=torch.float32), _e(8, 1024, dtype=torch.float32))), _i(8), _i(8))
     index_scores._launch(_e(4, 64, 128), _e(512, 128), _e(4, 64, dtype=torch.float32), _i(4))
     index_topk._launch(_e(4, 512, dtype=torch.float32), _i(4), 64)
 

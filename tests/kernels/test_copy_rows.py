@@ -1,0 +1,42 @@
+"""Row copies for two tensor pairs under one index plan: the gather + index_put results."""
+import pytest
+import torch
+
+from deepinfer.kernels.copy_rows import copy_rows
+from interpreter import SHIMS, run_interpreted
+
+CHECK = (
+    "import torch\n"
+    "from deepinfer.kernels.copy_rows import copy_rows, _launch, reference\n"
+    "g = torch.Generator().manual_seed(0)\n"
+    "for R, widths, dtype in [(5, (48, 80), torch.float32), (1, (1024, 1024), torch.float32),\n"
+    "                         (37, (512, 600), torch.bfloat16), (0, (16, 16), torch.float32)]:\n"
+    "    pairs, want = [], []\n"
+    "    for w in widths:\n"
+    "        dst, src = torch.randn(50, w, generator=g).to(dtype), torch.randn(60, w + 7, generator=g).to(dtype)[:, :w]\n"
+    "        pairs.append((dst.to(DEV), src.to(DEV)))\n"
+    "        want.append((dst.clone(), src.clone()))\n"
+    "    dst_idx = torch.randperm(50, generator=g)[:R].to(DEV)\n"
+    "    src_idx = torch.randint(0, 60, (R,), generator=g).to(DEV)\n"
+    "    reference(want, dst_idx.cpu(), src_idx.cpu())\n"
+    "    (copy_rows if DEV == 'cuda' else _launch)(tuple(pairs), dst_idx, src_idx)\n"
+    "    for (d, _), (w, _) in zip(pairs, want):\n"
+    "        assert torch.equal(d.cpu(), w), (R, widths)\n"
+    "print('ok')\n")
+
+
+def test_cpu_uses_the_reference():
+    a, b = torch.zeros(4, 3), torch.zeros(4, 5)
+    sa, sb = torch.randn(6, 3), torch.randn(6, 5)
+    copy_rows(((a, sa), (b, sb)), torch.tensor([2, 0]), torch.tensor([5, 1]))
+    assert torch.equal(a[2], sa[5]) and torch.equal(b[0], sb[1]) and a[1].abs().sum() == 0
+
+
+def test_kernel_in_the_triton_interpreter():
+    pytest.importorskip("triton")
+    run_interpreted(SHIMS + "DEV = 'cpu'\n" + CHECK)
+
+
+@pytest.mark.gpu
+def test_kernel_on_gpu():
+    run_interpreted("DEV = 'cuda'\n" + CHECK, interpret=False)
