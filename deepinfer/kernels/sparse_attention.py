@@ -204,28 +204,30 @@ if triton is not None:
         else:
             paddr_row = addr_ptr
         if TPS == 0:  # balanced: split sp takes its share of the window tiles and of the entry tiles
-            m_i, l_i, acc = _attend(q, t, c, j, kvn_ptr, wnew_ptr, wring_ptr, r0, r1, r2, addr_ptr, paddr_row, e0, e1, e2,
-                                    W, K, qk_scale, sp * n_w // SPLITS, (sp + 1) * n_w // SPLITS,
+            m_i, l_i, acc = _attend(q, t, c, j, kvn_ptr, wnew_ptr, wring_ptr, r0, r1, r2, addr_ptr, paddr_row,
+                                    e0, e1, e2, W, K, qk_scale, sp * n_w // SPLITS, (sp + 1) * n_w // SPLITS,
                                     sp * n_e // SPLITS, (sp + 1) * n_e // SPLITS, m_i, l_i, acc, D, NOPE, GROUP,
                                     RING_FP8, ENT_FP8, HAS_ENT, BLOCK_N, KDT, PREC, INDIRECT)
         else:
             # fixed splits (batch-invariant): split 0 = the window, split s >= 1 = entry tiles
             # [(s - 1) * TPS, s * TPS); a wider (padded) entry list only adds empty splits
             if SEQ:  # every split in this program, folded in split order as `_merge_splits_kernel` does
-                m_i, l_i, acc = _attend(q, t, c, j, kvn_ptr, wnew_ptr, wring_ptr, r0, r1, r2, addr_ptr, paddr_row, e0, e1,
-                                        e2, W, K, qk_scale, 0, n_w, 0, 0, m_i, l_i, acc, D, NOPE, GROUP,
+                m_i, l_i, acc = _attend(q, t, c, j, kvn_ptr, wnew_ptr, wring_ptr, r0, r1, r2, addr_ptr,
+                                        paddr_row, e0, e1, e2, W, K, qk_scale, 0, n_w, 0, 0, m_i, l_i, acc, D,
+                                        NOPE, GROUP,
                                         RING_FP8, ENT_FP8, HAS_ENT, BLOCK_N, KDT, PREC, INDIRECT)
                 for s in range(0, tl.cdiv(n_e, TPS)):
-                    m_s, l_s, a_s = _attend(q, t, c, j, kvn_ptr, wnew_ptr, wring_ptr, r0, r1, r2, addr_ptr, paddr_row, e0,
-                                            e1, e2, W, K, qk_scale, 0, 0, s * TPS, tl.minimum((s + 1) * TPS, n_e),
+                    m_s, l_s, a_s = _attend(q, t, c, j, kvn_ptr, wnew_ptr, wring_ptr, r0, r1, r2, addr_ptr,
+                                            paddr_row, e0, e1, e2, W, K, qk_scale, 0, 0, s * TPS,
+                                            tl.minimum((s + 1) * TPS, n_e),
                                             sink, tl.zeros([BLOCK_H], tl.float32),
                                             tl.zeros([BLOCK_H, D], tl.float32), D, NOPE, GROUP, RING_FP8,
                                             ENT_FP8, HAS_ENT, BLOCK_N, KDT, PREC, INDIRECT)
                     m_i, l_i, acc = _merge(m_i, l_i, acc, m_s, l_s, a_s)
             else:  # this program is split sp
                 e_lo = tl.maximum(sp - 1, 0) * TPS
-                m_i, l_i, acc = _attend(q, t, c, j, kvn_ptr, wnew_ptr, wring_ptr, r0, r1, r2, addr_ptr, paddr_row, e0, e1,
-                                        e2, W, K, qk_scale, 0, tl.where(sp == 0, n_w, 0), e_lo,
+                m_i, l_i, acc = _attend(q, t, c, j, kvn_ptr, wnew_ptr, wring_ptr, r0, r1, r2, addr_ptr,
+                                        paddr_row, e0, e1, e2, W, K, qk_scale, 0, tl.where(sp == 0, n_w, 0), e_lo,
                                         tl.where(sp == 0, 0, tl.minimum(e_lo + TPS, n_e)), m_i, l_i, acc, D, NOPE,
                                         GROUP, RING_FP8, ENT_FP8, HAS_ENT, BLOCK_N, KDT, PREC, INDIRECT)
 

@@ -172,8 +172,9 @@ def sparse_attention(q: torch.Tensor, kv_new: torch.Tensor, batch: ForwardBatch,
             and _sa_kernel.supported(q, kv_new, ring_fmt, ent_fmt, has_ent)):
         # entry ids go in as they are: the kernel reads their addresses from plan.addr itself
         return _sa_kernel.sparse_attention(q, kv_new, batch.win_new, batch.win_ring, tuple(ring.tensors()), ring_fmt,
-                                           entry_ids if has_ent else None, tuple(entries.tensors()) if has_ent else None,
-                                           ent_fmt, sinks, scale, **invariant.attention_tiles(),
+                                           entry_ids if has_ent else None,
+                                           tuple(entries.tensors()) if has_ent else None, ent_fmt, sinks, scale,
+                                           **invariant.attention_tiles(),
                                            indirect=(batch.token_req, plan.addr) if has_ent else None)
     T, H, D = q.shape
     out = torch.empty_like(q)
