@@ -13,7 +13,8 @@ CHECK = (
     "                         (37, (512, 600), torch.bfloat16), (0, (16, 16), torch.float32)]:\n"
     "    pairs, want = [], []\n"
     "    for w in widths:\n"
-    "        dst, src = torch.randn(50, w, generator=g).to(dtype), torch.randn(60, w + 7, generator=g).to(dtype)[:, :w]\n"
+    "        dst = torch.randn(50, w, generator=g).to(dtype)\n"
+    "        src = torch.randn(60, w + 7, generator=g).to(dtype)[:, :w]\n"  # strided rows
     "        pairs.append((dst.to(DEV), src.to(DEV)))\n"
     "        want.append((dst.clone(), src.clone()))\n"
     "    dst_idx = torch.randperm(50, generator=g)[:R].to(DEV)\n"

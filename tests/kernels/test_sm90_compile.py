@@ -11,9 +11,9 @@ triton = pytest.importorskip("triton")
 
 from sm90 import compile_sm90, record  # noqa: E402
 
-from deepinfer.kernels import (compress_pool, copy_rows, grouped_gemm, index_scores, index_topk, invariant_matmul,  # noqa: E402
-                               mhc_coeffs, mhc_collapse, mhc_expand, mhc_mix, moe_align, moe_combine, rms_norm, rope,
-                               router, sparse_attention, split_sum, swiglu)
+from deepinfer.kernels import (compress_pool, copy_rows, grouped_gemm, index_scores, index_topk,  # noqa: E402
+                               invariant_matmul, mhc_coeffs, mhc_collapse, mhc_expand, mhc_mix, moe_align,
+                               moe_combine, rms_norm, rope, router, sparse_attention, split_sum, swiglu)
 from deepinfer.layers import invariant  # noqa: E402
 
 BF = torch.bfloat16
@@ -32,8 +32,8 @@ def attention_launches():
     fp8_store = (_e(40, 448, dtype=torch.float8_e4m3fn), _i(40, 7, dtype=torch.uint8), _e(40, 64))
     for T, fmt in ((1, "bfloat16"), (64, "bfloat16"), (1024, "bfloat16"), (1, "fp8"), (64, "fp8")):
         store = (_e(40, D),) if fmt == "bfloat16" else fp8_store
-        args = (_e(T, H, D), _e(T, D), _i(T, W), _i(T, W), store, fmt, _i(T, 512), store, fmt, _e(H, dtype=torch.float32),
-                D ** -0.5)
+        args = (_e(T, H, D), _e(T, D), _i(T, W), _i(T, W), store, fmt, _i(T, 512), store, fmt,
+                _e(H, dtype=torch.float32), D ** -0.5)
         cfg = sparse_attention.default_config(T, fmt == "fp8")
         sparse_attention._launch(*args, **cfg, num_splits=4 if T == 1 else 1)
         sparse_attention._launch(*args, **cfg, num_splits=1, indirect=(_i(T), _i(3, 1024)))

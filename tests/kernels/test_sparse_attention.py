@@ -215,8 +215,9 @@ def test_fixed_splits_are_invariant_in_the_triton_interpreter():
     """Split programs + in-order merge == one program folding the splits in registers, and a wider
     (padded) entry list changes no bit."""
     pytest.importorskip("triton")
-    run_interpreted(SHIMS + "import torch\nCASES = [('bfloat16', torch.bfloat16, 4, 40, 1), ('fp8', torch.bfloat16, 18, 20, 2),"
-                    " ('bfloat16', torch.bfloat16, 4, 0, 1), ('float32', torch.float32, 4, 40, 1)]\n"
+    run_interpreted(SHIMS + "import torch\nCASES = [('bfloat16', torch.bfloat16, 4, 40, 1),"
+                    " ('fp8', torch.bfloat16, 18, 20, 2), ('bfloat16', torch.bfloat16, 4, 0, 1),"
+                    " ('float32', torch.float32, 4, 40, 1)]\n"
                     "H, D, BN, DEV = 4, 32, 16, 'cpu'\n" + FIXED_SPLIT_CHECK)
 
 
