@@ -39,3 +39,20 @@ def run_interpreted(code: str, timeout: int = 300, interpret: bool = True) -> No
         env.pop("TRITON_INTERPRET", None)
     res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=timeout)
     assert res.returncode == 0 and "ok" in res.stdout, res.stderr[-3000:]
+
+
+def interpreted_and_gpu(code: str, cpu_prelude: str, gpu_prelude: str):
+    """A pair of tests running the same check: under the interpreter (CPU) and compiled (gpu-marked).
+    Assign both to test_* names in a test module."""
+    import pytest
+
+    def in_the_interpreter():
+        pytest.importorskip("triton")
+        run_interpreted(SHIMS + cpu_prelude + code)
+
+    @pytest.mark.gpu
+    def on_gpu():
+        run_interpreted(gpu_prelude + code, interpret=False)
+
+    return in_the_interpreter, on_gpu
+

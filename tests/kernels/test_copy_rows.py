@@ -1,9 +1,8 @@
 """Row copies for two tensor pairs under one index plan: the gather + index_put results."""
-import pytest
 import torch
 
 from deepinfer.kernels.copy_rows import copy_rows
-from interpreter import SHIMS, run_interpreted
+from interpreter import interpreted_and_gpu
 
 CHECK = (
     "import torch\n"
@@ -33,11 +32,5 @@ def test_cpu_uses_the_reference():
     assert torch.equal(a[2], sa[5]) and torch.equal(b[0], sb[1]) and a[1].abs().sum() == 0
 
 
-def test_kernel_in_the_triton_interpreter():
-    pytest.importorskip("triton")
-    run_interpreted(SHIMS + "DEV = 'cpu'\n" + CHECK)
-
-
-@pytest.mark.gpu
-def test_kernel_on_gpu():
-    run_interpreted("DEV = 'cuda'\n" + CHECK, interpret=False)
+test_kernel_in_the_triton_interpreter, test_kernel_on_gpu = interpreted_and_gpu(CHECK, "DEV = 'cpu'\n",
+                                                                                "DEV = 'cuda'\n")

@@ -3,7 +3,7 @@ import torch
 
 from deepinfer.kernels.mhc_mix import mhc_mix, reference, split_count
 from deepinfer.layers.norm import rms_norm
-from interpreter import SHIMS, run_interpreted
+from interpreter import SHIMS, interpreted_and_gpu, run_interpreted
 
 
 def test_split_count_divides_k_into_power_of_two_splits():
@@ -48,14 +48,9 @@ FIXED_ROWS_CHECK = (
     "print('ok')\n")
 
 
-def test_fixed_mode_rows_do_not_depend_on_the_batch_in_the_triton_interpreter():
-    pytest.importorskip("triton")
-    run_interpreted(SHIMS + "K, DEV = 1024, 'cpu'\n" + FIXED_ROWS_CHECK)
-
-
-@pytest.mark.gpu
-def test_fixed_mode_rows_do_not_depend_on_the_batch_on_gpu():
-    run_interpreted("K, DEV = 16384, 'cuda'\n" + FIXED_ROWS_CHECK, interpret=False)
+test_fixed_mode_rows_do_not_depend_on_the_batch_in_the_triton_interpreter, \
+    test_fixed_mode_rows_do_not_depend_on_the_batch_on_gpu = interpreted_and_gpu(
+        FIXED_ROWS_CHECK, "K, DEV = 1024, 'cpu'\n", "K, DEV = 16384, 'cuda'\n")
 
 
 def test_kernel_matches_reference_in_the_triton_interpreter():
