@@ -92,6 +92,30 @@ def print_module_launches(model, step) -> None:
         print(f"  {role:<32}{n:5d} launches {us / 1e3:7.3f} ms  [{top}]")
 
 
+def print_gemm_shapes(step) -> None:
+    """Per (op, input shapes): calls, GPU time and the weight operand's bytes per second, so small
+    projections that stream their weights far below HBM bandwidth stand out."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                            torch.profiler.ProfilerActivity.CUDA], record_shapes=True) as prof:
+        step()
+        torch.cuda.synchronize()
+    rows = []
+    for e in prof.key_averages(group_by_input_shape=True):
+        if e.key not in ("aten::mm", "aten::bmm", "aten::addmm", "aten::_grouped_mm") or not e.input_shapes:
+            continue
+        shapes = [s for s in e.input_shapes if s]
+        weight = shapes[1] if len(shapes) > 1 else shapes[0]
+        n_bytes = 2
+        for d in weight:
+            n_bytes *= d
+        us = e.device_time_total / max(e.count, 1)
+        rows.append((e.device_time_total, e.key, shapes, e.count, us, n_bytes / max(us, 1e-9) / 1e3))
+    print("GEMMs by shape (weight bytes assume 2-byte elements):")
+    print(f"  {'op':<18}{'calls':>6}{'us/call':>10}{'GB/s':>9}  shapes")
+    for total, key, shapes, count, us, gbs in sorted(rows, reverse=True):
+        print(f"  {key:<18}{count:>6}{us:>10.1f}{gbs:>9.0f}  {shapes}")
+
+
 def graph_breakdown(model, cache, chunks) -> None:
     """Decode through DecodeGraphs: host planning, input copies and replay timed apart."""
     import time
@@ -148,6 +172,8 @@ def main() -> None:
     ap.add_argument("--batch-invariant", action="store_true", help="run the steps in batch-invariant mode")
     ap.add_argument("--cprofile", action="store_true", help="host time per Python function over one step")
     ap.add_argument("--sync-debug", action="store_true", help="list the calls that synchronise with the GPU")
+    ap.add_argument("--gemm-shapes", action="store_true",
+                    help="GPU time and weight bandwidth of every GEMM shape (aten::mm / bmm / linear) in one step")
     args = ap.parse_args()
     from deepinfer.layers import invariant
 
@@ -208,6 +234,8 @@ def profile(args) -> None:
         prof.disable()
         torch.cuda.synchronize()
         pstats.Stats(prof).sort_stats("tottime").print_stats(args.rows)
+    if args.gemm_shapes:
+        print_gemm_shapes(step)
     wall = fs.timed(step, 5)
     print(f"wall time per step (host plan + launch + GPU, synchronised): {1e3 * wall:.2f} ms")
     print_module_times(model, step)
