@@ -109,7 +109,7 @@ def print_gemm_shapes(step) -> None:
         for d in weight:
             n_bytes *= d
         us = e.device_time_total / max(e.count, 1)
-        rows.append((e.device_time_total, e.key, shapes, e.count, us, n_bytes / max(us, 1e-9) / 1e3))
+        rows.append((e.device_time_total, e.key, shapes, e.count, us, n_bytes / us / 1e3 if us else 0.0))
     print("GEMMs by shape (weight bytes assume 2-byte elements):")
     print(f"  {'op':<18}{'calls':>6}{'us/call':>10}{'GB/s':>9}  shapes")
     for total, key, shapes, count, us, gbs in sorted(rows, reverse=True):
