@@ -2,7 +2,8 @@
 # The GPU checks of a device session in one call: every gpu-marked test (kernels first; a failure
 # does not stop the rest), then the batch-invariance "1000 completions" run. Logs go to $1 (default benchmarks/results/gpu-checks);
 # $2 picks a part (tests | identical | probes | all, default all: together they pass a 600 s call limit);
-# probes = the decode-size kernel sweep and the GEMM tile probe (benchmarks/mma_rows_probe.py).
+# probes = the decode-size kernel sweep, the GEMM tile probe (benchmarks/mma_rows_probe.py) and a decode
+# batch 1 profile with GEMM shapes.
 #   bash benchmarks/gpu_checks.sh "$OUT" tests
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -24,7 +25,8 @@ fi
 if [ "$what" = probes ]; then
   (cd benchmarks && PYTHONPATH=.. timeout 300 python kernel_sweep.py --only decode-small --out "$out/decode-small.json" \
      > "$out/decode-small.log" 2>&1; PYTHONPATH=.. timeout 200 python mma_rows_probe.py --out "$out/mma-rows.json" \
-     > "$out/mma-rows.log" 2>&1)
+     > "$out/mma-rows.log" 2>&1; PYTHONPATH=.. timeout 150 python profile_step.py --phase decode --batch 1 \
+     --gemm-shapes --rows 40 > "$out/profile-decode-b1.txt" 2>&1)
   echo "probes: $(tail -1 "$out/mma-rows.log")" | tee -a "$out/summary.txt"
   exit 0
 fi
