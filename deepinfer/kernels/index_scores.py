@@ -1,4 +1,5 @@
-"""Lightning-indexer scores of one request's tokens against its compressed-entry keys.
+"""Lightning-indexer scores of one request's tokens against its compressed-entry keys (and, for
+decode, of each token against its own request's keys: `index_scores_per_token`).
 
 q [T, H, Dh] and keys [E, Dh] in bf16, w [T, H] fp32 (head weights, scale folded in), visible [T]
 (entries 0 .. visible[t] - 1 are visible to token t):
@@ -59,6 +60,62 @@ if triton is not None:
                 acc += wh[:, None] * tl.maximum(s, 0.0)
         acc = tl.where(seen, acc, float("-inf"))
         tl.store(out_ptr + t64[:, None] * E + e[None, :], acc, mask=t_ok[:, None] & e_ok[None, :])
+
+
+if triton is not None:
+    @triton.jit
+    def _per_token_kernel(q_ptr, k_ptr, addr_ptr, req_ptr, w_ptr, vis_ptr, out_ptr, V, stride_a, H: tl.constexpr,
+                          DH: tl.constexpr, BH: tl.constexpr, BE: tl.constexpr):
+        t = tl.program_id(0).to(tl.int64)
+        e = tl.program_id(1) * BE + tl.arange(0, BE)
+        vis = tl.load(vis_ptr + t)
+        seen = e < vis
+        acc = tl.zeros([BE], tl.float32)
+        if tl.program_id(1) * BE < vis:
+            d = tl.arange(0, DH)
+            h = tl.arange(0, BH)
+            h_ok = h < H
+            rows = tl.load(addr_ptr + tl.load(req_ptr + t) * stride_a + e, mask=seen, other=0)
+            k = tl.load(k_ptr + rows.to(tl.int64)[:, None] * DH + d[None, :], mask=seen[:, None], other=0.0)
+            q = tl.load(q_ptr + (t * H + h)[:, None] * DH + d[None, :], mask=h_ok[:, None], other=0.0)
+            w = tl.load(w_ptr + t * H + h, mask=h_ok, other=0.0)
+            s = tl.dot(q, tl.trans(k))                                                    # [BH, BE] fp32
+            acc = tl.sum(w[:, None] * tl.maximum(s, 0.0), axis=0)
+        tl.store(out_ptr + t * V + e, tl.where(seen, acc, float("-inf")), mask=e < V)
+
+
+def reference_per_token(q: torch.Tensor, keys: torch.Tensor, table: torch.Tensor, token_req: torch.Tensor,
+                        w: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+    """Each token against its own request's entries: keys row table[token_req[t], e] for e < V."""
+    kk = keys[table[token_req]].float()                                               # [T, V, Dh]
+    s = torch.einsum("the,th->te", torch.einsum("thd,ted->the", q.float(), kk).relu(), w.float())
+    return s.masked_fill(torch.arange(table.shape[1], device=q.device) >= visible[:, None], float("-inf"))
+
+
+def index_scores_per_token(q: torch.Tensor, keys: torch.Tensor, table: torch.Tensor, token_req: torch.Tensor,
+                           w: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+    """[T, V] scores of each token against the V entries of its own request (decode: one token per
+    request), keys gathered by address inside the kernel: no [T, V, Dh] fp32 copy of the keys.
+    Heads are summed by a reduction whose order may differ from `index_scores`' head loop, so this
+    is not for batch-invariant mode (which scores every request through `index_scores`)."""
+    if not supported(q, keys) or q.shape[1] > 128:
+        return reference_per_token(q, keys, table, token_req, w, visible)
+    return _launch_per_token(q, keys, table, token_req, w, visible)
+
+
+def _launch_per_token(q, keys, table, token_req, w, visible, block_e: int = 64) -> torch.Tensor:
+    """The launch without the device / dtype checks (also runs under TRITON_INTERPRET=1)."""
+    T, H, Dh = q.shape
+    V = table.shape[1]
+    out = torch.empty(T, V, dtype=torch.float32, device=q.device)
+    if T == 0 or V == 0:
+        return out
+    table = table.contiguous()
+    _per_token_kernel[(T, triton.cdiv(V, block_e))](
+        q.contiguous(), keys.contiguous(), table, token_req.contiguous(), w.float().contiguous(),
+        visible.to(torch.int32).contiguous(), out, V, table.stride(0), H=H, DH=Dh,
+        BH=max(16, triton.next_power_of_2(H)), BE=block_e, num_warps=4, num_stages=2)
+    return out
 
 
 def supported(q: torch.Tensor, keys: torch.Tensor) -> bool:

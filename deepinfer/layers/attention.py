@@ -133,6 +133,12 @@ class Indexer(nn.Module):
         # per-token path: all tokens (plain slices), or the short requests' rows
         rows = None if not lens or len(rest) == len(lens) else \
             to_device(torch.cat([torch.arange(a, a + n) for a, n in rest]), x.device)
+        if fused and keys.fmt == "bfloat16" and not inv:  # CUDA: keys gathered by address in the kernel
+            pick = (lambda t: t) if rows is None else (lambda t: t[rows])  # noqa: E731
+            vis = pick(plan.visible)
+            s = _scores.index_scores_per_token(pick(q), keys.data, plan.addr, pick(batch.token_req), pick(w), vis)
+            out[slice(None) if rows is None else rows] = self._top(s, vis, k)
+            return out
         count = x.shape[0] if rows is None else rows.numel()
         for sl in _chunks(count, nv * self.head_dim):
             idx = sl if rows is None else rows[sl]

@@ -95,6 +95,9 @@ def dense_launches():
                        (_e(16, 1024, dtype=torch.float32), _e(8, 1024, dtype=torch.float32))), _i(8), _i(8))
     index_scores._launch(_e(4, 64, 128), _e(512, 128), _e(4, 64, dtype=torch.float32), _i(4))
     index_topk._launch(_e(4, 512, dtype=torch.float32), _i(4), 64)
+    for T in (1, 64):
+        index_scores._launch_per_token(_e(T, 64, 128), _e(4096, 128), _i(T, 1024), _i(T),
+                                       _e(T, 64, dtype=torch.float32), _i(T))
 
 
 @pytest.mark.parametrize("launches", [attention_launches, moe_launches, dense_launches])
