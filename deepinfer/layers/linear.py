@@ -97,6 +97,39 @@ class Linear(nn.Module):
 GROUPED_GEMM_ROWS = 512  # prefill keeps dequant + cuBLAS per group (the weight copy is small beside its GEMMs)
 
 
+def fuse_output_rows(parts: tuple[Linear, ...]) -> Linear | None:
+    """One Linear whose weight (and FP8 scale) rows are `parts`' stacked in order, for projections
+    that read the same input: one GEMM instead of len(parts). Each part's tensors are re-pointed at
+    their rows of the stacked ones (views: no memory is duplicated, and in-place weight copies into
+    a part reach the fused weight). None when the parts cannot share a GEMM (different input width,
+    dtype or quantisation, or FP8 row counts that are not whole scale blocks)."""
+    a = parts[0]
+    bs = a.block_size
+    if any(p.in_features != a.in_features or p.block_size != bs or p.weight.dtype != a.weight.dtype
+           or p.weight.device != a.weight.device for p in parts):
+        return None
+    if bs is not None and (any(p.out_features % bs[0] for p in parts)
+                           or any(p.scale.dtype != a.scale.dtype for p in parts)):
+        return None
+    fused = Linear.__new__(Linear)
+    nn.Module.__init__(fused)
+    fused.in_features, fused.out_features = a.in_features, sum(p.out_features for p in parts)
+    fused.block_size = bs
+    names = ("weight",) if bs is None else ("weight", "scale")
+    for name in names:
+        stacked = torch.cat([getattr(p, name).data for p in parts])
+        setattr(fused, name, stacked)  # a plain attribute: `fused` is never registered on a module
+        row = 0
+        for p in parts:
+            n = getattr(p, name).shape[0]
+            if isinstance(getattr(p, name), nn.Parameter):
+                getattr(p, name).data = stacked[row:row + n]
+            else:
+                setattr(p, name, stacked[row:row + n])
+            row += n
+    return fused
+
+
 def dense_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """F.linear without bias; in batch-invariant mode with fixed row tiles (layers/invariant.py)."""
     return invariant.linear(x, w) if invariant.enabled() else F.linear(x, w)
