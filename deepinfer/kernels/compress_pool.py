@@ -39,7 +39,7 @@ def reference(kv: torch.Tensor, score: torch.Tensor, carry_kv: torch.Tensor, car
 
 if triton is not None:
     @triton.jit
-    def _pool_kernel(kv_ptr, score_ptr, ckv_ptr, cscore_ptr, new_ptr, old_ptr, out_ptr, WIDTH,
+    def _pool_kernel(kv_ptr, score_ptr, ckv_ptr, cscore_ptr, new_ptr, old_ptr, out_ptr, WIDTH, STRIDE_KV,
                      S: tl.constexpr, SP: tl.constexpr, DIM: tl.constexpr, OVERLAP: tl.constexpr,
                      BD: tl.constexpr):
         n = tl.program_id(0).to(tl.int64)
@@ -57,7 +57,7 @@ if triton is not None:
         is_old = ((new < 0) & (old >= 0))[:, None] & cm
         s_new = tl.load(score_ptr + new[:, None] * WIDTH + col, mask=is_new, other=0.0)
         s_old = tl.load(cscore_ptr + old[:, None] * WIDTH + col, mask=is_old, other=0.0)
-        v_new = tl.load(kv_ptr + new[:, None] * WIDTH + col, mask=is_new, other=0.0)
+        v_new = tl.load(kv_ptr + new[:, None] * STRIDE_KV + col, mask=is_new, other=0.0)
         v_old = tl.load(ckv_ptr + old[:, None] * WIDTH + col, mask=is_old, other=0.0)
         s = tl.where(is_new, s_new, tl.where(is_old, s_old, float("-inf")))
         v = tl.where(is_new, v_new, v_old)
@@ -86,8 +86,9 @@ def _launch(kv, score, carry_kv, carry_score, src_new, src_carry, dim, overlap):
     out = torch.empty(N, dim, dtype=torch.float32, device=kv.device)
     sp = triton.next_power_of_2(S)
     bd = min(triton.next_power_of_2(dim), max(16, 2048 // sp))  # an [SP, BD] tile of ~2k elements
-    _pool_kernel[(N, triton.cdiv(dim, bd))](kv.contiguous(), score.contiguous(), carry_kv.contiguous(),
+    kv = kv if kv.stride(1) == 1 else kv.contiguous()  # rows may be strided (a column view of a stacked GEMM)
+    _pool_kernel[(N, triton.cdiv(dim, bd))](kv, score.contiguous(), carry_kv.contiguous(),
                                             carry_score.contiguous(), src_new.contiguous(), src_carry.contiguous(),
-                                            out, width, S=S, SP=sp, DIM=dim, OVERLAP=overlap, BD=bd,
+                                            out, width, kv.stride(0), S=S, SP=sp, DIM=dim, OVERLAP=overlap, BD=bd,
                                             num_warps=4)
     return out

@@ -17,7 +17,7 @@ from deepinfer.kernels.copy_rows import copy_rows
 from deepinfer.layers import invariant
 from deepinfer.layers.forward_batch import CompressPlan, ForwardBatch, to_device
 from deepinfer.layers.kv_state import CarryState, EntryStore, IndexKeyStore
-from deepinfer.layers.linear import DENSE, Linear, QuantSpec
+from deepinfer.layers.linear import DENSE, Linear, QuantSpec, stacked_forward
 from deepinfer.layers.norm import RMSNorm
 from deepinfer.layers.rotary import RopeCache, apply_rope
 
@@ -53,8 +53,8 @@ class Compressor(nn.Module):
                 rope: RopeCache) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (new entries [N, dim] normed + rotated, their addresses); updates carry. `rope`:
         cos/sin at plan.rope_pos (shared by every compressor of the plan's kind in a step)."""
-        kv = self.wkv.forward_fp32(x)
-        score = self.wgate.forward_fp32(x) + self.ape[positions % self.ratio]
+        kv, score = stacked_forward(self, "_wkv_wgate", (self.wkv, self.wgate), x, fp32=True)  # one GEMM on CUDA
+        score = score + self.ape[positions % self.ratio]
         if x.is_cuda and _pool.triton is not None:  # one launch; slots reduced in order (batch-invariant)
             pooled = _pool.compress_pool(kv, score, carry.kv, carry.score, plan.src_new, plan.src_carry, self.dim,
                                          self.overlap).to(x.dtype)

@@ -97,6 +97,33 @@ class Linear(nn.Module):
 GROUPED_GEMM_ROWS = 512  # prefill keeps dequant + cuBLAS per group (the weight copy is small beside its GEMMs)
 
 
+def stacked_forward(owner: nn.Module, key: str, parts: tuple[Linear, ...], x: torch.Tensor,
+                    fp32: bool = False) -> tuple[torch.Tensor, ...]:
+    """Each part's output for the same x (`forward_fp32` when fp32). On CUDA: one GEMM over the
+    parts' stacked weights (`fuse_output_rows`, built at the first CUDA call and kept on `owner`
+    under `key`, unregistered, so state_dict is unchanged), each output a column view of its
+    result. Elsewhere, or when the parts cannot be stacked, each part runs alone."""
+    def alone():
+        return tuple(p.forward_fp32(x) if fp32 else p(x) for p in parts)
+
+    if not x.is_cuda:
+        return alone()
+    fused = owner.__dict__.get(key)
+    if fused is None or (fused is not False and parts[0].weight.data_ptr() != fused.weight.data_ptr()):
+        fused = fuse_output_rows(parts) or False
+        owner.__dict__[key] = fused
+        if not torch.cuda.is_current_stream_capturing():
+            torch.cuda.current_stream().synchronize()  # the parts' old storage is free once the copy ran
+    if fused is False:
+        return alone()
+    y = fused.forward_fp32(x) if fp32 else fused(x)
+    out, col = [], 0
+    for p in parts:
+        out.append(y[..., col:col + p.out_features])
+        col += p.out_features
+    return tuple(out)
+
+
 def fuse_output_rows(parts: tuple[Linear, ...]) -> Linear | None:
     """One Linear whose weight (and FP8 scale) rows are `parts`' stacked in order, for projections
     that read the same input: one GEMM instead of len(parts). Each part's tensors are re-pointed at

@@ -14,7 +14,7 @@ from torch import nn
 from deepinfer.layers.attention import Compressor, Indexer, sparse_attention
 from deepinfer.layers.forward_batch import CompressPlan, ForwardBatch
 from deepinfer.layers.kv_state import LayerCache
-from deepinfer.layers.linear import DENSE, Linear, QuantSpec, fuse_output_rows
+from deepinfer.layers.linear import DENSE, Linear, QuantSpec, stacked_forward
 from deepinfer.layers.mhc import HyperConnection, collapse_norm, expand, register_hc_params, head_collapse
 from deepinfer.layers.moe import MoE
 from deepinfer.layers.norm import RMSNorm
@@ -82,26 +82,10 @@ class Attention(nn.Module):
             self.indexer = Indexer(c.hidden_size, c.q_lora_rank, c.index_n_heads, c.index_head_dim,
                                    c.index_topk, ratio, c.rms_norm_eps, dtype, quant)
 
-    def _q_kv(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(wq_a(x), wkv(x)). On CUDA one GEMM over both weights stacked (they read the same x),
-        built at the first CUDA step; the two results are column views of its output."""
-        if not x.is_cuda:
-            return self.wq_a(x), self.wkv(x)
-        fused = self.__dict__.get("_wq_a_wkv")
-        if fused is None or (fused is not False and self.wq_a.weight.data_ptr() != fused.weight.data_ptr()):
-            fused = fuse_output_rows((self.wq_a, self.wkv)) or False
-            self.__dict__["_wq_a_wkv"] = fused  # not a registered submodule: state_dict is unchanged
-            if not torch.cuda.is_current_stream_capturing():
-                torch.cuda.current_stream().synchronize()  # the parts' old storage is free once the copy ran
-        if fused is False:
-            return self.wq_a(x), self.wkv(x)
-        y = fused(x)
-        return y[..., :self.wq_a.out_features], y[..., self.wq_a.out_features:]
-
     def forward(self, x: torch.Tensor, ctx: StepContext, cache: LayerCache) -> torch.Tensor:
         T, batch = x.shape[0], ctx.batch
         rope = ctx.rope_main if self.kind == SLIDING else ctx.rope_compress
-        q_lat, kv_lat = self._q_kv(x)
+        q_lat, kv_lat = stacked_forward(self, "_wq_a_wkv", (self.wq_a, self.wkv), x)  # same x: one GEMM on CUDA
         qr = self.q_norm(q_lat)
         q = norm_rope(self.wq_b(qr).view(T, self.n_heads, self.head_dim), self.eps, rope)  # per-head norm + rope
         kv = cache.ring.roundtrip(apply_rope(self.kv_norm(kv_lat), rope, overwrite=True))

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from deepinfer.layers.linear import Linear, QuantSpec, fuse_output_rows
+from deepinfer.layers.linear import Linear, QuantSpec, fuse_output_rows, stacked_forward
 
 
 def _fp8_linear(i: int, o: int, seed: int) -> Linear:
@@ -49,3 +49,26 @@ def test_fused_rows_on_gpu():
         x = torch.randn(7, 4096, device="cuda").to(torch.bfloat16)
         want = torch.cat((a(x), b(x)), dim=1).float()
         torch.testing.assert_close(fuse_output_rows((a, b))(x).float(), want, atol=2e-2, rtol=2e-2)
+
+
+def test_stacked_forward_runs_parts_alone_on_the_cpu():
+    a, b = Linear(64, 32, torch.float32), Linear(64, 16, torch.float32)
+    a.weight.data.normal_(), b.weight.data.normal_()
+    owner = torch.nn.Module()
+    x = torch.randn(3, 64)
+    ya, yb = stacked_forward(owner, "_ab", (a, b), x, fp32=True)
+    assert torch.equal(ya, a.forward_fp32(x)) and torch.equal(yb, b.forward_fp32(x)) and "_ab" not in owner.__dict__
+
+
+@pytest.mark.gpu
+def test_stacked_forward_on_gpu():
+    a, b = Linear(4096, 1024, torch.bfloat16).cuda(), Linear(4096, 1024, torch.bfloat16).cuda()
+    a.weight.data.normal_(0, 0.02), b.weight.data.normal_(0, 0.02)
+    x = torch.randn(5, 4096, device="cuda").to(torch.bfloat16)
+    want = (a.forward_fp32(x), b.forward_fp32(x))
+    owner = torch.nn.Module()
+    got = stacked_forward(owner, "_ab", (a, b), x, fp32=True)
+    assert owner.__dict__["_ab"] is not False and "_ab" not in dict(owner.named_modules())
+    for g, w in zip(got, want):
+        assert g.dtype == torch.float32
+        torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
