@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import torch
 
+from deepinfer.kernels.moe_combine import inverse_permutation
+
 try:
     import triton
     import triton.language as tl
@@ -39,8 +41,7 @@ def reference(idx: torch.Tensor, num_experts: int) -> Aligned:
     order = torch.argsort(flat, stable=True)
     counts = torch.zeros(num_experts, dtype=torch.int32, device=idx.device)
     offs = torch.cumsum(counts.index_add_(0, flat, torch.ones_like(flat, dtype=torch.int32)), 0, dtype=torch.int32)
-    inv = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
-    return order, order // idx.shape[1], offs, inv
+    return order, order // idx.shape[1], offs, inverse_permutation(order)
 
 
 if triton is not None:
