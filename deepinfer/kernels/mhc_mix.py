@@ -29,9 +29,10 @@ def split_count(T: int, K: int, block_t: int = 32, target_programs: int = 1024) 
     H200, K = 16384 (results/2026-11-29-h200-kernel-sweep-decode-small.json, kernel device time):
     1 token 8.6 us at 32 splits, 5.0 at 128; 64 tokens 11.4 at 32, 8.1 at 128."""
     kb = K // BK
-    s = max(1, min(kb // 2, 128, target_programs // max(1, -(-T // block_t))))
+    bound = max(1, min(kb // 2, 128, target_programs // max(1, -(-T // block_t))))
+    s = 1 << (bound.bit_length() - 1)  # a power of two (the reduce kernel's tl.arange) dividing kb
     while kb % s:
-        s -= 1
+        s //= 2
     return s
 
 

@@ -7,9 +7,10 @@ from interpreter import SHIMS, interpreted_and_gpu, run_interpreted
 
 
 def test_split_count_divides_k_into_power_of_two_splits():
-    for T in (1, 3, 64, 8192):
-        s = split_count(T, 16384)
-        assert 1 <= s and 16384 % (s * 64) == 0 and s & (s - 1) == 0
+    for K in (384, 640, 1536, 16384):  # the tiny test models' n * D as well as V4-Flash's
+        for T in (1, 3, 64, 8192):
+            s = split_count(T, K)
+            assert 1 <= s and K % (s * 64) == 0 and s & (s - 1) == 0, (T, K, s)
     assert split_count(1, 16384) == 128 > split_count(8192, 16384)
 
 
