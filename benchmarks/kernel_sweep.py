@@ -1,6 +1,6 @@
 """Tile-config sweep of the Triton kernels at the Flash slice's shapes (H200), with the torch baseline.
 
-    python benchmarks/kernel_sweep.py [--only moe|attn|attn-kinds|rope|decode-small]
+    python benchmarks/kernel_sweep.py [--only moe|attn|attn-kinds|rope|decode-small|dense-small]
 
 MoE: 256 experts, K=4096 -> N=2048 (w1/w3), tokens x 6 experts routed at random: decode batch 1
 and 64 (bf16 torch._grouped_mm vs the Triton kernel on bf16 / FP8-block / FP4 weights), prefill
@@ -256,9 +256,57 @@ def decode_small(rows: list) -> None:
             print(json.dumps(rows[-1]), flush=True)
 
 
+def device_time_and_launches(fn, reps: int = 20) -> tuple[float, float]:
+    """(GPU ms per call, kernels per call) from the profiler: in a CUDA graph each kernel also costs
+    a launch gap (~0.7 us on the H200 slice step), so both matter."""
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    ev = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    return (sum(e.self_device_time_total for e in ev) / reps / 1e3, sum(e.count for e in ev) / reps)
+
+
+# (N, K) of the slice's bf16 decode projections with bf16 outputs: V4 attention's stacked wq_a + wkv,
+# wq_b, wo_b, the shared expert's stacked w1 + w3 and w2, the indexer's wq_b and weights_proj
+DENSE_SHAPES = ((1536, 4096), (32768, 1024), (4096, 8192), (4096, 4096), (4096, 2048), (8192, 1024),
+                (64, 4096), (2048, 4096))
+
+
+def dense_small(rows: list) -> None:
+    """Dense bf16 projections at decode sizes: cuBLAS (F.linear) vs the Triton GEMM with one group
+    over N tile widths and K splits. Each call reads the next of enough weight copies to exceed the
+    L2 (a decode step reads every weight once from HBM)."""
+    import math
+    import torch.nn.functional as F
+
+    for N, K in DENSE_SHAPES:
+        nbytes = N * K * 2
+        ws = [(torch.randn(N, K, device="cuda") * 0.02).to(torch.bfloat16)
+              for _ in range(max(2, math.ceil(256e6 / nbytes)))]
+        it = itertools.cycle(ws)
+        for M in (1, 4, 16, 64):
+            a = torch.randn(M, K, device="cuda").to(torch.bfloat16)
+            variants = [("cublas", lambda: F.linear(a, next(it))), ("triton-auto", lambda: gg.grouped_gemm(a, next(it), None))]
+            if M <= 4:
+                for bn, sk in itertools.product((32, 64, 128), (1, 2, 4, 8, 16)):
+                    if K % (sk * 128) or K // (sk * 128) < 2:
+                        continue
+                    variants.append((f"triton-bn{bn}-sk{sk}", lambda bn=bn, sk=sk: gg._launch(
+                        a, next(it), None, None, (1, 1), BLOCK_M=16, BLOCK_N=bn, BLOCK_K=128, num_warps=4,
+                        num_stages=4, split_k=sk)))
+            for name, f in variants:
+                t, n = device_time_and_launches(f)
+                rows.append({"kernel": "dense", "N": N, "K": K, "M": M, "impl": name, "ms": t, "launches": n,
+                             "GBs": nbytes / t / 1e6})
+                print(json.dumps(rows[-1]), flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--only", choices=("moe", "attn", "attn-kinds", "rope", "decode-small"))
+    ap.add_argument("--only", choices=("moe", "attn", "attn-kinds", "rope", "decode-small", "dense-small"))
     ap.add_argument("--out")
     args = ap.parse_args()
     torch.manual_seed(0)
@@ -273,6 +321,8 @@ def main() -> None:
         rope_sweep(rows)
     if args.only in (None, "decode-small"):
         decode_small(rows)
+    if args.only in (None, "dense-small"):
+        dense_small(rows)
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=2)

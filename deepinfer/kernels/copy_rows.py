@@ -1,10 +1,11 @@
 """Row copies between tensor pairs that share one index plan, in one launch.
 
-For pairs (dst_p, src_p), p = 0, 1, each [rows, width_p] with unit column stride, and index
+For one or two pairs (dst_p, src_p), each [rows, width_p] with unit column stride, and index
 vectors dst_idx, src_idx [R]:
   dst_p[dst_idx[i], :] = src_p[src_idx[i], :]        for every i < R and both pairs
 dst_idx must not repeat (each destination row is written once). The torch form is a gather and an
-index_put per pair (4 launches for a compressor's carry kv and score); this is one.
+index_put per pair (4 launches for a compressor's carry kv and score, 2 for a window ring write);
+this is one.
 Grid: (R, cdiv(max width, BLOCK)).
 """
 from __future__ import annotations
@@ -41,8 +42,8 @@ if triton is not None:
 
 def copy_rows(pairs: tuple[tuple[torch.Tensor, torch.Tensor], ...], dst_idx: torch.Tensor,
               src_idx: torch.Tensor) -> None:
-    """One Triton launch on CUDA for two pairs of 2-D tensors; `reference` otherwise."""
-    if (triton is None or len(pairs) != 2 or not dst_idx.is_cuda
+    """One Triton launch on CUDA for one or two pairs of 2-D tensors; `reference` otherwise."""
+    if (triton is None or len(pairs) not in (1, 2) or not dst_idx.is_cuda
             or any(t.dim() != 2 or t.stride(1) != 1 for p in pairs for t in p)
             or any(d.dtype != s.dtype or d.shape[1] != s.shape[1] for d, s in pairs)):
         return reference(pairs, dst_idx, src_idx)
@@ -51,11 +52,12 @@ def copy_rows(pairs: tuple[tuple[torch.Tensor, torch.Tensor], ...], dst_idx: tor
 
 def _launch(pairs, dst_idx: torch.Tensor, src_idx: torch.Tensor) -> None:
     """The launch without the device checks (also runs under TRITON_INTERPRET=1)."""
-    (d0, s0), (d1, s1) = pairs
+    (d0, s0), (d1, s1) = pairs[0], pairs[-1]
     R = dst_idx.numel()
     if R == 0:
         return
-    width = max(d0.shape[1], d1.shape[1])
+    w1 = d1.shape[1] if len(pairs) == 2 else 0  # one pair: the second is masked off entirely
+    width = max(d0.shape[1], w1)
     _copy_rows_kernel[(R, triton.cdiv(width, BLOCK))](
-        d0, s0, d1, s1, dst_idx.contiguous(), src_idx.contiguous(), d0.shape[1], d1.shape[1], d0.stride(0),
+        d0, s0, d1, s1, dst_idx.contiguous(), src_idx.contiguous(), d0.shape[1], w1, d0.stride(0),
         s0.stride(0), d1.stride(0), s1.stride(0), BLOCK=BLOCK, num_warps=4)

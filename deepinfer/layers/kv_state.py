@@ -15,13 +15,29 @@ from dataclasses import dataclass, field
 
 import torch
 
+from deepinfer.kernels.copy_rows import copy_rows
 from deepinfer.layers import group_quant
 from deepinfer.layers.quant import fp4_roundtrip, hadamard, quant_fp4, dequant_fp4, FP8_MAX
 
 EXACT_FORMATS = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
-class EntryStore:
+class RowStore:
+    """A store of rows; `data` is the exact-format tensor (absent when the rows are encoded)."""
+
+    def write(self, rows: torch.Tensor, x: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def write_from(self, rows: torch.Tensor, x: torch.Tensor, src: torch.Tensor) -> None:
+        """write(rows, x[src]); rows kept exactly in x's dtype are copied by one kernel on CUDA."""
+        data = getattr(self, "data", None)
+        if data is not None and x.dtype == data.dtype and x.dim() == 2:
+            copy_rows(((data, x),), rows, src)
+        else:
+            self.write(rows, x[src])
+
+
+class EntryStore(RowStore):
     """Rows of head_dim vectors (window kv or compressed entries).
 
     "fp8": the nope dims as e4m3 with a power-of-two (E8M0) scale per group of 64
@@ -107,7 +123,7 @@ class IndexKeyStore:
         return q
 
 
-class FormatStore:
+class FormatStore(RowStore):
     """Rows stored in one of V4.1's cache formats (group_quant: fp8 / mxfp4 / nvfp4) or exactly."""
 
     def __init__(self, rows: int, dim: int, fmt: str, device):

@@ -13,7 +13,7 @@ from deepinfer.kernels.moe_combine import moe_combine
 from deepinfer.kernels.swiglu import swiglu
 from deepinfer.layers import invariant
 from deepinfer.layers.linear import (DENSE, Linear, QuantSpec, dense_linear, dequant_expert, expert_tensors,
-                                    matmul_fp32)
+                                    matmul_fp32, stacked_forward)
 from deepinfer.layers.quant import unpack_fp4
 
 
@@ -69,8 +69,9 @@ class MLP(nn.Module):
         self.w3 = Linear(dim, inter, dtype, quant)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda and triton_available():  # one fused pass, same math (deepinfer/kernels/swiglu.py)
-            return self.w2(swiglu(self.w1(x), self.w3(x), self.limit, x.dtype))
+        if x.is_cuda and triton_available():  # w1 + w3 as one GEMM, then one fused pass (kernels/swiglu.py)
+            gate, up = stacked_forward(self, "_w1_w3", (self.w1, self.w3), x)
+            return self.w2(swiglu(gate, up, self.limit, x.dtype))
         return self.w2(clamped_swiglu(self.w1(x), self.w3(x), self.limit).to(x.dtype))
 
 

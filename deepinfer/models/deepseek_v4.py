@@ -101,7 +101,7 @@ class Attention(nn.Module):
             entry_ids = ctx.all_entries(plan)
         o = sparse_attention(q, kv, batch, cache.ring, entry_ids, plan, cache.entries,
                              self.attn_sink, self.head_dim ** -0.5)
-        cache.ring.write(batch.ring_dst, kv[batch.ring_src])
+        cache.ring.write_from(batch.ring_dst, kv, batch.ring_src)
         o = apply_rope(o, rope, inverse=True, overwrite=True).view(T, self.o_groups, -1)
         return self.wo_b(self.wo_a.forward_grouped(o))
 

@@ -104,7 +104,7 @@ class Attention41(nn.Module):
         else:
             o = sparse_attention(q, kv, batch, cache.ring, state.topk, state.plan, state.source.entries,
                                  self.attn_sink, self.head_dim ** -0.5)
-        cache.ring.write(batch.ring_dst, kv[batch.ring_src])
+        cache.ring.write_from(batch.ring_dst, kv, batch.ring_src)
         o = apply_rope(o, rope, inverse=True, overwrite=True)
         o = o.view(T, self.o_groups, self.n_heads * self.head_dim // self.o_groups)
         return self.wo_b(self.wo_a.forward_grouped(o)), state

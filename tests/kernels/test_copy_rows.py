@@ -1,4 +1,4 @@
-"""Row copies for two tensor pairs under one index plan: the gather + index_put results."""
+"""Row copies for one or two tensor pairs under one index plan: the gather + index_put results."""
 import torch
 
 from deepinfer.kernels.copy_rows import copy_rows
@@ -9,7 +9,8 @@ CHECK = (
     "from deepinfer.kernels.copy_rows import copy_rows, _launch, reference\n"
     "g = torch.Generator().manual_seed(0)\n"
     "for R, widths, dtype in [(5, (48, 80), torch.float32), (1, (1024, 1024), torch.float32),\n"
-    "                         (37, (512, 600), torch.bfloat16), (0, (16, 16), torch.float32)]:\n"
+    "                         (37, (512, 600), torch.bfloat16), (0, (16, 16), torch.float32),\n"
+    "                         (9, (512,), torch.bfloat16), (3, (700,), torch.float32)]:\n"
     "    pairs, want = [], []\n"
     "    for w in widths:\n"
     "        dst = torch.randn(50, w, generator=g).to(dtype)\n"
@@ -34,3 +35,15 @@ def test_cpu_uses_the_reference():
 
 test_kernel_in_the_triton_interpreter, test_kernel_on_gpu = interpreted_and_gpu(CHECK, "DEV = 'cpu'\n",
                                                                                 "DEV = 'cuda'\n")
+
+
+def test_ring_write_from_matches_write_of_the_gathered_rows():
+    from deepinfer.layers.kv_state import EntryStore, FormatStore
+    g = torch.Generator().manual_seed(1)
+    x, rows, src = torch.randn(6, 64, generator=g), torch.tensor([7, 2, 4]), torch.tensor([5, 0, 3])
+    for make in (lambda: EntryStore(10, 64, 16, "float32", "cpu"), lambda: EntryStore(10, 64, 16, "fp8", "cpu"),
+                 lambda: FormatStore(10, 64, "bfloat16", "cpu")):
+        a, b = make(), make()
+        a.write_from(rows, x, src)
+        b.write(rows, x[src])
+        assert all(torch.equal(u, v) for u, v in zip(a.tensors(), b.tensors()))
