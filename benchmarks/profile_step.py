@@ -174,13 +174,8 @@ def main() -> None:
     ap.add_argument("--sync-debug", action="store_true", help="list the calls that synchronise with the GPU")
     ap.add_argument("--gemm-shapes", action="store_true",
                     help="GPU time and weight bandwidth of every GEMM shape (aten::mm / bmm / linear) in one step")
-    ap.add_argument("--small-gemm-rows", type=int, default=None,
-                    help="override deepinfer.layers.linear.SMALL_GEMM_ROWS (0: dense projections on cuBLAS)")
     args = ap.parse_args()
-    from deepinfer.layers import invariant, linear
-
-    if args.small_gemm_rows is not None:
-        linear.SMALL_GEMM_ROWS = args.small_gemm_rows
+    from deepinfer.layers import invariant
 
     with invariant.mode(args.batch_invariant):
         profile(args)

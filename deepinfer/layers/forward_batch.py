@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 
@@ -92,19 +93,26 @@ def to_device(t: torch.Tensor, device) -> torch.Tensor:
     return t.pin_memory().to(device, non_blocking=True)
 
 
-def _ring_rows(slot: torch.Tensor, pos: torch.Tensor, size: int) -> torch.Tensor:
+# The host side of planning works on numpy int64 / bool arrays: a numpy op on a few hundred
+# elements costs ~1 us where a torch CPU op costs ~5-10 us, and a decode step is planned with
+# ~150 of them while the GPU runs the step before (benchmarks/NOTES.md). Arrays become torch
+# tensors (zero-copy) only where they leave this module.
+
+def _ring_rows(slot, pos, size: int):
     return slot * size + pos % size
 
 
 def _gather_plan(tok, pos, start, slot, span: int, ring: int, lo=None):
     """Sources pos-span+1 .. pos for each row: new this step, or in a ring of `ring` rows.
-    Positions below `lo` (per row; default 0) do not exist."""
-    k = torch.arange(span, device=pos.device)
+    Positions below `lo` (per row; default 0) do not exist. numpy arrays, or torch tensors on the
+    device that reads the [T, span] result."""
+    xp = torch if isinstance(pos, torch.Tensor) else np
+    k = torch.arange(span, device=pos.device) if xp is torch else np.arange(span)
     q = pos[:, None] - (span - 1) + k
     valid = q >= (0 if lo is None else lo[:, None])
     new = valid & (q >= start[:, None])
-    new_idx = torch.where(new, tok[:, None] - (span - 1) + k, -1)
-    ring_idx = torch.where(valid & ~new, _ring_rows(slot[:, None], q.clamp(min=0), ring), -1)
+    new_idx = xp.where(new, tok[:, None] - (span - 1) + k, -1)
+    ring_idx = xp.where(valid & ~new, _ring_rows(slot[:, None], q.clip(min=0), ring), -1)
     return new_idx, ring_idx
 
 
@@ -113,7 +121,7 @@ def _keep_last(tok, pos, end, slot, size: int):
     return tok[keep], _ring_rows(slot[keep], pos[keep], size)
 
 
-def _entry_addresses(chunks: list[SeqChunk], m: int, n_entries: int, block_size: int) -> torch.Tensor:
+def _entry_addresses(chunks: list[SeqChunk], m: int, n_entries: int, block_size: int) -> np.ndarray:
     """[B, n_entries] address of entry w of each request (its block table must cover it)."""
     tables = [c.block_tables.get(m, []) for c in chunks]
     for c, table in zip(chunks, tables):
@@ -121,8 +129,10 @@ def _entry_addresses(chunks: list[SeqChunk], m: int, n_entries: int, block_size:
         if len(table) < need:
             raise ValueError(f"slot {c.slot}: block table for ratio {m} has {len(table)} blocks, needs {need}")
     width = max([-(-n_entries // block_size)] + [len(t) for t in tables])
-    padded = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long).view(len(chunks), width)
-    w = torch.arange(n_entries)
+    padded = np.zeros((len(chunks), width), dtype=np.int64)
+    for b, t in enumerate(tables):
+        padded[b, :len(t)] = t
+    w = np.arange(n_entries)
     return padded[:, w // block_size] * block_size + w % block_size
 
 
@@ -137,42 +147,43 @@ class FixedShape:
 
 
 def _compress_plan(m: int, overlap: bool, chunks: list[SeqChunk], tok, pos, req, start, end, slot,
-                   req_end, block_size: int, fixed: FixedShape | None = None) -> CompressPlan:
+                   req_end, block_size: int, to, fixed: FixedShape | None = None) -> CompressPlan:
     span = 2 * m if overlap else m
     closing = (pos + 1) % m == 0
-    rows = torch.ones_like(closing) if fixed else closing
+    rows = np.ones_like(closing) if fixed else closing
     w = pos[rows] // m
     src_new, src_carry = _gather_plan(tok[rows], pos[rows], start[rows], slot[rows], span, span)
     carry_src, carry_dst = _keep_last(tok, pos, end, slot, span)
-    max_vis = int((req_end // m).max()) if req_end.numel() else 0
+    max_vis = int((req_end // m).max()) if req_end.size else 0
     if fixed:
         if max_vis > fixed.visible[m]:
             raise ValueError(f"FixedShape.visible[{m}]={fixed.visible[m]} < {max_vis} entries")
         max_vis = fixed.visible[m]
     addr = _entry_addresses(chunks, m, max_vis, block_size)
-    dst = addr[req[rows], w.clamp(max=max(max_vis - 1, 0))] if max_vis else w
+    dst = addr[req[rows], np.minimum(w, max(max_vis - 1, 0))] if max_vis else w
     if fixed:
-        dst = torch.where(closing, dst, fixed.scratch[m])
-    return CompressPlan(m, src_new, src_carry, dst, w * m, carry_src, carry_dst, (pos + 1) // m, addr)
+        dst = np.where(closing, dst, fixed.scratch[m])
+    return CompressPlan(m, to(src_new), to(src_carry), to(dst), to(w * m), to(carry_src), to(carry_dst),
+                        to((pos + 1) // m), to(addr))
 
 
-def _in_spans(pos: torch.Tensor, spans: list[tuple[int, int]]) -> torch.Tensor:
-    inside = torch.zeros_like(pos, dtype=torch.bool)
+def _in_spans(pos: np.ndarray, spans: list[tuple[int, int]]) -> np.ndarray:
+    inside = np.zeros(pos.shape, dtype=bool)
     for s0, n in spans:
         inside |= (pos >= s0) & (pos < s0 + n)
     return inside
 
 
-def _image_masks(chunks: list[SeqChunk], pos: torch.Tensor, req: torch.Tensor, width: int):
+def _image_masks(chunks: list[SeqChunk], pos: np.ndarray, req: np.ndarray, width: int):
     """(image_mask [T], window_mask [T, width] or None) from the chunks' image spans."""
     if not any(c.image_spans for c in chunks):
         return None, None
-    image = torch.cat([_in_spans(pos[req == b], c.image_spans) for b, c in enumerate(chunks)])
+    image = np.concatenate([_in_spans(pos[req == b], c.image_spans) for b, c in enumerate(chunks)])
     if not width:
         return image, None
-    back = pos[:, None] - torch.arange(width)
-    window = torch.cat([~_in_spans(back[req == b], c.image_spans) for b, c in enumerate(chunks)])
-    return image, window
+    back = pos[:, None] - np.arange(width)
+    window = np.concatenate([~_in_spans(back[req == b], c.image_spans) for b, c in enumerate(chunks)])
+    return image, torch.from_numpy(window)
 
 
 def _token_windows(chunks: list[SeqChunk], width: int) -> torch.Tensor:
@@ -181,10 +192,10 @@ def _token_windows(chunks: list[SeqChunk], width: int) -> torch.Tensor:
         prev = c.prev_tokens[max(0, len(c.prev_tokens) - (width - 1)):] if width > 1 else []
         if len(prev) < min(width - 1, c.start):
             raise ValueError(f"slot {c.slot}: {width - 1} tokens of context needed before position {c.start}")
-        ext = torch.tensor(prev + c.token_ids, dtype=torch.long)
-        idx = torch.arange(len(c.token_ids))[:, None] + len(prev) - torch.arange(width)
-        rows.append(torch.where(idx >= 0, ext[idx.clamp(min=0)], -1))
-    return torch.cat(rows)
+        ext = np.array(prev + c.token_ids, dtype=np.int64)
+        idx = np.arange(len(c.token_ids))[:, None] + len(prev) - np.arange(width)
+        rows.append(np.where(idx >= 0, ext[idx.clip(min=0)], -1))
+    return torch.from_numpy(np.concatenate(rows))
 
 
 def build_forward_batch(chunks: list[SeqChunk], window: int, compress_kinds: set[tuple[int, bool]],
@@ -193,34 +204,34 @@ def build_forward_batch(chunks: list[SeqChunk], window: int, compress_kinds: set
     """Plan one step. `compress_kinds` = {(ratio, overlapped)} used by the model's layers;
     compressed entries are paged in blocks of `block_size` entries (see SeqChunk); `history` > 0
     also gives each token the `history` - 1 tokens before it (SeqChunk.prev_tokens must hold them)."""
-    lens = torch.tensor([len(c.token_ids) for c in chunks])
+    lens = np.array([len(c.token_ids) for c in chunks], dtype=np.int64)
     if (lens <= 0).any():
         raise ValueError("every SeqChunk needs at least one token")
-    req_slot = torch.tensor([c.slot for c in chunks])
-    req_start = torch.tensor([c.start for c in chunks])
+    req_slot = np.array([c.slot for c in chunks], dtype=np.int64)
+    req_start = np.array([c.start for c in chunks], dtype=np.int64)
     req_end = req_start + lens
-    req = torch.repeat_interleave(torch.arange(len(chunks)), lens)
-    tok = torch.arange(int(lens.sum()))
-    cu = torch.cumsum(lens, 0)
+    req = np.repeat(np.arange(len(chunks)), lens)
+    tok = np.arange(int(lens.sum()))
+    cu = np.cumsum(lens)
     pos = tok - (cu - lens)[req] + req_start[req]
     start, end, slot = req_start[req], req_end[req], req_slot[req]
-    to = lambda t: to_device(t, device)  # noqa: E731
+    to = lambda a: to_device(torch.from_numpy(np.ascontiguousarray(a)), device)  # noqa: E731
+    on_host = torch.device(device).type == "cpu"
     d_pos = to(pos)
-    # the [T, window] tables are expanded where they are read: only [T] vectors cross to a GPU
-    win_new, win_ring = _gather_plan(to(tok), d_pos, to(start), to(slot), window, window)
+    if on_host:
+        win_new, win_ring = map(to, _gather_plan(tok, pos, start, slot, window, window))
+    else:  # the [T, window] tables are expanded where they are read: only [T] vectors cross to a GPU
+        win_new, win_ring = _gather_plan(to(tok), d_pos, to(start), to(slot), window, window)
     ring_src, ring_dst = _keep_last(tok, pos, end, slot, window)
-    plans = {(m, ov): _compress_plan(m, ov, chunks, tok, pos, req, start, end, slot, req_end, block_size, fixed)
+    plans = {(m, ov): _compress_plan(m, ov, chunks, tok, pos, req, start, end, slot, req_end, block_size, to, fixed)
              for m, ov in sorted(compress_kinds)}
-    ids = torch.tensor([t for c in chunks for t in c.token_ids], dtype=torch.long)
-    for p in plans.values():
-        for f in ("src_new", "src_carry", "dst", "rope_pos", "carry_src", "carry_dst", "visible", "addr"):
-            setattr(p, f, to(getattr(p, f)))
+    ids = np.array([t for c in chunks for t in c.token_ids], dtype=np.int64)
     windows = _token_windows(chunks, history) if history else None
     image_mask, window_mask = _image_masks(chunks, pos, req, history)
-    batch = ForwardBatch(to(ids), d_pos, to(req), to(cu - 1), to(win_new), to(win_ring),
+    batch = ForwardBatch(to(ids), d_pos, to(req), to(cu - 1), win_new, win_ring,
                          to(ring_src), to(ring_dst), plans, windows, window_mask,
                          None if image_mask is None else to(image_mask), req_lens=tuple(lens.tolist()))
-    replay_from = torch.tensor([c.replay_from for c in chunks])[req]
+    replay_from = np.array([c.replay_from for c in chunks], dtype=np.int64)[req]
     keep = pos >= replay_from
     # replay applies if rows are dropped, or a kept row's window reaches below its request's replay_from
     # (replay_from 0: nothing lies below it, whatever the window)
@@ -230,7 +241,7 @@ def build_forward_batch(chunks: list[SeqChunk], window: int, compress_kinds: set
 
 
 def _replay_plan(full: ForwardBatch, keep, pos, start, end, slot, lo, window: int, to) -> ReplayPlan:
-    rows = keep.nonzero().squeeze(1)
+    rows = np.flatnonzero(keep)
     dev_rows = to(rows)
     sub = lambda t: t[dev_rows]  # noqa: E731
 
@@ -241,9 +252,9 @@ def _replay_plan(full: ForwardBatch, keep, pos, start, end, slot, lo, window: in
 
     at_layer = ForwardBatch(sub(full.input_ids), sub(full.positions), sub(full.token_req), full.logits_idx,
                             sub(full.win_new), sub(full.win_ring), full.ring_src, full.ring_dst, plans())
-    k_tok = torch.arange(len(rows))
+    k_tok = np.arange(len(rows))
     k_pos, k_slot, k_lo = pos[rows], slot[rows], lo[rows]
-    win_new, win_ring = _gather_plan(k_tok, k_pos, torch.maximum(start[rows], k_lo), k_slot, window, window, k_lo)
+    win_new, win_ring = _gather_plan(k_tok, k_pos, np.maximum(start[rows], k_lo), k_slot, window, window, k_lo)
     ring_src, ring_dst = _keep_last(k_tok, k_pos, end[rows], k_slot, window)
     upper = ForwardBatch(sub(full.input_ids), sub(full.positions), sub(full.token_req), full.logits_idx,
                          to(win_new), to(win_ring), to(ring_src), to(ring_dst), plans())

@@ -74,9 +74,6 @@ class Linear(nn.Module):
             y = grouped_gemm(x.reshape(-1, self.in_features), self.weight, None, self.scale, self.block_size,
                              **invariant.gemm_tiles())
             return y.view(*x.shape[:-1], self.out_features)
-        if self.block_size is None and small_gemm(x, self.weight):
-            y = grouped_gemm(x.reshape(-1, self.in_features), self.weight, None)
-            return y.view(*x.shape[:-1], self.out_features)
         return dense_linear(x, self.dense_weight(x.dtype))
 
     def forward_grouped(self, x: torch.Tensor) -> torch.Tensor:
@@ -158,21 +155,6 @@ def fuse_output_rows(parts: tuple[Linear, ...]) -> Linear | None:
                 setattr(p, name, stacked[row:row + n])
             row += n
     return fused
-
-
-# Dense bf16 projections of at most this many rows run the Triton GEMM (one group, K split so the
-# grid fills the SMs) instead of cuBLAS, for weights up to SMALL_GEMM_MAX_WEIGHT elements (the
-# vocabulary head stays on cuBLAS). 0 turns it off. Chosen from benchmarks/kernel_sweep.py --only
-# dense-small; batch-invariant mode keeps its fixed-tile GEMMs.
-SMALL_GEMM_ROWS = 4
-SMALL_GEMM_MAX_WEIGHT = 64 << 20
-
-
-def small_gemm(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """Whether x @ w^T (dense) takes the Triton GEMM path above."""
-    return (x.is_cuda and x.dtype == torch.bfloat16 and w.dtype == torch.bfloat16
-            and x.numel() <= SMALL_GEMM_ROWS * x.shape[-1] and w.numel() <= SMALL_GEMM_MAX_WEIGHT
-            and not invariant.enabled() and triton_available())
 
 
 def dense_linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

@@ -21,16 +21,27 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 PINNED_BUFFERS = 3
 
 
+_FIELDS: dict[type, tuple[str, ...]] = {}
+
+
+def _field_names(cls: type) -> tuple[str, ...]:
+    """A dataclass's field names, looked up once per class (planning runs every decode step)."""
+    names = _FIELDS.get(cls)
+    if names is None:
+        names = _FIELDS[cls] = tuple(f.name for f in dataclasses.fields(cls))
+    return names
+
+
 def _tensors(obj, prefix=""):
     """(name, tensor) of every tensor in a ForwardBatch, its plans included, in a fixed order."""
     if isinstance(obj, torch.Tensor):
         yield prefix, obj
-    elif dataclasses.is_dataclass(obj):
-        for f in dataclasses.fields(obj):
-            yield from _tensors(getattr(obj, f.name), f"{prefix}.{f.name}")
     elif isinstance(obj, dict):
         for k in sorted(obj):
             yield from _tensors(obj[k], f"{prefix}[{k}]")
+    elif dataclasses.is_dataclass(obj):
+        for name in _field_names(type(obj)):
+            yield from _tensors(getattr(obj, name), f"{prefix}.{name}")
 
 
 def _rebuild(obj, tensors):

@@ -1,10 +1,8 @@
-"""Linear helpers: stacked same-input projections (one GEMM for several weights), the small-row
-Triton path for dense projections."""
+"""Linear helpers: stacked same-input projections (one GEMM for several weights)."""
 import pytest
 import torch
 
-from deepinfer.layers import invariant
-from deepinfer.layers.linear import SMALL_GEMM_ROWS, Linear, QuantSpec, fuse_output_rows, small_gemm, stacked_forward
+from deepinfer.layers.linear import Linear, QuantSpec, fuse_output_rows, stacked_forward
 
 
 def _fp8_linear(i: int, o: int, seed: int) -> Linear:
@@ -75,20 +73,3 @@ def test_stacked_forward_on_gpu():
         assert g.dtype == torch.float32
         torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
 
-
-def test_small_gemm_is_a_cuda_bf16_decode_path_only():
-    w = torch.zeros(64, 32, dtype=torch.bfloat16)
-    assert not small_gemm(torch.zeros(1, 32, dtype=torch.bfloat16), w)  # CPU: cuBLAS / torch only
-
-
-@pytest.mark.gpu
-def test_small_row_projections_run_the_triton_gemm_and_match_cublas():
-    lin = Linear(4096, 1536, torch.bfloat16).cuda()
-    lin.weight.data.normal_(0, 0.02)
-    for rows in range(1, SMALL_GEMM_ROWS + 2):
-        x = torch.randn(rows, 4096, device="cuda").to(torch.bfloat16)
-        assert small_gemm(x, lin.weight) == (rows <= SMALL_GEMM_ROWS)
-        want = x.float() @ lin.weight.float().t()
-        torch.testing.assert_close(lin(x).float(), want, atol=2e-2, rtol=2e-2)
-    with invariant.mode(True):
-        assert not small_gemm(x[:1], lin.weight)

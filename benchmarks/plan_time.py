@@ -1,0 +1,58 @@
+"""Host time to plan one pure-decode step of the Flash slice (DecodeGraphs.plan: build_forward_batch
+with fixed shapes + the graph key), per batch size. CPU only: no GPU and no weights are needed.
+
+With async scheduling the host plans step N+1 while the GPU runs step N, so once the GPU step is
+short (decode batch 1: ~1.4 ms on the H200) planning plus the graph launch must stay below it.
+
+    python benchmarks/plan_time.py [--batches 1,64] [--context 256] [--out results.json]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+
+from common import git_commit
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--batches", default="1,64")
+    ap.add_argument("--context", type=int, default=256)
+    ap.add_argument("--reps", type=int, default=200)
+    ap.add_argument("--out")
+    args = ap.parse_args()
+
+    import flash_slice as fs
+    from deepinfer.layers.forward_batch import SeqChunk
+    from deepinfer.models.config import DeepseekV4Config
+    from deepinfer.worker.cuda_graph import DecodeGraphs
+    from deepinfer.worker.kv_cache import static_v4_cache
+
+    class ConfigOnly:  # DecodeGraphs.plan reads the model's config only
+        config = DeepseekV4Config.from_dict(fs.slice_config())
+
+    rows = []
+    for B in (int(b) for b in args.batches.split(",")):
+        cfg = ConfigOnly.config
+        cache = static_v4_cache(cfg, B, args.context + 8, "bfloat16", "cpu", block_size=64, scratch=True)
+        chunks = [SeqChunk(i, args.context, [5], cache.static_tables(i)) for i in range(B)]
+        graphs = DecodeGraphs(ConfigOnly(), cache, cache.scratch_slot, cache.scratch_addr, device="cpu")
+        for _ in range(10):
+            graphs.plan(chunks)
+        ts = []
+        for _ in range(args.reps):
+            t = time.perf_counter()
+            graphs.plan(chunks)
+            ts.append(time.perf_counter() - t)
+        rows.append({"batch": B, "context": args.context, "plan_ms": round(1e3 * sorted(ts)[len(ts) // 2], 4)})
+        print(json.dumps(rows[-1]), flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"host": platform.processor() or platform.machine(), "commit": git_commit(), "rows": rows}, f,
+                      indent=2)
+
+
+if __name__ == "__main__":
+    main()
