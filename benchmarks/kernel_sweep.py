@@ -36,13 +36,20 @@ def bench(fn, reps: int = 7) -> float:
 def bench_device(fn, reps: int = 20) -> float:
     """GPU ms of fn's kernels per call (profiler device time, launch gaps excluded): CUDA-event
     timing of a few-microsecond launch measures the host's launch latency instead."""
+    return device_time_and_launches(fn, reps)[0]
+
+
+def device_time_and_launches(fn, reps: int = 20) -> tuple[float, float]:
+    """(GPU ms per call, kernels per call) from the profiler: in a CUDA graph each kernel also costs
+    a launch gap (~0.7 us on the H200 slice step), so both matter."""
     fn()
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(reps):
             fn()
         torch.cuda.synchronize()
-    return sum(e.self_device_time_total for e in prof.key_averages()) / reps / 1e3
+    ev = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    return (sum(e.self_device_time_total for e in ev) / reps / 1e3, sum(e.count for e in ev) / reps)
 
 
 def moe_inputs(tokens: int, E=256, K=4096, N=2048, topk=6):
@@ -254,19 +261,6 @@ def decode_small(rows: list) -> None:
                         ("dequant+einsum", lambda: grouped_linear(x, lin.dense_weight(x.dtype).view(8, 1024, 4096)))):
             rows.append({"kernel": "wo_a_fp8", "T": T, "impl": impl, "ms": bench_device(f)})
             print(json.dumps(rows[-1]), flush=True)
-
-
-def device_time_and_launches(fn, reps: int = 20) -> tuple[float, float]:
-    """(GPU ms per call, kernels per call) from the profiler: in a CUDA graph each kernel also costs
-    a launch gap (~0.7 us on the H200 slice step), so both matter."""
-    fn()
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(reps):
-            fn()
-        torch.cuda.synchronize()
-    ev = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
-    return (sum(e.self_device_time_total for e in ev) / reps / 1e3, sum(e.count for e in ev) / reps)
 
 
 # (N, K) of the slice's bf16 decode projections with bf16 outputs: V4 attention's stacked wq_a + wkv,
