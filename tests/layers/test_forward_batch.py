@@ -41,3 +41,24 @@ def test_no_replay_plan_without_replay_from():
         assert b.replay is None
     b = build_forward_batch([SeqChunk(0, 10, [7], replay_from=5)], 128, set(), 16, "cpu")
     assert b.replay is not None
+
+
+def test_window_tables_are_the_same_on_the_host_and_on_the_device_path():
+    # build_forward_batch expands the [T, window] tables in numpy on the host and in torch where a
+    # GPU reads them: both branches of _gather_plan must agree (here torch runs on the CPU)
+    import numpy as np
+    import torch
+
+    from deepinfer.layers.forward_batch import _gather_plan
+
+    rng = np.random.default_rng(0)
+    for T, span in ((1, 128), (7, 4), (40, 16)):
+        pos = rng.integers(0, 300, T)
+        start = pos - rng.integers(0, 20, T)
+        tok, slot, lo = np.arange(T), rng.integers(0, 8, T), rng.integers(0, 30, T)
+        for low in (None, lo):
+            host = _gather_plan(tok, pos, start, slot, span, span, low)
+            dev = _gather_plan(*map(torch.from_numpy, (tok, pos, start, slot)), span, span,
+                               None if low is None else torch.from_numpy(low))
+            for h, d in zip(host, dev):
+                assert h.dtype == np.int64 and torch.equal(torch.from_numpy(h), d)
