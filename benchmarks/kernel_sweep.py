@@ -300,23 +300,16 @@ def dense_small(rows: list) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--only", choices=("moe", "attn", "attn-kinds", "rope", "decode-small", "dense-small"))
+    sweeps = {"moe": moe_sweep, "attn": attn_sweep, "attn-kinds": attn_kinds, "rope": rope_sweep,
+              "decode-small": decode_small, "dense-small": dense_small}
+    ap.add_argument("--only", choices=tuple(sweeps))
     ap.add_argument("--out")
     args = ap.parse_args()
     torch.manual_seed(0)
     rows: list = []
-    if args.only in (None, "moe"):
-        moe_sweep(rows)
-    if args.only in (None, "attn"):
-        attn_sweep(rows)
-    if args.only in (None, "attn-kinds"):
-        attn_kinds(rows)
-    if args.only in (None, "rope"):
-        rope_sweep(rows)
-    if args.only in (None, "decode-small"):
-        decode_small(rows)
-    if args.only in (None, "dense-small"):
-        dense_small(rows)
+    for name, sweep in sweeps.items():
+        if args.only in (None, name):
+            sweep(rows)
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=2)
