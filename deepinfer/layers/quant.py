@@ -115,14 +115,6 @@ def quant_fp4(w: torch.Tensor, group: int = 32) -> tuple[torch.Tensor, torch.Ten
     return packed.view(torch.int8), float_to_e8m0(scale)
 
 
-def fp8_roundtrip(x: torch.Tensor, group: int) -> torch.Tensor:
-    """Quantise to e4m3 with a power-of-two scale per `group` values and back (same dtype)."""
-    g = x.float().unflatten(-1, (-1, group))
-    scale = _pow2_scale(g.abs().amax(dim=-1, keepdim=True), FP8_MAX)
-    q = (g / scale).to(torch.float8_e4m3fn).to(torch.float32) * scale
-    return q.flatten(-2).to(x.dtype)
-
-
 def fp4_roundtrip(x: torch.Tensor, group: int = 32) -> torch.Tensor:
     packed, scale = quant_fp4(x, group)
     return dequant_fp4(packed, scale, group, x.dtype)
