@@ -1,31 +1,59 @@
 """load_model: resolve a checkpoint, build the model class its config names, stream its weights in."""
 from __future__ import annotations
 
+import dataclasses
+import logging
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 
+from deepinfer.loader.checkpoint import CheckpointReader
 from deepinfer.loader.model_config import read_model_config
+from deepinfer.loader.names import DRAFT_PREFIX, is_draft_name
 from deepinfer.loader.resolve import resolve_model_dir
 from deepinfer.loader.weights import load_weights
+from deepinfer.models.config import DeepseekV4Config
+from deepinfer.models.config_v41 import DeepseekV41Config
 from deepinfer.models.registry import model_classes
+
+logger = logging.getLogger(__name__)
+Config = TypeVar("Config", DeepseekV4Config, DeepseekV41Config)
 
 
 def load_model(model: str | Path | None, *, dtype: torch.dtype = torch.bfloat16, device: str = "cpu",
                quantized: bool = False, hf_model_dir: str | None = None, offline: bool = False,
                engram_device: str | None = None):
     """-> (model in eval mode, its directory). `quantized=True` keeps FP8/FP4 weights as stored;
-    engram_device="cpu" (V4.1) leaves the Engram tables memory-mapped on the host."""
+    engram_device="cpu" (V4.1) leaves the Engram tables memory-mapped on the host.
+
+    A checkpoint with no draft tensors at all (`mtp.*`) loads as its trunk: the model is built
+    without draft layers (`model.mtp is None`, its config says 0 of them) and a warning says so.
+    Any other missing tensor, or a draft that is only partly there, is a CheckpointError."""
     path = resolve_model_dir(str(model) if model else None, hf_model_dir=hf_model_dir, offline=offline)
     cfg = read_model_config(path)
+    reader = CheckpointReader(path)
+    declared = cfg.num_nextn_predict_layers
+    trunk_only = declared > 0 and not any(is_draft_name(n) for n in reader.names())
+    if trunk_only:
+        cfg = without_draft(cfg)
     _, model_cls = model_classes(cfg.model_type)
     extra = {"engram_device": engram_device} if engram_device and hasattr(cfg, "engram_layer_ids") else {}
     with torch.device(device):
         net = model_cls(cfg, dtype=dtype, quantized=quantized, **extra)
-    load_weights(net, path, config=cfg)
+    load_weights(net, reader, config=cfg)
+    if trunk_only:
+        logger.warning("%s: config.json declares %d draft layer(s) (num_nextn_predict_layers) but the checkpoint "
+                       "has no %s* tensors (transformers' and NeMo's exports leave them out); loaded the trunk "
+                       "without its draft layers", path, declared, DRAFT_PREFIX)
     if getattr(cfg, "engram_layer_ids", None):
         net.set_engram_vocab(_engram_token_map(path))
     return net.eval(), path
+
+
+def without_draft(cfg: Config) -> Config:
+    """The same model with no draft layers: no MTP block, no DSpark stages (and so no draft block)."""
+    return dataclasses.replace(cfg, num_nextn_predict_layers=0, dspark_block_size=None)
 
 
 def _engram_token_map(path: Path) -> list[int]:

@@ -67,6 +67,11 @@ _FUSED_RE = re.compile(r"^(.*)\.mlp\.experts\.(gate_up_proj|down_proj)$")
 _EXPERT_RE = re.compile(r"^(.*\.ffn\.experts)\.(\d+)\.(w[123])\.(weight|scale)$")
 
 
+# The draft layers (MTP, or DSpark's stages) in every layout: transformers and NeMo AutoModel
+# export the trunk without them.
+DRAFT_PREFIX = "mtp."
+
+
 @dataclass(frozen=True)
 class WeightRef:
     """DeepSeek tensor `name` is `source[index]` in the checkpoint (index None = whole)."""
@@ -98,6 +103,11 @@ def to_deepseek_name(name: str) -> str:
         if rest == key or rest.startswith(key + "."):
             return prefix + _BLOCK[key] + rest[len(key):]
     return prefix + rest
+
+
+def is_draft_name(name: str) -> bool:
+    """Whether a checkpoint tensor (any layout) belongs to the draft layers."""
+    return to_deepseek_name(name).startswith(DRAFT_PREFIX)
 
 
 def split_expert_name(name: str) -> tuple[str, int, str, str] | None:

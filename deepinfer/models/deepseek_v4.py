@@ -198,7 +198,7 @@ class DeepseekV4ForCausalLM(nn.Module):
         else:
             stages = [MTPBlock(cfg, cfg.num_hidden_layers + k, dtype, quant, expert_quant)
                       for k in range(cfg.num_nextn_predict_layers)]
-        self.mtp = nn.ModuleList(stages)
+        self.mtp = nn.ModuleList(stages) if stages else None  # None: no draft layers
         yarn = cfg.rope_scaling
         self.register_buffer("inv_freq_main", rope_inv_freq(cfg.qk_rope_head_dim, cfg.rope_theta), persistent=False)
         self.register_buffer("inv_freq_compress", rope_inv_freq(cfg.qk_rope_head_dim, cfg.compress_rope_theta, yarn),
@@ -226,6 +226,8 @@ class DeepseekV4ForCausalLM(nn.Module):
     def mtp_logits(self, streams: torch.Tensor, next_ids: torch.Tensor, ctx: StepContext,
                    cache: LayerCache) -> torch.Tensor:
         """MTP draft logits for position t+2 from the trunk streams at t and token t+1."""
+        if self.mtp is None:
+            raise RuntimeError("this model has no MTP draft layer (num_nextn_predict_layers is 0)")
         hidden = self.mtp[0].draft(streams, self.embed(next_ids), next_ids, ctx, cache)
         return self.head(hidden).float()
 

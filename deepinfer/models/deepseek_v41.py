@@ -167,7 +167,8 @@ class DeepseekV41ForCausalLM(nn.Module):
         from deepinfer.models.dspark_v41 import DSparkStage41  # it builds on Block41
 
         stages = cfg.num_nextn_predict_layers if cfg.has_dspark else 0
-        self.mtp = nn.ModuleList(DSparkStage41(cfg, k, dtype, quant, expert_quant) for k in range(stages))
+        # None: no draft layers
+        self.mtp = nn.ModuleList(DSparkStage41(cfg, k, dtype, quant, expert_quant) for k in range(stages)) or None
         self.register_buffer("inv_freq_main", rope_inv_freq(cfg.qk_rope_head_dim, cfg.rope_theta), persistent=False)
         self.register_buffer("inv_freq_compress", rope_inv_freq(cfg.qk_rope_head_dim, cfg.compress_rope_theta,
                                                                 cfg.rope_scaling), persistent=False)

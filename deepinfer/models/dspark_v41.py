@@ -80,6 +80,8 @@ def draft_block(model, features: torch.Tensor, feature_pos: torch.Tensor, featur
     positions feature_pos [B, C] (the window before the anchor; feature_valid masks padding);
     anchor_tokens / anchor_pos [B]: the newest accepted token and its position."""
     cfg, stages = model.config, model.mtp
+    if stages is None:
+        raise RuntimeError("this model has no DSpark draft stages (num_nextn_predict_layers is 0)")
     blk, n = cfg.dspark_block_size, cfg.hc_mult
     B = anchor_tokens.shape[0]
     from deepinfer.worker.kv_cache import V41_FORMATS, resolve_kv_cache_dtype

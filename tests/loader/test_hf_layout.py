@@ -1,12 +1,20 @@
-"""transformers' DeepseekV4ForCausalLM layouts: module names, and what save_pretrained writes."""
+"""transformers' DeepseekV4ForCausalLM layouts: module names, and what save_pretrained writes; what
+NeMo AutoModel's DeepSeek-V4.1 backbone export writes."""
 from __future__ import annotations
 
 import json
+import logging
+import shutil
+import sys
+from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
-from deepinfer.loader.checkpoint import CheckpointReader
+from deepinfer import LLM, SamplingParams
+from deepinfer.loader.checkpoint import CheckpointError, CheckpointReader
+from deepinfer.loader.model_loader import load_model
 from deepinfer.loader.model_config import read_model_config
 from deepinfer.loader.names import WeightRef, detect_layout, plan_names, to_deepseek_name, to_hf_name
 from deepinfer.loader.weights import load_weights
@@ -160,3 +168,101 @@ def test_written_hf_layout_loads_in_both(tmp_path, toy, dtype):
     f = config["moe_intermediate_size"]
     gu = hf.state_dict()["model.layers.2.mlp.experts.gate_up_proj"]
     assert torch.equal(gu[:, :f], sd["layers.2.ffn.experts.w1"]) and torch.equal(gu[:, f:], sd["layers.2.ffn.experts.w3"])
+
+
+@pytest.fixture(scope="module")
+def saved_without_mtp(tmp_path_factory):
+    """(a checkpoint in DeepSeek's layout with mtp.0 and transformers' config keys, what transformers'
+    save_pretrained writes after loading it, the transformers model). transformers has no MTP module:
+    it drops mtp.* on load and writes the trunk only, while config.json keeps num_nextn_predict_layers 1."""
+    root = tmp_path_factory.mktemp("no_mtp")
+    src = write_checkpoint(root / "src", PRESETS["tiny"], seed=5, dtype="float32", tokenizer=False)
+    (src / "config.json").write_text(json.dumps(checkpoint_config(PRESETS["tiny"], "float32", layout="hf")))
+    hf = transformers.DeepseekV4ForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+    hf.save_pretrained(root / "saved")
+    return src, root / "saved", hf
+
+
+def _draft_notes(caplog) -> list[logging.LogRecord]:
+    return [r for r in caplog.records if r.name.startswith("deepinfer") and "mtp." in r.getMessage()]
+
+
+def test_save_pretrained_without_mtp_loads_the_trunk_and_generates(saved_without_mtp, caplog):
+    src, saved, hf = saved_without_mtp
+    assert not any(".mtp." in n or n.startswith("mtp.") for n in CheckpointReader(saved).names())
+    assert json.loads((saved / "config.json").read_text())["num_nextn_predict_layers"] == 1
+    with caplog.at_level(logging.INFO, logger="deepinfer"):
+        llm = LLM(str(saved), device="cpu", dtype="float32", kv_cache_dtype="float32", kv_cache_memory=16 << 20,
+                  skip_tokenizer_init=True)
+    assert len(_draft_notes(caplog)) == 1, [r.getMessage() for r in caplog.records]
+    model = llm.model
+    assert model.mtp is None and model.config.num_nextn_predict_layers == 0
+    with pytest.raises(RuntimeError, match="no MTP draft layer"):
+        model.mtp_logits(torch.zeros(1, 4, 96), torch.zeros(1, dtype=torch.long), None, None)
+
+    # the trunk is exactly the one deepinfer loads from the checkpoint transformers read (with mtp.0)
+    full = load_model(str(src), dtype=torch.float32)[0]
+    assert full.mtp is not None
+    want = {k: v for k, v in full.state_dict().items() if not k.startswith("mtp.")}
+    got = model.state_dict()
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+
+    prompt = [0] + torch.randint(3, 1024, (20,), generator=torch.Generator().manual_seed(1)).tolist()
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8, logprobs=1), use_tqdm=False)[0]
+    tokens = out.outputs[0].token_ids
+    assert len(tokens) == 8
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt + tokens])).logits[0, len(prompt) - 1:-1].float().log_softmax(-1)
+    assert tokens == ref.argmax(-1).tolist()
+    ours = torch.tensor([lp[t] for lp, t in zip(out.outputs[0].logprobs, tokens)])
+    assert torch.allclose(ours, ref[torch.arange(8), tokens], atol=1e-4)
+
+
+def test_save_pretrained_missing_trunk_tensor_is_still_an_error(saved_without_mtp, tmp_path, caplog):
+    """Only the draft layer may be absent: a missing trunk tensor names itself, and nothing about mtp.*."""
+    _, saved, _ = saved_without_mtp
+    broken = shutil.copytree(saved, tmp_path / "broken")
+    (shard,) = broken.glob("*.safetensors")
+    tensors = load_file(str(shard))
+    del tensors["model.layers.2.attn.norm.weight"]
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+    with caplog.at_level(logging.INFO, logger="deepinfer"), pytest.raises(CheckpointError) as ei:
+        load_model(str(broken), dtype=torch.float32)
+    msg = str(ei.value)
+    assert "model tensors not found" in msg and "layers.2.attn.kv_norm.weight" in msg
+    assert "mtp." not in msg and not _draft_notes(caplog)
+
+
+def test_nemo_export_without_dspark_loads_the_trunk(tmp_path, caplog):
+    """NeMo AutoModel's V4.1 backbone adapter exports the released names without the DSpark stages
+    (mtp.0..2) while text_config keeps them: the trunk loads and the draft is left out."""
+    pytest.importorskip("nemo_automodel")
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
+    from nemo_oracle import nemo_v41_model
+
+    from deepinfer.models.dspark_v41 import draft_block
+
+    src = write_checkpoint(tmp_path / "src", PRESETS["tiny41"], seed=5, dtype="float32")
+    nemo, _ = nemo_v41_model(src)
+    export = tmp_path / "export"
+    export.mkdir()
+    save_file({k: v.contiguous() for k, v in nemo.state_dict_adapter.to_hf(nemo.state_dict()).items()},
+              str(export / "model.safetensors"))
+    for f in src.iterdir():
+        if f.suffix == ".json" and f.name != "model.safetensors.index.json":
+            shutil.copy(f, export / f.name)
+    assert not any(n.startswith("mtp.") for n in CheckpointReader(export).names())
+    assert json.loads((export / "config.json").read_text())["text_config"]["num_nextn_predict_layers"] == 3
+
+    with caplog.at_level(logging.INFO, logger="deepinfer"):
+        model = load_model(str(export), dtype=torch.float32)[0]
+    assert len(_draft_notes(caplog)) == 1
+    assert model.mtp is None and not model.config.has_dspark
+    with pytest.raises(RuntimeError, match="no DSpark draft stages"):
+        draft_block(model, torch.zeros(1, 2, 384), torch.zeros(1, 2, dtype=torch.long),
+                    torch.ones(1, 2, dtype=torch.bool), torch.zeros(1, dtype=torch.long), torch.ones(1, dtype=torch.long))
+    full = load_model(str(src), dtype=torch.float32)[0]
+    assert full.mtp is not None
+    want = {k: v for k, v in full.state_dict().items() if not k.startswith("mtp.")}
+    got = model.state_dict()
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)

@@ -11,6 +11,7 @@ from safetensors.torch import save_file
 from deepinfer.layers.quant import dequant_fp8_blocks, quant_fp4, quant_fp8_blocks
 from deepinfer.loader.checkpoint import CheckpointReader
 from deepinfer.loader.model_config import read_model_config
+from deepinfer.loader.model_loader import load_model
 from deepinfer.loader.names import split_expert_name
 from deepinfer.loader.weights import CheckpointError, load_weights
 from deepinfer.models.config import DeepseekV4Config
@@ -137,6 +138,14 @@ def test_error_missing_tensor(tiny_ckpt, tiny_config, tmp_path, toy):
     msg = _load_error(ckpt, toy(tiny_config))
     assert "layers.2.attn.kv_norm.weight" in msg
     assert "layers.3.ffn.experts.w2 (experts [5])" in msg
+
+
+def test_error_draft_layer_partly_missing(tiny_ckpt, tmp_path):
+    """Only a draft that is wholly absent is left out; a partial one is a broken checkpoint."""
+    ckpt = _copy(tiny_ckpt, tmp_path / "c")
+    _rewrite(ckpt, lambda t, f: {k: v for k, v in t.items() if not k.startswith("mtp.0.e_proj.")})
+    with pytest.raises(CheckpointError, match=r"model tensors not found .*mtp\.0\.e_proj\.weight"):
+        load_model(str(ckpt), dtype=torch.float32)
 
 
 def test_error_unexpected_tensor(tiny_ckpt, tiny_config, tmp_path, toy):
