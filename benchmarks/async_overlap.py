@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from common import git_commit
+from common import add_commit_arg, recorded_commit
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.tools.make_checkpoint import PRESETS, write_checkpoint
@@ -59,7 +59,7 @@ def main() -> None:
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=64)
     ap.add_argument("--out", default=None)
-    ap.add_argument("--commit", default=None)
+    add_commit_arg(ap)
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = write_checkpoint(Path(tmp) / "ckpt", PRESETS[args.preset], seed=0, dtype="bfloat16")
@@ -70,7 +70,7 @@ def main() -> None:
         rows = [measure(ckpt, prompts, args, on) for on in (False, True)]
     for r in rows:
         print(json.dumps(r))
-    result = {"device": torch.cuda.get_device_name(), "date": str(date.today()), "commit": args.commit or git_commit(),
+    result = {"device": torch.cuda.get_device_name(), "date": str(date.today()), "commit": recorded_commit(args),
               "workload": {"preset": args.preset, "num_prompts": args.num_prompts, "input_len": args.input_len,
                            "output_len": args.output_len, "dtype": "bfloat16"}, "rows": rows}
     out = Path(args.out or Path(__file__).parent / "results" / f"{date.today()}-async-overlap.json")

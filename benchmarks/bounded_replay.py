@@ -18,6 +18,8 @@ from pathlib import Path
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+from common import add_commit_arg, recorded_commit
+
 from deepinfer.layers.forward_batch import SeqChunk, build_forward_batch
 from deepinfer.loader.model_loader import load_model
 from deepinfer.tools.make_checkpoint import PRESETS, write_checkpoint
@@ -60,6 +62,7 @@ def main() -> None:
     ap.add_argument("--keep", type=int, default=140)
     ap.add_argument("--kv-cache-dtype", default="float32")
     ap.add_argument("--out", default=None)
+    add_commit_arg(ap)
     args = ap.parse_args()
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as tmp:
@@ -88,7 +91,8 @@ def main() -> None:
     n_gen = len(exact.seq) - len(prompt)
     free_match = sum(a == b for a, b in zip(exact.seq[len(prompt):], free.seq[len(prompt):]))
     result = {
-        "date": str(date.today()), "preset": args.preset, "prompt_len": args.prompt_len, "steps": args.steps,
+        "date": str(date.today()), "commit": recorded_commit(args), "preset": args.preset,
+        "prompt_len": args.prompt_len, "steps": args.steps,
         "keep": args.keep, "kv_cache_dtype": args.kv_cache_dtype, "replay_layer": model.replay_layer,
         "num_layers": cfg.num_hidden_layers,
         "prefill_flops_exact": f_exact, "prefill_flops_compact": f_compact,

@@ -4,7 +4,7 @@
 # $2 picks a part (tests | identical | probes | all, default all: together they pass a 600 s call limit);
 # probes = the decode-size kernel sweep, the GEMM tile probe (benchmarks/mma_rows_probe.py) and a decode
 # batch 1 profile with GEMM shapes.
-#   bash benchmarks/gpu_checks.sh "$OUT" tests
+#   COMMIT=<hash> bash benchmarks/gpu_checks.sh "$OUT" tests
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out="${1:-benchmarks/results/gpu-checks}"
@@ -12,7 +12,10 @@ what="${2:-all}"
 mkdir -p "$out"
 out=$(cd "$out" && pwd)  # absolute: the probes run from benchmarks/
 export PYTHONPATH=. TORCHDYNAMO_DISABLE=1
-commit=$(cd benchmarks && python3 -c "from common import git_commit; print(git_commit())")
+# COMMIT (a hash) is recorded instead of git's answer: a copied tree's .git may be stale
+commit_arg=()
+[ -n "${COMMIT:-}" ] && commit_arg=(--commit "$COMMIT")
+commit=${COMMIT:-$(cd benchmarks && python3 -c "from common import git_commit; print(git_commit())")}
 echo "# commit $commit, $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null)" | tee "$out/summary.txt"
 if [ "$what" = tests ] || [ "$what" = all ]; then
   for part in tests/kernels "tests/models tests/layers" tests/engine; do
@@ -23,13 +26,14 @@ if [ "$what" = tests ] || [ "$what" = all ]; then
 fi
 [ "$what" = tests ] && exit 0
 if [ "$what" = probes ]; then
-  (cd benchmarks && PYTHONPATH=.. timeout 300 python kernel_sweep.py --only decode-small --out "$out/decode-small.json" \
-     > "$out/decode-small.log" 2>&1; PYTHONPATH=.. timeout 200 python mma_rows_probe.py --out "$out/mma-rows.json" \
+  (cd benchmarks && PYTHONPATH=.. timeout 300 python kernel_sweep.py --only decode-small \
+     --out "$out/decode-small.json" "${commit_arg[@]}" > "$out/decode-small.log" 2>&1
+   PYTHONPATH=.. timeout 200 python mma_rows_probe.py --out "$out/mma-rows.json" "${commit_arg[@]}" \
      > "$out/mma-rows.log" 2>&1; PYTHONPATH=.. timeout 150 python profile_step.py --phase decode --batch 1 \
      --gemm-shapes --rows 40 > "$out/profile-decode-b1.txt" 2>&1)
   echo "probes: $(tail -1 "$out/mma-rows.log")" | tee -a "$out/summary.txt"
   exit 0
 fi
 timeout 300 python benchmarks/identical_completions.py --device cuda --dtype bfloat16 --num 1000 --modes on \
-  --out "$out/identical-completions.json" > "$out/identical-completions.log" 2>&1
+  --out "$out/identical-completions.json" "${commit_arg[@]}" > "$out/identical-completions.log" 2>&1
 echo "identical completions: $(tail -2 "$out/identical-completions.log" | head -1)" | tee -a "$out/summary.txt"

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from common import git_commit
+from common import add_commit_arg, recorded_commit
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.tools.make_checkpoint import PRESETS, write_checkpoint
@@ -74,8 +74,10 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=32)
     ap.add_argument("--temperature", type=float, default=0.0, help="> 0: seeded sampling (seq_seed=42)")
     ap.add_argument("--budget", type=int, default=8192, help="max_num_batched_tokens of one of the engines")
-    ap.add_argument("--modes", choices=("both", "on", "off"), default="both", help="batch-invariant mode on, off, or both")
+    ap.add_argument("--modes", choices=("both", "on", "off"), default="both",
+                    help="batch-invariant mode on, off, or both")
     ap.add_argument("--out", default=None)
+    add_commit_arg(ap)
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = write_checkpoint(Path(tmp) / "ckpt", PRESETS[args.preset], seed=0, dtype=args.dtype)
@@ -83,9 +85,10 @@ def main() -> None:
     for r in rows:
         print(json.dumps(r))
     device = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
-    result = {"device": device, "date": str(date.today()), "commit": git_commit(),
-              "workload": {k: v for k, v in vars(args).items() if k != "out"}, "rows": rows}
-    out = Path(args.out or Path(__file__).parent / "results" / f"{date.today()}-{device.replace(' ', '-')}-identical-completions.json")
+    result = {"device": device, "date": str(date.today()), "commit": recorded_commit(args),
+              "workload": {k: v for k, v in vars(args).items() if k not in ("out", "commit")}, "rows": rows}
+    name = f"{date.today()}-{device.replace(' ', '-')}-identical-completions.json"
+    out = Path(args.out or Path(__file__).parent / "results" / name)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {out}")
 

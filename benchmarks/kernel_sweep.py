@@ -15,6 +15,8 @@ import json
 
 import torch
 
+from common import add_commit_arg, recorded_commit
+
 from deepinfer.kernels import grouped_gemm as gg
 from deepinfer.kernels import sparse_attention as sa
 
@@ -304,6 +306,7 @@ def main() -> None:
               "decode-small": decode_small, "dense-small": dense_small}
     ap.add_argument("--only", choices=tuple(sweeps))
     ap.add_argument("--out")
+    add_commit_arg(ap)
     args = ap.parse_args()
     torch.manual_seed(0)
     rows: list = []
@@ -312,7 +315,8 @@ def main() -> None:
             sweep(rows)
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=2)
+            json.dump({"device": torch.cuda.get_device_name(), "commit": recorded_commit(args), "rows": rows}, f,
+                      indent=2)
 
 
 if __name__ == "__main__":

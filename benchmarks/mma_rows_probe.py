@@ -22,6 +22,8 @@ import json
 import torch
 import triton
 
+from common import add_commit_arg, recorded_commit
+
 from deepinfer.kernels import grouped_gemm as gg
 from deepinfer.kernels import invariant_matmul as im
 
@@ -39,6 +41,7 @@ def run_matmul(x, w, bm, bn, bk, warps):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out")
+    add_commit_arg(ap)
     args = ap.parse_args()
     torch.manual_seed(0)
     rows = []
@@ -78,7 +81,8 @@ def main() -> None:
     print(f"{len(same)} of {len(rows)} variants give the fixed tiling's bits")
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "rows": rows}, f, indent=2)
+            json.dump({"device": torch.cuda.get_device_name(), "commit": recorded_commit(args), "rows": rows}, f,
+                      indent=2)
 
 
 if __name__ == "__main__":

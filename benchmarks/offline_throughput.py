@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from common import git_commit
+from common import add_commit_arg, recorded_commit
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.tools.make_checkpoint import PRESETS, write_checkpoint
@@ -81,7 +81,7 @@ def main() -> None:
     ap.add_argument("--skip-transformers", action="store_true")
     ap.add_argument("--batch-invariant-cost", action="store_true",
                     help="also run deepinfer with batch_invariant=True and report the throughput it costs")
-    ap.add_argument("--commit", default=None, help="recorded commit, for checkouts without .git")
+    add_commit_arg(ap)
     ap.add_argument("--out", default=None, help="JSON results path (default: benchmarks/results/<date>-<device>-offline.json)")
     args = ap.parse_args()
 
@@ -96,7 +96,7 @@ def main() -> None:
             rows.append(run_transformers(ckpt, prompts, args.output_len, args))
     device = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
     result = {
-        "device": device, "date": str(date.today()), "commit": args.commit or git_commit(), "preset": args.preset,
+        "device": device, "date": str(date.today()), "commit": recorded_commit(args), "preset": args.preset,
         "dtype": args.dtype, "kv_cache_dtype": args.kv_cache_dtype, "num_prompts": args.num_prompts,
         "input_len": args.input_len, "output_len": args.output_len, "rows": rows,
         "command": "python benchmarks/offline_throughput.py " + " ".join(

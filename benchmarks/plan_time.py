@@ -13,7 +13,7 @@ import json
 import platform
 import time
 
-from common import git_commit
+from common import add_commit_arg, recorded_commit
 
 
 def main() -> None:
@@ -22,13 +22,15 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--reps", type=int, default=200)
     ap.add_argument("--out")
+    add_commit_arg(ap)
     args = ap.parse_args()
 
     import flash_slice as fs
+    from deepinfer import SamplingParams
+    from deepinfer.engine.request import Request
     from deepinfer.layers.forward_batch import SeqChunk
     from deepinfer.models.config import DeepseekV4Config
     from deepinfer.worker.cuda_graph import DecodeGraphs
-    from deepinfer.worker.kv_cache import static_v4_cache
 
     class ConfigOnly:  # DecodeGraphs.plan reads the model's config only
         config = DeepseekV4Config.from_dict(fs.slice_config())
@@ -36,8 +38,11 @@ def main() -> None:
     rows = []
     for B in (int(b) for b in args.batches.split(",")):
         cfg = ConfigOnly.config
-        cache = static_v4_cache(cfg, B, args.context + 8, "bfloat16", "cpu", block_size=64, scratch=True)
-        chunks = [SeqChunk(i, args.context, [5], cache.static_tables(i)) for i in range(B)]
+        kv, cache = fs.engine_cache(cfg, B, args.context + 8, "bfloat16", "cpu")
+        reqs = [Request(str(i), [5] * (args.context + 1), SamplingParams()) for i in range(B)]
+        for r in reqs:
+            kv.allocate(r, args.context + 1)
+        chunks = [SeqChunk(r.slot, args.context, [5], r.block_tables) for r in reqs]
         graphs = DecodeGraphs(ConfigOnly(), cache, cache.scratch_slot, cache.scratch_addr, device="cpu")
         for _ in range(10):
             graphs.plan(chunks)
@@ -50,8 +55,8 @@ def main() -> None:
         print(json.dumps(rows[-1]), flush=True)
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"host": platform.processor() or platform.machine(), "commit": git_commit(), "rows": rows}, f,
-                      indent=2)
+            json.dump({"host": platform.processor() or platform.machine(), "commit": recorded_commit(args),
+                       "rows": rows}, f, indent=2)
 
 
 if __name__ == "__main__":
