@@ -113,12 +113,12 @@ def default_config(M: int, E: int, fmt: int = DENSE, N: int | None = None, sms: 
     With N and the SM count known, a dense decode grid of fewer 128-wide programs than SMs takes
     64-wide N tiles (twice the programs streaming weights)."""
     rows = M / max(E, 1)
-    if rows <= 16:  # H200 sweeps at 64 tokens x 6 of 256 experts (benchmarks/kernel_sweep.py)
+    if rows <= 16:  # decode: the H200 sweeps at 64 tokens x 6 of 256 experts (benchmarks/NOTES.md)
         if fmt == FP8:  # 128-blocks and (1, 32) blocks both fastest with 64-wide N tiles
             return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3)
         if fmt == DENSE and N and sms and max_m_tiles(M, E, 16) * _cdiv(N, 128) < sms:
-            # 1 token x 6 experts, w1 (N 2048, K 4096), H200: 85 us vs 106 us with 128 x 256 tiles
-            # (results/2026-11-29-h200-kernel-sweep.json, event-timed)
+            # e.g. 1 token x 6 experts: twice the programs streaming weights (event-timed evidence
+            # only, benchmarks/NOTES.md)
             return dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=4)
         return dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=256 if fmt == DENSE else 128, num_warps=4, num_stages=4)
     if rows <= 64:

@@ -5,8 +5,8 @@ For a token with flattened streams f [K] (K = n * D, bf16/fp32) and fn [W, K] (f
 i.e. rms_norm(f) @ fn^T with the norm applied after the projection (same value, other rounding).
 The torch form reads the streams three times (fp32 copy, norm, GEMM) and runs an fp32 GEMM.
 Kernel: tl.dot with tf32x3 (three tf32 products: ~fp32 accuracy on tensor cores; bf16 streams
-are exact in tf32; fn as three bf16 parts with bf16 dots missed the reference by ~1e-4 on the
-H200, benchmarks/NOTES.md). Many tokens: one program per BT-row block over all of K. Few tokens:
+are exact in tf32; fn split into bf16 parts with bf16 dots is not accurate enough against the fp32
+reference: benchmarks/NOTES.md). Many tokens: one program per BT-row block over all of K. Few tokens:
 K is cut into S splits (grid rows x S) whose partial sums [S, T, W] and [S, T] a second launch adds in
 split order. S depends only on T and K; batch-invariant mode takes one from K alone.
 """
@@ -25,9 +25,8 @@ BK = 64
 
 def split_count(T: int, K: int, block_t: int = 32, target_programs: int = 1024) -> int:
     """K splits so that row blocks x splits keeps enough programs in flight for a memory-bound pass
-    (~8 per SM on an H200); each split a whole number of BK blocks (>= 2), at most 128 splits.
-    H200, K = 16384 (results/2026-11-29-h200-kernel-sweep-decode-small.json, kernel device time):
-    1 token 8.6 us at 32 splits, 5.0 at 128; 64 tokens 11.4 at 32, 8.1 at 128."""
+    (~8 per SM on an H200); each split a whole number of BK blocks (>= 2), at most 128 splits (the
+    cap the decode-size sweep picked: benchmarks/NOTES.md)."""
     kb = K // BK
     bound = max(1, min(kb // 2, 128, target_programs // max(1, -(-T // block_t))))
     s = 1 << (bound.bit_length() - 1)  # a power of two (the reduce kernel's tl.arange) dividing kb
@@ -83,8 +82,8 @@ if triton is not None:
 
 
 def fixed_splits(K: int) -> int:
-    """The batch-invariant split count: from K alone (32 at K = 16384: 8.6 us at 1 token on the H200,
-    where one split took 193 us; results/2026-11-29-h200-kernel-sweep-decode-small.json)."""
+    """The batch-invariant split count: from K alone (32 at K = 16384), so a decode row still spreads
+    its K over many programs."""
     return split_count(1, K, target_programs=32)
 
 

@@ -7,8 +7,8 @@ idx [T, k] expert ids (0 <= id < E), flattened to f [M], M = T * k:
   tok[r]   = i // k                                                       (the pair's token row)
   offs[e]  = #{j : f[j] <= e}                                            (int32: cumulative row ends,
                                                                           torch._grouped_mm's convention)
-The torch form is argsort (a radix sort: several launches, ~14 us at decode on the H200) plus
-zeros / ones / index_add / cumsum / divide (and a scatter for inv); this is one launch. Ranks by counting are O(M^2)
+The torch form is argsort (a radix sort: several launches) plus zeros / ones / index_add /
+cumsum / divide (and a scatter for inv); this is one launch. Ranks by counting are O(M^2)
 compares, so the launcher takes M <= MAX_PAIRS (decode and small prefills) and the caller keeps
 the torch path above. Integer results: identical to the reference, bit for bit.
 Grid: cdiv(M, BLOCK) ranking programs, then cdiv(E, BLOCK) programs counting offsets.
@@ -26,9 +26,7 @@ except ImportError:  # CPU-only installs: the torch reference is used
     triton = None
 
 MAX_PAIRS = 4096
-# H200 kernel device time (results/2026-11-29-h200-kernel-sweep-decode-small.json): 6 pairs 1.0 us
-# and 384 pairs 4.4 us with 32-wide blocks and 4 warps, vs 21 / 61 us with 128 (torch: 16 / 35 us)
-BLOCK = 32
+BLOCK = 32  # with 4 warps: the fastest block at decode sizes in the sweep (benchmarks/NOTES.md)
 
 
 Aligned = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]  # (order, tok, offs, inv)

@@ -10,10 +10,10 @@ and routing weights [T, k] (fp32):
 
 Order of summation (the invariant the GPU kernel and `reference` share bit for bit): the
 accumulator starts at 0.0 and the k products (each rounded to fp32) are added in j order, one
-fp32 add at a time, never fused into an FMA; `add` comes last, one more fp32 add. The old
-`index_add_` over the sorted rows summed in expert order (and, on the GPU, atomically), so a
-token's result depended on which experts the other tokens chose; here it depends on the token's
-own k outputs and weights only (batch invariance).
+fp32 add at a time, never fused into an FMA; `add` comes last, one more fp32 add. An
+`index_add_` over the sorted rows would sum in expert order (and, on the GPU, atomically), so a
+token's result would depend on which experts the other tokens chose; here it depends on the
+token's own k outputs and weights only (batch invariance).
 
 `inv` comes from moe_align, or is built on the device with a scatter (no host sync); the grid is
 (T, cdiv(D, BLOCK_D)) from shapes only, so the whole thing is CUDA-graph capturable. Each program

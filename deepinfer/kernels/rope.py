@@ -77,9 +77,8 @@ if triton is not None:
         sn = tl.load(sin_ptr + n[:, None] * stride_sn + j, mask=jm, other=0.0).to(tl.float32)
         if INVERSE:
             sn = -sn
-        # explicit fma: the compiler's own contraction choice differed between the in-place and
-        # copying variants (1 bf16 ulp in ~1e5 pairs on the H200); spelled out, every variant
-        # rounds the same way
+        # explicit fma: left to the compiler, the in-place and copying variants may contract
+        # e*c - o*s differently (an ulp apart); spelled out, every variant rounds the same way
         tl.store(o_row + NOPE + 2 * j, tl.fma(e, c, -(o * sn)).to(dt), mask=jm)
         tl.store(o_row + NOPE + 2 * j + 1, tl.fma(e, sn, o * c).to(dt), mask=jm)
 
@@ -121,9 +120,8 @@ def _launch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool
     out = x3 if inplace else torch.empty(N, H, D, dtype=x.dtype, device=x.device)
     block_d = triton.next_power_of_2(D)
     block_half = triton.next_power_of_2(half)
-    # fixed per path, never by N (the norm's reduction tree must not depend on the batch); measured
-    # on the H200 at 8192 x 64 x 512 (results/2026-11-29-h200-kernel-sweep-rope.jsonl): 4 rows per program,
-    # 1 warp (norm) / 2 warps (in place): 0.33 / 0.14 ms vs 0.43 / 0.55 with 8 / 64 rows and 4 warps
+    # fixed per path, never by N (the norm's reduction tree must not depend on the batch): 4 rows per
+    # program, 1 warp (norm) / 2 warps (in place), the fastest swept layouts (benchmarks/NOTES.md)
     rows = rows or 4
     num_warps = num_warps or (2 if inplace else 1)
     _rope_kernel[(triton.cdiv(N * H, rows),)](

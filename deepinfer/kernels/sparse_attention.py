@@ -282,7 +282,8 @@ def supported(q: torch.Tensor, kv_new: torch.Tensor, ring_fmt: str, entries_fmt:
               has_entries: bool) -> bool:
     """Whether the kernel handles these dtypes / formats / head_dim (else `reference` is used).
     Compiled launches take bf16 q only: the fp32-q variant (IEEE dots) is exercised in the Triton
-    interpreter, but on the H200 it missed the reference at D = 512 (2e-5), so fp32 stays on torch."""
+    interpreter, but compiled it does not match the reference closely enough at D = 512
+    (benchmarks/NOTES.md), so fp32 stays on torch."""
     D = q.shape[-1]
     fmts = ("bfloat16", "fp8")
     return (q.dtype == torch.bfloat16 and kv_new.dtype == q.dtype
@@ -295,16 +296,15 @@ def default_splits(T: int, H: int, n_tiles: int, block_h: int, device: torch.dev
     sms = sm_count(device) if device.type == "cuda" else 1
     if 2 * programs > sms:
         return 1
-    return max(1, min(sms // programs, 4, n_tiles))  # 4 beat 16 at batch 1 (0.11 vs 0.17 ms)
+    return max(1, min(sms // programs, 4, n_tiles))  # more than 4 splits was slower at batch 1
 
 
 def default_config(T: int, fp8: bool = False) -> dict:
-    """Tiles measured best on the H200 at H = 64, D = 512 with bf16 keys (benchmarks/kernel_sweep.py):
-    prefill 4 x 2048 tokens 64/32/8 warps (results/2026-11-29-h200-kernel-sweep-attn-kinds.json:
-    sliding 1.42 ms, CSA 4.44, HCA 2.17 vs 2.96 / 5.65 / 3.26 with 32/32/4); decode batch 64
-    32/64/8 warps; batch 1 16 heads with 4 key splits (results/2026-11-29-h200-kernel-sweep.json).
-    fp8 keys need more registers and shared memory per tile (32 x 64 tiles failed on the H200):
-    32 heads x 32 keys, 8 warps, 1 stage, the largest fp8 tiling the GPU tests cover."""
+    """(block_h heads, block_n keys, warps, stages) per token count: the best of the H200 sweeps at
+    H = 64, D = 512 with bf16 keys (benchmarks/kernel_sweep.py; numbers in benchmarks/NOTES.md):
+    prefill 64 / 32 / 8 warps, decode batch 64 32 / 64 / 8 warps, batch 1 16 heads (with key splits).
+    fp8 keys need more registers and shared memory per tile (32 x 64 tiles fail on the H200): 32 heads x 32
+    keys, 8 warps, 1 stage, the largest fp8 tiling the GPU tests cover."""
     if fp8 and T >= 32:
         return dict(block_h=32, block_n=32, num_warps=8, num_stages=1)
     if T >= 1024:

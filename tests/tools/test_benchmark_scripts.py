@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -173,3 +174,16 @@ def test_run_sweep_smoke_leaves_tracked_results_alone(tmp_path):
     written = [Path(p) for p in last.removeprefix("wrote ").split(" and ")]
     assert written and all(p.is_file() for p in written)
     assert all(BENCH / "results" not in p.parents for p in written)
+
+
+# ---- measurements live in benchmarks/NOTES.md, not in the kernels ----
+
+MEASUREMENT = re.compile(r"results/|\.jsonl?\b|\b\d+(\.\d+)? ?(us|ms)\b|TB/s|TFLOP")
+
+
+def test_kernel_sources_carry_no_timings_or_result_files():
+    """Kernel docstrings and comments say what a kernel does and why; timings and the result files
+    that chose a default belong in benchmarks/NOTES.md."""
+    found = [f"{p.name}:{i}: {line.strip()}" for p in sorted((REPO / "deepinfer" / "kernels").glob("*.py"))
+             for i, line in enumerate(p.read_text().splitlines(), 1) if MEASUREMENT.search(line)]
+    assert not found, "\n".join(found)
