@@ -108,12 +108,17 @@ def test_finish_reasons_stop_tokens_and_strings(llm):
     cut = llm.generate([p], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True,
                                            stop_token_ids=[toks[3]]), use_tqdm=False)[0].outputs[0]
     assert cut.finish_reason == "stop" and cut.token_ids == toks[:toks.index(toks[3]) + 1]
+    # the stop string: the first two letters or digits in a row in the second half of the text
     text = base.outputs[0].text
-    stop = text[len(text) // 2:len(text) // 2 + 2]
-    if stop.strip():
-        s = llm.generate([p], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, stop=[stop]),
-                         use_tqdm=False)[0].outputs[0]
-        assert s.finish_reason == "stop" and stop not in s.text and text.startswith(s.text)
+    stop = next((text[i:i + 2] for i in range(len(text) // 2, len(text) - 1) if text[i:i + 2].isalnum()), None)
+    assert stop is not None, f"no two-character word in the second half of {text!r}"
+    # generation ends with the first token whose text completes the stop string's first occurrence
+    n = next(k for k in range(1, len(toks) + 1) if stop in llm.detokenizer.decode(toks[:k]))
+    assert n < len(toks)
+    s = llm.generate([p], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, stop=[stop]),
+                     use_tqdm=False)[0].outputs[0]
+    assert s.finish_reason == "stop" and s.token_ids == toks[:n]
+    assert s.text == text[:text.index(stop)]
 
 
 def test_n_siblings_share_the_prefill_and_logprobs(llm):

@@ -187,3 +187,13 @@ def test_kernel_sources_carry_no_timings_or_result_files():
     found = [f"{p.name}:{i}: {line.strip()}" for p in sorted((REPO / "deepinfer" / "kernels").glob("*.py"))
              for i, line in enumerate(p.read_text().splitlines(), 1) if MEASUREMENT.search(line)]
     assert not found, "\n".join(found)
+
+
+def test_result_records_hold_a_commit_hash_or_null():
+    """A record's commit is what git or --commit gave (or null where nothing was recorded); anything
+    else known about the tree that ran is in its commit_note."""
+    form = re.compile(r"[0-9a-f]{7,40}(-dirty)?")
+    for p in sorted((BENCH / "results").glob("*.json")):
+        record = json.loads(p.read_text())
+        commit = record.get("commit")
+        assert commit is None or form.fullmatch(commit), f"{p.name}: {commit!r}"
