@@ -57,13 +57,28 @@ def test_reference_matches_the_dequant_expert_loop(fmt, counts):
                                    _loop(a, w, offs, s, QuantSpec(block_size=(16, 48))).float(), atol=2e-2, rtol=1e-2)
 
 
-def test_reference_shapes_and_one_group():
-    a, w, offs, s = make_case([9], 40, 64, "fp8")
-    one = reference(a, w[0], None, s[0], (128, 128))
-    torch.testing.assert_close(one, reference(a, w, offs, s, (128, 128)))
-    assert grouped_gemm(a, w, offs, s).shape == (9, 40)  # the CPU falls back to the reference
-    with pytest.raises(ValueError):
-        reference(a, w.expand(2, -1, -1), None, s.expand(2, -1, -1))
+def test_one_group_forms_in_the_triton_interpreter():
+    """A dense linear's two forms, a 2-D weight without offs and one group with offs: both give the
+    Experts reference loop's rows. Several groups need offs; a 2-D weight takes one offset."""
+    pytest.importorskip("triton")
+    run_interpreted(
+        SHIMS +
+        "import pytest, torch\n"
+        "from deepinfer.kernels.grouped_gemm import _launch\n"
+        "from test_grouped_gemm import QUANT, _loop, make_case\n"
+        "cfg = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, num_warps=1, num_stages=1)\n"
+        "for fmt in ('bf16', 'fp8', 'fp4'):\n"
+        "    a, w, offs, s = make_case([21], 40, 96, fmt)\n"
+        "    want = _loop(a, w, offs, s, QUANT[fmt])\n"
+        "    s0, s2 = (None, None) if s is None else (s[0], s.expand(2, -1, -1))\n"
+        "    for got in (_launch(a, w[0], None, s0, (128, 128), **cfg), _launch(a, w, offs, s, (128, 128), **cfg)):\n"
+        "        assert got.shape == (21, 40) and got.dtype == torch.bfloat16, fmt\n"
+        "        torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=1.6e-2)\n"
+        "    with pytest.raises(ValueError, match='offs is required'):\n"
+        "        _launch(a, w.expand(2, -1, -1), None, s2, (128, 128), **cfg)\n"
+        "    with pytest.raises(ValueError, match='one group'):\n"
+        "        _launch(a, w[0], offs.repeat(2), s0, (128, 128), **cfg)\n"
+        "print('ok')\n")
 
 
 def test_tile_bound_holds_for_any_split():
