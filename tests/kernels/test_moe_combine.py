@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from deepinfer.kernels.moe_combine import inverse_permutation, moe_combine, reference
-from interpreter import run_interpreted
+from interpreter import interpreted_and_gpu, run_interpreted
 
 
 
@@ -38,12 +38,25 @@ def test_reference_matches_the_index_add_formulation(T, k, D):
     assert torch.equal(moe_combine(y, order, weights, k), reference(y, order, weights, k))  # cpu: reference
 
 
-def test_reference_is_independent_of_the_other_tokens_routing():
-    """Token 0's row depends only on its own k outputs and weights, not on the batch's sort order."""
-    y, order, weights = _inputs(37, 6, 80, 16, "cpu")
-    inv = inverse_permutation(order)  # token 0's rows in slot order: pair j sits at sorted row inv[j]
-    alone = reference(y[inv[:6]], torch.arange(6), weights[:1], 6)
-    assert torch.equal(reference(y, order, weights, 6)[:1], alone)
+ROWS_CHECK = (
+    "import torch\n"
+    "from deepinfer.kernels.moe_combine import _launch, inverse_permutation, moe_combine\n"
+    "from test_moe_combine import _inputs\n"
+    "y, order, weights = _inputs(37, 6, 80, 16, DEV)\n"
+    "inv = inverse_permutation(order)\n"  # token 0's rows in slot order: pair j sits at sorted row inv[j]
+    "want = torch.zeros(80, device=DEV)\n"  # the documented sum: rounded products added in slot order
+    "for j in range(6):\n"
+    "    want = want + y[inv[j]].float() * weights[0, j]\n"
+    "alone = (y[inv[:6]], torch.arange(6, device=DEV), weights[:1], 6)\n"
+    "for run in (_launch, moe_combine):\n"  # the kernel; the dispatch (CPU: the reference)
+    "    assert torch.equal(run(y, order, weights, 6)[0], want), run\n"
+    "    assert torch.equal(run(*alone)[0], want), run\n"
+    "print('ok')\n")
+
+# Token 0's row depends only on its own k outputs and weights, not on the batch's sort order
+test_rows_are_independent_of_the_other_tokens_routing_in_the_triton_interpreter, \
+    test_rows_are_independent_of_the_other_tokens_routing_on_gpu = interpreted_and_gpu(
+        ROWS_CHECK, "DEV = 'cpu'\n", "DEV = 'cuda'\n")
 
 
 @pytest.mark.gpu
