@@ -3,13 +3,23 @@
 With async scheduling (the default where the runner supports it) a step launches its GPU work,
 then plans and launches the next one (Scheduler.schedule_ahead, placeholder inputs) before
 waiting for its own sampled tokens, so the host work of step N+1 overlaps step N on the GPU.
+
+A step that raises (model, sampler, runner, or the scheduler's update of its output) aborts the
+requests it was computing, and those of a step launched ahead of it: they finish with reason
+"abort" and the error, their slot, blocks and detokenizer state are released, and the step
+launched ahead is discarded. Every other request carries on. A request whose stop-string check
+raises is aborted alone.
 """
 from __future__ import annotations
 
+import logging
+
 from deepinfer.engine.detokenizer import DecodeState, Detokenizer
-from deepinfer.engine.outputs import CompletionOutput
+from deepinfer.engine.outputs import CompletionOutput, SchedulerOutput
 from deepinfer.engine.request import Request
 from deepinfer.engine.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
 
 
 class EngineCore:
@@ -17,6 +27,7 @@ class EngineCore:
                  async_scheduling: bool = False):
         self.scheduler, self.runner, self.detok = scheduler, runner, detokenizer
         self.decode_state: dict[str, DecodeState] = {}
+        self.requests: dict[str, Request] = {}  # every request added and not yet finished
         self.async_scheduling = async_scheduling and getattr(runner, "supports_placeholders", False)
         self.inflight = None  # (SchedulerOutput, StepHandle) launched ahead, not yet updated
 
@@ -24,44 +35,107 @@ class EngineCore:
         """Queue `req`; its n > 1 siblings (req.siblings) start when its prompt is prefilled."""
         for r in [req] + req.siblings:
             self.decode_state[r.request_id] = DecodeState()
+            self.requests[r.request_id] = r
         self.scheduler.add(req)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
     def step(self) -> list[Request]:
-        """One model step; returns the requests that finished in it."""
+        """One model step; returns the requests that finished in it (aborted ones included)."""
         if self.inflight is not None:
-            so, handle = self.inflight
+            (so, handle), self.inflight = self.inflight, None
         else:
-            so = self.scheduler.schedule()
+            so, handle = self.scheduler.schedule(), None
             if not so.chunks:
                 raise RuntimeError("scheduler made no progress: the cache cannot hold any waiting request")
-            handle = self.runner.launch(so) if self.async_scheduling else None
-        self.inflight = None
-        if handle is None:
-            mo = self.runner.execute(so)
-        else:
-            ahead = self.scheduler.schedule_ahead(so)
-            if ahead is not None:
-                self.inflight = (ahead, self.runner.launch(ahead, handle))
-            mo = self.runner.collect(handle)
-        finished = []
-        for req in self.scheduler.update(so, mo):
-            if self.detok is not None and req.params.stop and not req.finished:
-                st = self.decode_state[req.request_id]
-                self.detok.update(st, req.output_token_ids, req.params.stop)
-                if st.stop_hit:
-                    self.scheduler.finish(req, "stop")
-            if req.finished:
-                finished.append(req)
+        ahead = ahead_error = None
+        try:
+            if handle is None and self.async_scheduling:
+                handle = self.runner.launch(so)
+            if handle is None:
+                mo = self.runner.execute(so)
+            else:
+                ahead = self.scheduler.schedule_ahead(so)
+                if ahead is not None:
+                    try:
+                        self.inflight = (ahead, self.runner.launch(ahead, handle))
+                    except Exception as e:  # the look-ahead step failed; this one still completes
+                        ahead_error = e
+                mo = self.runner.collect(handle)
+            touched = self.scheduler.update(so, mo)
+        except Exception as e:
+            return self._fail_step(so, ahead, e)
+        finished = [req for req in touched if self._check_stop(req)]
         if self.inflight is not None and not self.scheduler.has_unfinished():
-            self.runner.collect(self.inflight[1])  # every request finished by a stop token: drop it
-            self.inflight = None
+            self._drop_inflight()  # every request finished by a stop token
+        for req in finished:
+            self.requests.pop(req.request_id, None)
+        if ahead_error is not None:
+            finished += self._fail_step(ahead, None, ahead_error)
         return finished
+
+    def _drop_inflight(self) -> None:
+        """Wait for the step launched ahead and discard it (none of its requests is running)."""
+        (_, handle), self.inflight = self.inflight, None
+        try:
+            self.runner.collect(handle)
+        except Exception:
+            logger.exception("a discarded step launched ahead failed")
+
+    def _check_stop(self, req: Request) -> bool:
+        """Stop strings on `req`'s new text; True if it is finished. A failing check aborts it alone."""
+        if self.detok is not None and req.params.stop and not req.finished:
+            st = self.decode_state[req.request_id]
+            try:
+                self.detok.update(st, req.output_token_ids, req.params.stop)
+            except Exception as e:
+                logger.exception("request %s: detokenisation failed; aborting it", req.request_id)
+                self.scheduler.abort(req, f"detokenisation failed: {type(e).__name__}: {e}")
+            if st.stop_hit:
+                self.scheduler.finish(req, "stop")
+        return req.finished
+
+    def _fail_step(self, so: SchedulerOutput, ahead: SchedulerOutput | None, err: Exception) -> list[Request]:
+        """Abort the requests of a failed step (and of the step launched ahead of it, discarded)."""
+        self.inflight = None
+        ids = {c.request_id for c in so.chunks} | {c.request_id for c in (ahead.chunks if ahead else [])}
+        forked = {f.dst_slot for f in so.forks}  # their state may be half copied
+        victims = [r for r in self.requests.values()
+                   if not r.finished and (r.request_id in ids or (r.slot is not None and r.slot in forked))]
+        error = f"{type(err).__name__}: {err}"
+        logger.error("step failed; aborting requests %s", ", ".join(r.request_id for r in victims),
+                     exc_info=err)
+        # requests its partial update finished are reported with the aborted ones
+        done = [r for r in self.requests.values() if r.finished]
+        for r in done:
+            self.requests.pop(r.request_id)
+        return done + self.abort([r.request_id for r in victims], error)
+
+    def abort(self, request_ids: list[str], error: str) -> list[Request]:
+        """Finish these requests (and their siblings not started yet) with reason "abort", releasing
+        their cache and detokenizer state; returns the ones this call finished. Unknown or finished
+        ids are ignored."""
+        done = []
+        for rid in request_ids:
+            req = self.requests.get(rid)
+            if req is None or req.finished:
+                continue
+            family = [req] + req.siblings
+            self.scheduler.abort(req, error)
+            for r in family:
+                self.requests.pop(r.request_id, None)
+            done += family
+        if self.inflight is not None and not self.scheduler.has_unfinished():
+            self._drop_inflight()  # only aborted requests were in it
+        return done
+
+    def release(self, req: Request) -> None:
+        """Forget a request that will never be read (its detokenizer state)."""
+        self.decode_state.pop(req.request_id, None)
 
     def completion(self, req: Request, index: int) -> CompletionOutput:
         st = self.decode_state.pop(req.request_id)
         text = self.detok.finalize(st, req.output_token_ids) if self.detok is not None else ""
         return CompletionOutput(index, text, list(req.output_token_ids), req.finish_reason,
-                                list(req.logprobs) if req.params.logprobs is not None else None)
+                                list(req.logprobs) if req.params.logprobs is not None else None, req.error)

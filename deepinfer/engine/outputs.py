@@ -66,8 +66,9 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str | None
+    finish_reason: str | None  # "stop" | "length" | "abort"
     logprobs: list[dict[int, float]] | None = None
+    error: str | None = None  # with finish_reason "abort": what failed
 
 
 @dataclass

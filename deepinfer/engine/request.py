@@ -12,7 +12,7 @@ class Status(enum.Enum):
     WAITING = "waiting"      # queued (new, or preempted: its state was freed, it will recompute)
     RUNNING = "running"      # owns a slot and blocks
     FORKING = "forking"      # n > 1 sibling: waits for its leader's prompt prefill, then copies it
-    FINISHED = "finished"
+    FINISHED = "finished"    # stopped, hit its length, or aborted (finish_reason says which)
 
 
 @dataclass
@@ -21,13 +21,13 @@ class Request:
     prompt_token_ids: list[int]
     params: SamplingParams
     eos_token_id: int | None = None
-    arrival: int = 0
     output_token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict[int, float]] = field(default_factory=list)
     # tokens whose state is in the cache; everything at or after this index still needs computing
     num_computed_tokens: int = 0
     status: Status = Status.WAITING
-    finish_reason: str | None = None
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    error: str | None = None  # why the request was aborted
     slot: int | None = None
     block_tables: dict[int, list[int]] = field(default_factory=dict)
     siblings: list["Request"] = field(default_factory=list)  # n > 1: forks waiting on this leader

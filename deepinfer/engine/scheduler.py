@@ -154,6 +154,18 @@ class Scheduler:
             self.waiting.appendleft(sib)
         self._append(sib, tok, lp)
 
+    def abort(self, req: Request, error: str) -> None:
+        """Finish `req` and its siblings still waiting on its prefill with reason "abort", freeing
+        what they hold; a fork into one of their slots not applied yet is dropped."""
+        for r in [req] + req.siblings:
+            if r.finished:
+                continue
+            if r.slot is not None:
+                self.pending_forks = [f for f in self.pending_forks if f.dst_slot != r.slot]
+            r.error = error
+            self.finish(r, "abort")
+        req.siblings = []
+
     def finish(self, req: Request, reason: str) -> None:
         if req.finished:
             return
