@@ -151,14 +151,45 @@ def test_expand_placeholders(vcfg):
         expand_image_placeholders([5, 1022], [a, b], 1022)
 
 
-def test_full_model_logits_with_images_finite(nemo, vcfg):
+def _logits_with_images(llm, ids: list[int], images: list, starts: list[int]) -> torch.Tensor:
+    """deepinfer's logits [S, V] at every position of `ids` with the images' spans at `starts`: one
+    prefill through the engine (placeholders expanded, spans embedded by the model's vision tower),
+    reading the model's output rows."""
+    from deepinfer import SamplingParams
+
+    img_tok, prompt, at = llm.model.config.image_token_id, [], 0
+    for img, s in zip(images, starts):
+        prompt += ids[at:s] + [img_tok]
+        at = s + preprocess_image(img, llm.model.config.vision).num_tokens
+    prompt += ids[at:]
+    rows = []
+    hook = llm.model.register_forward_hook(lambda module, args, out: rows.append(out))
+    try:
+        out = llm.generate({"prompt_token_ids": prompt, "images": images},
+                           SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)[0]
+    finally:
+        hook.remove()
+    assert len(rows) == 1 and rows[0].shape[0] == len(ids) == len(out.prompt_token_ids)
+    with torch.inference_mode():
+        return llm.model.compute_logits(rows[0]).float()
+
+
+def test_full_model_logits_with_images_match_nemo(ckpt, nemo, vcfg):
+    from deepinfer import LLM
+
+    llm = LLM(str(ckpt), device="cpu", dtype="float32", kv_cache_dtype="float32", kv_cache_memory=32 << 20,
+              yoco_prefill_truncation_mode="none")  # every position computed in full
+    ids, starts = (torch.arange(48) % 50 + 3).tolist(), [2, 20]
     imgs = [_image(w, h, s) for w, h, s in IMAGES]
-    ids = torch.arange(48) % 50 + 3
-    logits = nemo_v41_logits_with_images(nemo, ids, imgs, [2, 20])
-    assert logits.shape == (1, 48, vcfg["text_config"]["vocab_size"])
-    assert torch.isfinite(logits).all()
-    # the image changes the logits after it (and not before it)
-    other = [_image(50, 30, 9), imgs[1]]
-    logits2 = nemo_v41_logits_with_images(nemo, ids, other, [2, 20])
-    assert torch.equal(logits[0, :2], logits2[0, :2])
-    assert (logits[0, 14:] - logits2[0, 14:]).abs().max() > 1e-4
+    other = [_image(50, 30, 9), imgs[1]]  # another first image
+    ours = {}
+    for name, pics in (("imgs", imgs), ("other", other)):
+        ours[name] = _logits_with_images(llm, ids, pics, starts)
+        ref = nemo_v41_logits_with_images(nemo, torch.tensor(ids), pics, starts, exact=True)[0]
+        assert ours[name].shape == ref.shape == (48, vcfg["text_config"]["vocab_size"])
+        err, scale = (ours[name] - ref).abs().max().item(), ref.abs().max().item()
+        assert err <= 1e-4 * scale, f"{name}: max |diff| {err:.3g} vs logit scale {scale:.3g}"
+    # the first image's content reaches every position after its span's start token, none before
+    assert torch.equal(ours["imgs"][:3], ours["other"][:3])
+    diff = (ours["imgs"][3:] - ours["other"][3:]).abs().amax(-1)
+    assert (diff > 1e-3 * ours["imgs"].abs().max()).all(), diff
