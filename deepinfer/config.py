@@ -19,6 +19,8 @@ ENV_FIELDS = {
     "DEEPINFER_BATCH_INVARIANT": "batch_invariant",
 }
 REPLAY_MODES = ("compact", "none")
+LOGGING_ENV_FIELDS = {"DEEPINFER_CONFIGURE_LOGGING": "configure", "DEEPINFER_LOGGING_LEVEL": "level"}
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
 @dataclass(frozen=True)
@@ -46,6 +48,7 @@ class EngineConfig:
     # plan and launch step N+1 while step N runs (DeepInfer's zero-overhead scheduler; vLLM's
     # --async-scheduling). Models that hash tokens on the host (V4.1 Engram) run synchronously.
     async_scheduling: bool = True
+    max_logprobs: int = 20  # vLLM's name and default: the most logprobs a request may ask for
     # a request's logits do not depend on the rest of the batch, its size or its prompt's chunking
     # (fixed-tile GEMMs, fixed-block attention reductions); costs speed, so off by default
     batch_invariant: bool = False
@@ -65,7 +68,7 @@ class EngineConfig:
             raise ValueError(f"engram_device: {self.engram_device!r} is not None or 'cpu'")
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"device: {self.device!r} is not 'cpu' or 'cuda[:N]'")
-        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_logprobs"):
             _check_positive(name, getattr(self, name))
         for name in ("max_model_len", "kv_cache_memory"):
             if getattr(self, name) is not None:
@@ -82,6 +85,26 @@ class EngineConfig:
         known = {f.name for f in fields(cls)}
         kw.update({k: v for k, v in overrides.items() if k in known and v is not None})
         return cls(**kw)
+
+
+@dataclass(frozen=True)
+class LoggingConfig:
+    """How the `deepinfer` logger reports (read once, when deepinfer is imported). `configure`:
+    give it its own stderr handler at `level` (vLLM's default); 0 leaves logging to the application."""
+
+    configure: bool = True
+    level: str = "INFO"
+
+    def __post_init__(self):
+        if isinstance(self.configure, str):  # from the environment
+            object.__setattr__(self, "configure", _parse_bool("configure", self.configure))
+        object.__setattr__(self, "level", self.level.upper())
+        _check_choice("level", self.level, LOG_LEVELS)
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> "LoggingConfig":
+        env = os.environ if env is None else env
+        return cls(**{f: env[v] for v, f in LOGGING_ENV_FIELDS.items() if env.get(v)})
 
 
 def default_cache_dir() -> Path:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import gc
 import itertools
+import numbers
 from typing import Sequence
 
 import torch
@@ -12,7 +13,7 @@ from deepinfer.config import EngineConfig
 from deepinfer.engine.detokenizer import Detokenizer
 from deepinfer.engine.engine_core import EngineCore
 from deepinfer.engine.kv_manager import KVCacheManager, plan_capacity
-from deepinfer.engine.outputs import RequestOutput
+from deepinfer.engine.outputs import CompletionOutput, RequestOutput
 from deepinfer.engine.request import Request, Status
 from deepinfer.engine.scheduler import Scheduler
 from deepinfer.loader.model_loader import load_model
@@ -35,7 +36,7 @@ class LLM:
                  skip_tokenizer_init: bool = False, seed: int | None = None, block_size: int = 64,
                  yoco_prefill_truncation_mode: str | None = None, yoco_prefill_keep_tokens: int | None = None,
                  engram_device: str | None = None, enforce_eager: bool = False, async_scheduling: bool = True,
-                 batch_invariant: bool | None = None):
+                 batch_invariant: bool | None = None, max_logprobs: int = 20):
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         cfg = EngineConfig.from_env(
             model=model, device=device, dtype=dtype, kv_cache_dtype=kv_cache_dtype, max_model_len=max_model_len,
@@ -43,7 +44,11 @@ class LLM:
             kv_cache_memory=kv_cache_memory, skip_tokenizer_init=skip_tokenizer_init, seed=seed,
             block_size=block_size, yoco_prefill_truncation_mode=yoco_prefill_truncation_mode,
             yoco_prefill_keep_tokens=yoco_prefill_keep_tokens, engram_device=engram_device,
-            enforce_eager=enforce_eager, async_scheduling=async_scheduling, batch_invariant=batch_invariant)
+            enforce_eager=enforce_eager, async_scheduling=async_scheduling, batch_invariant=batch_invariant,
+            max_logprobs=max_logprobs)
+        if cfg.device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError(f"device: {cfg.device!r} needs a CUDA device, and this torch ({torch.__version__}) "
+                             "sees none; use device='cpu'")
         self.config = cfg
         ref = cfg.model or cfg.hf_model_dir or DEFAULT_MODEL
         if ref == DEMO_NAME:
@@ -78,19 +83,48 @@ class LLM:
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[RequestOutput]:
         """Runs all prompts to completion; outputs come back in prompt order. Every prompt and
-        parameter is validated before anything is scheduled."""
-        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        params = self._params_for(list(prompts), sampling_params)
+        parameter is validated before anything is scheduled (ValueError naming the field).
+
+        If a model step fails, the requests it computed are aborted and the rest run to the end;
+        then GenerationError is raised, naming the aborted prompts, with every output in its
+        `outputs` (aborted ones have finish_reason "abort" and `error`). If generate itself is
+        interrupted (KeyboardInterrupt, ...), its requests are aborted and freed before the
+        exception propagates. Either way the engine then serves as a fresh one would."""
+        prompts = _as_prompt_list(prompts)
+        params = self._params_for(prompts, sampling_params)
         inputs = [self._prepare(i, p) for i, p in enumerate(prompts)]
         for i, sp in enumerate(params):
-            if sp.stop and self.detokenizer is None:
-                raise ValueError(f"prompts[{i}]: SamplingParams.stop needs a tokenizer (skip_tokenizer_init=True)")
+            self._check_params(i, sp)
         groups = [self._submit(ids, sp, images) for (ids, images), sp in zip(inputs, params)]
-        self._run(sum(len(g) for g in groups), use_tqdm)
-        return [RequestOutput(g[0].request_id, _text_of(p), ids,
+        try:
+            self._run(sum(len(g) for g in groups), use_tqdm)
+        except BaseException:
+            reqs = [r for g in groups for r in g]
+            self.engine.abort([r.request_id for r in reqs], "generate was interrupted")
+            for r in reqs:
+                self.engine.release(r)
+            raise
+        outs = [RequestOutput(g[0].request_id, _text_of(p), ids,
                               [self.engine.completion(r, k) for k, r in enumerate(g)])
                 for g, p, (ids, _) in zip(groups, prompts, inputs)]
+        failed = [(i, c) for i, o in enumerate(outs) for c in o.outputs if c.finish_reason == "abort"]
+        if failed:
+            raise GenerationError(failed, outs)
+        return outs
+
+    def _check_params(self, i: int, sp: SamplingParams) -> None:
+        """What SamplingParams cannot check alone: limits that depend on the model and engine."""
+        vocab = self.model.config.vocab_size
+        if sp.stop and self.detokenizer is None:
+            raise ValueError(f"prompts[{i}]: SamplingParams.stop needs a tokenizer (skip_tokenizer_init=True)")
+        if sp.logprobs is not None and sp.logprobs > min(self.config.max_logprobs, vocab):
+            raise ValueError(f"prompts[{i}]: SamplingParams.logprobs {sp.logprobs} is above the limit "
+                             f"{min(self.config.max_logprobs, vocab)} (max_logprobs={self.config.max_logprobs}, "
+                             f"vocab_size={vocab})")
+        bad = [t for t in sp.stop_token_ids if t >= vocab]
+        if bad:
+            raise ValueError(f"prompts[{i}]: SamplingParams.stop_token_ids {bad[:5]} are outside the vocabulary "
+                             f"[0, {vocab})")
 
     def _prepare(self, i: int, prompt: PromptType) -> tuple[list[int], list]:
         """Token ids (image placeholders expanded) and [(span start, preprocessed image)]."""
@@ -102,6 +136,8 @@ class LLM:
                              f"(and optionally 'images'); got keys {sorted(prompt)}")
         ids = self._tokenize(i, prompt.get("prompt", prompt.get("prompt_token_ids")))
         images = prompt.get("images") or []
+        if not isinstance(images, (list, tuple)):
+            raise ValueError(f"prompts[{i}].images: expected a list of images, got {type(images).__name__}")
         if not images:
             return ids, []
         from deepinfer.models.image_processor_v41 import expand_image_placeholders, preprocess_image
@@ -109,10 +145,16 @@ class LLM:
         cfg = self.model.config
         if not hasattr(self.model, "vision"):
             raise ValueError(f"prompts[{i}]: images given, but this model has no vision encoder")
+        processed = []
+        for j, img in enumerate(images):
+            try:  # anything an image can raise while decoding is this prompt's error, found before scheduling
+                processed.append(preprocess_image(img, cfg.vision))
+            except Exception as e:
+                raise ValueError(f"prompts[{i}].images[{j}]: cannot be read as an image "
+                                 f"({type(e).__name__}: {e})") from None
         try:
-            processed = [preprocess_image(img, cfg.vision) for img in images]
             ids, starts = expand_image_placeholders(ids, processed, cfg.image_token_id)
-        except (ValueError, OSError) as e:
+        except ValueError as e:
             raise ValueError(f"prompts[{i}].images: {e}") from None
         if len(ids) >= self.max_model_len:
             raise ValueError(f"prompts[{i}]: {len(ids)} tokens with the image spans; max_model_len is "
@@ -131,6 +173,9 @@ class LLM:
 
     def _tokenize(self, i: int, prompt: PromptType) -> list[int]:
         where = f"prompts[{i}]"
+        if not isinstance(prompt, (str, list, tuple)):
+            raise ValueError(f"{where}: a prompt is a str, a list of token ids or a dict; got "
+                             f"{type(prompt).__name__}")
         if isinstance(prompt, str):
             if self.detokenizer is None:
                 raise ValueError(f"{where}: text prompts need a tokenizer; pass token ids with skip_tokenizer_init")
@@ -142,7 +187,11 @@ class LLM:
             if not ids:
                 raise ValueError(f"{where}: the prompt is empty")
             vocab = self.model.config.vocab_size
-            bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
+            notint = [t for t in ids if not _is_token(t)]
+            if notint:
+                raise ValueError(f"{where}: prompt_token_ids must be integers; got {notint[:5]!r}")
+            ids = [int(t) for t in ids]
+            bad = [t for t in ids if not 0 <= t < vocab]
             if bad:
                 raise ValueError(f"{where}: prompt_token_ids {bad[:5]} are outside the vocabulary [0, {vocab})")
         if len(ids) >= self.max_model_len:
@@ -165,6 +214,33 @@ class LLM:
         while self.engine.has_unfinished():
             bar.update(len(self.engine.step()))
         bar.close()
+
+
+class GenerationError(RuntimeError):
+    """Some requests of a generate call were aborted by a failing model step. `outputs` holds every
+    prompt's RequestOutput, in order; `failed` the (prompt index, aborted CompletionOutput) pairs."""
+
+    def __init__(self, failed: list[tuple[int, CompletionOutput]], outputs: list[RequestOutput]):
+        self.failed, self.outputs = failed, outputs
+        names = "; ".join(f"prompts[{i}] (sample {c.index}): {c.error}" for i, c in failed[:5])
+        more = f"; and {len(failed) - 5} more" if len(failed) > 5 else ""
+        super().__init__(f"{len(failed)} request(s) aborted by a failing step: {names}{more}. "
+                         "Their outputs have finish_reason 'abort'; every output is in this error's .outputs")
+
+
+def _as_prompt_list(prompts) -> list:
+    """One prompt (a str, a dict, a list of token ids) or a sequence of them, as a list."""
+    if isinstance(prompts, (str, dict)) or (isinstance(prompts, (list, tuple)) and prompts
+                                             and _is_token(prompts[0])):
+        return [prompts]
+    if not isinstance(prompts, (list, tuple)):
+        raise ValueError(f"prompts: expected a str, a list of token ids, a dict or a list of those; "
+                         f"got {type(prompts).__name__}")
+    return list(prompts)
+
+
+def _is_token(x) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
 def _text_of(prompt: PromptType) -> str | None:

@@ -1,6 +1,7 @@
 import os
 
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")  # NeMo's oracle: eager everywhere, no compiler needed
+os.environ.setdefault("DEEPINFER_CONFIGURE_LOGGING", "0")  # records reach pytest's caplog (the root logger)
 
 import pytest
 import torch
