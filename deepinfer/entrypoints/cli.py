@@ -1,36 +1,54 @@
-"""deepinfer command line: `deepinfer generate --model M --prompt "..." [sampling flags]`."""
+"""deepinfer command line: `deepinfer generate --model M --prompt "..." [sampling flags]`.
+
+Flags are checked before the model is loaded; a problem the user can fix (a bad flag value, a
+model that cannot be found, a device this build cannot use) is one line on stderr and exit code 2.
+torch is imported only once a command runs, so `--help` is instant.
+"""
 from __future__ import annotations
 
 import argparse
 import json
 import sys
 
+USAGE_ERROR = 2  # argparse's exit code for a bad command line
+
 
 def _generate(args: argparse.Namespace) -> None:
-    from deepinfer import LLM, SamplingParams
+    from deepinfer import SamplingParams
 
-    llm = LLM(model=args.model, device=args.device, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
-              max_model_len=args.max_model_len, seed=args.seed)
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
                             max_tokens=args.max_tokens, stop=args.stop, ignore_eos=args.ignore_eos, n=args.n,
-                            seq_seed=args.seq_seed)
+                            seq_seed=args.seq_seed, logprobs=args.logprobs)
+    from deepinfer import LLM
+
+    llm = LLM(model=args.model, device=args.device, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
+              max_model_len=args.max_model_len, seed=args.seed, enforce_eager=args.enforce_eager,
+              batch_invariant=args.batch_invariant or None)
     for out in llm.generate(args.prompt, params, use_tqdm=False):
         for c in out.outputs:
             print(json.dumps({"prompt": out.prompt, "index": c.index, "text": c.text, "token_ids": c.token_ids,
-                              "finish_reason": c.finish_reason}, ensure_ascii=False))
+                              "finish_reason": c.finish_reason, "logprobs": _json_logprobs(c.logprobs)},
+                             ensure_ascii=False))
 
 
-def main(argv: list[str] | None = None) -> None:
+def _json_logprobs(lps):
+    return None if lps is None else [{str(t): v for t, v in d.items()} for d in lps]
+
+
+def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="deepinfer")
     sub = ap.add_subparsers(dest="command", required=True)
-    g = sub.add_parser("generate", help="generate completions for one or more prompts")
-    g.add_argument("--model", default=None, help="local dir, hub id, or 'demo' (default: DEEPINFER_HF_MODEL_DIR)")
+    g = sub.add_parser("generate", help="generate completions for one or more prompts (one JSON line each)")
+    g.add_argument("--model", default=None,
+                   help="local dir, hub id, or 'demo' (default: DEEPINFER_HF_MODEL_DIR, else the V4.1-Flash hub id)")
     g.add_argument("--prompt", action="append", required=True, help="repeat for several prompts")
-    g.add_argument("--device", default=None)
+    g.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda where available)")
     g.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "bfloat16", "float32"])
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    g.add_argument("--batch-invariant", action="store_true", help="same logits whatever the batch")
     g.add_argument("--temperature", type=float, default=1.0)
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=-1)
@@ -40,11 +58,19 @@ def main(argv: list[str] | None = None) -> None:
     g.add_argument("--ignore-eos", action="store_true")
     g.add_argument("--n", type=int, default=1)
     g.add_argument("--seq-seed", type=int, default=None)
-    args = ap.parse_args(argv)
+    g.add_argument("--logprobs", type=int, default=None)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = _parser().parse_args(argv)
+    from deepinfer.loader.resolve import ModelNotFoundError
+
     try:
         _generate(args)
-    except ValueError as e:
-        sys.exit(f"deepinfer: error: {e}")
+    except (ValueError, ModelNotFoundError) as e:
+        print(f"deepinfer: error: {e}", file=sys.stderr)
+        sys.exit(USAGE_ERROR)
 
 
 if __name__ == "__main__":

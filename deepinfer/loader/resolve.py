@@ -1,10 +1,12 @@
 """Find a model directory: a local path, DEEPINFER_HF_MODEL_DIR, or the Hugging Face cache/hub."""
 from __future__ import annotations
 
+import logging
 import re
 from pathlib import Path
 
 ALLOW_PATTERNS = ["*.json", "*.safetensors", "tokenizer*"]
+logger = logging.getLogger(__name__)
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
@@ -49,6 +51,8 @@ def resolve_model_dir(model: str | None, *, hf_model_dir: str | None = None,
 
     offline = offline or bool(constants.HF_HUB_OFFLINE)
     cache = constants.HF_HUB_CACHE
+    if not offline:
+        _announce_download(model, cache)
     try:
         path = Path(snapshot_download(model, allow_patterns=ALLOW_PATTERNS, cache_dir=cache,
                                       local_files_only=offline))
@@ -61,6 +65,26 @@ def resolve_model_dir(model: str | None, *, hf_model_dir: str | None = None,
         looked.append(f"HF snapshot {path} (has no config.json)")
         raise _not_found(model, looked)
     return path
+
+
+def _announce_download(model: str, cache: str) -> None:
+    """Log how much of `model` the hub download will fetch (files not in the cache yet), before it starts."""
+    from huggingface_hub import HfApi, try_to_load_from_cache
+    from huggingface_hub.utils import filter_repo_objects
+
+    try:
+        info = HfApi().model_info(model, files_metadata=True)
+    except Exception as e:  # the download itself reports what is wrong with the hub or the id
+        logger.info("%s: could not read its file list from the hub (%s)", model, _short(e))
+        return
+    files = list(filter_repo_objects(info.siblings or [], allow_patterns=ALLOW_PATTERNS, key=lambda f: f.rfilename))
+    missing = [f for f in files if not isinstance(try_to_load_from_cache(model, f.rfilename, cache_dir=cache,
+                                                                         revision=info.sha), str)]
+    if not missing:
+        return
+    size = sum(f.size or 0 for f in missing)
+    logger.info("%s: downloading %d of %d files, %.1f GB, from the Hugging Face hub into %s", model,
+                len(missing), len(files), size / 1e9, cache)
 
 
 def _not_found(model: str | None, looked: list[str]) -> ModelNotFoundError:
