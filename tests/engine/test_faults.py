@@ -227,3 +227,28 @@ def test_an_interrupted_generate_releases_its_requests(ckpt, fresh, async_schedu
         llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     del runner.collect
     _serves_as_fresh(llm, fresh)
+
+
+@pytest.mark.gpu
+def test_a_failing_cuda_graph_replay_aborts_its_step(ckpt, monkeypatch):
+    """Real graphs on the GPU (bf16, batch-invariant so two engines' tokens compare exactly): the first
+    replay raises; its requests are aborted and the engine then serves as a fresh one."""
+    def engine():
+        return LLM(str(ckpt), device="cuda", dtype="bfloat16", kv_cache_dtype="bfloat16",
+                   kv_cache_memory=32 << 20, batch_invariant=True)
+    fresh = [o.outputs[0].token_ids for o in engine().generate(PROMPTS, GREEDY, use_tqdm=False)]
+    llm = engine()
+    plain, calls = torch.cuda.CUDAGraph.replay, []
+
+    def replay(self):
+        calls.append(1)
+        if len(calls) == 1:
+            raise RuntimeError("injected fault in graph replay")
+        return plain(self)
+    monkeypatch.setattr(torch.cuda.CUDAGraph, "replay", replay)
+    with pytest.raises(GenerationError) as e:
+        llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    _check_failure(e.value, len(PROMPTS), failed_prompts=range(len(PROMPTS)))
+    assert llm.engine.runner.graphs.graphs and len(calls) == 1
+    _serves_as_fresh(llm, fresh)
+    assert len(calls) > 1  # the engine went on replaying graphs
