@@ -16,7 +16,7 @@ from deepinfer.layers import invariant
 from deepinfer.layers.forward_batch import SeqChunk, build_forward_batch
 from deepinfer.loader.model_loader import load_model
 from deepinfer.tools.make_checkpoint import PRESETS, write_checkpoint
-from deepinfer.worker.kv_cache import static_v4_cache
+from deepinfer.tools.static_cache import static_v4_cache
 
 
 def record(model, cache, steps, target_slot: int, on: bool = True) -> list[tuple[str, torch.Tensor]]:

@@ -183,7 +183,7 @@ def main() -> None:
 
 def profile(args) -> None:
     from deepinfer.layers.forward_batch import SeqChunk, build_forward_batch
-    from deepinfer.worker.kv_cache import static_v4_cache
+    from deepinfer.tools.static_cache import static_v4_cache
 
     model = fs.deepinfer_model(fp8=args.fp8)
     cfg = model.config

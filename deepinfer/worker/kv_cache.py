@@ -133,14 +133,6 @@ class V4Cache:
     scratch_slot: int | None = None                 # a slot and an entry row per ratio no request owns
     scratch_addr: dict[int, int] | None = None      # (padding rows of captured decode graphs write there)
 
-    def static_tables(self, slot: int) -> dict[int, list[int]]:
-        """Block tables of the static layout (slot s owns blocks [s*B/S, (s+1)*B/S), S slots and B
-        blocks per ratio not counting the scratch ones)."""
-        scratch = self.scratch_slot is not None
-        slots = self.num_slots - scratch
-        return {m: list(range(slot * (n - scratch) // slots, (slot + 1) * (n - scratch) // slots))
-                for m, n in self.num_blocks.items()}
-
     def copy_state(self, src_slot: int, dst_slot: int, src_blocks: dict[int, list[int]],
                    dst_blocks: dict[int, list[int]]) -> None:
         """Duplicate a request's state into another slot and blocks (n > 1 forks after the
@@ -171,12 +163,3 @@ def allocate_v4_cache(cfg, num_slots: int, num_blocks: dict[int, int], kv_cache_
     if scratch:
         cache.scratch_slot, cache.scratch_addr = num_slots, {m: n * block_size for m, n in num_blocks.items()}
     return cache
-
-
-def static_v4_cache(cfg, num_slots: int, max_len: int, kv_cache_dtype: str, device,
-                    block_size: int = 16, scratch: bool = False) -> V4Cache:
-    """Every slot owns enough blocks for `max_len` tokens (model tests drive the forward directly).
-    With `scratch`, one more slot and one more block per ratio are set aside (see V4Cache)."""
-    ratios = {m for m, _ in _compressed(cfg)}
-    blocks = {m: num_slots * -(-(max_len // m) // block_size) for m in ratios}
-    return allocate_v4_cache(cfg, num_slots, blocks, kv_cache_dtype, device, block_size, scratch)

@@ -10,7 +10,7 @@ from deepinfer.layers.forward_batch import SeqChunk, build_forward_batch
 from deepinfer.loader.model_loader import load_model
 from deepinfer.models import DeepseekV4Config, DeepseekV4ForCausalLM
 from deepinfer.tools.make_checkpoint import PRESETS, write_checkpoint
-from deepinfer.worker.kv_cache import static_v4_cache
+from deepinfer.tools.static_cache import static_v4_cache
 from oracle import transformers_model
 
 TINY = PRESETS["tiny"]

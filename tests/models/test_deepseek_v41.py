@@ -9,7 +9,7 @@ from deepinfer.loader.model_loader import load_model
 from deepinfer.models.config_v41 import FULL, REINDEX, REUSE, SWA, DeepseekV41Config
 from deepinfer.models.deepseek_v41 import DeepseekV41ForCausalLM
 from deepinfer.tools.make_checkpoint import PRESETS, write_checkpoint
-from deepinfer.worker.kv_cache import static_v4_cache
+from deepinfer.tools.static_cache import static_v4_cache
 from nemo_oracle import nemo_v41_logits, nemo_v41_model
 
 TINY = PRESETS["tiny41"]
