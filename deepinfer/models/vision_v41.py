@@ -224,35 +224,3 @@ def image_span_embeddings(owner: nn.Module, image: ImageInput) -> torch.Tensor:
     rows = torch.cat([feats.view(lh, lw, D), owner.image_newline.view(1, 1, D).expand(lh, 1, D)], dim=1)
     return torch.cat([owner.image_start.view(1, D), rows.reshape(lh * (lw + 1), D), owner.image_end.view(1, D)])
 
-
-def load_vision_weights(module: DeepseekV41Vision, model_dir, block: tuple[int, int] | None = None
-                        ) -> DeepseekV41Vision:
-    """Copy the checkpoint's vision.* / aligner.* / image_* tensors into `module` (strict:
-    every parameter must be present with its shape; FP8 weight + .scale pairs, which the
-    release does not use for vision, are dequantised)."""
-    import json
-    from pathlib import Path
-
-    from deepinfer.layers.quant import dequant_fp8_blocks
-    from deepinfer.loader.checkpoint import CheckpointReader
-    if block is None:
-        cfg_file = Path(model_dir) / "config.json"
-        qc = (json.loads(cfg_file.read_text()).get("quantization_config") or {}) if cfg_file.is_file() else {}
-        block = tuple(qc.get("weight_block_size") or (128, 128))
-    params = dict(module.named_parameters())
-    with CheckpointReader(model_dir) as r:
-        names = [n for n in r.names() if DeepseekV41Vision.is_vision_tensor(n) and not n.endswith(".scale")]
-        missing = sorted(set(params) - set(names))
-        extra = sorted(set(names) - set(params))
-        if missing or extra:
-            raise ValueError(f"vision tensors: missing {missing[:5]}, unexpected {extra[:5]}")
-        for n in names:
-            t = r.get(n)
-            if t.dtype == torch.float8_e4m3fn:
-                sn = n[: -len(".weight")] + ".scale"
-                t = dequant_fp8_blocks(t, r.get(sn), block, torch.float32)
-            p = params[n]
-            if tuple(t.shape) != tuple(p.shape):
-                raise ValueError(f"{n}: checkpoint shape {tuple(t.shape)} != {tuple(p.shape)}")
-            p.data.copy_(t.to(p.dtype))
-    return module

@@ -16,7 +16,7 @@ from deepinfer.loader.checkpoint import CheckpointReader  # noqa: E402
 from deepinfer.models.image_processor_v41 import (IMAGE, IMAGE_END, IMAGE_NEW_LINE, IMAGE_START,  # noqa: E402
                                                   VisionPreprocessConfig, expand_image_placeholders,
                                                   image_token_span, plan_image_grid, preprocess_image)
-from deepinfer.models.vision_v41 import DeepseekV41Vision, load_vision_weights  # noqa: E402
+from deepinfer.models.vision_v41 import DeepseekV41Vision  # noqa: E402
 from deepinfer.tools.make_checkpoint import PRESETS, weight_specs, write_checkpoint  # noqa: E402
 
 from nemo_oracle import (nemo_preprocess_image, nemo_v41_image_span_embeddings,  # noqa: E402
@@ -51,10 +51,24 @@ def nemo(ckpt):
     return model
 
 
+def _load_vision_weights(module: DeepseekV41Vision, model_dir) -> DeepseekV41Vision:
+    """Copy the checkpoint's vision.* / aligner.* / image_* tensors into `module`: every parameter
+    present with its shape, nothing extra (the released layout stores them plain, never FP8)."""
+    params = dict(module.named_parameters())
+    with CheckpointReader(model_dir) as r:
+        names = [n for n in r.names() if DeepseekV41Vision.is_vision_tensor(n)]
+        assert sorted(names) == sorted(params), "vision tensors differ from the module's parameters"
+        for n in names:
+            t = r.get(n)
+            assert tuple(t.shape) == tuple(params[n].shape), n
+            params[n].data.copy_(t.to(params[n].dtype))
+    return module
+
+
 @pytest.fixture(scope="module")
 def ours(ckpt, vcfg):
     m = DeepseekV41Vision(vcfg["vision_config"], vcfg["text_config"]["hidden_size"], torch.float32)
-    return load_vision_weights(m, ckpt).eval()
+    return _load_vision_weights(m, ckpt).eval()
 
 
 def test_vision_tensors_released_layout(ckpt, vcfg, ours):
