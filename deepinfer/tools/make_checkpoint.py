@@ -12,25 +12,20 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import math
-import zlib
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
 import torch
-from safetensors.torch import save_file
 
-from deepinfer.layers.quant import quant_fp4, quant_fp8_blocks, scale_to_float
-from deepinfer.loader.checkpoint import INDEX_FILE
 from deepinfer.loader.names import split_expert_name, to_hf_name
+from deepinfer.tools.checkpoint_writer import (DTYPES, FP8_QUANT, ShardWriter, WeightSpec, attention_specs,
+                                               dspark_head_specs, encode_tensor, expert_specs, open_writer,
+                                               random_tensors)
+from deepinfer.tools.make_checkpoint_v41 import weight_specs_v41, write_checkpoint_v41
 from deepinfer.tools.presets_v41 import PRESETS_V41, is_v41
 from deepinfer.tools.tiny_tokenizer import write_tokenizer
 
-DTYPES = ("fp8", "bfloat16", "float32")
 LAYOUTS = ("deepseek", "hf")
-
-_FP8_QUANT = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "scale_fmt": "ue8m0"}
 
 _TINY = {
     "architectures": ["DeepseekV4ForCausalLM"],
@@ -79,7 +74,7 @@ _TINY = {
     "attention_dropout": 0.0,
     "initializer_range": 0.02,
     "expert_dtype": "fp4",
-    "quantization_config": {**_FP8_QUANT, "weight_block_size": [32, 32]},
+    "quantization_config": {**FP8_QUANT, "weight_block_size": [32, 32]},
 }
 
 _TINY_DSPARK = {
@@ -114,7 +109,7 @@ _DEMO = {
     "max_position_embeddings": 4096,
     "rope_scaling": {"type": "yarn", "factor": 16, "original_max_position_embeddings": 256,
                      "beta_fast": 32, "beta_slow": 1},
-    "quantization_config": {**_FP8_QUANT, "weight_block_size": [64, 64]},
+    "quantization_config": {**FP8_QUANT, "weight_block_size": [64, 64]},
 }
 
 _FLASH = {
@@ -141,21 +136,12 @@ _FLASH = {
     "max_position_embeddings": 1048576,
     "rope_scaling": {"type": "yarn", "factor": 16, "original_max_position_embeddings": 65536,
                      "beta_fast": 32, "beta_slow": 1},
-    "quantization_config": {**_FP8_QUANT, "weight_block_size": [128, 128]},
+    "quantization_config": {**FP8_QUANT, "weight_block_size": [128, 128]},
 }
 
 PRESETS: dict[str, dict] = {"tiny": _TINY, "tiny-dspark": _TINY_DSPARK, "demo": _DEMO, "flash": _FLASH,
                             **PRESETS_V41}
 ARCHS = ("deepseek_v4", "deepseek_v41")
-
-
-@dataclass(frozen=True)
-class WeightSpec:
-    name: str
-    shape: tuple[int, ...]
-    init: str  # linear | embed | head | norm | hc_fn | hc_base | hc_scale | sink | ape | bias | tid2eid
-    store: str  # fp8 (block-quantised) | fp8_rows (e4m3, one scale per row x 32 columns) | expert (fp4 or fp8)
-    #             | bf16 | fp32 | int32
 
 
 def _block_specs(c: dict, p: str, ratio: int, hashed: bool, *, compressor: bool = True) -> list[WeightSpec]:
@@ -207,52 +193,9 @@ def _hc_head_specs(c: dict, p: str) -> list[WeightSpec]:
             WeightSpec(f"{p}hc_head_scale", (1,), "hc_scale", "fp32")]
 
 
-def expert_specs(p: str, n_experts: int, f: int, fs: int, d: int) -> list:
-    """Routed experts `ffn.experts.J.w1/w2/w3` (width f) and the shared expert (width fs)."""
-    S = WeightSpec
-    out = []
-    for j in range(n_experts):
-        out += [S(f"{p}ffn.experts.{j}.w1.weight", (f, d), "linear", "expert"),
-                S(f"{p}ffn.experts.{j}.w2.weight", (d, f), "linear", "expert"),
-                S(f"{p}ffn.experts.{j}.w3.weight", (f, d), "linear", "expert")]
-    return out + [S(f"{p}ffn.shared_experts.w1.weight", (fs, d), "linear", "fp8"),
-                  S(f"{p}ffn.shared_experts.w2.weight", (d, fs), "linear", "fp8"),
-                  S(f"{p}ffn.shared_experts.w3.weight", (fs, d), "linear", "fp8")]
-
-
-def attention_specs(p: str, d: int, ql: int, h: int, dh: int, g: int, ol: int) -> list:
-    """The attention projections every V4 / V4.1 block has (compressor / indexer aside)."""
-    S = WeightSpec
-    return [S(f"{p}attn.wq_a.weight", (ql, d), "linear", "fp8"),
-            S(f"{p}attn.q_norm.weight", (ql,), "norm", "bf16"),
-            S(f"{p}attn.wq_b.weight", (h * dh, ql), "linear", "fp8"),
-            S(f"{p}attn.wkv.weight", (dh, d), "linear", "fp8"),
-            S(f"{p}attn.kv_norm.weight", (dh,), "norm", "bf16"),
-            S(f"{p}attn.wo_a.weight", (g * ol, h * dh // g), "linear", "fp8"),
-            S(f"{p}attn.wo_b.weight", (d, g * ol), "linear", "fp8"),
-            S(f"{p}attn.attn_sink", (h,), "sink", "fp32")]
-
-
-def dspark_head_specs(c: dict, k: int, n_mtp: int) -> list:
-    """The stage-owned DSpark tensors of stage k (see models.deepseek_v4.add_dspark_heads)."""
-    p, d, v, out = f"mtp.{k}.", c["hidden_size"], c["vocab_size"], []
-    if k == 0:
-        n_target = len(c.get("dspark_target_layer_ids") or [])
-        out += [WeightSpec(f"{p}main_proj.weight", (d, n_target * d), "linear", "fp8"),
-                WeightSpec(f"{p}main_norm.weight", (d,), "norm", "bf16")]
-    if k == n_mtp - 1:
-        r = c["dspark_markov_rank"]
-        out += [WeightSpec(f"{p}norm.weight", (d,), "norm", "bf16"),
-                WeightSpec(f"{p}markov_head.embed.weight", (v, r), "embed", "bf16"),
-                WeightSpec(f"{p}markov_head.head.weight", (v, r), "linear", "bf16"),
-                WeightSpec(f"{p}confidence_head.proj.weight", (1, d + r), "linear", "fp32")]
-    return out
-
-
 def weight_specs(config: dict) -> list[WeightSpec]:
     """Every tensor of the checkpoint, DeepSeek names, logical (unquantised) shapes."""
     if is_v41(config):
-        from deepinfer.tools.make_checkpoint_v41 import weight_specs_v41
         return weight_specs_v41(config)
     c = config
     v, d = c["vocab_size"], c["hidden_size"]
@@ -284,71 +227,18 @@ def weight_specs(config: dict) -> list[WeightSpec]:
     return out
 
 
-def _init(spec: WeightSpec, config: dict, g: torch.Generator) -> torch.Tensor:
-    shape, kind = spec.shape, spec.init
-    if kind == "tid2eid":
-        v, k = shape
-        order = torch.rand(v, config["n_routed_experts"], generator=g).argsort(dim=1)
-        return order[:, :k].to(torch.int32).contiguous()
-    if kind == "hc_scale":
-        return torch.rand(shape, generator=g) + 0.5
-    x = torch.randn(shape, generator=g)
-    if kind == "linear":
-        return x * shape[-1] ** -0.5
-    if kind == "head":
-        return x * shape[-1] ** -0.5
-    if kind == "norm":
-        return 1 + 0.3 * x
-    factor = {"embed": 1.0, "sink": 1.0, "hc_fn": 0.05, "hc_base": 0.5, "ape": 0.5, "bias": 0.1}[kind]
-    return x * factor
-
-
 def random_weights(config: dict, seed: int = 0, specs: list[WeightSpec] | None = None
                    ) -> Iterator[tuple[str, torch.Tensor]]:
-    """(DeepSeek name, float32 tensor) for every weight (tid2eid: int32 expert ids).
-    Each tensor has its own generator seeded from (seed, name), so values do not depend
-    on which other tensors exist."""
-    for spec in weight_specs(config) if specs is None else specs:
-        g = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(spec.name.encode())) % 2**63)
-        yield spec.name, _init(spec, config, g)
-
-
-def _quant_settings(config: dict) -> tuple[tuple[int, int], bool, str]:
-    qc = config.get("quantization_config") or {}
-    block = tuple(qc.get("weight_block_size") or (128, 128))
-    return block, (qc.get("scale_fmt") or "float32") == "ue8m0", config.get("expert_dtype") or "fp8"
-
-
-def encode_tensor(spec: WeightSpec, t: torch.Tensor, config: dict, dtype: str) -> list[tuple[str, torch.Tensor]]:
-    """How the checkpoint stores one tensor: [(name, t)] or [(weight), (name.scale)]."""
-    if spec.store == "int32":
-        return [(spec.name, t.to(torch.int32))]
-    if dtype == "float32":
-        return [(spec.name, t.float())]
-    if spec.store == "fp32":
-        return [(spec.name, t.float())]
-    if dtype == "bfloat16" or spec.store == "bf16":
-        return [(spec.name, t.to(torch.bfloat16))]
-    block, e8m0, expert_dtype = _quant_settings(config)
-    if spec.store == "expert" and expert_dtype == "bf16":
-        return [(spec.name, t.to(torch.bfloat16))]
-    if spec.store == "expert" and expert_dtype == "fp4":
-        w, s = quant_fp4(t, 32)
-    elif spec.store == "fp8_rows":
-        w, s = quant_fp8_blocks(t, (1, 32))
-    else:
-        w, s = quant_fp8_blocks(t, block)
-    if not e8m0:
-        s = scale_to_float(s)
-    return [(spec.name, w), (spec.name[: -len(".weight")] + ".scale", s)]
+    """(DeepSeek name, float32 tensor) for every weight of `config` (or of `specs`): see random_tensors."""
+    return random_tensors(config, seed, weight_specs(config) if specs is None else specs)
 
 
 def checkpoint_config(config: dict, dtype: str = "fp8", layout: str = "deepseek") -> dict:
     """The config.json written next to the weights."""
     out = copy.deepcopy(config)
     if dtype == "fp8":
-        qc = out.setdefault("quantization_config", {**_FP8_QUANT, "weight_block_size": [128, 128]})
-        for k, v in _FP8_QUANT.items():
+        qc = out.setdefault("quantization_config", {**FP8_QUANT, "weight_block_size": [128, 128]})
+        for k, v in FP8_QUANT.items():
             qc.setdefault(k, v)
         out.setdefault("expert_dtype", "fp4")
         out["torch_dtype"] = "bfloat16"
@@ -393,52 +283,6 @@ def _to_hf_config(c: dict) -> dict:
     return c
 
 
-class _ShardWriter:
-    def __init__(self, out: Path, max_bytes: int):
-        self.out, self.max_bytes = out, max(1, max_bytes)
-        self.pending: dict[str, torch.Tensor] = {}
-        self.size = 0
-        self.total = 0
-        self.shards: list[list[str]] = []
-
-    def add(self, name: str, t: torch.Tensor) -> None:
-        nbytes = t.numel() * t.element_size()
-        if self.pending and self.size + nbytes > self.max_bytes:
-            self.flush()
-        self.pending[name] = t.contiguous()
-        self.size += nbytes
-        self.total += nbytes
-
-    def flush(self) -> None:
-        if not self.pending:
-            return
-        save_file(self.pending, str(self.out / f".shard-{len(self.shards)}.tmp"), metadata={"format": "pt"})
-        self.shards.append(list(self.pending))
-        self.pending, self.size = {}, 0
-
-    def finish(self) -> None:
-        self.flush()
-        weight_map = {}
-        count = len(self.shards)
-        for i, names in enumerate(self.shards):
-            fname = f"model-{i + 1:05d}-of-{count:05d}.safetensors"
-            (self.out / f".shard-{i}.tmp").rename(self.out / fname)
-            weight_map.update({n: fname for n in names})
-        index = {"metadata": {"total_size": self.total}, "weight_map": dict(sorted(weight_map.items()))}
-        (self.out / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
-
-
-def _stored_bytes(spec: WeightSpec, dtype: str) -> int:
-    n = math.prod(spec.shape)
-    if dtype == "float32" or spec.store in ("fp32", "int32"):
-        return 4 * n
-    if spec.store == "fp8_rows":
-        return n + n // 32
-    if dtype == "bfloat16" or spec.store == "bf16":
-        return 2 * n
-    return n // 2 if spec.store == "expert" else n
-
-
 def write_checkpoint(out_dir: str | Path, config: dict, *, seed: int = 0, dtype: str = "fp8",
                      max_shard_bytes: int | None = None, layout: str = "deepseek",
                      tokenizer: bool = True) -> Path:
@@ -451,7 +295,6 @@ def write_checkpoint(out_dir: str | Path, config: dict, *, seed: int = 0, dtype:
     if is_v41(config):
         if layout != "deepseek":
             raise ValueError("DeepSeek-V4.1 checkpoints are written in DeepSeek's layout only")
-        from deepinfer.tools.make_checkpoint_v41 import write_checkpoint_v41
         return write_checkpoint_v41(out_dir, config, seed=seed, dtype=dtype, max_shard_bytes=max_shard_bytes,
                                     tokenizer=tokenizer)
     if layout not in LAYOUTS:
@@ -460,7 +303,7 @@ def write_checkpoint(out_dir: str | Path, config: dict, *, seed: int = 0, dtype:
         raise ValueError("the transformers layout is written unquantised: use dtype bfloat16 or float32")
     cfg = checkpoint_config(config, dtype, layout)
     specs = weight_specs(config)
-    out, writer = _open_writer(out_dir, specs, dtype, max_shard_bytes)
+    out, writer = open_writer(out_dir, specs, dtype, max_shard_bytes)
     fused: dict[str, dict[str, torch.Tensor]] = {}
     n_exp = config["n_routed_experts"]
     by_name = {s.name: s for s in specs}
@@ -482,20 +325,7 @@ def write_checkpoint(out_dir: str | Path, config: dict, *, seed: int = 0, dtype:
     return out
 
 
-def _open_writer(out_dir: str | Path, specs: list[WeightSpec], dtype: str,
-                 max_shard_bytes: int | None) -> tuple[Path, _ShardWriter]:
-    """Create out_dir, drop old shards/index, size shards (default: a third of the model)."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    for old in [*out.glob("model*.safetensors"), out / INDEX_FILE]:
-        old.unlink(missing_ok=True)
-    if max_shard_bytes is None:
-        total = sum(_stored_bytes(s, dtype) for s in specs)
-        max_shard_bytes = min(total // 3 + 1, 4 << 30)
-    return out, _ShardWriter(out, max_shard_bytes)
-
-
-def _add_fused(writer: _ShardWriter, fused: dict, split: tuple, t: torch.Tensor, n_exp: int, dtype: str) -> None:
+def _add_fused(writer: ShardWriter, fused: dict, split: tuple, t: torch.Tensor, n_exp: int, dtype: str) -> None:
     """Collect one layer's experts, then write transformers' fused gate_up_proj / down_proj."""
     stem, e, proj, _ = split
     parts = fused.setdefault(stem, {})

@@ -15,8 +15,8 @@ import json
 from pathlib import Path
 
 from deepinfer.layers.engram_hash import compressed_token_map
-from deepinfer.tools.make_checkpoint import (_FP8_QUANT, DTYPES, WeightSpec, _open_writer, attention_specs,
-                                             dspark_head_specs, expert_specs, encode_tensor, random_weights)
+from deepinfer.tools.checkpoint_writer import (DTYPES, FP8_QUANT, WeightSpec, attention_specs, dspark_head_specs,
+                                               encode_tensor, expert_specs, open_writer, random_tensors)
 from deepinfer.tools.tiny_tokenizer import build_tokenizer, write_tokenizer
 
 S = WeightSpec
@@ -137,7 +137,7 @@ def checkpoint_config_v41(config: dict, dtype: str = "fp8", compressed_vocab: in
             raise ValueError(f"{key}={value} is outside the vocabulary ({v})")
     if dtype == "fp8":
         qc = out.setdefault("quantization_config", {})
-        for k, val in {**_FP8_QUANT, "weight_block_size": [32, 32]}.items():
+        for k, val in {**FP8_QUANT, "weight_block_size": [32, 32]}.items():
             qc.setdefault(k, val)
         out["expert_dtype"] = "fp4"
         out["dtype"] = t["dtype"] = "bfloat16"
@@ -158,8 +158,8 @@ def write_checkpoint_v41(out_dir: str | Path, config: dict, *, seed: int = 0, dt
     cfg = checkpoint_config_v41(config, dtype, n_comp)
     specs = weight_specs_v41(config)
     by_name = {s.name: s for s in specs}
-    out, writer = _open_writer(out_dir, specs, dtype, max_shard_bytes)
-    for name, w in random_weights(config, seed, specs):
+    out, writer = open_writer(out_dir, specs, dtype, max_shard_bytes)
+    for name, w in random_tensors(config, seed, specs):
         for n, value in encode_tensor(by_name[name], w, cfg, dtype):
             writer.add(n, value)
     writer.finish()

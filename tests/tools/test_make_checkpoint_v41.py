@@ -237,3 +237,13 @@ def test_flash41_shapes_and_parameter_count():
     # the same count on the meta device, one tensor per spec
     meta = sum(torch.empty(s.shape, device="meta").numel() for s in specs)
     assert meta == trunk + mtp + vision
+
+
+def test_v41_writer_does_not_import_the_v4_writer():
+    """make_checkpoint dispatches to make_checkpoint_v41, never the other way round (both build on
+    checkpoint_writer)."""
+    import subprocess
+
+    code = ("import sys, deepinfer.tools.make_checkpoint_v41; "
+            "assert 'deepinfer.tools.make_checkpoint' not in sys.modules, 'make_checkpoint_v41 imports make_checkpoint'")
+    subprocess.run([sys.executable, "-c", code], check=True)
