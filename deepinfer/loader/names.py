@@ -7,7 +7,7 @@ Layouts understood:
 * what transformers' `save_pretrained` writes for DeepseekV4ForCausalLM: it reverses its
   own renames but keeps the `model.` prefix, leaves `model.embed_tokens.weight` and
   `model.hc_head.hc_*` unreversed, writes `head.weight`, and writes the main attention
-  kv_norm as `model.layers.N.attn.norm.weight`.
+  kv_norm as `model.layers.N.attn.norm.weight`. It writes no `mtp.*` tensors.
 Every name is mapped on its own, so a checkpoint mixing these spellings still loads.
 """
 from __future__ import annotations
