@@ -19,9 +19,9 @@ from deepinfer.layers.kv_state import FormatStore
 from deepinfer.layers.linear import QuantSpec
 from deepinfer.layers.mhc import collapse, expand
 from deepinfer.layers.rotary import RopeCache, apply_rope
+from deepinfer.models.block_v41 import Block41
 from deepinfer.models.config_v41 import DeepseekV41Config
 from deepinfer.models.deepseek_v4 import add_dspark_heads
-from deepinfer.models.deepseek_v41 import Block41
 
 
 @dataclass
@@ -75,17 +75,17 @@ class DSparkStage41(Block41):
 
 @torch.inference_mode()
 def draft_block(model, features: torch.Tensor, feature_pos: torch.Tensor, feature_valid: torch.Tensor,
-                anchor_tokens: torch.Tensor, anchor_pos: torch.Tensor, kv_cache_dtype: str = "float32") -> DraftBlock:
+                anchor_tokens: torch.Tensor, anchor_pos: torch.Tensor, window_format: str = "float32") -> DraftBlock:
     """Draft one block per request. features [B, C, len(targets)*D] are the target features at
     positions feature_pos [B, C] (the window before the anchor; feature_valid masks padding);
-    anchor_tokens / anchor_pos [B]: the newest accepted token and its position."""
+    anchor_tokens / anchor_pos [B]: the newest accepted token and its position. The draft's KV is
+    rounded through `window_format`, the storage format of the cache's window rings."""
     cfg, stages = model.config, model.mtp
     if stages is None:
         raise RuntimeError("this model has no DSpark draft stages (num_nextn_predict_layers is 0)")
     blk, n = cfg.dspark_block_size, cfg.hc_mult
     B = anchor_tokens.shape[0]
-    from deepinfer.worker.kv_cache import V41_FORMATS, resolve_kv_cache_dtype
-    kv_fmt = FormatStore(0, cfg.head_dim, V41_FORMATS[resolve_kv_cache_dtype(kv_cache_dtype)][0], "meta")
+    kv_fmt = FormatStore(0, cfg.head_dim, window_format, "meta")
     ids = torch.full((B, blk), cfg.dspark_noise_token_id, dtype=torch.long, device=anchor_tokens.device)
     ids[:, 0] = anchor_tokens
     pos = anchor_pos[:, None] + torch.arange(blk, device=anchor_pos.device)

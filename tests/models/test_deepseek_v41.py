@@ -197,7 +197,7 @@ def test_dspark_draft_block_matches_nemo(ckpt, ours, nemo, kv, exact):
         lo = max(0, anchor - cfg.sliding_window)
         pos = torch.arange(lo, anchor).expand(2, -1)
         got = draft_block(ours, feats[:, lo:anchor], pos, torch.ones_like(pos, dtype=torch.bool), ids[:, anchor],
-                          torch.full((2,), anchor), kv)
+                          torch.full((2,), anchor), cache.mtp[0].ring.fmt)
         _close(got.logits, ref.logits, 1e-4)
         assert torch.equal(got.tokens, ref.tokens)
         assert torch.allclose(got.confidence, ref.confidence_raw, atol=1e-5)
