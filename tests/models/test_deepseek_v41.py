@@ -190,10 +190,14 @@ def test_dspark_draft_block_matches_nemo(ckpt, ours, nemo, kv, exact):
         _, feats = ours(b, cache.layers, draft_features=True)
     feats = feats.view(2, 40, -1)
     ref_feats = nemo_dspark_features(nemo, ids, exact=exact)
-    _close(feats, ref_feats, 1e-4)
+    # In reference formats the two fp32 pipelines reach each quantiser ~1e-6 (relative) apart, so a value
+    # that close to a rounding boundary takes the neighbouring code on one side only (seen: an exact FP8
+    # tie in layer 2's window kv, hit or missed depending on the CPU's BLAS kernels). One such code moves
+    # the later features by ~2e-3 of their scale; a format missing in any layer moves them by > 0.4.
+    _close(feats, ref_feats, 1e-4 if exact else 1e-2)
     draft = nemo_dspark_model(ckpt, nemo)
     for anchor in (7, 31):
-        ref = nemo_dspark_block(draft, ref_feats, ids, anchor, exact=exact)
+        ref = nemo_dspark_block(draft, feats, ids, anchor, exact=exact)  # both drafts read the same features
         lo = max(0, anchor - cfg.sliding_window)
         pos = torch.arange(lo, anchor).expand(2, -1)
         got = draft_block(ours, feats[:, lo:anchor], pos, torch.ones_like(pos, dtype=torch.bool), ids[:, anchor],
