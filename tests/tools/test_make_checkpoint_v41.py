@@ -156,7 +156,9 @@ def test_nemo_logits_finite_and_prefix_consistent(nemo):
         full = nemo_v41_logits(model, ids, exact=exact)
         assert full.shape == (2, 48, 1024) and bool(full.isfinite().all())
         assert float(full.std()) > 0.1
-        for n in (5, 20, 33):
+        # causal: a prefix's logits are the full run's. Only without the cache round trips: with them a
+        # value that lands within float noise of an FP8 rounding tie may round either way across shapes
+        for n in (5, 20, 33) if exact else ():
             part = nemo_v41_logits(model, ids[:, :n], exact=exact)
             assert (part - full[:, :n]).abs().max() < 1e-4, (exact, n)
     # the cache round trips change the logits, and exact=True turns them off
