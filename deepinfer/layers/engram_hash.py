@@ -1,4 +1,4 @@
-"""Host-side Engram n-gram hashing for DeepSeek-V4.1 (spec §8).
+"""Host-side Engram n-gram hashing for DeepSeek-V4.1 (docs/models.md).
 
 Three pieces, all pure functions of the tokenizer and the config:
 

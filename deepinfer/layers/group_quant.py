@@ -1,4 +1,4 @@
-"""DeepSeek-V4.1's cache formats: per-group quantisation on the last axis (spec deepseek-v41.md §7).
+"""DeepSeek-V4.1's cache formats: per-group quantisation on the last axis (docs/models.md).
 
   fp8    E4M3, one power-of-two scale >= max(amax, 1e-4)/448 per group (values clamped to ±448)
   mxfp4  E2M1, one power-of-two scale >= max(amax, 6*2^-126)/6 per group (E8M0)

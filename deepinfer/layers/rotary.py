@@ -2,7 +2,7 @@
 
 Pairs are channels (2j, 2j+1) of the trailing rope slice; the leading channels
 ("nope") are untouched. YaRN here only interpolates frequencies: there is no
-attention/mscale factor (DeepSeek-V4 §3.5).
+attention/mscale factor (docs/models.md).
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""DeepSeek-V4.1 image preprocessing (spec §14): image -> normalised 14x14 RGB patches + grid.
+"""DeepSeek-V4.1 image preprocessing (docs/models.md): image -> normalised 14x14 RGB patches + grid.
 
 Pipeline (per image):
 
@@ -101,7 +101,7 @@ def _round_to_patch(x: float, patch: int, up: bool) -> int:
 
 
 def plan_image_grid(width: int, height: int, config: VisionPreprocessConfig | dict | None = None) -> ImageGrid:
-    """Pixel size and grids for an image of `width` x `height` pixels (spec §14)."""
+    """Pixel size and grids for an image of `width` x `height` pixels (docs/models.md)."""
     c = _as_cfg(config)
     if width <= 0 or height <= 0:
         raise ValueError(f"image size must be positive, got {width}x{height}")

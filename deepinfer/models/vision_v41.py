@@ -1,4 +1,4 @@
-"""DeepSeek-V4.1 vision encoder (unchanged from V4-Flash-Vision; spec §14): ViT + aligner +
+"""DeepSeek-V4.1 vision encoder (unchanged from V4-Flash-Vision; docs/models.md): ViT + aligner +
 learned image delimiters. Math only — no cache, one image at a time.
 
 Parameter names are the released checkpoint's (all plain, never FP8):

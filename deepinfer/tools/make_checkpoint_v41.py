@@ -1,4 +1,4 @@
-"""Random DeepSeek-V4.1 checkpoints in the released layout (spec §12-13).
+"""Random DeepSeek-V4.1 checkpoints in the released layout (docs/models.md).
 
 Reached through `deepinfer.tools.make_checkpoint` (`--arch deepseek_v41`, or
 `write_checkpoint` / `weight_specs` with a V4.1 config). Shapes are derived here from the
@@ -6,7 +6,7 @@ config alone. Storage: FP8 e4m3 + E8M0 scales over 32x32 blocks for the dense pr
 FP4 routed experts (+ per-row x 32-column scales), FP8 Engram tables with per-row x 32-column
 scales, fp32 for mHC, sinks, compressor, router biases, head and confidence head, bf16 else.
 With a vision_config of >= 1 layer it also writes `vision.*`, `aligner.*` and `image_start` /
-`image_end` / `image_newline` (plain bf16, RMSNorm weights fp32; spec §14).
+`image_end` / `image_newline` (plain bf16, RMSNorm weights fp32; docs/models.md).
 """
 from __future__ import annotations
 
@@ -69,7 +69,7 @@ def _block_specs_v41(t: dict, p: str, layer: int | None, n_experts: int) -> list
 
 
 def _vision_specs_v41(config: dict) -> list[WeightSpec]:
-    """The vision tower, aligner and image delimiters (spec §14), when vision_config has layers.
+    """The vision tower, aligner and image delimiters (docs/models.md), when vision_config has layers.
     Released storage: plain bf16 (never FP8), fp32 RMSNorm weights."""
     vc = config.get("vision_config") or {}
     n = int(vc.get("num_hidden_layers", 0) or 0)

@@ -9,7 +9,7 @@ from __future__ import annotations
 _FP8_QUANT_V41 = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "scale_fmt": "ue8m0",
                   "weight_block_size": [32, 32]}
 
-# The released DeepSeek-V4.1-Flash text configuration (spec §1), every key.
+# The released DeepSeek-V4.1-Flash text configuration (docs/models.md), every key.
 _FLASH41_TEXT = {
     "model_type": "deepseek_v41_text",
     "vocab_size": 129280,

@@ -1,4 +1,4 @@
-"""NVIDIA NeMo AutoModel's DeepSeek-V4.1 as a CPU reference (see shared/spec/v41-oracle.md).
+"""NVIDIA NeMo AutoModel's DeepSeek-V4.1 (`nemo_automodel`, model type deepseek_v41) as a CPU reference.
 
 The checkpoint is read through NeMo's own state-dict adapter (`from_hf` dequantises the
 FP8 / FP4 tensors itself), so the oracle also checks our checkpoint layout independently of
@@ -182,7 +182,7 @@ def nemo_dspark_block(draft, features: torch.Tensor, input_ids: torch.Tensor, an
                        torch.stack(c_norm, 1), seen["h"])
 
 
-# ---------------------------------------------------------------- images (spec §14)
+# ---------------------------------------------------------------- images
 #
 # What NeMo's DeepseekV41ForCausalLM.forward expects for images (batch row b, image k):
 #   input_ids          [B, S]: every position of an image span holds config.image_token_id

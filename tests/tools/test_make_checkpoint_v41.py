@@ -19,7 +19,7 @@ from deepinfer.tools.make_checkpoint import PRESETS, main, random_weights, weigh
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "models"))
 
-# every text_config key of the released configuration (spec §1)
+# every text_config key of the released configuration (docs/models.md)
 TEXT_KEYS = """vocab_size hidden_size moe_intermediate_size num_hidden_layers num_attention_heads
 num_key_value_heads head_dim qk_rope_head_dim q_lora_rank o_lora_rank o_groups hidden_act swiglu_limit
 rms_norm_eps attention_bias attention_dropout initializer_range use_cache max_position_embeddings rope_theta
@@ -233,7 +233,7 @@ def test_flash41_shapes_and_parameter_count():
     vision = sum(math.prod(s.shape) for s in specs if is_vision(s.name))
     assert round(engram / 1e9, 1) == 196.6
     assert round((trunk - engram) / 1e9, 1) == 551.9 and round(mtp / 1e9, 2) == 14.23
-    # 32-block ViT (0.41 B) + aligner + 3 delimiters, spec §14
+    # 32-block ViT (0.41 B) + aligner + 3 delimiters, docs/models.md
     assert round(vision / 1e9, 3) == 0.485 and shapes["aligner.w1.weight"] == (5120, 9216)
     assert shapes["vision.blocks.31.mlp.w1.weight"] == (5632, 1024) and shapes["image_newline"] == (5120,)
     # the same count on the meta device, one tensor per spec
