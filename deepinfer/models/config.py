@@ -2,8 +2,10 @@
 
 Both spellings of a V4 config are accepted: DeepSeek's own keys (`compress_ratios`,
 `num_hash_layers`, `qk_rope_head_dim`, `rope_scaling`) and the keys transformers'
-`DeepseekV4Config.save_pretrained` writes (`layer_types` + `compress_rates`,
-`mlp_layer_types`, `rope_parameters`, `partial_rotary_factor`).
+`DeepseekV4Config.save_pretrained` writes (`layer_types` + `compress_rates` or the legacy
+`compress_rate_csa` / `compress_rate_hca`, `mlp_layer_types`, `rope_parameters`,
+`partial_rotary_factor`); where both spellings are present they must agree. Which math keys are
+read or refused, and the RoPE forms: `deepinfer.models.config_keys`.
 """
 from __future__ import annotations
 
@@ -13,6 +15,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from deepinfer.models.config_keys import (ConfigError, YarnScaling, check_fields, check_fixed, check_rope_dim,
+                                         positive, read_rope, read_rope_dim)
+
 SLIDING, CSA, HCA = "sliding", "csa", "hca"
 _HF_LAYER_TYPES = {
     "sliding_attention": SLIDING,
@@ -20,18 +25,6 @@ _HF_LAYER_TYPES = {
     "heavily_compressed_attention": HCA,
 }
 _DEFAULT_HF_RATES = {"compressed_sparse_attention": 4, "heavily_compressed_attention": 128}
-
-
-class ConfigError(ValueError):
-    """A config.json that deepinfer cannot run; the message names the key."""
-
-
-@dataclass(frozen=True)
-class YarnScaling:
-    factor: float
-    original_max_position_embeddings: int
-    beta_fast: float = 32.0
-    beta_slow: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -94,22 +87,16 @@ class DeepseekV4Config:
     model_type: str = "deepseek_v4"
 
     def __post_init__(self):
+        check_fields(self)
         n = self.num_hidden_layers
         if len(self.compress_ratios) != n or len(self.layer_kinds) != n:
             raise ConfigError(f"compress_ratios/layer_types must have num_hidden_layers={n} entries")
         for i, (kind, ratio) in enumerate(zip(self.layer_kinds, self.compress_ratios)):
             if (kind == SLIDING) != (ratio == 0):
                 raise ConfigError(f"layer {i}: kind {kind!r} does not match compress ratio {ratio}")
-        if self.head_dim % 2 or self.qk_rope_head_dim > self.head_dim:
-            raise ConfigError("qk_rope_head_dim must be <= head_dim")
+        check_rope_dim(self)
         if (self.num_attention_heads * self.head_dim) % self.o_groups:
             raise ConfigError("o_groups must divide num_attention_heads * head_dim")
-        if self.scoring_func != "sqrtsoftplus":
-            raise ConfigError(f"scoring_func {self.scoring_func!r} is not supported (only sqrtsoftplus)")
-
-    @property
-    def nope_head_dim(self) -> int:
-        return self.head_dim - self.qk_rope_head_dim
 
     @property
     def has_dspark(self) -> bool:
@@ -120,21 +107,23 @@ class DeepseekV4Config:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "DeepseekV4Config":
-        n = _req(d, "num_hidden_layers")
+        n = positive(_req(d, "num_hidden_layers"), "num_hidden_layers", int)
+        check_fixed(d)
         ratios, kinds = _layer_schedule(d, n)
         known = {f.name for f in dataclasses.fields(cls)}
         kw = {k: v for k, v in d.items() if k in known and not isinstance(v, (dict, list))}
+        head_dim = positive(d.get("head_dim", cls.head_dim), "head_dim", int)
+        rope_dim = read_rope_dim(d, head_dim, cls.qk_rope_head_dim)
         kw.update(
             num_hidden_layers=n,
             compress_ratios=ratios,
             layer_kinds=kinds,
             num_hash_layers=_num_hash_layers(d, n),
-            qk_rope_head_dim=_rope_dim(d),
-            rope_scaling=_yarn(d),
+            qk_rope_head_dim=rope_dim,
             quant=_weight_quant(d),
             dspark_target_layer_ids=tuple(d.get("dspark_target_layer_ids") or ()),
         )
-        kw.update(_rope_thetas(d))
+        kw.update(read_rope(d, rope_dim, head_dim))
         if isinstance(kw.get("eos_token_id"), list):
             kw["eos_token_id"] = kw["eos_token_id"][0]
         for key in ("bos_token_id", "eos_token_id"):
@@ -150,20 +139,50 @@ def _req(d: dict, key: str):
 
 
 def _layer_schedule(d: dict, n: int) -> tuple[tuple[int, ...], tuple[str, ...]]:
-    if d.get("layer_types"):
-        rates = {**_DEFAULT_HF_RATES, **(d.get("compress_rates") or {})}
-        kinds, ratios = [], []
-        for i, name in enumerate(d["layer_types"][:n]):
-            if name not in _HF_LAYER_TYPES:
-                raise ConfigError(f"layer_types[{i}] = {name!r} is not a DeepSeek-V4 layer type")
-            kinds.append(_HF_LAYER_TYPES[name])
-            ratios.append(0 if name == "sliding_attention" else int(rates[name]))
-        if len(kinds) != n:
-            raise ConfigError(f"layer_types has {len(kinds)} entries, num_hidden_layers is {n}")
-        return tuple(ratios), tuple(kinds)
-    ratios = d.get("compress_ratios")
-    if ratios is None:
+    rates, rate_keys = _hf_rates(d)
+    by_types = _schedule_from_layer_types(d["layer_types"], n, rates) if d.get("layer_types") else None
+    by_ratios = _schedule_from_ratios(d["compress_ratios"], n) if d.get("compress_ratios") is not None else None
+    if by_types is None and by_ratios is None:
         raise ConfigError("config.json needs 'compress_ratios' (DeepSeek) or 'layer_types' (transformers)")
+    if by_types is not None and by_ratios is not None and by_types != by_ratios:
+        raise ConfigError("layer_types / compress_rates and compress_ratios describe different layer schedules")
+    if by_types is None and rate_keys:
+        # transformers reads compress_ratios as layer kinds and takes each kind's ratio from compress_rates.
+        hf_name = {CSA: "compressed_sparse_attention", HCA: "heavily_compressed_attention"}
+        if any(r != rates[hf_name[k]] for r, k in zip(*by_ratios) if r):
+            raise ConfigError(f"{' / '.join(rate_keys)} ({rates}) disagree with compress_ratios {by_ratios[0]}")
+    return by_types or by_ratios
+
+
+def _hf_rates(d: dict) -> tuple[dict[str, int], list[str]]:
+    """(ratio per transformers layer type, the keys that set them): compress_rates, then the legacy
+    compress_rate_csa / compress_rate_hca, which override it as in transformers."""
+    given, keys = dict(d.get("compress_rates") or {}), ["compress_rates"] if d.get("compress_rates") else []
+    for name, key in (("compressed_sparse_attention", "compress_rate_csa"),
+                      ("heavily_compressed_attention", "compress_rate_hca")):
+        if d.get(key) is not None:
+            given[name] = d[key]
+            keys.append(key)
+    for name, rate in given.items():
+        if name not in _DEFAULT_HF_RATES:
+            raise ConfigError(f"compress_rates.{name} is not a compressed DeepSeek-V4 layer type")
+        positive(rate, f"compress_rates.{name}", int)
+    return {**_DEFAULT_HF_RATES, **given}, keys
+
+
+def _schedule_from_layer_types(names: list, n: int, rates: dict[str, int]) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    kinds, ratios = [], []
+    for i, name in enumerate(names[:n]):
+        if name not in _HF_LAYER_TYPES:
+            raise ConfigError(f"layer_types[{i}] = {name!r} is not a DeepSeek-V4 layer type")
+        kinds.append(_HF_LAYER_TYPES[name])
+        ratios.append(0 if name == "sliding_attention" else rates[name])
+    if len(kinds) != n:
+        raise ConfigError(f"layer_types has {len(kinds)} entries, num_hidden_layers is {n}")
+    return tuple(ratios), tuple(kinds)
+
+
+def _schedule_from_ratios(ratios: list, n: int) -> tuple[tuple[int, ...], tuple[str, ...]]:
     if len(ratios) < n:
         raise ConfigError(f"compress_ratios has {len(ratios)} entries, num_hidden_layers is {n}")
     # Entries past num_hidden_layers describe the MTP/DSpark stages (sliding only).
@@ -175,73 +194,52 @@ def _layer_schedule(d: dict, n: int) -> tuple[tuple[int, ...], tuple[str, ...]]:
 
 def _num_hash_layers(d: dict, n: int) -> int:
     mlp = d.get("mlp_layer_types")
-    if mlp:
-        hashed = [t == "hash_moe" for t in mlp[:n]]
-        count = sum(hashed)
-        if hashed != [True] * count + [False] * (n - count):
-            raise ConfigError("mlp_layer_types: hash_moe layers must come first")
-        return count
-    return int(d.get("num_hash_layers", 3))
+    if not mlp:
+        return int(d.get("num_hash_layers", 3))
+    hashed = [t == "hash_moe" for t in mlp[:n]]
+    count = sum(hashed)
+    if hashed != [True] * count + [False] * (n - count):
+        raise ConfigError("mlp_layer_types: hash_moe layers must come first")
+    if d.get("num_hash_layers") is not None and d["num_hash_layers"] != count:
+        raise ConfigError(f"mlp_layer_types ({count} hash_moe layers) and num_hash_layers "
+                          f"({d['num_hash_layers']}) disagree")
+    return count
 
 
-def _rope_dim(d: dict) -> int:
-    if "qk_rope_head_dim" in d:
-        return int(d["qk_rope_head_dim"])
-    if d.get("partial_rotary_factor"):
-        return int(round(d["head_dim"] * d["partial_rotary_factor"]))
-    return 64
-
-
-def _rope_thetas(d: dict) -> dict:
-    rp = d.get("rope_parameters") or {}
-    out = {}
-    if isinstance(rp.get("main"), dict):
-        out["rope_theta"] = float(rp["main"].get("rope_theta", d.get("rope_theta", 10000.0)))
-    elif "rope_theta" in d:
-        out["rope_theta"] = float(d["rope_theta"])
-    if isinstance(rp.get("compress"), dict):
-        out["compress_rope_theta"] = float(rp["compress"].get("rope_theta", 160000.0))
-    elif "compress_rope_theta" in d:
-        out["compress_rope_theta"] = float(d["compress_rope_theta"])
-    return out
-
-
-def _yarn(d: dict) -> YarnScaling | None:
-    rp = d.get("rope_parameters") or {}
-    src = rp.get("compress") if isinstance(rp.get("compress"), dict) else d.get("rope_scaling")
-    if not src:
-        return None
-    kind = src.get("rope_type", src.get("type", "default"))
-    if kind == "default":
-        return None
-    if kind != "yarn":
-        raise ConfigError(f"rope_scaling type {kind!r} is not supported (only yarn)")
-    orig = int(_req(src, "original_max_position_embeddings"))
-    factor = src.get("factor") or d.get("max_position_embeddings", 1048576) / orig
-    return YarnScaling(
-        factor=float(factor),
-        original_max_position_embeddings=orig,
-        beta_fast=float(src.get("beta_fast") or 32),
-        beta_slow=float(src.get("beta_slow") or 1),
-    )
+_QUANT_KEYS = {"quant_method", "fmt", "scale_fmt", "weight_block_size", "activation_scheme", "expert_dtype",
+               "modules_to_not_convert"}
 
 
 def _weight_quant(d: dict) -> WeightQuant:
+    """DeepSeek's FP8 e4m3 block format with dynamic activation scales, every tensor it names quantised."""
     qc = d.get("quantization_config")
     expert_dtype = d.get("expert_dtype") or (qc or {}).get("expert_dtype")
+    if expert_dtype not in (None, "fp4", "fp8", "bf16"):
+        raise ConfigError(f"expert_dtype {expert_dtype!r} is not supported (fp4, fp8, bf16)")
     if not qc:
         return WeightQuant(block_size=None, expert_dtype=expert_dtype or "bf16")
+    if d.get("expert_dtype") and qc.get("expert_dtype") and d["expert_dtype"] != qc["expert_dtype"]:
+        raise ConfigError(f"expert_dtype {d['expert_dtype']!r} and quantization_config.expert_dtype "
+                          f"{qc['expert_dtype']!r} disagree")
+    for key in qc:
+        if key not in _QUANT_KEYS:
+            raise ConfigError(f"quantization_config.{key} is not understood")
     method = qc.get("quant_method")
     if method != "fp8" or qc.get("fmt", "e4m3") != "e4m3":
         raise ConfigError(
             f"quantization_config: quant_method={method!r} fmt={qc.get('fmt')!r} is not supported "
             "(deepinfer reads DeepSeek's fp8 e4m3 block format)"
         )
+    if qc.get("modules_to_not_convert"):
+        raise ConfigError("quantization_config.modules_to_not_convert is not supported (every FP8 tensor of the "
+                          "layout is quantised)")
+    check_fixed(qc, "quantization_config.", {"activation_scheme": (None, "dynamic"),
+                                             "scale_fmt": (None, "ue8m0", "float32")})
     block = qc.get("weight_block_size") or [128, 128]
-    if expert_dtype not in (None, "fp4", "fp8", "bf16"):
-        raise ConfigError(f"expert_dtype {expert_dtype!r} is not supported (fp4, fp8)")
+    if not isinstance(block, list) or len(block) != 2:
+        raise ConfigError(f"quantization_config.weight_block_size must be [out, in], got {block!r}")
     return WeightQuant(
-        block_size=(int(block[0]), int(block[1])),
+        block_size=tuple(positive(b, "quantization_config.weight_block_size", int) for b in block),
         scale_fmt=qc.get("scale_fmt") or "float32",
         expert_dtype=expert_dtype or "fp8",
     )

@@ -1,6 +1,6 @@
 """DeepSeek-V4.1 config (model_type deepseek_v41): nested text_config / vision_config.
 
-Layer roles come from compress_ratios and the id lists (spec deepseek-v41.md §2):
+Layer roles come from compress_ratios and the id lists (docs/models.md):
   swa     ratio 0: window attention only
   full    a KV source: compressor + index keys + indexer, publishes new compressed state
   reindex an index source only: recomputes the top-k over the latest Full layer's keys
@@ -12,7 +12,9 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-from deepinfer.models.config import ConfigError, WeightQuant, YarnScaling, _weight_quant, _yarn
+from deepinfer.models.config import WeightQuant, _weight_quant
+from deepinfer.models.config_keys import (ConfigError, YarnScaling, check_fields, check_fixed, check_rope_dim,
+                                         positive, read_rope, read_rope_dim)
 
 SWA, FULL, REINDEX, REUSE = "swa", "full", "reindex", "reuse"
 
@@ -60,7 +62,7 @@ class DeepseekV41Config:
     engram_n_heads: int = 8
     engram_head_dim: int = 256
     engram_pad_token_id: int = 2
-    engram_compressed_vocab_size: int = 0
+    engram_compressed_vocab_size: int | None = None  # checked against the tokenizer's count at load
     num_nextn_predict_layers: int = 3
     dspark_block_size: int | None = None
     dspark_noise_token_id: int | None = None
@@ -77,6 +79,8 @@ class DeepseekV41Config:
     model_type: str = "deepseek_v41"
 
     def __post_init__(self):
+        check_fields(self, "text_config.")
+        check_rope_dim(self, "text_config.")
         n = self.num_hidden_layers
         if len(self.compress_ratios) != n:
             raise ConfigError(f"text_config.compress_ratios needs >= num_hidden_layers={n} entries")
@@ -96,8 +100,6 @@ class DeepseekV41Config:
             raise ConfigError("text_config.candidate_source_layer_id must be a KV source")
         if len(self.engram_layer_ids) != len(self.engram_num_embeddings):
             raise ConfigError("text_config.engram_num_embeddings needs one entry per engram_layer_ids entry")
-        if self.scoring_func != "sqrtsoftplus":
-            raise ConfigError(f"text_config.scoring_func {self.scoring_func!r} is not supported")
 
     def role(self, layer: int) -> str:
         if self.compress_ratios[layer] == 0:
@@ -105,10 +107,6 @@ class DeepseekV41Config:
         if layer in self.kv_source_layer_ids:
             return FULL
         return REINDEX if layer in self.index_source_layer_ids else REUSE
-
-    def kv_source_of(self, layer: int) -> int:
-        """The Full layer whose compressed entries `layer` attends to."""
-        return max(s for s in self.kv_source_layer_ids if s <= layer)
 
     @property
     def has_dspark(self) -> bool:
@@ -122,6 +120,9 @@ class DeepseekV41Config:
         n = text.get("num_hidden_layers")
         if n is None:
             raise ConfigError("text_config is missing required key 'num_hidden_layers'")
+        positive(n, "text_config.num_hidden_layers", int)
+        check_fixed(d)
+        check_fixed(text, "text_config.")
         ratios = text.get("compress_ratios") or []
         if len(ratios) < n:
             raise ConfigError(f"text_config.compress_ratios has {len(ratios)} entries, num_hidden_layers is {n}")
@@ -135,8 +136,11 @@ class DeepseekV41Config:
                 kw[key] = d[key]
         merged = {**text, "quantization_config": d.get("quantization_config") or text.get("quantization_config"),
                   "expert_dtype": d.get("expert_dtype") or text.get("expert_dtype")}
-        kw.update(compress_ratios=tuple(int(r) for r in ratios[:n]), rope_scaling=_yarn(text),
+        head_dim = positive(text.get("head_dim", cls.head_dim), "text_config.head_dim", int)
+        rope_dim = read_rope_dim(text, head_dim, cls.qk_rope_head_dim, "text_config.")
+        kw.update(compress_ratios=tuple(int(r) for r in ratios[:n]), qk_rope_head_dim=rope_dim,
                   quant=_weight_quant(merged), vision=dict(d.get("vision_config") or {}),
                   model_type="deepseek_v41")
+        kw.update(read_rope(text, rope_dim, head_dim, "text_config."))
         kw.pop("torch_dtype", None)
         return cls(**kw)
