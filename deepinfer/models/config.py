@@ -124,8 +124,8 @@ class DeepseekV4Config:
             dspark_target_layer_ids=tuple(d.get("dspark_target_layer_ids") or ()),
         )
         kw.update(read_rope(d, rope_dim, head_dim))
-        if isinstance(kw.get("eos_token_id"), list):
-            kw["eos_token_id"] = kw["eos_token_id"][0]
+        if isinstance(d.get("eos_token_id"), list) and d["eos_token_id"]:  # (a list is left out of kw above)
+            kw["eos_token_id"] = d["eos_token_id"][0]
         for key in ("bos_token_id", "eos_token_id"):
             if kw.get(key) is None:
                 kw.pop(key, None)

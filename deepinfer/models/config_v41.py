@@ -134,6 +134,8 @@ class DeepseekV41Config:
         for key in ("image_token_id", "bos_token_id", "eos_token_id", "pad_token_id"):
             if d.get(key) is not None:
                 kw[key] = d[key]
+        if isinstance(kw.get("eos_token_id"), list):  # the first of several is the one generation stops on
+            kw["eos_token_id"] = kw["eos_token_id"][0]
         merged = {**text, "quantization_config": d.get("quantization_config") or text.get("quantization_config"),
                   "expert_dtype": d.get("expert_dtype") or text.get("expert_dtype")}
         head_dim = positive(text.get("head_dim", cls.head_dim), "text_config.head_dim", int)

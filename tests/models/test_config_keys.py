@@ -179,3 +179,8 @@ def test_v41_top_level_tied_embeddings_refused(tmp_path):
 def test_presets_still_parse(preset):
     parse = DeepseekV41Config.from_dict if preset.endswith("41") else DeepseekV4Config.from_dict
     assert parse(PRESETS[preset]).rope_scaling is not None
+
+
+def test_a_list_of_eos_ids_stops_on_the_first():
+    assert DeepseekV4Config.from_dict({**TINY, "eos_token_id": [7, 9]}).eos_token_id == 7
+    assert DeepseekV41Config.from_dict({**TINY41, "eos_token_id": [7, 9]}).eos_token_id == 7
