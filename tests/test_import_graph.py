@@ -115,3 +115,23 @@ def test_model_math_imports_nothing_from_the_serving_side():
     wrong = sorted((m, t) for m, targets in import_graph().items() if _under(m, MATH)
                    for t in targets if _under(t, SERVING))
     assert not wrong, f"model math importing worker / engine / loader / tools: {wrong}"
+
+
+def test_every_module_imports_first_in_a_fresh_interpreter():
+    """Each module imported before any other deepinfer module (deepinfer's package init imports
+    almost nothing, so a cycle through a package's __init__ shows up here, not hidden by import order)."""
+    import subprocess
+    import sys
+
+    names = sorted(n for n in _modules(ROOT) if not n.endswith("__main__"))
+    code = ("import importlib, sys, json\nimport torch  # noqa: F401 (loaded once, kept)\nbad = []\n"
+            f"for n in {names!r}:\n"
+            "    for m in [m for m in sys.modules if m == 'deepinfer' or m.startswith('deepinfer.')]:\n"
+            "        del sys.modules[m]\n"
+            "    try:\n        importlib.import_module(n)\n"
+            "    except Exception as e:\n        bad.append(f'{n}: {type(e).__name__}: {e}')\n"
+            "print(json.dumps(bad))\n")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         cwd=ROOT.parent)
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stdout.strip().splitlines()[-1] == "[]", res.stdout[-3000:]

@@ -8,13 +8,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from deepinfer.kernels import rope as _kernel
 from deepinfer.layers import invariant
 from deepinfer.layers.norm import rms_norm
-from deepinfer.models.config import YarnScaling
+
+if TYPE_CHECKING:  # layers never import models at run time (models build on layers)
+    from deepinfer.models.config_keys import YarnScaling
 
 
 def rope_inv_freq(rope_dim: int, theta: float, yarn: YarnScaling | None = None) -> torch.Tensor:
