@@ -260,7 +260,8 @@ def test_nemo_export_without_dspark_loads_the_trunk(tmp_path, caplog):
     assert model.mtp is None and not model.config.has_dspark
     with pytest.raises(RuntimeError, match="no DSpark draft stages"):
         draft_block(model, torch.zeros(1, 2, 384), torch.zeros(1, 2, dtype=torch.long),
-                    torch.ones(1, 2, dtype=torch.bool), torch.zeros(1, dtype=torch.long), torch.ones(1, dtype=torch.long))
+                    torch.ones(1, 2, dtype=torch.bool), torch.zeros(1, dtype=torch.long),
+                    torch.ones(1, dtype=torch.long))
     full = load_model(str(src), dtype=torch.float32)[0]
     assert full.mtp is not None
     want = {k: v for k, v in full.state_dict().items() if not k.startswith("mtp.")}

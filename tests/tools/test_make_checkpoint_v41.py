@@ -247,5 +247,6 @@ def test_v41_writer_does_not_import_the_v4_writer():
     import subprocess
 
     code = ("import sys, deepinfer.tools.make_checkpoint_v41; "
-            "assert 'deepinfer.tools.make_checkpoint' not in sys.modules, 'make_checkpoint_v41 imports make_checkpoint'")
+            "assert 'deepinfer.tools.make_checkpoint' not in sys.modules, "
+            "'make_checkpoint_v41 imports make_checkpoint'")
     subprocess.run([sys.executable, "-c", code], check=True)
