@@ -1,6 +1,9 @@
 """DeepSeek-V4.1 against NeMo AutoModel's deepseek_v41 (fp32, CPU), prefill and incremental decode."""
 from __future__ import annotations
 
+import io
+import re
+
 import pytest
 import torch
 
@@ -247,6 +250,15 @@ def test_image_prompts_match_nemo(tmp_path_factory):
     assert out.outputs[0].token_ids == seq[len(ids):]
     with pytest.raises(ValueError, match="images"):
         llm.generate({"prompt_token_ids": prompt, "images": pics[:1]}, use_tqdm=False)
+    png = io.BytesIO()
+    pics[1].save(png, format="PNG")
+    for bad in (b"not an image", png.getvalue()[:60], 12):  # garbage, a truncated PNG, not an image at all
+        with pytest.raises(ValueError, match=re.escape("prompts[1].images[1]: cannot be read as an image")):
+            llm.generate([prompt[:4], {"prompt_token_ids": prompt, "images": [pics[0], bad]}], use_tqdm=False)
+        assert not llm.scheduler.has_unfinished() and llm.scheduler.kv.all_free()
+    again = llm.generate({"prompt_token_ids": prompt, "images": pics},
+                         SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)[0]
+    assert again.outputs[0].token_ids == out.outputs[0].token_ids
 
 
 @pytest.mark.gpu
