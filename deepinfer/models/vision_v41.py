@@ -179,41 +179,11 @@ class VisionAligner(nn.Module):
         return self.w2(F.gelu(self.w1(self.merge(x, n_h, n_w))))
 
 
-class DeepseekV41Vision(nn.Module):
-    """ViT + aligner + learned delimiters; `embed_image` returns the whole span's embeddings.
-
-    vision_config: the checkpoint's top-level `vision_config` dict (missing keys = release
-    defaults); hidden_size: the text width D; dtype: compute/storage dtype of the dense
-    weights (norm weights stay fp32)."""
-
-    def __init__(self, vision_config: dict, hidden_size: int, dtype: torch.dtype = torch.bfloat16):
-        super().__init__()
-        vc = {**VISION_DEFAULTS, **{k: v for k, v in (vision_config or {}).items() if k != "model_type"}}
-        if int(vc["num_hidden_layers"]) <= 0:
-            raise ValueError("vision_config.num_hidden_layers is 0: the checkpoint has no vision tower")
-        self.config = vc
-        self.dtype = dtype
-        self.hidden_size = hidden_size
-        self.vision = VisionTransformer(vc, dtype)
-        self.aligner = VisionAligner(int(vc["hidden_size"]), int(vc["downsample_ratio"]), hidden_size, dtype)
-        self.image_start = _param(hidden_size, dtype=dtype)
-        self.image_newline = _param(hidden_size, dtype=dtype)
-        self.image_end = _param(hidden_size, dtype=dtype)
-
-    @staticmethod
-    def is_vision_tensor(name: str) -> bool:
-        return name.startswith(("vision.", "aligner.")) or name in ("image_start", "image_newline", "image_end")
-
-    @torch.no_grad()
-    def embed_image(self, image: ImageInput) -> torch.Tensor:
-        return image_span_embeddings(self, image)
-
-
 @torch.no_grad()
 def image_span_embeddings(owner: nn.Module, image: ImageInput) -> torch.Tensor:
     """[span_len, D] in token order: image_start, then per LLM row its llm_w aligner outputs
     followed by image_newline, then image_end. `owner` holds `vision`, `aligner` and the three
-    delimiter vectors (DeepseekV41Vision, or the V4.1 model, which owns them at the top level)."""
+    delimiter vectors (the V4.1 model owns them at the top level, named as released)."""
     dev, dtype = owner.image_start.device, owner.image_start.dtype
     patches = image.patches.to(device=dev, dtype=dtype)
     feats = owner.aligner(owner.vision(patches, image.n_vit_h, image.n_vit_w), image.n_vit_h, image.n_vit_w)

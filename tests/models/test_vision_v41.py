@@ -16,7 +16,7 @@ from deepinfer.loader.checkpoint import CheckpointReader  # noqa: E402
 from deepinfer.models.image_processor_v41 import (IMAGE, IMAGE_END, IMAGE_NEW_LINE, IMAGE_START,  # noqa: E402
                                                   VisionPreprocessConfig, expand_image_placeholders,
                                                   image_token_span, plan_image_grid, preprocess_image)
-from deepinfer.models.vision_v41 import DeepseekV41Vision  # noqa: E402
+from deepinfer.loader.model_loader import load_model  # noqa: E402
 from deepinfer.tools.make_checkpoint import PRESETS, weight_specs, write_checkpoint  # noqa: E402
 
 from nemo_oracle import (nemo_preprocess_image, nemo_v41_image_span_embeddings,  # noqa: E402
@@ -51,37 +51,27 @@ def nemo(ckpt):
     return model
 
 
-def _load_vision_weights(module: DeepseekV41Vision, model_dir) -> DeepseekV41Vision:
-    """Copy the checkpoint's vision.* / aligner.* / image_* tensors into `module`: every parameter
-    present with its shape, nothing extra (the released layout stores them plain, never FP8)."""
-    params = dict(module.named_parameters())
-    with CheckpointReader(model_dir) as r:
-        names = [n for n in r.names() if DeepseekV41Vision.is_vision_tensor(n)]
-        assert sorted(names) == sorted(params), "vision tensors differ from the module's parameters"
-        for n in names:
-            t = r.get(n)
-            assert tuple(t.shape) == tuple(params[n].shape), n
-            params[n].data.copy_(t.to(params[n].dtype))
-    return module
+def _is_vision_tensor(name: str) -> bool:
+    return name.startswith(("vision.", "aligner.")) or name in ("image_start", "image_newline", "image_end")
 
 
 @pytest.fixture(scope="module")
-def ours(ckpt, vcfg):
-    m = DeepseekV41Vision(vcfg["vision_config"], vcfg["text_config"]["hidden_size"], torch.float32)
-    return _load_vision_weights(m, ckpt).eval()
+def ours(ckpt):
+    """The V4.1 model as the engine loads it: its vision tower and delimiters come from the checkpoint."""
+    return load_model(str(ckpt), dtype=torch.float32)[0]
 
 
 def test_vision_tensors_released_layout(ckpt, vcfg, ours):
     r = CheckpointReader(ckpt)
-    names = {n for n in r.names() if DeepseekV41Vision.is_vision_tensor(n)}
-    assert names == set(dict(ours.named_parameters()))
+    names = {n for n in r.names() if _is_vision_tensor(n)}
+    assert names == {n for n, _ in ours.named_parameters() if _is_vision_tensor(n)}
     for n in names:   # plain bf16, fp32 RMSNorm weights, no FP8 / scales
         want = torch.float32 if n.endswith(("norm1.weight", "norm2.weight")) or n == "vision.norm.weight" \
             else torch.bfloat16
         assert r.dtype(n) == want, n
         assert n + ".scale" not in r and n.removesuffix(".weight") + ".scale" not in r
     assert {s.name for s in weight_specs(vcfg)} >= names
-    assert not any(DeepseekV41Vision.is_vision_tensor(s.name) for s in weight_specs(PRESETS["tiny41"]))
+    assert not any(_is_vision_tensor(s.name) for s in weight_specs(PRESETS["tiny41"]))
 
 
 @pytest.mark.parametrize("w,h,seed", IMAGES)
@@ -139,7 +129,7 @@ def test_embed_image_matches_nemo(nemo, ours, vcfg):
     ref = nemo_v41_image_span_embeddings(nemo, imgs)
     for img, r in zip(imgs, ref):
         inp = preprocess_image(img, vcfg["vision_config"])
-        got = ours.embed_image(inp)
+        got = ours.image_embeddings(inp)
         assert got.shape == r.shape == (inp.num_tokens, vcfg["text_config"]["hidden_size"])
         assert (got - r).abs().max().item() < 1e-5
         # delimiters at their positions
