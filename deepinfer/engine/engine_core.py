@@ -114,8 +114,8 @@ class EngineCore:
 
     def abort(self, request_ids: list[str], error: str) -> list[Request]:
         """Finish these requests (and their siblings not started yet) with reason "abort", releasing
-        their cache and detokenizer state; returns the ones this call finished. Unknown or finished
-        ids are ignored."""
+        their slots and blocks; returns the ones this call finished. Unknown or finished ids are
+        ignored. Their detokenizer state stays until `completion` reads it or `release` drops it."""
         done = []
         for rid in request_ids:
             req = self.requests.get(rid)
