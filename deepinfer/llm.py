@@ -115,12 +115,12 @@ class LLM:
     def _check_params(self, i: int, sp: SamplingParams) -> None:
         """What SamplingParams cannot check alone: limits that depend on the model and engine."""
         vocab = self.model.config.vocab_size
+        limit = min(self.config.max_logprobs, vocab)
         if sp.stop and self.detokenizer is None:
             raise ValueError(f"prompts[{i}]: SamplingParams.stop needs a tokenizer (skip_tokenizer_init=True)")
-        if sp.logprobs is not None and sp.logprobs > min(self.config.max_logprobs, vocab):
-            raise ValueError(f"prompts[{i}]: SamplingParams.logprobs {sp.logprobs} is above the limit "
-                             f"{min(self.config.max_logprobs, vocab)} (max_logprobs={self.config.max_logprobs}, "
-                             f"vocab_size={vocab})")
+        if sp.logprobs is not None and sp.logprobs > limit:
+            raise ValueError(f"prompts[{i}]: SamplingParams.logprobs {sp.logprobs} is above the limit {limit} "
+                             f"(max_logprobs={self.config.max_logprobs}, vocab_size={vocab})")
         bad = [t for t in sp.stop_token_ids if t >= vocab]
         if bad:
             raise ValueError(f"prompts[{i}]: SamplingParams.stop_token_ids {bad[:5]} are outside the vocabulary "
