@@ -20,7 +20,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from common import add_commit_arg, recorded_commit
 
-from deepinfer.layers.forward_batch import SeqChunk, build_forward_batch
+from deepinfer.state.forward_batch import SeqChunk, build_forward_batch
 from deepinfer.loader.model_loader import load_model
 from deepinfer.tools.make_checkpoint import PRESETS, write_checkpoint
 from deepinfer.tools.static_cache import static_v4_cache

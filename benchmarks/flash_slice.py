@@ -286,7 +286,7 @@ def decode_seconds(engine, steps: int) -> float:
 
 def graph_replay_seconds(graphs, reqs: list, steps: int) -> float:
     """Seconds per DecodeGraphs.run at the requests' next positions (see TIMING: not an engine step)."""
-    from deepinfer.layers.forward_batch import SeqChunk
+    from deepinfer.state.forward_batch import SeqChunk
 
     _sync()  # the engine's step in flight computes these very positions with the same tokens
     chunks = [SeqChunk(r.slot, r.num_computed_tokens, [r.output_token_ids[-1]], r.block_tables) for r in reqs]

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from deepinfer.layers import invariant
-from deepinfer.layers.forward_batch import SeqChunk, build_forward_batch
+from deepinfer.state.forward_batch import SeqChunk, build_forward_batch
 from deepinfer.loader.model_loader import load_model
 from deepinfer.tools.make_checkpoint import PRESETS, write_checkpoint
 from deepinfer.tools.static_cache import static_v4_cache

@@ -28,7 +28,7 @@ def main() -> None:
     import flash_slice as fs
     from deepinfer import SamplingParams
     from deepinfer.engine.request import Request
-    from deepinfer.layers.forward_batch import SeqChunk
+    from deepinfer.state.forward_batch import SeqChunk
     from deepinfer.models.config import DeepseekV4Config
     from deepinfer.worker.cuda_graph import DecodeGraphs
 

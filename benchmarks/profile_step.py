@@ -182,7 +182,7 @@ def main() -> None:
 
 
 def profile(args) -> None:
-    from deepinfer.layers.forward_batch import SeqChunk, build_forward_batch
+    from deepinfer.state.forward_batch import SeqChunk, build_forward_batch
     from deepinfer.tools.static_cache import static_v4_cache
 
     model = fs.deepinfer_model(fp8=args.fp8)

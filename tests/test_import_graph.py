@@ -12,7 +12,9 @@ import deepinfer
 ROOT = Path(deepinfer.__file__).parent
 
 # Model math and what it is built from; none of them may reach into the serving side.
-MATH = ("deepinfer.models", "deepinfer.layers", "deepinfer.kernels")
+MATH = ("deepinfer.models", "deepinfer.layers", "deepinfer.state", "deepinfer.kernels", "deepinfer.formats")
+# The math packages, lowest first: a module imports only from its own package or one below it.
+MATH_LAYERS = ("deepinfer.formats", "deepinfer.kernels", "deepinfer.state", "deepinfer.layers", "deepinfer.models")
 SERVING = ("deepinfer.worker", "deepinfer.engine", "deepinfer.loader", "deepinfer.tools", "deepinfer.llm",
            "deepinfer.entrypoints")
 
@@ -115,6 +117,17 @@ def test_model_math_imports_nothing_from_the_serving_side():
     wrong = sorted((m, t) for m, targets in import_graph().items() if _under(m, MATH)
                    for t in targets if _under(t, SERVING))
     assert not wrong, f"model math importing worker / engine / loader / tools: {wrong}"
+
+
+def _layer(name: str) -> int | None:
+    return next((i for i, p in enumerate(MATH_LAYERS) if _under(name, (p,))), None)
+
+
+def test_math_packages_are_layered():
+    """formats <- kernels <- state <- layers <- models: no import runs back up."""
+    wrong = sorted((m, t) for m, targets in import_graph().items() if _layer(m) is not None
+                   for t in targets if _layer(t) is not None and _layer(t) > _layer(m))
+    assert not wrong, f"imports from a higher package: {wrong}"
 
 
 def test_every_module_imports_first_in_a_fresh_interpreter():

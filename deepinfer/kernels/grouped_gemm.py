@@ -44,7 +44,7 @@ import torch
 
 from deepinfer.kernels import sm_count
 from deepinfer.kernels.split_sum import split_sum_into
-from deepinfer.layers.quant import dequant_fp4, dequant_fp8_blocks
+from deepinfer.formats.quant import dequant_fp4, dequant_fp8_blocks
 
 try:
     import triton
@@ -87,7 +87,7 @@ def _as_3d(w: torch.Tensor, scale: torch.Tensor | None, offs: torch.Tensor | Non
 
 def reference(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor | None, scale: torch.Tensor | None = None,
               block_size: tuple[int, int] = (128, 128)) -> torch.Tensor:
-    """Plain torch: dequantise each group's weight to a.dtype (layers/quant.py), multiply in fp32.
+    """Plain torch: dequantise each group's weight to a.dtype (formats/quant.py), multiply in fp32.
     Rows past offs[-1] are zero here (the kernel leaves them unwritten)."""
     w, scale = _as_3d(w, scale, offs)
     fmt = _format(w)

@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import torch
 
-from deepinfer.layers import invariant  # batch-invariant mode: elementwise ops padded (CPU reference)
-
 try:
     import triton
     import triton.language as tl
@@ -21,10 +19,16 @@ except ImportError:  # CPU-only installs: the torch reference is used
     triton = None
 
 
-def reference(mix: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, n: int, iters: int, eps: float):
-    """mix [T, (2+n)*n] fp32 -> pre [T, n], post [T, n], comb [T, n, n] (fp32)."""
-    pre = invariant.pointwise(torch.sigmoid, mix[:, :n] * scale[0] + base[:n]) + eps
-    post = 2 * invariant.pointwise(torch.sigmoid, mix[:, n:2 * n] * scale[1] + base[n:2 * n])
+def _apply(fn, x):
+    return fn(x)
+
+
+def reference(mix: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, n: int, iters: int, eps: float,
+              pointwise=_apply):
+    """mix [T, (2+n)*n] fp32 -> pre [T, n], post [T, n], comb [T, n, n] (fp32). `pointwise(fn, x)`
+    applies the sigmoids (layers/invariant.pointwise in batch-invariant mode on the CPU)."""
+    pre = pointwise(torch.sigmoid, mix[:, :n] * scale[0] + base[:n]) + eps
+    post = 2 * pointwise(torch.sigmoid, mix[:, n:2 * n] * scale[1] + base[n:2 * n])
     comb = mix[:, 2 * n:].view(-1, n, n) * scale[2] + base[2 * n:].view(n, n)
     comb = torch.softmax(comb, dim=-1) + eps
     comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
@@ -64,10 +68,11 @@ if triton is not None:
         tl.store(comb_ptr + rows[:, None, None] * (N * N) + cell[None, :, :], c, mask=live[:, None, None])
 
 
-def mhc_coeffs(mix: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, n: int, iters: int, eps: float):
+def mhc_coeffs(mix: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, n: int, iters: int, eps: float,
+               pointwise=_apply):
     """Fused on CUDA (Triton), the torch reference elsewhere; same contract as `reference`."""
     if triton is None or not mix.is_cuda or n & (n - 1):
-        return reference(mix, base, scale, n, iters, eps)
+        return reference(mix, base, scale, n, iters, eps, pointwise)
     return _launch(mix, base, scale, n, iters, eps)
 
 

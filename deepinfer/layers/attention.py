@@ -15,8 +15,8 @@ from deepinfer.kernels import index_topk as _topk
 from deepinfer.kernels import sparse_attention as _sa_kernel
 from deepinfer.kernels.copy_rows import copy_rows
 from deepinfer.layers import invariant
-from deepinfer.layers.forward_batch import CompressPlan, ForwardBatch, to_device
-from deepinfer.layers.kv_state import CarryState, EntryStore, IndexKeyStore
+from deepinfer.state.forward_batch import CompressPlan, ForwardBatch, to_device
+from deepinfer.state.kv_state import CarryState, EntryStore, IndexKeyStore
 from deepinfer.layers.linear import DENSE, Linear, QuantSpec, stacked_forward
 from deepinfer.layers.norm import RMSNorm
 from deepinfer.layers.rotary import RopeCache, apply_rope

@@ -16,7 +16,7 @@ from torch import nn
 
 from deepinfer.kernels.grouped_gemm import grouped_gemm, triton_available
 from deepinfer.layers import invariant
-from deepinfer.layers.quant import dequant_fp4, dequant_fp8_blocks
+from deepinfer.formats.quant import dequant_fp4, dequant_fp8_blocks
 
 
 @dataclass(frozen=True)

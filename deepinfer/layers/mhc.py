@@ -31,13 +31,13 @@ class HyperConnection(nn.Module):
         """x [T, n, D] -> pre [T, n], post [T, n], comb [T, n, n] (all fp32)."""
         n = self.n
         if _fused(x):  # the streams read once, no fp32 copy
-            return mhc_coeffs(_mix(x, fn, self.norm_eps), base, scale, n, self.iters, self.hc_eps)
+            return mhc_coeffs(_mix(x, fn, self.norm_eps), base, scale, n, self.iters, self.hc_eps, invariant.pointwise)
         f = x.flatten(1).float()
         if self.project_first:
             mix = dense_linear(f, fn.float()) * torch.rsqrt(f.square().mean(-1, keepdim=True) + self.norm_eps)
         else:
             mix = dense_linear(rms_norm(f, self.norm_eps), fn.float())
-        return mhc_coeffs(mix, base, scale, n, self.iters, self.hc_eps)
+        return mhc_coeffs(mix, base, scale, n, self.iters, self.hc_eps, invariant.pointwise)
 
 
 def register_hc_params(module: nn.Module, n: int, dim: int, sites=("attn", "ffn")) -> None:

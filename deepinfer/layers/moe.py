@@ -14,7 +14,7 @@ from deepinfer.kernels.swiglu import swiglu
 from deepinfer.layers import invariant
 from deepinfer.layers.linear import (DENSE, Linear, QuantSpec, dense_linear, dequant_expert, expert_tensors,
                                     matmul_fp32, stacked_forward)
-from deepinfer.layers.quant import unpack_fp4
+from deepinfer.formats.quant import unpack_fp4
 
 
 def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:

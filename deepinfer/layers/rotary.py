@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
@@ -16,8 +15,14 @@ from deepinfer.kernels import rope as _kernel
 from deepinfer.layers import invariant
 from deepinfer.layers.norm import rms_norm
 
-if TYPE_CHECKING:  # layers never import models at run time (models build on layers)
-    from deepinfer.models.config_keys import YarnScaling
+
+@dataclass(frozen=True)
+class YarnScaling:
+    """YaRN frequency interpolation of the compressed layers' RoPE (config: models/config_keys.py)."""
+    factor: float
+    original_max_position_embeddings: int
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
 
 
 def rope_inv_freq(rope_dim: int, theta: float, yarn: YarnScaling | None = None) -> torch.Tensor:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from deepinfer.layers.quant import dequant_fp4, dequant_fp8_blocks
+from deepinfer.formats.quant import dequant_fp4, dequant_fp8_blocks
 from deepinfer.loader.checkpoint import CheckpointError, CheckpointReader
 from deepinfer.loader.names import WeightRef, plan_names, split_expert_name
 from deepinfer.models.config import DeepseekV4Config

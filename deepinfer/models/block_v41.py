@@ -11,9 +11,10 @@ import torch
 from torch import nn
 
 from deepinfer.layers.attention import sparse_attention
-from deepinfer.layers.csa2 import CSA2State, Engram, Indexer41, PoolCompressor
-from deepinfer.layers.forward_batch import ForwardBatch, ReplayPlan
-from deepinfer.layers.kv_state import LayerCache
+from deepinfer.layers.csa2 import CSA2State, Indexer41, PoolCompressor
+from deepinfer.layers.engram import Engram
+from deepinfer.state.forward_batch import ForwardBatch, ReplayPlan
+from deepinfer.state.kv_state import LayerCache
 from deepinfer.layers.linear import Linear, QuantSpec
 from deepinfer.layers.mhc import HyperConnection, collapse_norm, expand, register_hc_params
 from deepinfer.layers.moe import MoE

@@ -26,17 +26,11 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from deepinfer.layers.rotary import YarnScaling
+
 
 class ConfigError(ValueError):
     """A config.json that deepinfer cannot run; the message names the key."""
-
-
-@dataclass(frozen=True)
-class YarnScaling:
-    factor: float
-    original_max_position_embeddings: int
-    beta_fast: float = 32.0
-    beta_slow: float = 1.0
 
 
 # Math keys deepinfer implements at one value only (an absent key means that value).

@@ -12,8 +12,8 @@ import torch
 from torch import nn
 
 from deepinfer.layers.attention import Compressor, Indexer, sparse_attention
-from deepinfer.layers.forward_batch import CompressPlan, ForwardBatch
-from deepinfer.layers.kv_state import LayerCache
+from deepinfer.state.forward_batch import CompressPlan, ForwardBatch
+from deepinfer.state.kv_state import LayerCache
 from deepinfer.layers.linear import DENSE, Linear, QuantSpec, stacked_forward
 from deepinfer.layers.mhc import HyperConnection, collapse_norm, expand, register_hc_params, head_collapse
 from deepinfer.layers.moe import MoE

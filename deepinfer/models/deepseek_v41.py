@@ -14,8 +14,8 @@ import torch
 from torch import nn
 
 from deepinfer.layers.engram_hash import EngramHashParams, ngram_rows
-from deepinfer.layers.forward_batch import ForwardBatch
-from deepinfer.layers.kv_state import LayerCache
+from deepinfer.state.forward_batch import ForwardBatch
+from deepinfer.state.kv_state import LayerCache
 from deepinfer.layers.linear import Linear
 from deepinfer.layers.mhc import collapse
 from deepinfer.layers.norm import RMSNorm

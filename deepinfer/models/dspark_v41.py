@@ -15,7 +15,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from deepinfer.layers.kv_state import FormatStore
+from deepinfer.state.kv_state import FormatStore
 from deepinfer.layers.linear import QuantSpec
 from deepinfer.layers.mhc import collapse, expand
 from deepinfer.layers.rotary import RopeCache, apply_rope

@@ -13,7 +13,7 @@ from typing import Iterator
 import torch
 from safetensors.torch import save_file
 
-from deepinfer.layers.quant import quant_fp4, quant_fp8_blocks, scale_to_float
+from deepinfer.formats.quant import quant_fp4, quant_fp8_blocks, scale_to_float
 from deepinfer.loader.checkpoint import INDEX_FILE
 
 DTYPES = ("fp8", "bfloat16", "float32")

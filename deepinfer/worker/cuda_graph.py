@@ -14,7 +14,7 @@ import dataclasses
 
 import torch
 
-from deepinfer.layers.forward_batch import FixedShape, ForwardBatch, SeqChunk, build_forward_batch
+from deepinfer.state.forward_batch import FixedShape, ForwardBatch, SeqChunk, build_forward_batch
 from deepinfer.worker.kv_cache import V4Cache
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)

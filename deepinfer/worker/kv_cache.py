@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from deepinfer.layers.kv_state import CarryState, EntryStore, FormatStore, IndexKeyStore, LayerCache
+from deepinfer.state.kv_state import CarryState, EntryStore, FormatStore, IndexKeyStore, LayerCache
 from deepinfer.models.config import CSA, SLIDING
 from deepinfer.models.config_v41 import FULL, DeepseekV41Config
 

@@ -13,7 +13,7 @@ import torch
 
 from deepinfer.engine.outputs import PLACEHOLDER, ModelOutput, SchedulerOutput
 from deepinfer.layers import invariant
-from deepinfer.layers.forward_batch import SeqChunk, build_forward_batch, to_device
+from deepinfer.state.forward_batch import SeqChunk, build_forward_batch, to_device
 from deepinfer.worker.kv_cache import V4Cache
 from deepinfer.worker.sampler import SamplingBatch, sample, top_logprobs
 

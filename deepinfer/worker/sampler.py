@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from deepinfer.layers.forward_batch import to_device
+from deepinfer.state.forward_batch import to_device
 from deepinfer.sampling_params import SamplingParams
 
 

@@ -23,8 +23,8 @@ def case(N: int, m: int, dim: int, overlap: bool, T: int = 40, R: int = 12, devi
 
 def test_reference_is_the_layers_pooling():
     from deepinfer.layers.attention import Compressor
-    from deepinfer.layers.forward_batch import CompressPlan
-    from deepinfer.layers.kv_state import CarryState
+    from deepinfer.state.forward_batch import CompressPlan
+    from deepinfer.state.kv_state import CarryState
     from deepinfer.layers.rotary import RopeCache
 
     for overlap in (True, False):

@@ -38,7 +38,7 @@ test_kernel_in_the_triton_interpreter, test_kernel_on_gpu = interpreted_and_gpu(
 
 
 def test_ring_write_from_matches_write_of_the_gathered_rows():
-    from deepinfer.layers.kv_state import EntryStore, FormatStore
+    from deepinfer.state.kv_state import EntryStore, FormatStore
     g = torch.Generator().manual_seed(1)
     x, rows, src = torch.randn(6, 64, generator=g), torch.tensor([7, 2, 4]), torch.tensor([5, 0, 3])
     for make in (lambda: EntryStore(10, 64, 16, "float32", "cpu"), lambda: EntryStore(10, 64, 16, "fp8", "cpu"),

@@ -5,7 +5,7 @@ import torch
 
 from deepinfer.kernels import sparse_attention as sa
 from deepinfer.layers.attention import sparse_attention as layers_sparse_attention
-from deepinfer.layers.kv_state import EntryStore
+from deepinfer.state.kv_state import EntryStore
 from interpreter import SHIMS, interpreted_and_gpu, run_interpreted
 
 

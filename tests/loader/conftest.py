@@ -4,7 +4,7 @@ import torch
 import pytest
 from torch import nn
 
-from deepinfer.layers.quant import dequant_fp4, dequant_fp8_blocks, quant_fp4, quant_fp8_blocks
+from deepinfer.formats.quant import dequant_fp4, dequant_fp8_blocks, quant_fp4, quant_fp8_blocks
 from deepinfer.loader.names import split_expert_name
 from deepinfer.tools.make_checkpoint import PRESETS, random_weights, weight_specs, write_checkpoint
 

@@ -8,7 +8,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from deepinfer.layers.quant import dequant_fp8_blocks, quant_fp4, quant_fp8_blocks
+from deepinfer.formats.quant import dequant_fp8_blocks, quant_fp4, quant_fp8_blocks
 from deepinfer.loader.checkpoint import CheckpointReader
 from deepinfer.loader.model_config import read_model_config
 from deepinfer.loader.model_loader import load_model

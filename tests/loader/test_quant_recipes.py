@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from deepinfer.layers.quant import dequant_fp4, dequant_fp8_blocks, scale_to_float
+from deepinfer.formats.quant import dequant_fp4, dequant_fp8_blocks, scale_to_float
 
 
 def _e8m0(values) -> torch.Tensor:

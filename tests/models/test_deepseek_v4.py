@@ -6,7 +6,7 @@ import copy
 import pytest
 import torch
 
-from deepinfer.layers.forward_batch import SeqChunk, build_forward_batch
+from deepinfer.state.forward_batch import SeqChunk, build_forward_batch
 from deepinfer.loader.model_loader import load_model
 from deepinfer.models import DeepseekV4Config, DeepseekV4ForCausalLM
 from deepinfer.tools.make_checkpoint import PRESETS, write_checkpoint

@@ -7,7 +7,7 @@ import re
 import pytest
 import torch
 
-from deepinfer.layers.forward_batch import SeqChunk, build_forward_batch
+from deepinfer.state.forward_batch import SeqChunk, build_forward_batch
 from deepinfer.loader.model_loader import load_model
 from deepinfer.models.config_v41 import FULL, REINDEX, REUSE, SWA, DeepseekV41Config
 from deepinfer.models.deepseek_v41 import DeepseekV41ForCausalLM

@@ -13,7 +13,7 @@ import torch
 from tokenizers import Tokenizer
 
 from deepinfer.layers.engram_hash import compressed_token_map
-from deepinfer.layers.quant import dequant_fp4, dequant_fp8_blocks
+from deepinfer.formats.quant import dequant_fp4, dequant_fp8_blocks
 from deepinfer.loader.checkpoint import CheckpointReader
 from deepinfer.tools.make_checkpoint import PRESETS, main, random_weights, weight_specs, write_checkpoint
 

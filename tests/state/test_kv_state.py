@@ -1,7 +1,7 @@
 import torch
 
-from deepinfer.layers.kv_state import EntryStore, IndexKeyStore
-from deepinfer.layers.quant import hadamard
+from deepinfer.state.kv_state import EntryStore, IndexKeyStore
+from deepinfer.formats.quant import hadamard
 
 
 def test_fp8_entries_store_e4m3_nope_with_pow2_scales_and_bf16_rope():

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from deepinfer.layers.quant import _fp4_codes, fp4_table
+from deepinfer.formats.quant import _fp4_codes, fp4_table
 
 GROUP = {"fp8": 32, "mxfp4": 32, "nvfp4": 16}
 

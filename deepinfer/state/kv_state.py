@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 import torch
 
 from deepinfer.kernels.copy_rows import copy_rows
-from deepinfer.layers import group_quant
-from deepinfer.layers.quant import fp4_roundtrip, hadamard, quant_fp4, dequant_fp4, FP8_MAX
+from deepinfer.formats import group_quant
+from deepinfer.formats.quant import fp4_roundtrip, hadamard, quant_fp4, dequant_fp4, FP8_MAX
 
 EXACT_FORMATS = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 

@@ -1,6 +1,6 @@
 import pytest
 
-from deepinfer.layers.forward_batch import SeqChunk, build_forward_batch
+from deepinfer.state.forward_batch import SeqChunk, build_forward_batch
 
 
 def test_window_keys_come_from_this_step_or_the_ring():
@@ -49,7 +49,7 @@ def test_window_tables_are_the_same_on_the_host_and_on_the_device_path():
     import numpy as np
     import torch
 
-    from deepinfer.layers.forward_batch import _gather_plan
+    from deepinfer.state.forward_batch import _gather_plan
 
     rng = np.random.default_rng(0)
     for T, span in ((1, 128), (7, 4), (40, 16)):
