@@ -8,9 +8,14 @@ For query token t, head h (q [T, H, D]) the keys are
   out  = sum_n exp(s_n) key_n / (sum_n exp(s_n) + exp(sinks[h]))
 The sink only joins the denominator, so a token without any valid key gets 0.
 
-Stores are passed as `EntryStore.tensors()`: "bfloat16" / "float32": (data [R, D],);
-"fp8": (nope_q e4m3 [R, nope], nope_scale uint8 [R, nope / group], rope bf16 [R, D - nope]) with
-key = cat(nope_q * 2^(nope_scale - 127), rope) (E8M0 scale per group of columns).
+Stores are passed as their `tensors()`, in one of these formats (ring and entries independently):
+  "bfloat16" / "float32": (data [R, D],)                       V4's EntryStore and V4.1's FormatStore
+  "fp8":    (nope_q e4m3 [R, nope], nope_scale uint8 [R, nope / group], rope bf16 [R, D - nope]),
+            key = cat(nope_q * 2^(nope_scale - 127), rope) (E8M0 scale per group of columns)  V4's EntryStore
+  "v41fp8": (codes e4m3 [R, D], scale uint8 [R, D / 32]), key = codes * 2^(scale - 127) per group of
+            32 columns                                          V4.1's FormatStore "fp8" (formats/group_quant)
+  "nvfp4":  (codes uint8 [R, D / 2], scale e4m3 [R, D / 16]), two E2M1 codes a byte (even column in the
+            low nibble), key = e2m1 * scale per group of 16     V4.1's FormatStore "nvfp4"
 
 Kernel: grid (T, cdiv(H, BLOCK_H), splits). All heads share the KV head, so a program gathers a
 tile of BLOCK_N key rows once (window tiles first, then entry tiles), decodes it to q's dtype and
@@ -19,16 +24,25 @@ acc += P @ k. Invariants:
   * the running max starts at the sink logit (and the running sum at exp(0) = 1 on split 0), so the
     max is always finite, exp2 never overflows, masked keys give exactly 0, and a keyless token
     ends with acc = 0, l = 1 -> out 0 (no NaN). Sinks must be finite.
-  * dots run in q's dtype with fp32 accumulation: bf16 q -> bf16 keys (exact for bf16 and fp8
-    stores: e4m3 * 2^k fits bf16), P rounded to bf16 for the P @ V dot (the only rounding vs
-    `reference`); fp32 q -> fp32 keys and IEEE fp32 dots (matches `reference` to ~1e-6).
-    bf16 q with a float32 store is not supported by the kernel (the launcher uses `reference`).
+  * the quantised stores are never copied: a tile's key rows are decoded in registers (fp32
+    product code * scale, then q's dtype) right before its dots.
+  * dots run in q's dtype with fp32 accumulation: bf16 q -> bf16 keys, P rounded to bf16 for the
+    P @ V dot (the only rounding vs `reference`); fp32 q -> fp32 keys and IEEE fp32 dots (matches
+    `reference` to ~1e-6). bf16 q with a float32 store is not supported by the kernel (the launcher
+    uses `reference`). Decoded keys are exact in bf16, so bf16 keys round nothing:
+      fp8 / v41fp8: e4m3 (<= 4 significant bits) * 2^k, a normal bf16 for every value the encoders
+      write (V4.1's fp8 scale is >= 2^-22: |nonzero key| >= 2^-31);
+      nvfp4: e2m1 (<= 2 significant bits: 0.5 .. 6) * e4m3 (<= 4 bits, >= 2^-9) has <= 6 significant
+      bits and 2^-10 <= |nonzero key| <= 6 * 448, inside bf16's normal range (8 significant bits).
+    The fp32 products are exact too, so `reference` (fp32 decode) sees the same key values.
   * an E8M0 byte s decodes as the fp32 with exponent bits s (2^(s-127) for s >= 1; s = 0 -> 0
-    instead of 2^-127, which only matters for |values| < 2^-118).
-  * D must be a power of two >= 16 (Triton block shapes). fp8: nope need not be (448 in V4-Flash);
-    the group (gcd(64, nope), a power of two) divides nope and D, so a key tile is gathered as
-    [BLOCK_N, D / group, group]: groups < nope / group from nope_q (one scale load per row and
-    group), the rest from rope, by masks; then flattened to [BLOCK_N, D].
+    instead of 2^-127, which only matters for |values| < 2^-118; V4.1's encoder never writes 0).
+  * E2M1 decodes arithmetically: magnitude code m = 2e + b -> m / 2 for e = 0, else the fp32 with
+    exponent e - 1 and mantissa b / 2; bit 3 is the sign.
+  * D must be a power of two >= 16 (Triton block shapes); >= 32 for v41fp8. A quantised key tile is
+    gathered as [BLOCK_N, D / group, group] (one scale load per row and group), then flattened to
+    [BLOCK_N, D]. fp8: nope need not be a power of two (448 in V4-Flash); the group (gcd(64, nope), a
+    power of two) divides nope and D: groups < nope / group from nope_q, the rest from rope, by masks.
   * the two fp8 stores of one call (ring, entries) share nope / group / rope widths.
   * a tile with no valid key is skipped: it would leave (m, l, acc) bit-for-bit unchanged (alpha =
     exp2(0) = 1, p = 0), so skipping changes no bits; it pays when -1s come in runs (top-k lists end
@@ -45,6 +59,7 @@ from __future__ import annotations
 
 import torch
 
+from deepinfer.formats import group_quant
 from deepinfer.kernels import sm_count
 
 try:
@@ -57,8 +72,16 @@ LOG2E = 1.4426950408889634
 _CHUNK_ELEMS = 1 << 26  # gathered key elements per query chunk in `reference`
 
 
+# kernel format name -> (its code in the kernel, V4.1 group_quant format); exact formats are code 0
+FORMATS = {"bfloat16": (0, None), "float32": (0, None), "fp8": (1, None), "v41fp8": (2, "fp8"),
+           "nvfp4": (3, "nvfp4")}
+
+
 def _decode(store: tuple[torch.Tensor, ...], fmt: str, rows: torch.Tensor) -> torch.Tensor:
-    """Rows of a store as fp32 (same arithmetic as EntryStore.read(rows, torch.float32))."""
+    """Rows of a store as fp32 (same arithmetic as EntryStore / FormatStore .read(rows, torch.float32))."""
+    if FORMATS[fmt][1] is not None:
+        codes, scale = store
+        return group_quant.decode(codes[rows], scale[rows], FORMATS[fmt][1], torch.float32)
     if fmt == "fp8":
         nope_q, nope_scale, rope = store
         group = nope_q.shape[1] // nope_scale.shape[1]
@@ -104,22 +127,58 @@ def reference(q: torch.Tensor, kv_new: torch.Tensor, win_new: torch.Tensor, win_
 
 
 if triton is not None:
+    # format codes (FORMATS) and V4.1's group widths (formats/group_quant.GROUP), as compile-time constants
+    _FP8: tl.constexpr = tl.constexpr(FORMATS["fp8"][0])
+    _V41FP8: tl.constexpr = tl.constexpr(FORMATS["v41fp8"][0])
+    _NVFP4: tl.constexpr = tl.constexpr(FORMATS["nvfp4"][0])
+    _V41FP8_GROUP: tl.constexpr = tl.constexpr(group_quant.GROUP["fp8"])
+    _NVFP4_GROUP: tl.constexpr = tl.constexpr(group_quant.GROUP["nvfp4"])
+
     @triton.jit
-    def _gather_keys(rows, ok, t0, t1, t2, FP8: tl.constexpr, D: tl.constexpr, NOPE: tl.constexpr,
+    def _e8m0_groups(codes, scales, rows, ok, ROW_CODES: tl.constexpr, NG: tl.constexpr, D: tl.constexpr,
+                     GROUP: tl.constexpr, BLOCK_N: tl.constexpr):
+        """e4m3 codes [R, ROW_CODES] with E8M0 bytes [R, NG] (one per GROUP columns) -> fp32
+        [BLOCK_N, D / GROUP, GROUP] tile: code * 2^(byte - 127) in groups < NG, 0 in the rest and where ~ok."""
+        g = tl.arange(0, D // GROUP)
+        col = g[:, None] * GROUP + tl.arange(0, GROUP)[None, :]                   # [D/G, G]
+        g_ok = g < NG
+        v = tl.load(codes + rows[:, None, None] * ROW_CODES + col[None], mask=ok[:, None, None] & g_ok[None, :, None],
+                    other=0.0).to(tl.float32)
+        sc = tl.load(scales + rows[:, None] * NG + g[None, :], mask=ok[:, None] & g_ok[None, :], other=0)
+        return v * (sc.to(tl.int32) << 23).to(tl.float32, bitcast=True)[:, :, None]  # E8M0 -> 2^(s-127)
+
+    @triton.jit
+    def _e2m1(code):
+        """E2M1 codes (int32, 0..15) -> fp32 values (0, 0.5, 1, 1.5, 2, 3, 4, 6, then negated)."""
+        mag = code & 7
+        normal = (((mag >> 1) + 126) << 23) | ((mag & 1) << 22)                      # 2^(e-1) * (1 + b/2)
+        v = tl.where(mag >= 2, normal.to(tl.float32, bitcast=True), mag.to(tl.float32) * 0.5)
+        return tl.where((code & 8) != 0, -v, v)
+
+    @triton.jit
+    def _gather_keys(rows, ok, t0, t1, t2, FMT: tl.constexpr, D: tl.constexpr, NOPE: tl.constexpr,
                      GROUP: tl.constexpr, BLOCK_N: tl.constexpr, KDT: tl.constexpr):
-        """rows [BLOCK_N] (anything where ~ok) -> key rows [BLOCK_N, D] in KDT, 0 where ~ok."""
-        if FP8:
-            # [BLOCK_N, D / GROUP, GROUP] view: one E8M0 scale load per (row, group), not per column
-            NG: tl.constexpr = NOPE // GROUP
+        """rows [BLOCK_N] (anything where ~ok) -> key rows [BLOCK_N, D] in KDT, 0 where ~ok; decoded in
+        registers from the store format FMT (t0, t1, t2 = the store's tensors)."""
+        if FMT == _FP8:  # nope groups from t0 / t1, rope columns from t2
+            v = _e8m0_groups(t0, t1, rows, ok, NOPE, NOPE // GROUP, D, GROUP, BLOCK_N)
             g = tl.arange(0, D // GROUP)
             col = g[:, None] * GROUP + tl.arange(0, GROUP)[None, :]                   # [D/G, G]
-            is_nope = (g < NG)[:, None]
-            r3, ok3 = rows[:, None, None], ok[:, None, None]
-            v = tl.load(t0 + r3 * NOPE + col[None], mask=ok3 & is_nope[None], other=0.0).to(tl.float32)
-            sc = tl.load(t1 + rows[:, None] * NG + g[None, :], mask=ok[:, None] & (g < NG)[None, :], other=0)
-            v = v * (sc.to(tl.int32) << 23).to(tl.float32, bitcast=True)[:, :, None]  # E8M0 -> 2^(s-127)
-            r = tl.load(t2 + r3 * (D - NOPE) + (col - NOPE)[None], mask=ok3 & ~is_nope[None], other=0.0)
-            k = tl.reshape(tl.where(is_nope[None], v, r.to(tl.float32)), [BLOCK_N, D]).to(KDT)
+            is_nope = (g < NOPE // GROUP)[None, :, None]
+            r = tl.load(t2 + rows[:, None, None] * (D - NOPE) + (col - NOPE)[None], mask=ok[:, None, None] & ~is_nope,
+                        other=0.0)
+            k = tl.reshape(tl.where(is_nope, v, r.to(tl.float32)), [BLOCK_N, D]).to(KDT)
+        elif FMT == _V41FP8:
+            v = _e8m0_groups(t0, t1, rows, ok, D, D // _V41FP8_GROUP, D, _V41FP8_GROUP, BLOCK_N)
+            k = tl.reshape(v, [BLOCK_N, D]).to(KDT)
+        elif FMT == _NVFP4:  # byte col // 2 holds column col (even: low nibble); one e4m3 scale per group
+            G: tl.constexpr = _NVFP4_GROUP
+            g = tl.arange(0, D // G)
+            col = g[:, None] * G + tl.arange(0, G)[None, :]                           # [D/G, G]
+            b = tl.load(t0 + rows[:, None, None] * (D // 2) + (col // 2)[None], mask=ok[:, None, None], other=0)
+            code = (b.to(tl.int32) >> ((col & 1) * 4)[None]) & 15
+            sc = tl.load(t1 + rows[:, None] * (D // G) + g[None, :], mask=ok[:, None], other=0.0).to(tl.float32)
+            k = tl.reshape(_e2m1(code) * sc[:, :, None], [BLOCK_N, D]).to(KDT)
         else:
             c = tl.arange(0, D)
             k = tl.load(t0 + rows[:, None] * D + c[None, :], mask=ok[:, None], other=0.0).to(KDT)
@@ -140,7 +199,7 @@ if triton is not None:
     @triton.jit
     def _attend(q, t, c, j, kvn_ptr, wnew_ptr, wring_ptr, r0, r1, r2, addr_ptr, paddr_row, e0, e1, e2, W, K,
                 qk_scale, w_lo, w_hi, e_lo, e_hi, m_i, l_i, acc, D: tl.constexpr, NOPE: tl.constexpr,
-                GROUP: tl.constexpr, RING_FP8: tl.constexpr, ENT_FP8: tl.constexpr, HAS_ENT: tl.constexpr,
+                GROUP: tl.constexpr, RING_FMT: tl.constexpr, ENT_FMT: tl.constexpr, HAS_ENT: tl.constexpr,
                 BLOCK_N: tl.constexpr, KDT: tl.constexpr, PREC: tl.constexpr, INDIRECT: tl.constexpr):
         """Window key tiles [w_lo, w_hi) then entry tiles [e_lo, e_hi) of token t into (m, l, acc).
         INDIRECT: addr_ptr holds entry ids, translated through the token's request row paddr_row."""
@@ -152,7 +211,7 @@ if triton is not None:
             ok = is_new | (old >= 0)
             if tl.max(ok.to(tl.int32), axis=0) > 0:  # a keyless tile would add exactly nothing
                 k_new = tl.load(kvn_ptr + new[:, None] * D + c[None, :], mask=is_new[:, None], other=0.0)
-                k_old = _gather_keys(old, (old >= 0) & ~is_new, r0, r1, r2, RING_FP8, D, NOPE, GROUP, BLOCK_N,
+                k_old = _gather_keys(old, (old >= 0) & ~is_new, r0, r1, r2, RING_FMT, D, NOPE, GROUP, BLOCK_N,
                                      KDT)
                 k = tl.where(is_new[:, None], k_new.to(KDT), k_old)
                 m_i, l_i, acc = _softmax_step(q, k, ok, m_i, l_i, acc, qk_scale, PREC)
@@ -163,7 +222,7 @@ if triton is not None:
                 if INDIRECT:  # entry id -> its address in the request's table (-1 stays -1)
                     rows = tl.load(paddr_row + rows, mask=rows >= 0, other=-1)
                 if tl.max(rows, axis=0) >= 0:  # top-k lists put their -1s last: whole tiles drop out
-                    k = _gather_keys(rows, rows >= 0, e0, e1, e2, ENT_FP8, D, NOPE, GROUP, BLOCK_N, KDT)
+                    k = _gather_keys(rows, rows >= 0, e0, e1, e2, ENT_FMT, D, NOPE, GROUP, BLOCK_N, KDT)
                     m_i, l_i, acc = _softmax_step(q, k, rows >= 0, m_i, l_i, acc, qk_scale, PREC)
         return m_i, l_i, acc
 
@@ -180,7 +239,7 @@ if triton is not None:
     def _sparse_attn_kernel(q_ptr, kvn_ptr, wnew_ptr, wring_ptr, r0, r1, r2, addr_ptr, req_ptr, paddr_ptr, e0, e1,
                             e2, sink_ptr, out_ptr, part_ptr, ml_ptr, H, W, K, stride_pa, qk_scale,
                             D: tl.constexpr, NOPE: tl.constexpr, GROUP: tl.constexpr,
-                            RING_FP8: tl.constexpr, ENT_FP8: tl.constexpr, HAS_ENT: tl.constexpr,
+                            RING_FMT: tl.constexpr, ENT_FMT: tl.constexpr, HAS_ENT: tl.constexpr,
                             SPLITS: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
                             TPS: tl.constexpr, SEQ: tl.constexpr, INDIRECT: tl.constexpr):
         t = tl.program_id(0).to(tl.int64)
@@ -207,7 +266,7 @@ if triton is not None:
             m_i, l_i, acc = _attend(q, t, c, j, kvn_ptr, wnew_ptr, wring_ptr, r0, r1, r2, addr_ptr, paddr_row,
                                     e0, e1, e2, W, K, qk_scale, sp * n_w // SPLITS, (sp + 1) * n_w // SPLITS,
                                     sp * n_e // SPLITS, (sp + 1) * n_e // SPLITS, m_i, l_i, acc, D, NOPE, GROUP,
-                                    RING_FP8, ENT_FP8, HAS_ENT, BLOCK_N, KDT, PREC, INDIRECT)
+                                    RING_FMT, ENT_FMT, HAS_ENT, BLOCK_N, KDT, PREC, INDIRECT)
         else:
             # fixed splits (batch-invariant): split 0 = the window, split s >= 1 = entry tiles
             # [(s - 1) * TPS, s * TPS); a wider (padded) entry list only adds empty splits
@@ -215,21 +274,21 @@ if triton is not None:
                 m_i, l_i, acc = _attend(q, t, c, j, kvn_ptr, wnew_ptr, wring_ptr, r0, r1, r2, addr_ptr,
                                         paddr_row, e0, e1, e2, W, K, qk_scale, 0, n_w, 0, 0, m_i, l_i, acc, D,
                                         NOPE, GROUP,
-                                        RING_FP8, ENT_FP8, HAS_ENT, BLOCK_N, KDT, PREC, INDIRECT)
+                                        RING_FMT, ENT_FMT, HAS_ENT, BLOCK_N, KDT, PREC, INDIRECT)
                 for s in range(0, tl.cdiv(n_e, TPS)):
                     m_s, l_s, a_s = _attend(q, t, c, j, kvn_ptr, wnew_ptr, wring_ptr, r0, r1, r2, addr_ptr,
                                             paddr_row, e0, e1, e2, W, K, qk_scale, 0, 0, s * TPS,
                                             tl.minimum((s + 1) * TPS, n_e),
                                             sink, tl.zeros([BLOCK_H], tl.float32),
-                                            tl.zeros([BLOCK_H, D], tl.float32), D, NOPE, GROUP, RING_FP8,
-                                            ENT_FP8, HAS_ENT, BLOCK_N, KDT, PREC, INDIRECT)
+                                            tl.zeros([BLOCK_H, D], tl.float32), D, NOPE, GROUP, RING_FMT,
+                                            ENT_FMT, HAS_ENT, BLOCK_N, KDT, PREC, INDIRECT)
                     m_i, l_i, acc = _merge(m_i, l_i, acc, m_s, l_s, a_s)
             else:  # this program is split sp
                 e_lo = tl.maximum(sp - 1, 0) * TPS
                 m_i, l_i, acc = _attend(q, t, c, j, kvn_ptr, wnew_ptr, wring_ptr, r0, r1, r2, addr_ptr,
                                         paddr_row, e0, e1, e2, W, K, qk_scale, 0, tl.where(sp == 0, n_w, 0), e_lo,
                                         tl.where(sp == 0, 0, tl.minimum(e_lo + TPS, n_e)), m_i, l_i, acc, D, NOPE,
-                                        GROUP, RING_FP8, ENT_FP8, HAS_ENT, BLOCK_N, KDT, PREC, INDIRECT)
+                                        GROUP, RING_FMT, ENT_FMT, HAS_ENT, BLOCK_N, KDT, PREC, INDIRECT)
 
         if SPLITS == 1:
             o = acc / l_i[:, None]
@@ -285,9 +344,14 @@ def supported(q: torch.Tensor, kv_new: torch.Tensor, ring_fmt: str, entries_fmt:
     interpreter, but compiled it does not match the reference closely enough at D = 512
     (benchmarks/NOTES.md), so fp32 stays on torch."""
     D = q.shape[-1]
-    fmts = ("bfloat16", "fp8")
-    return (q.dtype == torch.bfloat16 and kv_new.dtype == q.dtype
-            and D >= 16 and D & (D - 1) == 0 and ring_fmt in fmts and (not has_entries or entries_fmt in fmts))
+    fmts = [ring_fmt] + ([entries_fmt] if has_entries else [])
+    return (q.dtype == torch.bfloat16 and kv_new.dtype == q.dtype and D >= 16 and D & (D - 1) == 0
+            and all(f in FORMATS and f != "float32" and D % _group(f) == 0 for f in fmts))
+
+
+def _group(fmt: str) -> int:
+    """Columns per scale of a V4.1 format (1 for the others)."""
+    return group_quant.GROUP[FORMATS[fmt][1]] if FORMATS[fmt][1] is not None else 1
 
 
 def default_splits(T: int, H: int, n_tiles: int, block_h: int, device: torch.device) -> int:
@@ -299,13 +363,14 @@ def default_splits(T: int, H: int, n_tiles: int, block_h: int, device: torch.dev
     return max(1, min(sms // programs, 4, n_tiles))  # more than 4 splits was slower at batch 1
 
 
-def default_config(T: int, fp8: bool = False) -> dict:
+def default_config(T: int, quantised: bool = False) -> dict:
     """(block_h heads, block_n keys, warps, stages) per token count: the best of the H200 sweeps at
     H = 64, D = 512 with bf16 keys (benchmarks/kernel_sweep.py; numbers in benchmarks/NOTES.md):
     prefill 64 / 32 / 8 warps, decode batch 64 32 / 64 / 8 warps, batch 1 16 heads (with key splits).
     fp8 keys need more registers and shared memory per tile (32 x 64 tiles fail on the H200): 32 heads x 32
-    keys, 8 warps, 1 stage, the largest fp8 tiling the GPU tests cover."""
-    if fp8 and T >= 32:
+    keys, 8 warps, 1 stage, the largest fp8 tiling the GPU tests cover; V4.1's quantised formats
+    (`quantised`: any store not exact) take the same tiles."""
+    if quantised and T >= 32:
         return dict(block_h=32, block_n=32, num_warps=8, num_stages=1)
     if T >= 1024:
         return dict(block_h=64, block_n=32, num_warps=8, num_stages=2)
@@ -337,7 +402,8 @@ def sparse_attention(q: torch.Tensor, kv_new: torch.Tensor, win_new: torch.Tenso
             entry_addr = entry_addresses(entry_addr, *indirect)
         return reference(q, kv_new, win_new, win_ring, ring, ring_fmt, entry_addr, entries, entries_fmt, sinks,
                          scale)
-    cfg = default_config(q.shape[0], "fp8" in (ring_fmt, entries_fmt))
+    quantised = FORMATS[ring_fmt][0] > 0 or (has_ent and FORMATS[entries_fmt][0] > 0)
+    cfg = default_config(q.shape[0], quantised)
     return _launch(q, kv_new, win_new, win_ring, ring, ring_fmt, entry_addr, entries, entries_fmt, sinks, scale,
                    block_h=block_h or cfg["block_h"], block_n=block_n or cfg["block_n"],
                    num_warps=num_warps or cfg["num_warps"], num_stages=num_stages or cfg["num_stages"],
@@ -382,6 +448,13 @@ def _launch(q, kv_new, win_new, win_ring, ring, ring_fmt, entry_addr, entries, e
             raise ValueError("fp8 stores of one call must share nope / group / rope widths")
     if group & (group - 1) or D % group:
         raise ValueError(f"fp8 group {group} must be a power of two dividing head_dim {D}")
+    for tensors, fmt in ((ring, ring_fmt), (ent, ent_fmt)):
+        if FORMATS[fmt][1] is not None:
+            g = _group(fmt)
+            width = D if fmt == "v41fp8" else D // 2
+            if D % g or tensors[0].shape[1] != width or tensors[1].shape[1] != D // g:
+                raise ValueError(f"{fmt} store of codes {tuple(tensors[0].shape)} and scales "
+                                 f"{tuple(tensors[1].shape)} does not hold head_dim {D}")
     r = ring + (ring[0],) * (3 - len(ring))
     e = ent + (ent[0],) * (3 - len(ent))
     addr = entry_addr.contiguous() if has_ent else win_new
@@ -406,7 +479,7 @@ def _launch(q, kv_new, win_new, win_ring, ring, ring_fmt, entry_addr, entries, e
     grid = (T, triton.cdiv(H, block_h), splits)
     _sparse_attn_kernel[grid](q, kv_new, win_new, win_ring, r[0], r[1], r[2], addr, req, paddr, e[0], e[1], e[2],
                               sinks.contiguous(), out, part, ml, H, W, K, paddr.stride(0), float(scale) * LOG2E,
-                              D=D, NOPE=nope, GROUP=group, RING_FP8=ring_fmt == "fp8", ENT_FP8=ent_fmt == "fp8",
+                              D=D, NOPE=nope, GROUP=group, RING_FMT=FORMATS[ring_fmt][0], ENT_FMT=FORMATS[ent_fmt][0],
                               HAS_ENT=has_ent, SPLITS=splits, BLOCK_H=block_h, BLOCK_N=block_n, TPS=tps, SEQ=seq,
                               INDIRECT=indirect is not None,
                               num_warps=num_warps, num_stages=num_stages)

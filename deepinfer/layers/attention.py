@@ -157,12 +157,14 @@ class Indexer(nn.Module):
 
 
 def _kernel_format(store) -> str | None:
-    """The store's layout as the kernel names it, or None (FormatStore "fp8" is another layout)."""
+    """The store's layout as the kernel names it (kernels/sparse_attention.py FORMATS), or None where
+    the kernel does not read it. V4's EntryStore: "bfloat16", "fp8" (nope e4m3 + bf16 rope); V4.1's
+    FormatStore (any other store): "bfloat16", "fp8" -> "v41fp8" (e4m3, E8M0 per 32), "nvfp4"."""
     if store is None:
         return None
-    if store.fmt == "bfloat16" or (store.fmt == "fp8" and isinstance(store, EntryStore)):
-        return store.fmt
-    return None
+    if isinstance(store, EntryStore):
+        return store.fmt if store.fmt in ("bfloat16", "fp8") else None
+    return {"bfloat16": "bfloat16", "fp8": "v41fp8", "nvfp4": "nvfp4"}.get(store.fmt)
 
 
 def sparse_attention(q: torch.Tensor, kv_new: torch.Tensor, batch: ForwardBatch, ring: EntryStore,
@@ -170,7 +172,8 @@ def sparse_attention(q: torch.Tensor, kv_new: torch.Tensor, batch: ForwardBatch,
                      sinks: torch.Tensor, scale: float) -> torch.Tensor:
     """q [T, H, D]; window keys from this step's kv or the ring, plus entries `entry_ids`
     [T, K] (-1 = none) of the layer's compressed pool. K == V. Returns [T, H, D].
-    CUDA + bf16 + bf16/fp8 stores: the Triton kernel (deepinfer.kernels.sparse_attention); else torch."""
+    CUDA + bf16 + stores the kernel reads (`_kernel_format`: bf16, V4's fp8, V4.1's fp8 window and nvfp4
+    entries, decoded in its registers): the Triton kernel (deepinfer.kernels.sparse_attention); else torch."""
     has_ent = entry_ids is not None and entry_ids.shape[1] > 0
     ring_fmt, ent_fmt = _kernel_format(ring), _kernel_format(entries) if has_ent else None
     if (q.is_cuda and _sa_kernel.triton is not None and q.dtype == torch.bfloat16 and ring_fmt is not None

@@ -116,3 +116,28 @@ def test_kernels_compile_for_sm90(launches):
             failed.append(f"{launch.fn.__name__} {launch.constexprs} {launch.options}: {type(e).__name__}: "
                           + " | ".join(str(e).strip().splitlines()[-3:]))
     assert not failed, "\n".join(failed)
+
+
+def attention_v41_launches():
+    """V4.1-Flash's attention: fp8 window ring (e4m3, E8M0 per 32) and nvfp4 entries (e2m1, e4m3 per 16),
+    decoded in the kernel; SWA layers without entries."""
+    H, D, W = 64, 512, 128
+    ring = (_e(40, D, dtype=torch.float8_e4m3fn), _i(40, D // 32, dtype=torch.uint8))
+    ent = (_i(40, D // 2, dtype=torch.uint8), _e(40, D // 16, dtype=torch.float8_e4m3fn))
+    for T in (1, 64, 1024):
+        cfg = sparse_attention.default_config(T, True)
+        head = (_e(T, H, D), _e(T, D), _i(T, W), _i(T, W), ring, "v41fp8")
+        sinks = (_e(H, dtype=torch.float32), D ** -0.5)
+        args = head + (_i(T, 512), ent, "nvfp4") + sinks
+        sparse_attention._launch(*args, **cfg, num_splits=4 if T == 1 else 1)
+        sparse_attention._launch(*args, **cfg, num_splits=1, indirect=(_i(T), _i(3, 1024)))
+        sparse_attention._launch(*head, None, None, None, *sinks, **cfg, num_splits=4 if T == 1 else 1)
+        for programs in (True, False):
+            sparse_attention._launch(*args, **invariant.ATTENTION_TILES, split_programs=programs,
+                                     indirect=(_i(T), _i(3, 1024)))
+            sparse_attention._launch(*head, None, None, None, *sinks, **invariant.ATTENTION_TILES,
+                                     split_programs=programs)
+
+
+def test_v41_attention_compiles_for_sm90():
+    test_kernels_compile_for_sm90(attention_v41_launches)

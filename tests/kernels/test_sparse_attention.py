@@ -3,18 +3,26 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from deepinfer.formats import group_quant
 from deepinfer.kernels import sparse_attention as sa
-from deepinfer.layers.attention import sparse_attention as layers_sparse_attention
-from deepinfer.state.kv_state import EntryStore
+from deepinfer.layers.attention import _kernel_format, sparse_attention as layers_sparse_attention
+from deepinfer.state.kv_state import EntryStore, FormatStore
 from interpreter import SHIMS, interpreted_and_gpu, run_interpreted
 
+
+
+V41 = "v41fp8+nvfp4"  # V4.1's reference formats (kv_cache_dtype "auto"): window ring + entries
 
 
 def make_case(T: int, H: int, D: int, rope: int, W: int, K: int, fmt: str, dtype: torch.dtype,
               device: str = "cpu", seed: int = 0, empty_rows: int = 2, ring_rows: int = 40,
               entry_rows: int = 60, n_req: int = 3, visible: int = 24):
     """Random inputs in both forms: (kernel args tuple, layers args tuple). K = 0: no entries.
+    fmt: the kernel's format name for both stores, or "ring format+entries format"; "v41fp8" /
+    "nvfp4" are V4.1 FormatStores (rope unused), the others V4 EntryStores.
     Window slots are -1 (absent) with prob ~1/4; the first `empty_rows` tokens have no key at all."""
+    ring_fmt, _, ent_fmt = fmt.partition("+")
+    ent_fmt = ent_fmt or ring_fmt
     g = torch.Generator().manual_seed(seed)
     Tn = max(T, 1)
     q = (torch.randn(T, H, D, generator=g) * 2).to(dtype)
@@ -25,18 +33,19 @@ def make_case(T: int, H: int, D: int, rope: int, W: int, K: int, fmt: str, dtype
     win_ring = torch.where(pick < 0.15, torch.randint(0, ring_rows, (T, W), generator=g), win_ring)  # new wins
     win_new[:empty_rows], win_ring[:empty_rows] = -1, -1
 
-    def store(rows):
-        s = EntryStore(rows, D, rope, fmt, "cpu")
+    def store(rows, fmt):
+        v41 = sa.FORMATS[fmt][1]
+        s = FormatStore(rows, D, v41, "cpu") if v41 is not None else EntryStore(rows, D, rope, fmt, "cpu")
         x = torch.randn(rows, D, generator=g) * torch.exp2(torch.randint(-3, 4, (rows, 1), generator=g).float())
         s.write(torch.arange(rows), x)
         return s
 
-    ring = store(ring_rows)
+    ring = store(ring_rows, ring_fmt)
     token_req = torch.randint(0, n_req, (T,), generator=g)
     entries = entry_ids = plan = None
     entry_addr = None
     if K:
-        entries = store(entry_rows)
+        entries = store(entry_rows, ent_fmt)
         plan = SimpleNamespace(addr=torch.stack([torch.randperm(entry_rows, generator=g)[:visible]
                                                  for _ in range(n_req)]))
         entry_ids = torch.where(torch.rand(T, K, generator=g) < 0.8, torch.randint(0, visible, (T, K), generator=g), -1)
@@ -50,14 +59,15 @@ def make_case(T: int, H: int, D: int, rope: int, W: int, K: int, fmt: str, dtype
 
     for s in (ring, entries):
         if s is not None:
-            for name in ("data", "nope_q", "nope_scale", "rope"):
+            for name in ("data", "nope_q", "nope_scale", "rope", "codes", "scale"):
                 if hasattr(s, name):
                     setattr(s, name, getattr(s, name).to(device))
     batch = SimpleNamespace(win_new=dev(win_new), win_ring=dev(win_ring), token_req=dev(token_req))
     if plan is not None:
         plan.addr = dev(plan.addr)
-    kernel_args = (dev(q), dev(kv_new), dev(win_new), dev(win_ring), tuple(ring.tensors()), fmt, dev(entry_addr),
-                   tuple(entries.tensors()) if entries is not None else None, fmt if K else None, dev(sinks), scale)
+    kernel_args = (dev(q), dev(kv_new), dev(win_new), dev(win_ring), tuple(ring.tensors()), ring_fmt,
+                   dev(entry_addr), tuple(entries.tensors()) if entries is not None else None, ent_fmt if K else None,
+                   dev(sinks), scale)
     layers_args = (dev(q), dev(kv_new), batch, ring, dev(entry_ids), plan, entries, dev(sinks), scale)
     return kernel_args, layers_args
 
@@ -72,7 +82,7 @@ def check_close(got: torch.Tensor, want: torch.Tensor, tol: float):
     assert err.mean() <= tol / 4 * max(ref.mean().item(), 1e-3), f"mean err {err.mean():.3g} vs {ref.mean():.3g}"
 
 
-@pytest.mark.parametrize("fmt", ["float32", "bfloat16", "fp8"])
+@pytest.mark.parametrize("fmt", ["float32", "bfloat16", "fp8", V41, "v41fp8", "nvfp4"])
 @pytest.mark.parametrize("T,H,D,rope,W,K", [(1, 2, 32, 8, 4, 0), (9, 3, 64, 16, 6, 5), (17, 4, 32, 8, 8, 12)])
 def test_reference_matches_layers_path(fmt, T, H, D, rope, W, K):
     kargs, largs = make_case(T, H, D, rope, W, K, fmt, torch.float32)
@@ -84,8 +94,9 @@ def test_reference_matches_layers_path(fmt, T, H, D, rope, W, K):
     assert torch.equal(sa.sparse_attention(*kargs), got)
 
 
-def test_reference_matches_layers_path_bf16():
-    kargs, largs = make_case(11, 4, 64, 16, 8, 7, "fp8", torch.bfloat16, seed=3)
+@pytest.mark.parametrize("fmt", ["fp8", V41])
+def test_reference_matches_layers_path_bf16(fmt):
+    kargs, largs = make_case(11, 4, 64, 16, 8, 7, fmt, torch.bfloat16, seed=3)
     torch.testing.assert_close(sa.reference(*kargs), layers_sparse_attention(*largs), atol=0, rtol=0)
 
 
@@ -101,7 +112,7 @@ GPU_SHAPES = [  # T, H, D, rope, W, K
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fmt", ["bfloat16", "fp8"])
+@pytest.mark.parametrize("fmt", ["bfloat16", "fp8", V41])
 @pytest.mark.parametrize("shape", GPU_SHAPES)
 @pytest.mark.parametrize("num_splits", [None, 1, 3])
 def test_kernel_matches_reference_on_gpu(fmt, shape, num_splits):
@@ -119,7 +130,7 @@ def test_kernel_matches_reference_on_gpu(fmt, shape, num_splits):
 @pytest.mark.parametrize("block_h,block_n,num_warps,num_stages", [(16, 32, 8, 1), (16, 16, 4, 2), (32, 32, 8, 1),
                                                                   (64, 32, 8, 1), (16, 64, 8, 1), (16, 32, 8, 3),
                                                                   (64, 32, 8, 2)])
-@pytest.mark.parametrize("fmt", ["bfloat16", "fp8"])
+@pytest.mark.parametrize("fmt", ["bfloat16", "fp8", V41])
 def test_kernel_tuning_knobs_on_gpu(block_h, block_n, num_warps, num_stages, fmt):
     kargs, _ = make_case(9, 64, 512, 64, 128, 200, fmt, torch.bfloat16, device="cuda", seed=1,
                          ring_rows=300, entry_rows=700, visible=600)
@@ -128,7 +139,7 @@ def test_kernel_tuning_knobs_on_gpu(block_h, block_n, num_warps, num_stages, fmt
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fmt", ["bfloat16", "fp8"])
+@pytest.mark.parametrize("fmt", ["bfloat16", "fp8", V41])
 @pytest.mark.parametrize("T", [1, 64, 1030])
 def test_entry_ids_translated_in_the_kernel_on_gpu(fmt, T):
     """indirect=(token_req, table): the kernel reads the same addresses the host gather makes."""
@@ -140,7 +151,7 @@ def test_entry_ids_translated_in_the_kernel_on_gpu(fmt, T):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fmt", ["float32", "fp8"])
+@pytest.mark.parametrize("fmt", ["float32", "fp8", V41])
 def test_fp32_queries_fall_back_to_the_reference_on_gpu(fmt):
     """Compiled launches are bf16-only (see `supported`): fp32 q gives the reference's exact values."""
     kargs, _ = make_case(37, 64, 512, 64, 128, 512, fmt, torch.float32, device="cuda", seed=2, empty_rows=2,
@@ -149,7 +160,7 @@ def test_fp32_queries_fall_back_to_the_reference_on_gpu(fmt):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fmt", ["bfloat16", "fp8"])
+@pytest.mark.parametrize("fmt", ["bfloat16", "fp8", V41])
 def test_layers_path_dispatches_to_kernel_on_gpu(fmt, monkeypatch):
     kargs, largs = make_case(7, 16, 128, 32, 12, 20, fmt, torch.bfloat16, device="cuda", seed=4)
     calls = []
@@ -160,17 +171,29 @@ def test_layers_path_dispatches_to_kernel_on_gpu(fmt, monkeypatch):
     check_close(got, sa.reference(*kargs), 2e-2)
 
 
-def test_kernel_matches_reference_in_the_triton_interpreter():
+INTERPRETER_CASES = {  # fmt, dtype, splits, W, K, D
+    "v4": "[('bfloat16', torch.bfloat16, 1, 4, 3, 32), ('fp8', torch.bfloat16, 2, 4, 3, 32),"
+          " ('float32', torch.float32, 1, 4, 3, 32), ('fp8', torch.float32, 3, 18, 20, 32),"
+          " ('fp8', torch.bfloat16, 1, 4, 0, 32), ('bfloat16', torch.bfloat16, 4, 18, 20, 32)]",
+    # V4.1's formats: window only, window + entries, split, fp32 q, both formats in either store, D = 32 (one
+    # fp8 scale group a row) and 64
+    "v41": f"[('{V41}', torch.bfloat16, 1, 4, 3, 32), ('{V41}', torch.bfloat16, 3, 18, 20, 64),"
+           f" ('{V41}', torch.float32, 2, 18, 20, 64), ('v41fp8', torch.bfloat16, 1, 18, 0, 64),"
+           " ('v41fp8', torch.float32, 2, 4, 0, 32), ('nvfp4+v41fp8', torch.bfloat16, 2, 4, 20, 32),"
+           " ('bfloat16+nvfp4', torch.float32, 1, 4, 3, 32), ('nvfp4', torch.bfloat16, 4, 18, 20, 64)]",
+}
+
+
+@pytest.mark.parametrize("cases", sorted(INTERPRETER_CASES))
+def test_kernel_matches_reference_in_the_triton_interpreter(cases):
     pytest.importorskip("triton")
     code = (
         SHIMS +
         "import torch\n"
         "from deepinfer.kernels.sparse_attention import _launch, reference\n"
         "from test_sparse_attention import make_case, check_close\n"
-        "for fmt, dtype, splits, W, K in [('bfloat16', torch.bfloat16, 1, 4, 3), ('fp8', torch.bfloat16, 2, 4, 3),\n"
-        "                                 ('float32', torch.float32, 1, 4, 3), ('fp8', torch.float32, 3, 18, 20),\n"
-        "                                 ('fp8', torch.bfloat16, 1, 4, 0), ('bfloat16', torch.bfloat16, 4, 18, 20)]:\n"
-        "    kargs, largs = make_case(5, 4, 32, 8, W, K, fmt, dtype, entry_rows=8, ring_rows=6, visible=6)\n"
+        f"for fmt, dtype, splits, W, K, D in {INTERPRETER_CASES[cases]}:\n"
+        "    kargs, largs = make_case(5, 4, D, 8, W, K, fmt, dtype, entry_rows=8, ring_rows=6, visible=6)\n"
         "    if K > 16:  # a top-k list's trailing -1s: the second entry tile is keyless for tokens 2..4\n"
         "        kargs[6][2:, 16:] = -1\n"
         "        largs[4][2:, 16:] = -1\n"
@@ -216,8 +239,79 @@ FIXED_SPLIT_CHECK = (
 test_fixed_splits_are_invariant_in_the_triton_interpreter, test_fixed_splits_are_invariant_on_gpu = \
     interpreted_and_gpu(FIXED_SPLIT_CHECK,
                         "import torch\nCASES = [('bfloat16', torch.bfloat16, 4, 40, 1), ('fp8', torch.bfloat16, 18, 20, 2),"
-                        " ('bfloat16', torch.bfloat16, 4, 0, 1), ('float32', torch.float32, 4, 40, 1)]\n"
+                        " ('bfloat16', torch.bfloat16, 4, 0, 1), ('float32', torch.float32, 4, 40, 1),"
+                        f" ('{V41}', torch.bfloat16, 18, 40, 1), ('{V41}', torch.float32, 4, 20, 2),"
+                        " ('v41fp8', torch.float32, 18, 0, 1)]\n"
                         "H, D, BN, DEV = 4, 32, 16, 'cpu'\n",
                         "import torch\nbf = torch.bfloat16\nCASES = [('bfloat16', bf, 128, 512, 4), ('fp8', bf, 128, 512, 4),"
-                        " ('bfloat16', bf, 128, 40, 4), ('bfloat16', bf, 128, 0, 4), ('fp8', bf, 128, 2048, 2)]\n"
+                        " ('bfloat16', bf, 128, 40, 4), ('bfloat16', bf, 128, 0, 4), ('fp8', bf, 128, 2048, 2),"
+                        f" ('{V41}', bf, 128, 512, 4), ('{V41}', bf, 128, 2048, 2), ('v41fp8', bf, 128, 0, 4)]\n"
                         "H, D, BN, DEV = 64, 512, 32, 'cuda'\n")
+
+
+def _every_code_store(fmt: str, rows: int, D: int, device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """A V4.1 store (codes, scale) whose rows hold every code of the format (e4m3 NaNs aside) under
+    scales of the range V4.1's encoders write: fp8 E8M0 bytes 105..160 (>= 2^-22), nvfp4 every positive
+    finite e4m3 (subnormals included)."""
+    g = torch.Generator().manual_seed(7)
+    n = torch.arange(rows * D)
+    if fmt == "v41fp8":
+        codes = torch.where((n % 256) % 128 == 127, 0, n % 256).to(torch.uint8).view(torch.float8_e4m3fn)
+        scale = torch.randint(105, 161, (rows, D // 32), generator=g).to(torch.uint8)
+        return codes.view(rows, D).to(device), scale.to(device)
+    codes = (n[: rows * D // 2] * 37 % 256).to(torch.uint8).view(rows, D // 2)      # every byte: both nibbles
+    scale = (torch.arange(rows * D // 16) % 126 + 1).to(torch.uint8).view(torch.float8_e4m3fn)
+    return codes.to(device), scale.view(rows, D // 16).to(device)
+
+
+def test_v41_decoded_keys_are_exact_in_bf16():
+    """The kernel's invariant for bf16 q: V4.1's decoded keys (fp32 products) are bf16 values."""
+    for fmt in ("v41fp8", "nvfp4"):
+        codes, scale = _every_code_store(fmt, 64, 512)
+        want = group_quant.decode(codes, scale, sa.FORMATS[fmt][1], torch.float32)
+        assert torch.isfinite(want).all()
+        assert torch.equal(want.to(torch.bfloat16).float(), want), fmt
+
+
+# One valid key per token, zero queries and a -1e4 sink: softmax weight 1, so the output is the decoded
+# key itself, bit for bit (bf16 and fp32 q), for every code of V4.1's formats, in the window and as an entry
+EXACT_DECODE_CHECK = (
+    "import torch\n"
+    "from deepinfer.formats import group_quant\n"
+    "from deepinfer.kernels.sparse_attention import _launch, FORMATS\n"
+    "from test_sparse_attention import _every_code_store\n"
+    "R, H, W, K = 16, 4, 5, 3\n"
+    "only = torch.full((R, W), -1, device=DEV)\n"
+    "only[:, 2] = torch.arange(R)\n"
+    "none = torch.full((R, W), -1, device=DEV)\n"
+    "for fmt in ('v41fp8', 'nvfp4'):\n"
+    "    store = _every_code_store(fmt, R, D, DEV)\n"
+    "    keys = group_quant.decode(*store, FORMATS[fmt][1], torch.float32)\n"
+    "    for dtype in DTYPES:\n"
+    "        q, sinks = torch.zeros(R, H, D, dtype=dtype, device=DEV), torch.full((H,), -1e4, device=DEV)\n"
+    "        want = keys.to(dtype)[:, None].expand(R, H, D)\n"
+    "        win = _launch(q, q[:, 0], none, only, store, fmt, None, None, None, sinks, 1.0, block_h=16, block_n=16)\n"
+    "        ent = _launch(q, q[:, 0], none, none, store, fmt, only[:, 1:1 + K].flip(1), store, fmt, sinks, 1.0,\n"
+    "                      block_h=16, block_n=16, num_splits=2)\n"
+    "        assert torch.equal(win, want), (fmt, dtype)\n"
+    "        assert torch.equal(ent, want), (fmt, dtype)\n"
+    "print('ok')\n")
+test_v41_keys_decode_exactly_in_the_triton_interpreter, test_v41_keys_decode_exactly_on_gpu = \
+    interpreted_and_gpu(EXACT_DECODE_CHECK,
+                        "import torch\nDTYPES, D, DEV = (torch.bfloat16, torch.float32), 64, 'cpu'\n",
+                        "import torch\nDTYPES, D, DEV = (torch.bfloat16,), 512, 'cuda'\n")
+
+
+@pytest.mark.parametrize("fmt", ["bfloat16", "float32", "fp8", "nvfp4", "mxfp4"])
+def test_layers_path_names_v41_stores_for_the_kernel(fmt):
+    """V4.1's FormatStores map to the kernel's formats (fp8 -> v41fp8, nvfp4 -> nvfp4), which the
+    kernel takes at V4.1's widths; V4's EntryStore keeps its own names. CPU: only the mapping is checked."""
+    want = {"bfloat16": "bfloat16", "fp8": "v41fp8", "nvfp4": "nvfp4"}.get(fmt)
+    assert _kernel_format(FormatStore(4, 64, fmt, "meta")) == want
+    if want is not None:
+        for D in (64, 512):  # the tiny models', V4.1-Flash's head_dim
+            q = torch.empty(3, 8, D, dtype=torch.bfloat16, device="meta")
+            assert sa.supported(q, q[:, 0], want, want, True)
+    if fmt in ("bfloat16", "float32", "fp8"):
+        assert _kernel_format(EntryStore(4, 64, 16, fmt, "meta")) == (None if fmt == "float32" else fmt)
+    assert _kernel_format(None) is None
