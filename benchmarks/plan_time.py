@@ -34,6 +34,7 @@ def main() -> None:
 
     class ConfigOnly:  # DecodeGraphs.plan reads the model's config only
         config = DeepseekV4Config.from_dict(fs.slice_config())
+        token_history = 0
 
     rows = []
     for B in (int(b) for b in args.batches.split(",")):

@@ -204,13 +204,23 @@ class DeepseekV4ForCausalLM(nn.Module):
         self.register_buffer("inv_freq_compress", rope_inv_freq(cfg.qk_rope_head_dim, cfg.compress_rope_theta, yarn),
                              persistent=False)
 
+    replay_layer = -1        # no bounded replay cut (models/interface.py)
+    token_history = 0
+    host_inputs = False
+    supports_graphs = True
+
+    def image_embeddings(self, image) -> torch.Tensor:
+        raise ValueError("DeepSeek-V4 has no vision encoder: prompts with images need a V4.1 checkpoint")
+
     def step_context(self, batch: ForwardBatch) -> StepContext:
         pos = batch.positions
         return StepContext(batch, RopeCache.at(pos, self.inv_freq_main), RopeCache.at(pos, self.inv_freq_compress),
                            self.inv_freq_compress)
 
-    def forward(self, batch: ForwardBatch, caches: list[LayerCache]) -> torch.Tensor:
-        """Runs the trunk on a flat varlen batch; returns the residual streams [T, n, D] before hc_head."""
+    def forward(self, batch: ForwardBatch, caches: list[LayerCache],
+                token_history: torch.Tensor | None = None) -> torch.Tensor:
+        """Runs the trunk on a flat varlen batch; returns the residual streams [T, n, D] before hc_head.
+        (`token_history`: part of the common interface; V4 reads no input history.)"""
         ctx = self.step_context(batch)
         x = self.embed(batch.input_ids).unsqueeze(1).repeat(1, self.config.hc_mult, 1)
         for layer, cache in zip(self.layers, caches):

@@ -13,7 +13,7 @@ from dataclasses import replace
 import torch
 from torch import nn
 
-from deepinfer.layers.engram_hash import EngramHashParams, ngram_rows
+from deepinfer.layers.engram_hash import EngramHashParams, history_windows, ngram_rows
 from deepinfer.state.forward_batch import ForwardBatch
 from deepinfer.state.kv_state import LayerCache
 from deepinfer.layers.linear import Linear
@@ -53,9 +53,10 @@ class DeepseekV41ForCausalLM(nn.Module):
             for name in ("image_start", "image_newline", "image_end"):
                 self.register_parameter(name, nn.Parameter(torch.zeros(cfg.hidden_size, dtype=dtype),
                                                            requires_grad=False))
-        # host-side: n-gram rows are hashed on the CPU from the step's token windows
-        self.engram_token_map: torch.Tensor | None = None
+        # raw -> compressed token ids (a buffer: it follows the model to its device) and hash constants
+        self.register_buffer("engram_token_map", None, persistent=False)
         self.engram_params: EngramHashParams | None = None
+        self.engram_host = host
 
     @property
     def replay_layer(self) -> int:
@@ -67,6 +68,16 @@ class DeepseekV41ForCausalLM(nn.Module):
         """Tokens each position needs from before it (Engram's n-gram window, itself included)."""
         return self.config.engram_max_ngram_size if self.config.engram_layer_ids else 0
 
+    @property
+    def host_inputs(self) -> bool:
+        """Per-step inputs come from token values on the host: Engram tables left on the host hash
+        on the host (the rows are gathered there). Otherwise windows come from the device history."""
+        return bool(self.token_history) and self.engram_host
+
+    @property
+    def supports_graphs(self) -> bool:
+        return not self.host_inputs
+
     def set_engram_vocab(self, token_map: list[int]) -> None:
         """Install the tokenizer's compressed token map (checked against the config) and hash constants."""
         c = self.config
@@ -76,19 +87,27 @@ class DeepseekV41ForCausalLM(nn.Module):
         if n_comp != c.engram_compressed_vocab_size:
             raise ValueError(f"engram_compressed_vocab_size: the tokenizer gives {n_comp} compressed ids, "
                              f"config.json says {c.engram_compressed_vocab_size}")
-        self.engram_token_map = torch.tensor(token_map, dtype=torch.long)
+        self.engram_token_map_host = torch.tensor(token_map, dtype=torch.long)  # host hashing (host tables)
+        self.engram_token_map = self.engram_token_map_host.to(self.embed.weight.device)
         self.engram_params = EngramHashParams.build(
             c.engram_layer_ids, c.engram_num_embeddings, c.engram_max_ngram_size, c.engram_n_heads,
             c.engram_vocab_size, n_comp, pad_id=token_map[c.engram_pad_token_id])
 
-    def step_context(self, batch: ForwardBatch) -> StepContext41:
+    def step_context(self, batch: ForwardBatch, token_history: torch.Tensor | None = None) -> StepContext41:
         pos = batch.positions
         rows = None
         if self.config.engram_layer_ids:
             if self.engram_params is None:
                 raise RuntimeError("Engram layers need the tokenizer's compressed token map (set_engram_vocab)")
-            rows = ngram_rows(batch.token_windows, self.engram_params, token_map=self.engram_token_map,
-                              mask=batch.window_mask)
+            if batch.history is not None:
+                if token_history is None:
+                    raise ValueError("a batch planned with a device history needs the cache's token_history")
+                windows, mask = history_windows(batch.input_ids, batch.image_mask, token_history, batch.history), None
+            else:
+                windows, mask = batch.token_windows, batch.window_mask
+            on_host = windows.device.type == "cpu" and self.engram_token_map.device.type != "cpu"
+            token_map = self.engram_token_map_host if on_host else self.engram_token_map
+            rows = ngram_rows(windows, self.engram_params, token_map=token_map, mask=mask)
         return StepContext41(batch, RopeCache.at(pos, self.inv_freq_main), RopeCache.at(pos, self.inv_freq_compress),
                              self.inv_freq_compress, rows, batch.image_mask)
 
@@ -98,12 +117,13 @@ class DeepseekV41ForCausalLM(nn.Module):
             raise ValueError("this checkpoint has no vision encoder (vision_config.num_hidden_layers is 0)")
         return image_span_embeddings(self, image)
 
-    def forward(self, batch: ForwardBatch, caches: list[LayerCache], draft_features: bool = False):
+    def forward(self, batch: ForwardBatch, caches: list[LayerCache], draft_features: bool = False,
+                token_history: torch.Tensor | None = None):
         """Runs the stack on a flat varlen batch; returns the final collapsed hidden [T, D] (before norm),
         and with `draft_features` also DSpark's target features [T, len(targets) * D]: the streams
         entering each dspark_target_layer_ids layer, averaged over the streams (zero for rows that
         bounded replay stopped below the cut)."""
-        ctx = self.step_context(batch)
+        ctx = self.step_context(batch, token_history)
         targets = self.config.dspark_target_layer_ids if draft_features else ()
         feats = {}
         n = self.config.hc_mult

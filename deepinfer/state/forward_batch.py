@@ -49,6 +49,20 @@ class CompressPlan:
 
 
 @dataclass
+class HistoryPlan:
+    """Engram's n-gram windows from a per-slot device history (the last H = K - 1 input tokens of each
+    request, -1 = none or an image token). `ext` = cat(this step's input ids with image tokens as -1,
+    history.view(-1)); every index below points into `ext`, -1 = no token.
+    win_src [T, K]: column k of token t = the token k positions back;
+    hist_src / hist_dst [B * H]: after the windows are read, history.view(-1)[hist_dst] = ext[hist_src]
+    (each request's last H tokens). Tokens never depend on host values: placeholder inputs work."""
+
+    win_src: torch.Tensor
+    hist_src: torch.Tensor
+    hist_dst: torch.Tensor
+
+
+@dataclass
 class ForwardBatch:
     input_ids: torch.Tensor   # [T]
     positions: torch.Tensor   # [T]
@@ -65,6 +79,7 @@ class ForwardBatch:
     image_mask: torch.Tensor | None = None    # [T] True for image-span tokens (None: no image in the step)
     input_embeds: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, [rows, D]) embedding overrides
     replay: "ReplayPlan | None" = None
+    history: HistoryPlan | None = None
     req_lens: tuple[int, ...] = ()  # (host) tokens of each request this step, in token order
 
     @property
@@ -198,12 +213,35 @@ def _token_windows(chunks: list[SeqChunk], width: int) -> torch.Tensor:
     return torch.from_numpy(np.concatenate(rows))
 
 
+def _history_plan(chunks: list[SeqChunk], width: int, tok, pos, start, end, slot, req, cu) -> tuple:
+    """(win_src [T, K], hist_src [B*H], hist_dst [B*H]) of HistoryPlan, numpy. Positions below 0 have no
+    token; positions in [start - H, start) are read from the slot's history, whose row j holds position
+    start - H + j (written by the request's previous step)."""
+    h = width - 1
+    T = tok.shape[0]
+    back = pos[:, None] - np.arange(width)                        # [T, K] position of each column
+    in_step = back >= start[:, None]
+    from_hist = np.where(in_step, tok[:, None] - np.arange(width),
+                         T + slot[:, None] * h + (back - start[:, None] + h))
+    win_src = np.where(back >= 0, from_hist, -1)
+    r_start, r_end = start[cu - 1], end[cu - 1]
+    r_slot, r_first = slot[cu - 1], (cu - (r_end - r_start))
+    q = r_end[:, None] - h + np.arange(h)                           # [B, H] positions kept
+    src = np.where(q >= r_start[:, None], r_first[:, None] + q - r_start[:, None],
+                   T + r_slot[:, None] * h + (q - r_start[:, None] + h))
+    hist_src = np.where(q >= 0, src, -1).reshape(-1)
+    hist_dst = (r_slot[:, None] * h + np.arange(h)).reshape(-1)
+    return win_src, hist_src, hist_dst
+
+
 def build_forward_batch(chunks: list[SeqChunk], window: int, compress_kinds: set[tuple[int, bool]],
                         block_size: int, device: torch.device | str, history: int = 0,
-                        fixed: FixedShape | None = None) -> ForwardBatch:
+                        fixed: FixedShape | None = None, device_history: int = 0) -> ForwardBatch:
     """Plan one step. `compress_kinds` = {(ratio, overlapped)} used by the model's layers;
     compressed entries are paged in blocks of `block_size` entries (see SeqChunk); `history` > 0
-    also gives each token the `history` - 1 tokens before it (SeqChunk.prev_tokens must hold them)."""
+    also gives each token the `history` - 1 tokens before it on the host (SeqChunk.prev_tokens must
+    hold them); `device_history` > 0 plans the same windows from a per-slot device history instead
+    (HistoryPlan: no host token values needed)."""
     lens = np.array([len(c.token_ids) for c in chunks], dtype=np.int64)
     if (lens <= 0).any():
         raise ValueError("every SeqChunk needs at least one token")
@@ -231,6 +269,9 @@ def build_forward_batch(chunks: list[SeqChunk], window: int, compress_kinds: set
     batch = ForwardBatch(to(ids), d_pos, to(req), to(cu - 1), win_new, win_ring,
                          to(ring_src), to(ring_dst), plans, windows, window_mask,
                          None if image_mask is None else to(image_mask), req_lens=tuple(lens.tolist()))
+    if device_history:
+        batch.history = HistoryPlan(*map(to, _history_plan(chunks, device_history, tok, pos, start, end, slot,
+                                                           req, cu)))
     replay_from = np.array([c.replay_from for c in chunks], dtype=np.int64)[req]
     keep = pos >= replay_from
     # replay applies if rows are dropped, or a kept row's window reaches below its request's replay_from

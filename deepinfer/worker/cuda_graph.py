@@ -72,7 +72,10 @@ class DecodeGraphs:
         """(graph key, fixed-shape batch) of a pure-decode step, padded with scratch requests."""
         B = len(chunks)
         padded = next(b for b in self.batch_buckets if b >= B)
-        dummy = SeqChunk(self.scratch_slot, 0, [0], {m: [] for m in self.scratch_addr})
+        # a padding row is position 0 of the scratch slot: with ratio 1 it closes entry 0, stored in the
+        # scratch block (the block whose first row is scratch_addr[m])
+        bs = self.cache.block_size
+        dummy = SeqChunk(self.scratch_slot, 0, [0], {m: [a // bs] for m, a in self.scratch_addr.items()})
         chunks = chunks + [dummy] * (padded - B)
         # entry widths round up to a power of two (>= visible_bucket): O(log context) graphs per batch size
         need = {m: max((c.start + 1) // m for c in chunks) for m in self.scratch_addr}
@@ -80,7 +83,7 @@ class DecodeGraphs:
         fixed = FixedShape(self.scratch_addr, visible)
         cfg = self.model.config
         batch = build_forward_batch(chunks, cfg.sliding_window, self.cache.compress_kinds, self.cache.block_size,
-                                    "cpu", fixed=fixed)
+                                    "cpu", fixed=fixed, device_history=self.model.token_history)
         # the input layout (which tensors, their shapes) is part of the key: a graph reads exactly those
         layout = tuple((name, tuple(t.shape)) for name, t in _tensors(batch))
         return (padded, tuple(sorted(visible.items())), layout), batch
@@ -116,7 +119,8 @@ class DecodeGraphs:
         batch is moved to the device first."""
         if batch.input_ids.device.type != torch.device(self.device).type:
             batch = _rebuild(batch, iter([t.to(self.device) for _, t in _tensors(batch)]))
-        return self.model.compute_logits(self.model(batch, self.cache.layers)[batch.logits_idx])
+        states = self.model(batch, self.cache.layers, token_history=self.cache.token_history)
+        return self.model.compute_logits(states[batch.logits_idx])
 
     @torch.inference_mode()
     def run(self, chunks: list[SeqChunk], fill: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:

@@ -108,6 +108,11 @@ def _layer_caches(cfg, num_slots: int, num_blocks: dict[int, int], block_size: i
     return layers, [LayerCache(ring()) for _ in range(cfg.num_nextn_predict_layers)]
 
 
+def history_width(cfg) -> int:
+    """Tokens of input history kept per slot (V4.1 Engram: the n-gram window minus the token itself)."""
+    return cfg.engram_max_ngram_size - 1 if getattr(cfg, "engram_layer_ids", ()) else 0
+
+
 def cache_spec(cfg, kv_cache_dtype: str, block_size: int = DEFAULT_BLOCK_SIZE) -> CacheSpec:
     """Measured from a one-slot, one-block-per-ratio allocation on the meta device."""
     kinds = frozenset(_compressed(cfg))
@@ -119,7 +124,7 @@ def cache_spec(cfg, kv_cache_dtype: str, block_size: int = DEFAULT_BLOCK_SIZE) -
         one = sum(c.nbytes() for c in sum(_layer_caches(cfg, 1, {**dict.fromkeys(ratios, 0), m: 1}, block_size,
                                                         kv_cache_dtype, "meta"), []))
         per_block[m] = one - base
-    return CacheSpec(ratios, kinds, block_size, base, per_block)
+    return CacheSpec(ratios, kinds, block_size, base + 8 * history_width(cfg), per_block)
 
 
 @dataclass
@@ -132,6 +137,8 @@ class V4Cache:
     compress_kinds: set[tuple[int, bool]]
     scratch_slot: int | None = None                 # a slot and an entry row per ratio no request owns
     scratch_addr: dict[int, int] | None = None      # (padding rows of captured decode graphs write there)
+    # [num_slots, H] each request's last H input tokens (-1 = none / image), or None (state/forward_batch.py)
+    token_history: torch.Tensor | None = None
 
     def copy_state(self, src_slot: int, dst_slot: int, src_blocks: dict[int, list[int]],
                    dst_blocks: dict[int, list[int]]) -> None:
@@ -142,6 +149,9 @@ class V4Cache:
             for t in cache.per_slot():
                 per = t.shape[0] // self.num_slots
                 t[dst_slot * per:(dst_slot + 1) * per] = t[src_slot * per:(src_slot + 1) * per]
+        if self.token_history is not None:
+            self.token_history[dst_slot] = self.token_history[src_slot]
+        for cache in self.layers + self.mtp:
             src = src_blocks.get(cache.ratio, [])
             if not src:
                 continue
@@ -159,7 +169,9 @@ def allocate_v4_cache(cfg, num_slots: int, num_blocks: dict[int, int], kv_cache_
     blocks = {m: n + extra for m, n in num_blocks.items()}
     layers, mtp = _layer_caches(cfg, num_slots + extra, blocks, block_size, kv_cache_dtype, device)
     spec = cache_spec(cfg, kv_cache_dtype, block_size)
-    cache = V4Cache(layers, mtp, num_slots + extra, blocks, block_size, set(spec.compress_kinds))
+    h = history_width(cfg)
+    history = torch.full((num_slots + extra, h), -1, dtype=torch.long, device=device) if h else None
+    cache = V4Cache(layers, mtp, num_slots + extra, blocks, block_size, set(spec.compress_kinds), token_history=history)
     if scratch:
         cache.scratch_slot, cache.scratch_addr = num_slots, {m: n * block_size for m, n in num_blocks.items()}
     return cache

@@ -7,12 +7,14 @@ samples in the step before", filled on the device from that step's sampled token
 """
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
 
 from deepinfer.engine.outputs import PLACEHOLDER, ModelOutput, SchedulerOutput
 from deepinfer.layers import invariant
+from deepinfer.models.interface import CausalLM
 from deepinfer.state.forward_batch import SeqChunk, build_forward_batch, to_device
 from deepinfer.worker.kv_cache import V4Cache
 from deepinfer.worker.sampler import SamplingBatch, sample, top_logprobs
@@ -33,23 +35,36 @@ class StepHandle:
     max_logprobs: int = -1
 
 
+# images whose embeddings are kept between the chunks of a prompt (most recent first out)
+IMAGE_CACHE_SIZE = 32
+
+
 class ModelRunner:
-    def __init__(self, model, cache: V4Cache, device: torch.device | str, seed: int | None = None,
+    def __init__(self, model: CausalLM, cache: V4Cache, device: torch.device | str, seed: int | None = None,
                  replay_keep: int | None = None, cuda_graphs: bool = True, batch_invariant: bool = False):
         """`replay_keep`: SWA bounded replay keeps each request's last `replay_keep` rows above the
         model's replay layer (None = exact prefill, or a model without one). `cuda_graphs`: replay
         pure-decode steps as CUDA graphs where the model allows it (see _graphs_for)."""
         self.model, self.cache, self.device = model, cache, torch.device(device)
         self.batch_invariant = batch_invariant
-        self.replay_keep = replay_keep if getattr(model, "replay_layer", -1) >= 0 else None
+        if not isinstance(model, CausalLM):
+            raise TypeError(f"{type(model).__name__} does not implement models/interface.py CausalLM")
+        self.replay_keep = replay_keep if model.replay_layer >= 0 else None
         self.graphs = _graphs_for(model, cache, self.device) if cuda_graphs else None
+        # (request id, span start) -> the span's embeddings, kept until the span's last token is computed
+        self.image_cache: OrderedDict[tuple[str, int], torch.Tensor] = OrderedDict()
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(seed if seed is not None else torch.seed())
 
     @property
     def supports_placeholders(self) -> bool:
         """Placeholder inputs need every token-dependent input on the device (no host n-gram hashing)."""
-        return not getattr(self.model, "token_history", 0)
+        return not self.model.host_inputs
+
+    def _history(self) -> tuple[int, int]:
+        """(host window width, device history width) for build_forward_batch."""
+        n = self.model.token_history
+        return (n, 0) if self.model.host_inputs else (0, n)
 
     def execute(self, so: SchedulerOutput) -> ModelOutput:
         return self.collect(self.launch(so))
@@ -89,15 +104,16 @@ class ModelRunner:
         chunks = [SeqChunk(c.slot, c.start, c.token_ids, c.block_tables, c.prev_tokens,
                            0 if keep is None else max(0, c.num_tokens - keep),
                            [(s0, img.num_tokens) for s0, img in c.images]) for c in so.chunks]
+        host_w, dev_w = self._history()
         batch = build_forward_batch(chunks, self.model.config.sliding_window, self.cache.compress_kinds,
-                                    self.cache.block_size, self.device, getattr(self.model, "token_history", 0))
+                                    self.cache.block_size, self.device, host_w, device_history=dev_w)
         batch.input_embeds = self._image_embeds(so)
         if fill is not None:
             batch.input_ids[fill[0]] = fill[1]
             if batch.replay is not None:  # its sub-batches hold copies of the kept rows' ids
                 for sub in (batch.replay.at_layer, batch.replay.upper):
                     sub.input_ids = batch.input_ids[batch.replay.rows]
-        streams = self.model(batch, self.cache.layers)
+        streams = self.model(batch, self.cache.layers, token_history=self.cache.token_history)
         rows = [i for i, c in enumerate(so.chunks) if c.num_samples]
         if not rows:
             return StepHandle({})
@@ -160,13 +176,21 @@ class ModelRunner:
 
     def _image_embeds(self, so: SchedulerOutput):
         """(flat rows, embeddings) for the image-span tokens computed this step, or None.
-        The vision tower runs for each image a chunk touches (spans are seldom split)."""
+        The vision tower runs once per image of a request: a span split across chunks reuses the
+        embeddings until its last token is computed (or IMAGE_CACHE_SIZE newer images push it out)."""
         rows, values, off = [], [], 0
         for c in so.chunks:
             for s0, img in c.images:
                 lo, hi = max(s0, c.start), min(s0 + img.num_tokens, c.start + len(c.token_ids))
                 if lo < hi:
-                    span = self.model.image_embeddings(img)
+                    key = (c.request_id, s0)
+                    span = self.image_cache.pop(key, None)
+                    if span is None:
+                        span = self.model.image_embeddings(img)
+                    if hi < s0 + img.num_tokens:  # more of the span comes in a later chunk
+                        self.image_cache[key] = span
+                        while len(self.image_cache) > IMAGE_CACHE_SIZE:
+                            self.image_cache.popitem(last=False)
                     rows.append(torch.arange(lo, hi) - c.start + off)
                     values.append(span[lo - s0:hi - s0])
             off += len(c.token_ids)
@@ -186,15 +210,15 @@ class ModelRunner:
         return out
 
 
-def _graphs_for(model, cache: V4Cache, device: torch.device):
+def _graphs_for(model: CausalLM, cache: V4Cache, device: torch.device):
     """Decode graphs need a CUDA device, a cache with scratch rows, bf16 activations (grouped-GEMM
     experts; quantised weights through the Triton kernels: the reference loop syncs with the host)
-    and no host-side per-step inputs (Engram)."""
+    and a model that allows them (no host-side per-step inputs: V4.1 Engram tables left on the host)."""
     from deepinfer.kernels.grouped_gemm import triton_available
     from deepinfer.worker.cuda_graph import DecodeGraphs
 
     dense = not any(n.endswith("_scale") for n, _ in model.named_buffers())
     if device.type != "cuda" or cache.scratch_slot is None or model.dtype != torch.bfloat16 \
-            or not (dense or triton_available()) or getattr(model.config, "engram_layer_ids", ()):
+            or not (dense or triton_available()) or not model.supports_graphs:
         return None
     return DecodeGraphs(model, cache, cache.scratch_slot, cache.scratch_addr, device=str(device))

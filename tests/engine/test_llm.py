@@ -29,6 +29,12 @@ def ckpt(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
+def ckpt41(tmp_path_factory):
+    """DeepSeek-V4.1 (Engram, CSA2 roles, DSpark stages): its windows come from the device history."""
+    return write_checkpoint(tmp_path_factory.mktemp("tiny41") / "ckpt", PRESETS["tiny41"], seed=5, dtype="fp8")
+
+
+@pytest.fixture(scope="module")
 def llm(ckpt):
     return LLM(str(ckpt), device="cpu", dtype="float32", kv_cache_dtype="float32", kv_cache_memory=64 << 20)
 
@@ -212,15 +218,39 @@ def _check_graph_decode_matches_eager(ckpt, device: str) -> None:
     assert outs[False] == outs[True]
 
 
-def test_graph_planned_decode_matches_eager_on_the_cpu(ckpt):
-    _check_graph_decode_matches_eager(ckpt, "cpu")
+@pytest.mark.parametrize("arch", ["v4", "v41"])
+def test_graph_planned_decode_matches_eager_on_the_cpu(request, arch):
+    _check_graph_decode_matches_eager(request.getfixturevalue("ckpt" if arch == "v4" else "ckpt41"), "cpu")
 
 
 @pytest.mark.gpu
-def test_cuda_graph_decode_in_the_engine(ckpt):
+@pytest.mark.parametrize("arch", ["v4", "v41"])
+def test_cuda_graph_decode_in_the_engine(request, arch):
     """Captured and replayed CUDA graphs (logprobs taken at launch: the next replay overwrites the
     graph's logits before the step is collected)."""
-    _check_graph_decode_matches_eager(ckpt, "cuda")
+    _check_graph_decode_matches_eager(request.getfixturevalue("ckpt" if arch == "v4" else "ckpt41"), "cuda")
+
+
+@pytest.mark.parametrize("kv", ["float32", "auto"])
+def test_v41_async_scheduling_matches_synchronous_steps(ckpt41, kv):
+    """V4.1 hashes Engram n-grams from the device history, so steps planned ahead with placeholder
+    inputs are hashed from the tokens filled on the device: the synchronous engine's tokens, with
+    chunked prefill and preemption (few slots), in exact and reference cache formats."""
+    prompts = _prompts(6, seed=23)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    outs, ahead = {}, {}
+    for on in (False, True):
+        engine = LLM(str(ckpt41), device="cpu", dtype="float32", kv_cache_dtype=kv, kv_cache_memory=32 << 20,
+                     max_num_seqs=3, max_num_batched_tokens=24, async_scheduling=on)
+        assert engine.engine.async_scheduling == on
+        calls = []
+        launch = engine.engine.runner.launch
+        engine.engine.runner.launch = lambda so, prev=None: calls.append(prev is not None) or launch(so, prev)
+        outs[on] = [o.outputs[0].token_ids for o in engine.generate(prompts, params, use_tqdm=False)]
+        ahead[on] = sum(calls)
+        assert engine.scheduler.kv.all_free()
+    assert outs[True] == outs[False]
+    assert ahead[False] == 0 and ahead[True] > 10
 
 
 def test_async_scheduling_matches_synchronous_steps(ckpt, llm):

@@ -1,0 +1,47 @@
+"""The one interface the worker programs against: every model class implements `CausalLM`.
+
+Adding a model means a model file and a config file that provide these members; the worker
+(worker/model_runner.py, worker/cuda_graph.py) reads nothing else from a model.
+"""
+from __future__ import annotations
+
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+from deepinfer.state.forward_batch import ForwardBatch
+from deepinfer.state.kv_state import LayerCache
+
+
+@runtime_checkable
+class CausalLM(Protocol):
+    config: Any
+    dtype: torch.dtype
+
+    @property
+    def replay_layer(self) -> int:
+        """SWA bounded replay keeps only the last rows above this layer; -1: the model has no cut."""
+
+    @property
+    def token_history(self) -> int:
+        """Input tokens each position reads, itself included (V4.1 Engram's n-gram window); 0: none.
+        The cache keeps the last token_history - 1 of each request (V4Cache.token_history)."""
+
+    @property
+    def host_inputs(self) -> bool:
+        """Per-step inputs are computed from token values on the host: the step cannot take
+        placeholder inputs (async scheduling) and cannot be captured as a graph."""
+
+    @property
+    def supports_graphs(self) -> bool:
+        """Pure-decode steps may be captured as CUDA graphs (no host values and no host syncs)."""
+
+    def forward(self, batch: ForwardBatch, caches: list[LayerCache],
+                token_history: torch.Tensor | None = None) -> torch.Tensor:
+        """Per-token states [T, ...] that compute_logits maps to logits."""
+
+    def compute_logits(self, states: torch.Tensor) -> torch.Tensor:
+        """States of N tokens -> fp32 logits [N, vocab]."""
+
+    def image_embeddings(self, image) -> torch.Tensor:
+        """Embeddings of one image's whole token span (ValueError for a model without vision)."""
