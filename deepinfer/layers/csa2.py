@@ -1,18 +1,33 @@
-"""DeepSeek-V4.1 CSA2: the compressor and the lightning indexer whose keys layers share."""
+"""DeepSeek-V4.1 CSA2: the compressor and the lightning indexer whose keys layers share.
+
+On CUDA (bf16 activations) the indexer runs fused kernels: scores against the keys read at their
+cache addresses in the store's own format (bf16, or MXFP4 decoded in registers: no [T, V, D]
+gather), the candidate source's block selection (kernels/candidate_blocks.py) and the top-k, with
+the reindex layers' candidate mask applied inside it (kernels/index_topk.py); the ratio-2
+compressor pools in one launch (kernels/compress_pool.py). The plain torch below is the reference
+those kernels are tested against (ids and candidates equal; scores and pooled values up to fp32
+summation order). No host syncs: every shape comes from the plan's tensor shapes and the host
+list of per-request token counts (fixed for a captured decode graph).
+"""
 from __future__ import annotations
 
+import itertools
+import os
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from deepinfer.kernels import candidate_blocks as _cand
+from deepinfer.kernels import compress_pool as _pool
+from deepinfer.kernels import index_scores as _scores
+from deepinfer.kernels import index_topk as _topk
 from deepinfer.kernels.copy_rows import copy_rows
-from deepinfer.layers.attention import _chunks
-from deepinfer.state.forward_batch import CompressPlan, ForwardBatch
+from deepinfer.layers.attention import SHARED_KEYS_MIN_TOKENS, _chunks
+from deepinfer.state.forward_batch import CompressPlan, ForwardBatch, to_device
 from deepinfer.state.kv_state import CarryState, LayerCache
 from deepinfer.layers import invariant
-from deepinfer.layers.linear import DENSE, Linear, QuantSpec, dense_linear
+from deepinfer.layers.linear import DENSE, Linear, QuantSpec, dense_linear, stacked_forward
 from deepinfer.layers.norm import RMSNorm
 
 
@@ -26,9 +41,19 @@ class CSA2State:
     candidates: torch.Tensor | None = None  # [T, max_visible] entries allowed by the candidate source
 
 
+def _kernels(t: torch.Tensor) -> bool:
+    """Run the Triton kernels for tensors like t: on CUDA, and on the CPU under TRITON_INTERPRET=1
+    (the tests that check this layer's kernel path against its torch path)."""
+    return _scores.triton is not None and (t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
+
+
 class PoolCompressor(nn.Module):
     """Ratio 1: one entry per token, norm(wkv x). Ratio r > 1: entry g pools tokens g*r .. g*r+r-1
-    with a per-channel softmax over the group (fp32 projections, no positional bias)."""
+    with a per-channel softmax over the group (fp32 projections, no positional bias).
+    Kernel path (ratio > 1): the two projections as one GEMM, the pooling as one launch reducing
+    the group's slots in slot order (batch-invariant); it computes sum(p v) / sum(p) where the
+    reference computes sum((p / sum(p)) v), so pooled values agree to fp32 rounding (~1e-6
+    relative) before the rounding to the activation dtype."""
 
     def __init__(self, dim: int, head_dim: int, ratio: int, eps: float, dtype: torch.dtype):
         super().__init__()
@@ -42,33 +67,37 @@ class PoolCompressor(nn.Module):
         """-> unrotated normalised latents [N, head_dim] of the entries closing this step (plan order)."""
         if self.ratio == 1:
             return self.norm(dense_linear(x, self.wkv.dense_weight(x.dtype)))
-        kv = self.wkv.forward_fp32(x)
-        score = self.wgate.forward_fp32(x)
         new, old = plan.src_new, plan.src_carry
-        src_kv = torch.where((new >= 0)[..., None], kv[new.clamp(min=0)], carry.kv[old.clamp(min=0)])
-        src_score = torch.where((new >= 0)[..., None], score[new.clamp(min=0)], carry.score[old.clamp(min=0)])
+        if _kernels(x) and new.shape[0]:
+            kv, score = stacked_forward(self, "_wkv_wgate", (self.wkv, self.wgate), x, fp32=True)  # one GEMM on CUDA
+            pooled = _pool._launch(kv, score, carry.kv, carry.score, new, old, kv.shape[1], False)
+        else:
+            kv = self.wkv.forward_fp32(x)
+            score = self.wgate.forward_fp32(x)
+            src_kv = torch.where((new >= 0)[..., None], kv[new.clamp(min=0)], carry.kv[old.clamp(min=0)])
+            src_score = torch.where((new >= 0)[..., None], score[new.clamp(min=0)], carry.score[old.clamp(min=0)])
+            weights = src_score.transpose(1, 2).softmax(dim=-1).transpose(1, 2)  # row-local over the group
+            pooled = (weights * src_kv).sum(dim=1)
         copy_rows(((carry.kv, kv), (carry.score, score)), plan.carry_dst, plan.carry_src)  # one launch on CUDA
-        weights = src_score.transpose(1, 2).softmax(dim=-1).transpose(1, 2)  # row-local over the group
-        return self.norm((weights * src_kv).sum(dim=1).to(x.dtype))
-
-
-def _stable_topk(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-k along the last dim, equal scores in ascending index order (lowest index first)."""
-    val, idx = torch.sort(scores, dim=-1, descending=True, stable=True)
-    return val[..., :k], idx[..., :k]
+        return self.norm(pooled.to(x.dtype))
 
 
 def candidate_blocks(scores: torch.Tensor, visible: torch.Tensor, topk_blocks: int, block: int) -> torch.Tensor:
-    """scores [T, W] (-inf where not visible) -> bool [T, W]: entries in the `topk_blocks` blocks of
-    `block` entries with the highest max score; the block holding the newest visible entry always."""
-    T, W = scores.shape
-    nb = -(-W // block)
-    per_block = F.pad(scores, (0, nb * block - W), value=float("-inf")).view(T, nb, block).amax(-1)
-    newest = (visible - 1).div(block, rounding_mode="floor")
-    per_block = per_block.masked_fill(torch.arange(nb, device=scores.device) == newest[:, None], float("inf"))
-    val, idx = _stable_topk(per_block, min(topk_blocks, nb))
-    keep = torch.zeros(T, nb, dtype=torch.bool, device=scores.device).scatter(-1, idx, val > float("-inf"))
-    return keep.repeat_interleave(block, dim=-1)[:, :W]
+    """scores [T, W] (-inf where not visible) -> bool [T, W]: visible entries in the `topk_blocks`
+    blocks of `block` entries with the highest max score (ties: lowest block first); the block
+    holding the newest visible entry always. See kernels/candidate_blocks.py."""
+    if _kernels(scores):
+        return _cand._launch(scores, visible, topk_blocks, block)
+    return _cand.reference(scores, visible, topk_blocks, block)
+
+
+def select_topk(s: torch.Tensor, visible: torch.Tensor, k: int, allowed: torch.Tensor | None = None) -> torch.Tensor:
+    """[Tc, nv] scores -> [Tc, k] ids of the k best visible (and allowed) entries, -1 where fewer
+    exist; equal scores keep ascending entry order. See kernels/index_topk.py."""
+    if _kernels(s) and s.shape[0] and k:
+        fits = s.shape[1] <= _topk.MAX_N and s.shape[0] * s.shape[1] ** 2 <= _topk.MAX_WORK
+        return (_topk._launch if fits else _topk._launch_long)(s, visible, k, allowed)
+    return _topk.reference(s, visible, k, allowed)
 
 
 class Indexer41(nn.Module):
@@ -90,22 +119,53 @@ class Indexer41(nn.Module):
     def forward(self, x: torch.Tensor, q: torch.Tensor, batch: ForwardBatch, state: CSA2State,
                 candidate_source: tuple[int, int] | None, use_candidates: bool):
         """q [T, Hi, Di] rotated (and quantised like the keys). Returns (top-k ids [T, k], candidates)."""
-        plan, keys = state.plan, state.source.index_keys
+        plan = state.plan
         w = self.weights_proj(x).float() * (self.index_dim ** -0.5 * self.n_heads ** -0.5)
         nv = plan.max_visible
         k = min(self.topk, nv)
         out = torch.full((x.shape[0], k), -1, dtype=torch.long, device=x.device)
         cands = torch.zeros(x.shape[0], nv, dtype=torch.bool, device=x.device) if candidate_source else None
-        for sl in _chunks(x.shape[0], nv * self.index_dim):
-            kk = keys.read(plan.addr[batch.token_req[sl]], torch.float32)          # [Tc, nv, Di]
-            qs, ws = q[sl].float(), w[sl, :, None]
-            s = invariant.by_key_blocks(lambda kb: invariant.reduce_sum(invariant.qk(qs, kb).relu() * ws, 1), kk)
-            visible = torch.arange(nv, device=x.device) < plan.visible[sl, None]
-            s = s.masked_fill(~visible, float("-inf"))
+        for rows, s in self._scores(q, w, batch, state):
+            visible = plan.visible[rows]
             if candidate_source:
-                cands[sl] = candidate_blocks(s, plan.visible[sl], *candidate_source) & visible
-            elif use_candidates:
-                s = s.masked_fill(~state.candidates[sl], float("-inf"))
-            val, idx = _stable_topk(s, k)
-            out[sl] = torch.where(val > float("-inf"), idx, -1)
+                cands[rows] = candidate_blocks(s, visible, *candidate_source)
+            allowed = state.candidates[rows] if use_candidates and not candidate_source else None
+            out[rows] = select_topk(s, visible, k, allowed)
         return out, cands
+
+    def _scores(self, q: torch.Tensor, w: torch.Tensor, batch: ForwardBatch, state: CSA2State):
+        """Yields (rows, scores [len(rows), nv], -inf where not visible) covering every token once;
+        rows a slice or an index tensor."""
+        plan, keys = state.plan, state.source.index_keys
+        nv, T = plan.max_visible, q.shape[0]
+        if not (_kernels(q) and _scores.supported_store(q, keys.fmt)):
+            for sl in _chunks(T, nv * self.index_dim):
+                kk = keys.read(plan.addr[batch.token_req[sl]], torch.float32)          # [Tc, nv, Di]
+                qs, ws = q[sl].float(), w[sl, :, None]
+                s = invariant.by_key_blocks(lambda kb: invariant.reduce_sum(invariant.qk(qs, kb).relu() * ws, 1), kk)
+                yield sl, s.masked_fill(torch.arange(nv, device=q.device) >= plan.visible[sl, None], float("-inf"))
+            return
+        store = tuple(keys.tensors())
+        scale = store[1] if keys.fmt == "mxfp4" else None
+        lens = batch.req_lens
+        # Long requests outside invariant mode: one key tile serves a tile of the request's tokens.
+        # Everything else, and every token in invariant mode, through the per-token kernel: one
+        # program per token with a fixed tiling, so a token's scores do not depend on the batch,
+        # on its request's chunking, or on nv (entries past `visible` are never read).
+        shared = [not invariant.enabled() and n >= SHARED_KEYS_MIN_TOKENS for n in lens]
+        starts = [0, *itertools.accumulate(lens)]
+        for r, n in enumerate(lens):
+            if shared[r]:
+                for sl in _chunks(n, nv):
+                    sl = slice(starts[r] + sl.start, starts[r] + sl.stop)
+                    yield sl, _scores._launch(q[sl], store[0], w[sl], plan.visible[sl], scale=scale, rows=plan.addr[r],
+                                              fmt=keys.fmt)
+        if lens and all(shared):
+            return
+        rows = None if not any(shared) else to_device(
+            torch.cat([torch.arange(starts[r], starts[r] + n) for r, n in enumerate(lens) if not shared[r]]), q.device)
+        count = T if rows is None else rows.numel()
+        for sl in _chunks(count, nv):
+            idx = sl if rows is None else rows[sl]
+            yield idx, _scores._launch_per_token(q[idx], store[0], plan.addr, batch.token_req[idx], w[idx],
+                                                 plan.visible[idx], scale=scale, fmt=keys.fmt)

@@ -109,3 +109,106 @@ def test_per_token_kernel_on_gpu(T, H, Dh, V):
     from deepinfer.kernels.index_scores import index_scores_per_token, reference_per_token
     args = per_token_case(T, H, Dh, V, R=2 * V, device="cuda", seed=T)
     torch.testing.assert_close(index_scores_per_token(*args), reference_per_token(*args), atol=1e-3, rtol=1e-4)
+
+
+def store_case(T: int, H: int, Dh: int, V: int, fmt: str, B: int = 3, R: int = 200, device: str = "cpu",
+               seed: int = 0, spread: int = 0):
+    """A key store of R rows in `fmt` ("bfloat16" tensors (data,), "mxfp4" (codes, scales)) holding
+    V.4.1-style index keys (each 32-column group scaled by 2^[-spread, spread]), queries rounded
+    through the same format as the indexer does, an address table [B, V] and visible counts."""
+    from deepinfer.formats import group_quant
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randn(R, Dh, generator=g)
+    k = (k.view(R, Dh // 32, 32) * torch.exp2(torch.randint(-spread, spread + 1, (R, Dh // 32, 1), generator=g))).view(R, Dh)
+    q = torch.randn(T, H, Dh, generator=g)
+    if fmt == "mxfp4":
+        store = group_quant.encode(k, fmt)
+        q = group_quant.roundtrip(q, fmt)
+    else:
+        store = (k.to(torch.bfloat16),)
+    q = q.to(torch.bfloat16)
+    table = torch.stack([torch.randperm(R, generator=g)[:V] for _ in range(B)])
+    token_req = torch.randint(0, B, (T,), generator=g)
+    w = torch.randn(T, H, generator=g)
+    visible = torch.randint(0, V + 1, (T,), generator=g)
+    visible[0] = 0
+    mv = lambda t: t.to(device)  # noqa: E731
+    return mv(q), tuple(mv(t) for t in store), mv(table), mv(token_req), mv(w), mv(visible)
+
+
+def test_mxfp4_keys_decode_exactly_in_bf16():
+    """The kernels decode mxfp4 keys to bf16: e2m1 * 2^k loses nothing there."""
+    from deepinfer.formats import group_quant
+    _, (codes, scale), *_ = store_case(1, 1, 128, 4, "mxfp4", spread=100)
+    exact = group_quant.decode(codes, scale, "mxfp4", torch.float32)
+    assert torch.equal(group_quant.decode(codes, scale, "mxfp4", torch.bfloat16).float(), exact)
+
+
+def test_store_references_read_keys_by_address():
+    from deepinfer.kernels.index_scores import read_keys, reference_store, reference_store_per_token
+    for fmt in ("bfloat16", "mxfp4"):
+        q, store, table, req, w, vis = store_case(6, 4, 64, 20, fmt)
+        keys = read_keys(store, fmt, torch.arange(200))
+        for t in range(6):
+            want = reference(q[t:t + 1], keys[table[req[t]]], w[t:t + 1], vis[t:t + 1])
+            got = reference_store(q[t:t + 1], store, fmt, table[req[t]], w[t:t + 1], vis[t:t + 1])
+            assert torch.equal(got, want)
+            got = reference_store_per_token(q, store, fmt, table, req, w, vis)[t:t + 1]
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+# one-hot queries read single key values back: q_0 = e_j, q_1 = -e_j, w = (1, -1) gives
+# relu(k_j) - relu(-k_j) = k_j exactly, so the kernels' in-register decode must equal the reference bit for bit
+STORE_CHECK = """
+import torch
+from deepinfer.kernels import index_scores as K
+from test_index_scores import store_case
+dev = DEVICE
+for fmt in ("bfloat16", "mxfp4"):
+    for T, H, Dh, V in ((5, 3, 32, 7), (70, 4, 64, 130)):
+        q, store, table, req, w, vis = store_case(T, H, Dh, V, fmt, device=dev, seed=T)
+        scale = store[1] if fmt == "mxfp4" else None
+        vis[1:4] = V
+        for r in range(3):
+            got = K._launch(q, store[0], w, vis, scale=scale, rows=table[r], fmt=fmt)
+            want = K.reference_store(q, store, fmt, table[r], w, vis)
+            torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+        got = K._launch_per_token(q, store[0], table, req, w, vis, scale=scale, fmt=fmt)
+        want = K.reference_store_per_token(q, store, fmt, table, req, w, vis)
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    Dh, V = 64, 40
+    _, store, table, req, _, _ = store_case(Dh, 2, Dh, V, fmt, B=1, device=dev, spread=60)
+    eye = torch.eye(Dh, device=dev)
+    q = torch.stack((eye, -eye), 1).to(torch.bfloat16)
+    w = torch.tensor([1.0, -1.0], device=dev).expand(Dh, 2)
+    vis = torch.full((Dh,), V, device=dev)
+    keys = K.read_keys(store, fmt, table[0])
+    got = K._launch(q, store[0], w, vis, scale=store[1] if fmt == "mxfp4" else None, rows=table[0], fmt=fmt)
+    assert torch.equal(got, keys.t()), fmt
+    got = K._launch_per_token(q, store[0], table, torch.zeros(Dh, dtype=torch.long, device=dev), w, vis,
+                              scale=store[1] if fmt == "mxfp4" else None, fmt=fmt)
+    assert torch.equal(got, keys.t()), fmt
+print('ok')
+"""
+
+
+def test_store_kernels_in_the_triton_interpreter():
+    pytest.importorskip("triton")
+    run_interpreted(SHIMS + "DEVICE = 'cpu'\n" + STORE_CHECK)
+
+
+@pytest.mark.gpu
+def test_store_kernels_on_gpu():
+    run_interpreted("DEVICE = 'cuda'\n" + STORE_CHECK, interpret=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["bfloat16", "mxfp4"])
+def test_store_kernels_at_flash_width_on_gpu(fmt):
+    from deepinfer.kernels.index_scores import (index_scores_store, index_scores_store_per_token, reference_store,
+                                                reference_store_per_token)
+    q, store, table, req, w, vis = store_case(300, 64, 128, 1000, fmt, R=3000, device="cuda", seed=3)
+    torch.testing.assert_close(index_scores_store_per_token(q, store, fmt, table, req, w, vis),
+                               reference_store_per_token(q, store, fmt, table, req, w, vis), atol=1e-3, rtol=1e-4)
+    torch.testing.assert_close(index_scores_store(q, store, fmt, table[1], w, vis),
+                               reference_store(q, store, fmt, table[1], w, vis), atol=1e-3, rtol=1e-4)

@@ -141,3 +141,33 @@ def attention_v41_launches():
 
 def test_v41_attention_compiles_for_sm90():
     test_kernels_compile_for_sm90(attention_v41_launches)
+
+
+def csa2_launches():
+    """V4.1-Flash's CSA2: indexer scores (64 heads x 128) against mxfp4 / bf16 keys read by address,
+    the candidate source's block selection (2048 blocks of 8), the top-512 with and without the
+    candidate mask (counting and packed-key paths), the ratio-2 pooling (2 slots, width 512)."""
+    from deepinfer.kernels import candidate_blocks
+    H, D, F32 = 64, 128, torch.float32
+    stores = {"mxfp4": (_i(4096, D // 2, dtype=torch.uint8), _i(4096, D // 32, dtype=torch.uint8)),
+              "bfloat16": (_e(4096, D),)}
+    for fmt, store in stores.items():
+        scale = store[1] if fmt == "mxfp4" else None
+        index_scores._launch(_e(64, H, D), store[0], _e(64, H, dtype=F32), _i(64), scale=scale, rows=_i(1024), fmt=fmt)
+        for T in (1, 64):
+            index_scores._launch_per_token(_e(T, H, D), store[0], _i(T, 1024), _i(T), _e(T, H, dtype=F32), _i(T),
+                                           scale=scale, fmt=fmt)
+    for T, N in ((1, 1024), (64, 1024), (64, 20000)):
+        s, allowed = _e(T, N, dtype=F32), _i(T, N, dtype=torch.bool)
+        if N <= index_topk.MAX_N:
+            index_topk._launch(s, _i(T), 512, allowed)
+        index_topk._launch_long(s, _i(T), 512, allowed)
+        index_topk._launch_long(s, _i(T), 512)
+        for topk_blocks in (16, 2048):  # a k-th key per row, or every block kept (2048 >= N / 8)
+            candidate_blocks._launch(s, _i(T), topk_blocks, 8)
+    compress_pool._launch(_e(8, 1024, dtype=F32)[:, :512], _e(8, 512, dtype=F32), _e(8, 512, dtype=F32),
+                          _e(8, 512, dtype=F32), _i(4, 2), _i(4, 2), 512, False)
+
+
+def test_csa2_compiles_for_sm90():
+    test_kernels_compile_for_sm90(csa2_launches)
