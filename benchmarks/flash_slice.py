@@ -1,18 +1,22 @@
 """The Flash slice sweep: V4-Flash's first four layers at full width (sliding, sliding, CSA, HCA;
-hash, hash, hash, top-k MoE; 256 experts), random weights, on one GPU.
+hash, hash, hash, top-k MoE; 256 experts), and a V4.1-Flash slice at full width with one layer of
+every CSA2 role (SLICES says what each slice is), random weights, on one GPU.
 
 Engines: deepinfer bf16, deepinfer FP8/FP4 (weights kept as the hub ships them), deepinfer bf16 in
-batch-invariant mode, transformers bf16 (DeepseekV4ForCausalLM). Rows: prefill (batch x length)
-and decode steps (batch at a context), each with the roofline of that work on this GPU:
-max(bytes moved / measured copy bandwidth, FLOPs / measured bf16 matmul rate), both ceilings
-measured at the start of the run. deepinfer's rows time the engine's own step (EngineCore.step
-over the Scheduler and ModelRunner, as LLM builds them); decode rows with CUDA graphs add a
-"decode-graph-replay" row that times the graph replay alone. TIMING says exactly what each
-phase's step_ms covers and is written into the results.
+batch-invariant mode, transformers bf16 (DeepseekV4ForCausalLM) on the V4 slice; deepinfer-v41 bf16
+and deepinfer-v41-fp8 (FP8 32x32 blocks + FP4 experts, as shipped) on the V4.1 slice, its cache in
+the reference formats (kv_cache_dtype "auto": FP8 window, NVFP4 entries, MXFP4 index keys). Rows:
+prefill (batch x length) and decode steps (batch at a context), each with the roofline of that
+work on this GPU: max(bytes moved / measured copy bandwidth, FLOPs / measured bf16 matmul rate),
+both ceilings measured at the start of the run. deepinfer's rows time the engine's own step
+(EngineCore.step over the Scheduler and ModelRunner, as LLM builds them), with async scheduling
+and CUDA graphs wherever the engine uses them for that model (a row's note says where it did
+not); decode rows with CUDA graphs add a "decode-graph-replay" row that times the graph replay
+alone. TIMING says exactly what each phase's step_ms covers and is written into the results.
 Decode state for deepinfer is filled synthetically (timing does not depend on cache values);
 transformers builds its cache by prefilling, so its long-context rows are skipped.
 
-    python benchmarks/flash_slice.py --engines deepinfer,deepinfer-fp8,transformers --out results.json
+    python benchmarks/flash_slice.py --engines deepinfer,deepinfer-fp8,deepinfer-v41,deepinfer-v41-fp8 --out r.json
     python benchmarks/flash_slice.py --smoke   # tiny widths on the CPU; writes under a temporary directory
 """
 from __future__ import annotations
@@ -34,10 +38,29 @@ DECODE_BATCHES = [1, 4, 16, 64, 128]
 DECODE_CONTEXTS = [256, 4096]
 LAYER_RATIOS = [0, 0, 4, 128]
 # deepinfer-invariant: bf16 in batch-invariant mode (DEEPINFER_BATCH_INVARIANT=1), for its cost
-ENGINES = ("deepinfer", "deepinfer-fp8", "deepinfer-invariant", "transformers")
+V41_ENGINES = ("deepinfer-v41", "deepinfer-v41-fp8")
+ENGINES = ("deepinfer", "deepinfer-fp8", "deepinfer-invariant", *V41_ENGINES, "transformers")
+# timed steps of a decode row per --reps: the V4.1 slice's steps are longer (twice the layers, three times
+# the weight bytes), so its rows time half as many and the whole V4 + V4.1 sweep fits a few minutes
+DECODE_STEPS_PER_REP = {"v4": 10, "v41": 5}
 
 
 BASE_PRESET = "flash"
+BASE_PRESET_V41 = "flash41"
+SLICE41_ARGS: dict = {}  # slice41_preset's keyword arguments (the smoke run keeps tiny41's hash primes)
+
+SLICES = {
+    "v4": "V4-Flash layers 0-3 at full width (hidden 4096, 64 heads x 512, 256 experts top-6): sliding, "
+          "sliding, CSA (ratio 4), HCA (ratio 128); hash routing in layers 0-2.",
+    "v41": "V4.1-Flash at full width (hidden 5120, 64 heads x 512, 384 experts top-6, every other key as released: "
+           "presets_v41.slice41_preset), 8 layers, one of every role: SWA; SWA + Engram; Full ratio-2 KV source; "
+           "Reuse; Reindex; Full ratio-1 candidate source; Reindex and Reuse under the candidates. Engram hashes "
+           "as released (n-grams 2-4 x 8 heads, 256-wide FP8 rows, 99092 compressed ids) into a table with fewer "
+           "rows (hash primes from 1e6: 24 M rows, 6.3 GB instead of 98 GB); the tokenizer's compressed token "
+           "map is synthetic (id % 99092: the hashing work does not depend on it). The 8 layers' routed experts "
+           "share one set of weights (8 x 27 GB of bf16 experts do not fit the GPU); each layer still reads its "
+           "experts from HBM (27 GB per layer against a 50 MB L2), and the roofline counts 8 distinct sets.",
+}
 
 
 def slice_config() -> dict:
@@ -45,6 +68,13 @@ def slice_config() -> dict:
 
     return {**PRESETS[BASE_PRESET], "num_hidden_layers": 4, "compress_ratios": LAYER_RATIOS,
             "num_hash_layers": 3, "num_nextn_predict_layers": 0}
+
+
+def slice_config_v41() -> dict:
+    """The V4.1 slice's config.json dict (nested text_config)."""
+    from deepinfer.tools.presets_v41 import slice41_preset
+
+    return slice41_preset(BASE_PRESET_V41, **SLICE41_ARGS)
 
 
 def _sync() -> None:
@@ -137,6 +167,99 @@ def roofline_ms(c: dict, tokens: int, batch: int, context: int, decode: bool, ce
     return 1e3 * max((weights + kv) / (ceil["hbm_gbs"] * 1e9), flops / (ceil["bf16_tflops"] * 1e12))
 
 
+# ---- the V4.1 slice's cost model: weights touched, Engram rows and cache read (bytes), FLOPs ----
+
+# bytes per element of the V4.1 cache formats: kv_cache_dtype -> (window, compressed entry, index key)
+CACHE_BYTES_V41 = {
+    "auto": (1 + 1 / 32, 0.5 + 1 / 16, 0.5 + 1 / 32),   # FP8 + 2^k scale per 32; NVFP4 (e4m3 per 16); MXFP4
+    "fp8": (1 + 1 / 32, 0.5 + 1 / 16, 0.5 + 1 / 32),
+    "bfloat16": (2, 2, 2),
+    "float32": (4, 4, 4),
+}
+
+
+def _layer_weights41(c, i: int) -> list[tuple[int, str, bool]]:
+    """(parameters, storage, applied to every row) of layer i's weights other than its routed experts.
+    Storage "q" is FP8 in the quantised engine and bf16 otherwise, "bf16" and "fp32" are kept so in
+    both. Under bounded replay the replay layer applies the last flag's weights (the window kv, the
+    compressor, the index keys) to every row of the prompt, the others to the kept rows only."""
+    from deepinfer.models.config_v41 import FULL, REINDEX
+
+    d, h, hd, rq, ro, g = (c.hidden_size, c.num_attention_heads, c.head_dim, c.q_lora_rank, c.o_lora_rank,
+                           c.o_groups)
+    n, hi, di = c.hc_mult, c.index_n_heads, c.index_head_dim
+    role, ratio = c.role(i), c.compress_ratios[i]
+    out = [(d * hd, "q", True),                                                    # wkv
+           (d * rq + rq * h * hd + h * hd * ro + g * ro * d, "q", False),          # wq_a, wq_b, wo_a, wo_b
+           (2 * (2 + n) * n * n * d, "fp32", False),                               # mHC projections
+           (c.n_routed_experts * d, "bf16", False),                                # router
+           (3 * d * c.moe_intermediate_size * c.n_shared_experts, "q", False)]     # shared expert
+    if role == FULL:  # compressor (fp32 projections; a gate when it pools) and the index-key projection
+        out += [((2 if ratio > 1 else 1) * d * hd, "fp32", True), (hd * di, "bf16", True)]
+    if role in (FULL, REINDEX):  # indexer queries and head weights
+        out += [(rq * hi * di, "q", False), (d * hi, "bf16", False)]
+    if i in c.engram_layer_ids:
+        hash_dim = (c.engram_max_ngram_size - 1) * c.engram_n_heads * c.engram_head_dim
+        out.append((hash_dim * d * (n + 1), "q", True))
+    return out
+
+
+def _reads41(c, i: int, pos: int) -> tuple[int, int, int]:
+    """(window rows, compressed entries, index keys scored) of a query at position `pos` - 1 in layer i."""
+    from deepinfer.models.config_v41 import FULL, REINDEX
+
+    ratio, cand = c.compress_ratios[i], c.candidate_source_layer_id
+    window = min(c.sliding_window, pos)
+    if not ratio:
+        return window, 0, 0
+    visible = pos // ratio
+    scored = 0
+    if c.role(i) in (FULL, REINDEX):  # below the candidate source only the candidate blocks are scored
+        scored = min(visible, c.candidate_topk_blocks * c.candidate_block_size) if 0 <= cand < i else visible
+    return window, min(c.index_topk, visible), scored
+
+
+def roofline41_ms(c, tokens: int, batch: int, context: int, decode: bool, ceil: dict, fp8: bool,
+                  kv_cache_dtype: str, keep: int | None = None) -> float:
+    """roofline_ms of the V4.1 slice (`c`: its DeepseekV41Config). Bytes: every layer's weights (routed
+    experts: the expected distinct experts its rows select, FP4 + E8M0 per 32 in the quantised engine),
+    the Engram rows the tokens read (FP8 + E8M0 per 32), the fp32 head, and in decode the cache each
+    query reads in the formats of `kv_cache_dtype`: window rows, the top-k compressed entries and
+    the index keys the indexer scores. FLOPs: projections, experts, attention and indexer scores.
+    `keep`: a prefill's SWA bounded replay (as the engine runs it): from the replay layer (the last
+    KV source) up, each prompt's last `keep` rows only."""
+    d, hd, h, n_layers = c.hidden_size, c.head_dim, c.num_attention_heads, c.num_hidden_layers
+    bo, bi = c.quant.block_size or (1, 1)
+    per = {"q": (1 + 1 / (bo * bi)) if fp8 else 2, "bf16": 2, "fp32": 4}
+    ebytes = 0.5 + 1 / 32 if fp8 else 2
+    expert = 3 * d * c.moe_intermediate_size
+    E, k = c.n_routed_experts, c.num_experts_per_tok
+    seq = 1 if decode else tokens // batch
+    cut = max(c.kv_source_layer_ids, default=-1) if keep is not None and keep < seq and not decode else n_layers
+    kept = range(seq - keep + 1, seq + 1) if cut < n_layers else range(1, seq + 1)
+    hash_heads = (c.engram_max_ngram_size - 1) * c.engram_n_heads
+    row_bytes = c.engram_head_dim * ((1 + 1 / 32) if c.quant.block_size else 2)   # the table stays as stored
+    weights = tokens * len(c.engram_layer_ids) * hash_heads * row_bytes     # Engram rows
+    weights += 4 * c.vocab_size * d + 2 * tokens * d                         # fp32 head, embedding rows
+    flops = 2 * batch * c.vocab_size * d
+    win_b, entry_b, key_b = CACHE_BYTES_V41[kv_cache_dtype]
+    di, hi = c.index_head_dim, c.index_n_heads
+    kv = 0
+    for i in range(n_layers):
+        rows = tokens if i < cut else batch * len(kept)
+        weights += E * (1 - (1 - 1 / E) ** (rows * k)) * expert * ebytes    # distinct experts the rows select
+        flops += 2 * rows * k * expert
+        for p, kind, every in _layer_weights41(c, i):
+            weights += p * per[kind]
+            flops += 2 * (tokens if every and i <= cut else rows) * p
+        for pos in [context] if decode else (range(1, seq + 1) if i < cut else kept):
+            window, entries, scored = _reads41(c, i, pos)
+            flops += batch * (4 * h * hd * (window + entries) + 2 * hi * di * scored)
+            if decode:
+                kv += batch * (hd * (window * win_b + entries * entry_b) + di * scored * key_b)
+    return 1e3 * max((weights + kv) / (ceil["hbm_gbs"] * 1e9), flops / (ceil["bf16_tflops"] * 1e12))
+
+
 # ---- deepinfer: rows timed through the engine (EngineCore over Scheduler + ModelRunner) ----
 
 BLOCK_SIZE = 64     # the engine's default cache block size
@@ -145,18 +268,21 @@ DECODE_WARMUP = 3   # engine steps before a decode row is timed (the first captu
 # what each phase's step_ms is, written into the results next to the rows
 TIMING = {
     "deepinfer:prefill":
-        "one EngineCore.step() (async scheduling on, as LLM runs it) taking `batch` new prompts of `seq` "
-        "tokens: Scheduler.schedule, ModelRunner.launch (input planning, forward, sampling of each prompt's "
+        "one EngineCore.step() (the engine as LLM builds it: V4.1 prefills with its default SWA bounded replay) "
+        "taking `batch` new prompts of `seq` tokens: Scheduler.schedule, ModelRunner.launch (input planning, "
+        "forward, sampling of each prompt's "
         "first token), ModelRunner.collect (the host waits for the sampled tokens) and Scheduler.update; "
         "median of --reps steps after a warm-up. Prefill steps never overlap one another in the engine "
         "(Scheduler.schedule_ahead plans decode steps only; these prompts ask for one token).",
     "deepinfer:decode":
-        "seconds per EngineCore.step() in steady pure decode of `batch` requests, async scheduling on: a "
-        "step plans and launches the next one (placeholder inputs) before collecting its own sampled tokens, "
-        "then updates the scheduler; greedy sampling; CUDA graphs where ModelRunner uses them (eager where "
-        "the row's note says so). The timed steps compute positions `context` - 10 * reps .. `context` - 1. "
-        "The requests' cache state comes from a prefill that is scheduled but not computed (the cache stays "
-        "zero): step times do not depend on cache values.",
+        "seconds per EngineCore.step() in steady pure decode of `batch` requests, greedy sampling, the engine "
+        "as LLM builds it: with async scheduling (where the runner takes placeholder inputs) a step plans and "
+        "launches the next one before collecting its own sampled tokens, then updates the scheduler; "
+        "otherwise a step schedules, launches, waits for its tokens and updates; CUDA graphs where "
+        "ModelRunner uses them. The row's note names what the engine did not use (graphs, async "
+        "scheduling). The timed steps compute positions `context` - steps .. `context` - 1, steps = 10 * reps "
+        "(V4 slice) or 5 * reps (V4.1 slice). The requests' cache state comes from a prefill that is "
+        "scheduled but not computed (the cache stays zero): step times do not depend on cache values.",
     "deepinfer:decode-graph-replay":
         "not an engine step: DecodeGraphs.run alone (host planning, one input copy, graph replay) for the "
         "decode row's requests, back to back, each call issued before waiting for the one before; no "
@@ -169,24 +295,37 @@ TIMING = {
 }
 
 
+INIT_CHUNK = 1 << 28  # elements filled at a time: bounds the fp32 / int64 temporaries of large tensors
+
+
 def _init_random(model) -> None:
     g = torch.Generator(device=DEVICE).manual_seed(0)
+    seen = set()
     for name, t in model.state_dict().items():
-        if t.dtype in (torch.bfloat16, torch.float32):
-            if name.endswith("norm.weight"):
-                t.fill_(1.0)
-            elif "hc_" in name and name.endswith("_scale"):
-                t.fill_(1.0)
-            else:
-                t.normal_(0, 0.02, generator=g)
-        elif name.endswith("tid2eid"):
-            t.copy_(torch.randint(0, model.config.n_routed_experts, t.shape, device=DEVICE, generator=g))
-        elif t.dtype == torch.float8_e4m3fn:
-            t.copy_((torch.randn(t.shape, device=DEVICE, generator=g) * 0.5).to(torch.float8_e4m3fn))
-        elif t.dtype == torch.float8_e8m0fnu:
-            t.view(torch.uint8).fill_(120)
-        elif t.dtype in (torch.int8, torch.uint8):
-            t.copy_(torch.randint(-128, 127, t.shape, device=DEVICE, generator=g).to(t.dtype))
+        if t.data_ptr() in seen:  # a tensor several modules share
+            continue
+        seen.add(t.data_ptr())
+        rows = max(1, INIT_CHUNK // max(1, t[0].numel())) if t.dim() else 1
+        for part in (t.split(rows) if t.dim() else [t]):
+            _fill_random(name, part, model.config.n_routed_experts, g)
+
+
+def _fill_random(name: str, t: torch.Tensor, n_experts: int, g: torch.Generator) -> None:
+    if t.dtype in (torch.bfloat16, torch.float32):
+        if name.endswith("norm.weight"):
+            t.fill_(1.0)
+        elif "hc_" in name and name.endswith("_scale"):
+            t.fill_(1.0)
+        else:
+            t.normal_(0, 0.02, generator=g)
+    elif name.endswith("tid2eid"):
+        t.copy_(torch.randint(0, n_experts, t.shape, device=DEVICE, generator=g))
+    elif t.dtype == torch.float8_e4m3fn:
+        t.copy_((torch.randn(t.shape, device=DEVICE, generator=g) * 0.5).to(torch.float8_e4m3fn))
+    elif t.dtype == torch.float8_e8m0fnu:
+        t.view(torch.uint8).fill_(120)
+    elif t.dtype in (torch.int8, torch.uint8):
+        t.copy_(torch.randint(-128, 127, t.shape, device=DEVICE, generator=g).to(t.dtype))
 
 
 def deepinfer_model(fp8: bool):
@@ -196,6 +335,37 @@ def deepinfer_model(fp8: bool):
     with torch.device(DEVICE):
         model = DeepseekV4ForCausalLM(cfg, dtype=torch.bfloat16, quantized=fp8).eval()
     _init_random(model)
+    return model
+
+
+def deepinfer_model_v41(fp8: bool):
+    """The V4.1 slice (SLICES["v41"]): DeepseekV41ForCausalLM as LLM builds it (bf16 activations; with
+    `fp8` the weights stay FP8 / FP4 as shipped), its layers' routed experts one shared set, and the
+    Engram hash constants from a synthetic compressed token map of the config's size."""
+    from dataclasses import replace
+
+    from deepinfer.layers.moe import MLP, Experts
+    from deepinfer.models.config_v41 import DeepseekV41Config
+    from deepinfer.models.deepseek_v4 import quant_spec
+    from deepinfer.models.deepseek_v41 import DeepseekV41ForCausalLM
+
+    cfg = DeepseekV41Config.from_dict(slice_config_v41())
+    dtype, (quant, expert_quant) = torch.bfloat16, quant_spec(cfg, fp8)
+    # built with one quantisation block of expert width, then given full-width experts: a shared routed
+    # set and a shared expert per layer (the throwaway narrow ones are freed)
+    narrow = replace(cfg, moe_intermediate_size=(cfg.quant.block_size or (32, 32))[0])
+    with torch.device(DEVICE):
+        model = DeepseekV41ForCausalLM(narrow, dtype=dtype, quantized=fp8).eval()
+        experts = Experts(cfg.hidden_size, cfg.moe_intermediate_size, cfg.n_routed_experts, cfg.swiglu_limit, dtype,
+                          expert_quant)
+        for layer in model.layers:
+            layer.ffn.experts = experts
+            layer.ffn.shared_experts = MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts,
+                                           cfg.swiglu_limit, dtype, quant)
+    model.config = cfg
+    _init_random(model)
+    n = cfg.engram_compressed_vocab_size
+    model.set_engram_vocab([i % n for i in range(cfg.vocab_size)])  # synthetic: every compressed id used
     return model
 
 
@@ -212,15 +382,25 @@ def engine_cache(cfg, num_slots: int, max_len: int, kv_dtype: str, device: str |
     return KVCacheManager(num_slots, blocks, BLOCK_SIZE), cache
 
 
+def default_replay_keep(cfg) -> int | None:
+    """Rows LLM's default SWA bounded replay keeps (the runner applies it to models with a replay layer)."""
+    from deepinfer.config import EngineConfig
+    from deepinfer.llm import _replay_keep
+
+    return _replay_keep(EngineConfig(), cfg)
+
+
 def deepinfer_engine(model, num_slots: int, max_len: int, kv_dtype: str, budget: int, invariant: bool,
                      graphs: bool):
-    """An EngineCore wired as LLM wires one (async scheduling on) over `engine_cache`."""
+    """An EngineCore wired as LLM wires one with its defaults (async scheduling on where the runner takes
+    placeholder inputs, bounded replay of V4.1 prefills) over `engine_cache`."""
     from deepinfer.engine.engine_core import EngineCore
     from deepinfer.engine.scheduler import Scheduler
     from deepinfer.worker.model_runner import ModelRunner
 
     kv, cache = engine_cache(model.config, num_slots, max_len, kv_dtype)
-    runner = ModelRunner(model, cache, DEVICE, seed=0, cuda_graphs=graphs, batch_invariant=invariant)
+    runner = ModelRunner(model, cache, DEVICE, seed=0, replay_keep=default_replay_keep(model.config),
+                         cuda_graphs=graphs, batch_invariant=invariant)
     return EngineCore(Scheduler(kv, num_slots, budget, max_len), runner, None, async_scheduling=True)
 
 
@@ -293,9 +473,35 @@ def graph_replay_seconds(graphs, reqs: list, steps: int) -> float:
     return pipelined(lambda: graphs.run(chunks), steps)
 
 
-def deepinfer_rows(fp8: bool, invariant: bool, ceil: dict, args, name: str) -> list[dict]:
-    model = deepinfer_model(fp8)
-    cfg, kv = model.config, ("fp8" if fp8 else "bfloat16")
+def _engine_note(engine) -> str | None:
+    """What the engine did not use for a row's steps (None: CUDA graphs and async scheduling both on)."""
+    off = ["eager (no CUDA graphs)"] if engine.runner.graphs is None else []
+    off += [] if engine.async_scheduling else ["synchronous steps (no async scheduling)"]
+    return "; ".join(off) or None
+
+
+def _failed_row(name: str, phase: str, B: int, S: int, C: int, err: Exception) -> dict:
+    """A row whose engine step raised: recorded (step_ms null, the error in its note), the sweep goes on."""
+    import traceback
+
+    traceback.print_exception(err)
+    return _row(name, phase, B, S, C, None, None, None, f"failed: {type(err).__name__}: {str(err)[:300]}")
+
+
+def deepinfer_rows(fp8: bool, invariant: bool, ceil: dict, args, name: str, arch: str = "v4") -> list[dict]:
+    """Rows of one deepinfer engine on the V4 slice (`arch` "v4") or the V4.1 slice ("v41")."""
+    if arch == "v41":
+        model, kv = deepinfer_model_v41(fp8), getattr(args, "v41_kv_cache_dtype", "auto")
+        keep = default_replay_keep(model.config)
+
+        def roofline(tokens, B, C, decode):
+            return roofline41_ms(model.config, tokens, B, C, decode, ceil, fp8, kv, keep)
+    else:
+        model, kv = deepinfer_model(fp8), ("fp8" if fp8 else "bfloat16")
+
+        def roofline(tokens, B, C, decode):
+            return roofline_ms(slice_config(), tokens, B, C, decode, ceil, fp8)
+    cfg = model.config
     use_graphs = DEVICE == "cuda" and not args.no_cuda_graphs
     g = torch.Generator().manual_seed(0)
     tokens = lambda n: torch.randint(0, cfg.vocab_size, (n,), generator=g).tolist()  # noqa: E731
@@ -303,28 +509,37 @@ def deepinfer_rows(fp8: bool, invariant: bool, ceil: dict, args, name: str) -> l
     gc.freeze()
     rows = []
     for B, S in PREFILL:
-        engine = deepinfer_engine(model, B, S + 8, kv, B * S, invariant, graphs=False)
-        t = prefill_seconds(engine, [tokens(S) for _ in range(B)], args.reps)
-        rows.append(_row(name, "prefill", B, S, 0, B * S / t, t,
-                         roofline_ms(slice_config(), B * S, B, S, False, ceil, fp8)))
-        del engine
-    steps = 10 * args.reps
+        try:
+            engine = deepinfer_engine(model, B, S + 8, kv, B * S, invariant, graphs=False)
+            t = prefill_seconds(engine, [tokens(S) for _ in range(B)], args.reps)
+            rows.append(_row(name, "prefill", B, S, 0, B * S / t, t, roofline(B * S, B, S, False)))
+        except Exception as e:  # noqa: BLE001 (out of memory, a failing step: the other rows still run)
+            rows.append(_failed_row(name, "prefill", B, S, 0, e))
+        engine = None
+    steps = DECODE_STEPS_PER_REP[arch] * args.reps
     for C in DECODE_CONTEXTS:
         prompt_len = C - DECODE_WARMUP - steps
         if prompt_len < 1:
             raise ValueError(f"context {C} is shorter than the {DECODE_WARMUP + steps} steps of a decode row")
         for B in DECODE_BATCHES:
-            engine = deepinfer_engine(model, B, C + 8, kv, B * prompt_len, invariant, use_graphs)
-            reqs = start_decoding(engine, [tokens(prompt_len) for _ in range(B)], DECODE_WARMUP + steps + 8)
-            t = decode_seconds(engine, steps)
-            roof = roofline_ms(slice_config(), B, B, C, True, ceil, fp8)
-            note = None if use_graphs else "eager (no CUDA graphs)"
-            rows.append(_row(name, "decode", B, 1, C, B / t, t, roof, note))
+            roof = roofline(B, B, C, True)
+            try:
+                engine = deepinfer_engine(model, B, C + 8, kv, B * prompt_len, invariant, use_graphs)
+                reqs = start_decoding(engine, [tokens(prompt_len) for _ in range(B)], DECODE_WARMUP + steps + 8)
+                t = decode_seconds(engine, steps)
+                rows.append(_row(name, "decode", B, 1, C, B / t, t, roof, _engine_note(engine)))
+            except Exception as e:  # noqa: BLE001
+                rows.append(_failed_row(name, "decode", B, 1, C, e))
+                engine = reqs = None
+                continue
             if engine.runner.graphs is not None:
-                t = graph_replay_seconds(engine.runner.graphs, reqs, steps)
-                rows.append(_row(name, "decode-graph-replay", B, 1, C, B / t, t, roof))
+                try:
+                    t = graph_replay_seconds(engine.runner.graphs, reqs, steps)
+                    rows.append(_row(name, "decode-graph-replay", B, 1, C, B / t, t, roof))
+                except Exception as e:  # noqa: BLE001
+                    rows.append(_failed_row(name, "decode-graph-replay", B, 1, C, e))
             _sync()
-            del engine, reqs
+            engine = reqs = None
     del model
     gc.collect()
     if DEVICE == "cuda":
@@ -437,10 +652,11 @@ def plot(result: dict, path: Path) -> None:
                        if r["engine"] == eng and r["phase"] == phase and r["context"] == ctx and r["step_ms"]]
                 if pts:
                     ax.plot(*zip(*pts), style, label=label)
-        roof = [(r["batch"], r["roofline_ms"]) for r in result["rows"]
-                if r["engine"] == "deepinfer" and r["phase"] == "decode" and r["context"] == ctx]
-        if roof:
-            ax.plot(*zip(*roof), "k--", label="roofline (bf16)")
+        for eng, style in (("deepinfer", "k--"), ("deepinfer-v41", "k-.")):
+            roof = [(r["batch"], r["roofline_ms"]) for r in result["rows"]
+                    if r["engine"] == eng and r["phase"] == "decode" and r["context"] == ctx and r["roofline_ms"]]
+            if roof:
+                ax.plot(*zip(*roof), style, label=f"roofline {'V4.1' if eng.endswith('v41') else 'V4'} slice (bf16)")
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_title(f"decode step ms (engine step), context {ctx}")
@@ -450,12 +666,18 @@ def plot(result: dict, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def _arch(eng: str) -> str:
+    return "v41" if eng in V41_ENGINES else "v4"
+
+
 def engine_rows(eng: str, ceil: dict, args) -> list[dict]:
     """Rows of one engine, timed with the Python heap frozen after setup (as a serving engine runs:
     vLLM and our LLM call gc.freeze() after start-up), so collector pauses of earlier allocations
     do not land in timed steps."""
     if eng == "transformers":
         return transformers_rows(ceil, args)
+    if eng in V41_ENGINES:
+        return deepinfer_rows(eng == "deepinfer-v41-fp8", False, ceil, args, eng, arch="v41")
     return deepinfer_rows(eng == "deepinfer-fp8", eng == "deepinfer-invariant", ceil, args, eng)
 
 
@@ -468,7 +690,8 @@ def run_engine_process(eng: str, ceil: dict, args) -> tuple[list[dict], str | No
 
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
         cmd = [sys.executable, __file__, "--engine-only", eng, "--rows-out", f.name, "--ceilings", json.dumps(ceil),
-               "--reps", str(args.reps), "--hf-max-prefill-tokens", str(args.hf_max_prefill_tokens)]
+               "--reps", str(args.reps), "--hf-max-prefill-tokens", str(args.hf_max_prefill_tokens),
+               "--v41-kv-cache-dtype", args.v41_kv_cache_dtype]
         cmd += ["--no-cuda-graphs"] * args.no_cuda_graphs + ["--smoke"] * args.smoke
         res = subprocess.run(cmd)
         got = json.loads(Path(f.name).read_text() or "[]")
@@ -477,8 +700,9 @@ def run_engine_process(eng: str, ceil: dict, args) -> tuple[list[dict], str | No
 
 def use_smoke_settings() -> None:
     """Tiny widths on the CPU: every row kind runs once, so a GPU run will not fail on the script."""
-    global DEVICE, BASE_PRESET, PREFILL, DECODE_BATCHES, DECODE_CONTEXTS
+    global DEVICE, BASE_PRESET, BASE_PRESET_V41, SLICE41_ARGS, PREFILL, DECODE_BATCHES, DECODE_CONTEXTS
     DEVICE, BASE_PRESET, PREFILL, DECODE_BATCHES, DECODE_CONTEXTS = "cpu", "tiny", [(1, 64)], [1, 2], [64]
+    BASE_PRESET_V41, SLICE41_ARGS = "tiny41", {"engram_vocab_size": None}
 
 
 def results_path(args, device: str) -> Path:
@@ -508,9 +732,11 @@ def main() -> None:
     ap.add_argument("--engine-only", default=None, help=argparse.SUPPRESS)  # child process of run_engine_process
     ap.add_argument("--rows-out", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--ceilings", default=None, help=argparse.SUPPRESS)
-    ap.add_argument("--engines", default="deepinfer,deepinfer-fp8,transformers")
+    ap.add_argument("--engines", default="deepinfer,deepinfer-fp8,deepinfer-v41,deepinfer-v41-fp8,transformers")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--hf-max-prefill-tokens", type=int, default=64 * 256)
+    ap.add_argument("--v41-kv-cache-dtype", default="auto", choices=sorted(CACHE_BYTES_V41),
+                    help="the V4.1 rows' cache (default auto: the reference formats)")
     ap.add_argument("--out", default=None)
     add_commit_arg(ap)
     ap.add_argument("--no-cuda-graphs", action="store_true", help="time eager decode steps for deepinfer bf16")
@@ -533,10 +759,14 @@ def main() -> None:
     out = results_path(args, gpu)
     out.parent.mkdir(parents=True, exist_ok=True)
     result = {"device": gpu, "date": str(date.today()), "commit": recorded_commit(args), "ceilings": ceil,
-              "timing": TIMING, "rows": rows}
+              "timing": TIMING, "slices": {a: SLICES[a] for a in sorted({_arch(e) for e in engines})}, "rows": rows}
+    if any(e in V41_ENGINES for e in engines):
+        result["v41_kv_cache_dtype"] = args.v41_kv_cache_dtype
     for eng in engines:
         got, err = run_engine_process(eng, ceil, args)  # one engine failing must not lose the others' rows
         rows += got
+        failed = sum(1 for r in got if r.get("note", "").startswith("failed"))
+        err = "; ".join(([err] if err else []) + ([f"{failed} rows failed (their notes say why)"] if failed else []))
         if err:
             errors[eng] = err
             result["errors"] = errors

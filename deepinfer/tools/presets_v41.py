@@ -5,6 +5,8 @@ writer replaces `engram_compressed_vocab_size` with the count computed from the 
 it writes (`deepinfer.layers.engram_hash.compressed_token_map`)."""
 from __future__ import annotations
 
+from deepinfer.layers.engram_hash import EngramHashParams
+
 
 _FP8_QUANT_V41 = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "scale_fmt": "ue8m0",
                   "weight_block_size": [32, 32]}
@@ -167,3 +169,41 @@ PRESETS_V41: dict[str, dict] = {
 
 def is_v41(config: dict) -> bool:
     return config.get("model_type") == "deepseek_v41" or "text_config" in config
+
+
+# The V4.1 Flash slice of the benchmark sweep (benchmarks/flash_slice.py): one layer of every CSA2
+# role, in this order: SWA; SWA + Engram; Full ratio-2 KV source; Reuse; Reindex; Full ratio-1
+# candidate source; Reindex and Reuse under the candidates. No draft stages, no vision tower.
+SLICE41_LAYERS = {
+    "num_hidden_layers": 8,
+    "compress_ratios": [0, 0, 2, 2, 2, 1, 1, 1],
+    "kv_source_layer_ids": [2, 5],
+    "index_source_layer_ids": [2, 4, 5, 6],
+    "candidate_source_layer_id": 5,
+    "engram_layer_ids": [1],
+    "num_nextn_predict_layers": 0,
+    "dspark_target_layer_ids": [],
+}
+# The slice's Engram table: released V4.1-Flash hashing (n-grams 2-4, 8 heads each, 256-wide FP8
+# rows, 99092 compressed ids) with hash primes from 1e6 instead of 16e6, so the table has ~24 M
+# rows (6.2 GB) instead of 384 M (98 GB): the same rows read per token, a smaller table.
+SLICE41_ENGRAM_VOCAB = 1_000_000
+
+
+def slice41_preset(base: str = "flash41", engram_vocab_size: int | None = SLICE41_ENGRAM_VOCAB) -> dict:
+    """The slice's top-level config.json dict at the widths of PRESETS_V41[base] (every key other than
+    SLICE41_LAYERS and the Engram table size is the base's). `engram_vocab_size` None keeps the base's
+    hash primes; the table gets exactly the rows its hash heads address. A base without an
+    engram_compressed_vocab_size (the tokenizer's count, filled in by the checkpoint writer) gets
+    3/4 of its vocabulary."""
+    top = PRESETS_V41[base]
+    text = {**top["text_config"], **SLICE41_LAYERS}
+    if engram_vocab_size is not None:
+        text["engram_vocab_size"] = engram_vocab_size
+    if text.get("engram_compressed_vocab_size") is None:
+        text["engram_compressed_vocab_size"] = text["vocab_size"] * 3 // 4
+    rows = EngramHashParams.build(text["engram_layer_ids"], [1 << 62] * len(text["engram_layer_ids"]),
+                                  text["engram_max_ngram_size"], text["engram_n_heads"], text["engram_vocab_size"],
+                                  text["engram_compressed_vocab_size"]).rows_needed
+    text["engram_num_embeddings"] = list(rows)
+    return _top(text, {"num_hidden_layers": 0}, top["image_token_id"])

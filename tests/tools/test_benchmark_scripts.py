@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parents[2]
 BENCH = REPO / "benchmarks"
@@ -145,15 +146,19 @@ def test_flash_slice_deepinfer_rows_time_engine_steps(bench, monkeypatch):
     assert calls["collect"] == prefill_steps + 2 * steps
 
 
+SMOKE_ENGINES = ["deepinfer", "deepinfer-fp8", "deepinfer-invariant", "deepinfer-v41", "deepinfer-v41-fp8",
+                 "transformers"]
+
+
 def test_flash_slice_smoke_runs_every_engine_and_says_what_it_timed(tmp_path):
     out = tmp_path / "sweep.json"
     res = run([sys.executable, "benchmarks/flash_slice.py", "--smoke", "--reps", "1", "--commit", "abcdef1",
-               "--engines", "deepinfer,deepinfer-fp8,deepinfer-invariant,transformers", "--out", str(out)])
+               "--engines", ",".join(SMOKE_ENGINES), "--out", str(out)])
     assert res.returncode == 0, res.stderr[-3000:]
     result = json.loads(out.read_text())
     assert result["commit"] == "abcdef1" and "errors" not in result
-    engines = ["deepinfer", "deepinfer-fp8", "deepinfer-invariant", "transformers"]
-    for eng in engines:
+    assert set(result["slices"]) == {"v4", "v41"} and result["v41_kv_cache_dtype"] == "auto"
+    for eng in SMOKE_ENGINES:
         got = {(r["phase"], r["batch"]) for r in result["rows"] if r["engine"] == eng}
         assert got == {("prefill", 1), ("decode", 1), ("decode", 2)}, eng
     assert all(r["step_ms"] and r["step_ms"] > 0 for r in result["rows"])
@@ -174,6 +179,166 @@ def test_run_sweep_smoke_leaves_tracked_results_alone(tmp_path):
     written = [Path(p) for p in last.removeprefix("wrote ").split(" and ")]
     assert written and all(p.is_file() for p in written)
     assert all(BENCH / "results" not in p.parents for p in written)
+
+
+# ---- the V4.1 slice ----
+
+def test_flash_slice_v41_is_every_role_at_released_width(bench):
+    """Released V4.1-Flash widths and Engram hashing; the table smaller only in rows; one layer per role."""
+    from deepinfer.layers.engram_hash import EngramHashParams
+    from deepinfer.models.config_v41 import DeepseekV41Config
+    from deepinfer.tools.presets_v41 import PRESETS_V41, SLICE41_LAYERS
+
+    _, fs = bench
+    top = fs.slice_config_v41()
+    cfg = DeepseekV41Config.from_dict(top)
+    assert [cfg.role(i) for i in range(cfg.num_hidden_layers)] == \
+        ["swa", "swa", "full", "reuse", "reindex", "full", "reindex", "reuse"]
+    assert cfg.compress_ratios == (0, 0, 2, 2, 2, 1, 1, 1) and cfg.engram_layer_ids == (1,)
+    assert cfg.candidate_source_layer_id == 5 and not cfg.has_dspark
+    assert (cfg.hidden_size, cfg.num_attention_heads, cfg.head_dim) == (5120, 64, 512)
+    assert (cfg.n_routed_experts, cfg.num_experts_per_tok) == (384, 6)
+    released = PRESETS_V41["flash41"]["text_config"]
+    changed = set(SLICE41_LAYERS) | {"engram_vocab_size", "engram_num_embeddings"}
+    assert {k: v for k, v in top["text_config"].items() if k not in changed} == \
+        {k: v for k, v in released.items() if k not in changed}
+    assert top["quantization_config"]["weight_block_size"] == [32, 32] and top["expert_dtype"] == "fp4"
+    # the same hash heads (n-gram sizes, heads, row width, compressed ids), a table of fewer rows that they fill
+    assert cfg.engram_compressed_vocab_size == 99092
+    assert (cfg.engram_max_ngram_size, cfg.engram_n_heads, cfg.engram_head_dim) == (4, 8, 256)
+    rows = cfg.engram_num_embeddings[0]
+    assert 16_000_000 < rows < min(released["engram_num_embeddings"]) // 8
+    assert EngramHashParams.build(cfg.engram_layer_ids, cfg.engram_num_embeddings, 4, 8, cfg.engram_vocab_size,
+                                  99092).rows_needed == (rows,)
+
+
+@pytest.fixture
+def smoke_v41(bench, monkeypatch):
+    _, fs = bench
+    monkeypatch.setattr(fs, "DEVICE", "cpu")
+    monkeypatch.setattr(fs, "BASE_PRESET_V41", "tiny41")
+    monkeypatch.setattr(fs, "SLICE41_ARGS", {"engram_vocab_size": None})
+    return fs
+
+
+def test_flash_slice_v41_model_shares_full_width_experts_and_hashes_a_synthetic_map(smoke_v41):
+    fs = smoke_v41
+    for fp8 in (False, True):
+        model = fs.deepinfer_model_v41(fp8)
+        cfg = model.config
+        assert cfg.moe_intermediate_size == 64 and [cfg.role(i) for i in range(8)][2:] == \
+            ["full", "reuse", "reindex", "full", "reindex", "reuse"]
+        experts = model.layers[0].ffn.experts
+        assert all(layer.ffn.experts is experts for layer in model.layers)
+        assert experts.w1.shape[:2] == (cfg.n_routed_experts, cfg.moe_intermediate_size)
+        assert experts.w1.dtype == (torch.int8 if fp8 else torch.bfloat16)  # FP4 packed as shipped
+        for layer in model.layers:
+            assert layer.ffn.shared_experts.w1.weight.shape[0] == cfg.moe_intermediate_size
+            assert layer.attn.wq_a.weight.dtype == (torch.float8_e4m3fn if fp8 else torch.bfloat16)
+        assert model.engram_params is not None
+        assert model.engram_params.compressed_vocab == cfg.engram_compressed_vocab_size
+
+
+def test_roofline41_reads_the_cache_in_its_formats(bench):
+    """Decode bytes of one query at context 4096: the reference formats (FP8 window 1 + 1/32 bytes, NVFP4
+    entries 0.5 + 1/16, MXFP4 index keys 0.5 + 1/32) against bf16 (2 bytes each), by hand: 8 layers read
+    128 window rows of 512; 6 compressed layers read 512 entries of 512; the indexers score 2048
+    (ratio-2 Full, Reindex), 4096 (ratio-1 Full) and 4096 (Reindex under 2048 candidate blocks of 8) keys of 128."""
+    from deepinfer.models.config_v41 import DeepseekV41Config
+
+    _, fs = bench
+    cfg = DeepseekV41Config.from_dict(fs.slice_config_v41())
+    bytes_only = {"hbm_gbs": 1e-6, "bf16_tflops": 1e9}  # 1 byte = 1 ms
+    ms = {kv: fs.roofline41_ms(cfg, 1, 1, 4096, True, bytes_only, False, kv) for kv in ("auto", "bfloat16")}
+    saved = 8 * 128 * 512 * (2 - 1 - 1 / 32) + 6 * 512 * 512 * (2 - 0.5 - 1 / 16) \
+        + (2048 + 2048 + 4096 + 4096) * 128 * (2 - 0.5 - 1 / 32)
+    assert ms["bfloat16"] - ms["auto"] == pytest.approx(saved, rel=1e-9)
+    # 64 requests read 64 caches; weights do not grow with the batch's cache
+    b64 = {kv: fs.roofline41_ms(cfg, 64, 64, 4096, True, bytes_only, False, kv) for kv in ("auto", "bfloat16")}
+    assert b64["bfloat16"] - b64["auto"] == pytest.approx(64 * saved, rel=1e-9)
+    # shipped weights (FP8 32x32, FP4 experts) move fewer bytes than bf16
+    assert fs.roofline41_ms(cfg, 64, 64, 4096, True, bytes_only, True, "auto") < b64["auto"] / 2
+    # a prefill under bounded replay: the layers from the replay layer up compute the kept rows only
+    flops_only = {"hbm_gbs": 1e9, "bf16_tflops": 1.0}
+    exact = fs.roofline41_ms(cfg, 8192, 1, 8192, False, flops_only, False, "auto")
+    assert fs.roofline41_ms(cfg, 8192, 1, 8192, False, flops_only, False, "auto", keep=8192) == exact
+    assert fs.roofline41_ms(cfg, 8192, 1, 8192, False, flops_only, False, "auto", keep=140) < 0.8 * exact
+
+
+def test_flash_slice_v41_rows_time_engine_steps(smoke_v41, monkeypatch):
+    """V4.1 rows time EngineCore.step as the engine runs it (synchronous or launching ahead): every model
+    launch happens inside an engine step, a prefill row times one step per rep, a decode row its steps."""
+    import gc
+
+    from deepinfer.engine.engine_core import EngineCore
+    from deepinfer.worker.model_runner import ModelRunner
+
+    fs = smoke_v41
+    monkeypatch.setattr(fs, "PREFILL", [(2, 24)])
+    monkeypatch.setattr(fs, "DECODE_BATCHES", [1, 3])
+    monkeypatch.setattr(fs, "DECODE_CONTEXTS", [48])
+    calls = {"step": 0, "launch": 0, "outside": 0}
+    step, launch = EngineCore.step, ModelRunner.launch
+    inside = []
+
+    def counting_step(self):
+        calls["step"] += 1
+        inside.append(1)
+        try:
+            return step(self)
+        finally:
+            inside.pop()
+
+    def counting_launch(self, so, prev=None):
+        calls["launch"] += 1
+        calls["outside"] += not inside
+        return launch(self, so, prev)
+
+    monkeypatch.setattr(EngineCore, "step", counting_step)
+    monkeypatch.setattr(ModelRunner, "launch", counting_launch)
+    args = argparse.Namespace(reps=1, no_cuda_graphs=False, v41_kv_cache_dtype="auto")
+    try:
+        rows = fs.deepinfer_rows(False, False, {"hbm_gbs": 1.0, "bf16_tflops": 1.0}, args, "deepinfer-v41", "v41")
+    finally:
+        gc.unfreeze()
+    assert [(r["engine"], r["phase"], r["batch"]) for r in rows] == \
+        [("deepinfer-v41", "prefill", 2), ("deepinfer-v41", "decode", 1), ("deepinfer-v41", "decode", 3)]
+    assert all(r["step_ms"] > 0 and r["roofline_ms"] > 0 for r in rows)
+    decode_steps = fs.DECODE_WARMUP + fs.DECODE_STEPS_PER_REP["v41"] * args.reps
+    assert calls["step"] == (args.reps + 1) + 2 * decode_steps
+    assert calls["outside"] == 0
+    # each engine step launches one model step; one more may be in flight when a decode row ends
+    assert calls["step"] <= calls["launch"] <= calls["step"] + 2
+
+
+# ---- end to end: the demo models ----
+
+def test_demo_throughput_counts_only_emitted_tokens(bench):
+    from types import SimpleNamespace as NS
+
+    import demo_throughput
+
+    done = [NS(request_id="0", outputs=[NS(finish_reason="length", token_ids=[5, 6, 7])]),
+            NS(request_id="1", outputs=[NS(finish_reason="length", token_ids=[1, 2, 3])])]
+    assert demo_throughput.emitted_tokens(done, 3) == 6
+    short = done + [NS(request_id="2", outputs=[NS(finish_reason="abort", token_ids=[4])])]
+    with pytest.raises(RuntimeError, match="exactly 3"):
+        demo_throughput.emitted_tokens(short, 3)
+
+
+def test_demo_throughput_smoke_measures_both_models_and_their_ratio(tmp_path):
+    out = tmp_path / "demo.json"
+    res = run([sys.executable, "benchmarks/demo_throughput.py", "--smoke", "--commit", "abcdef1", "--out", str(out)])
+    assert res.returncode == 0, res.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["commit"] == "abcdef1"
+    assert [(r["model"], r["preset"]) for r in result["rows"]] == [("V4 demo", "tiny"), ("V4.1 demo", "tiny41")]
+    for r in result["rows"]:
+        assert r["output_tokens"] == 4 * 4 and r["output_tokens_per_s"] > 0
+        assert isinstance(r["async_scheduling"], bool) and r["cuda_graphs"] is False  # no graphs on the CPU
+    ratio = result["rows"][1]["output_tokens_per_s"] / result["rows"][0]["output_tokens_per_s"]
+    assert result["ratio_v41_over_v4"] == pytest.approx(ratio, rel=1e-2)
+    assert res.stdout.strip().splitlines()[-1] == f"wrote {out}"
 
 
 # ---- measurements live in benchmarks/NOTES.md, not in the kernels ----
