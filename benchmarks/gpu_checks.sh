@@ -34,6 +34,11 @@ if [ "$what" = probes ]; then
   echo "probes: $(tail -1 "$out/mma-rows.log")" | tee -a "$out/summary.txt"
   exit 0
 fi
-timeout 300 python benchmarks/identical_completions.py --device cuda --dtype bfloat16 --num 1000 --modes on \
-  --out "$out/identical-completions.json" "${commit_arg[@]}" > "$out/identical-completions.log" 2>&1
-echo "identical completions: $(tail -2 "$out/identical-completions.log" | head -1)" | tee -a "$out/summary.txt"
+# the V4 demo (preset demo) and the V4.1 demo (demo41: Engram from the device history, CSA2 roles)
+for preset in demo demo41; do
+  timeout 280 python benchmarks/identical_completions.py --preset $preset --device cuda --dtype bfloat16 --num 1000 \
+    --modes on --out "$out/identical-completions-$preset.json" "${commit_arg[@]}" \
+    > "$out/identical-completions-$preset.log" 2>&1
+  echo "identical completions ($preset): $(tail -2 "$out/identical-completions-$preset.log" | head -1)" \
+    | tee -a "$out/summary.txt"
+done

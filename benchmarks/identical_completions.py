@@ -25,7 +25,8 @@ from deepinfer.tools.make_checkpoint import PRESETS, write_checkpoint
 
 
 def run(ckpt: Path, args, invariant: bool) -> dict:
-    vocab = PRESETS[args.preset]["vocab_size"]
+    preset = PRESETS[args.preset]
+    vocab = preset.get("text_config", preset)["vocab_size"]  # V4.1 presets nest the text model
     rng = random.Random(0)
     prompt = [0] + [rng.randrange(3, vocab) for _ in range(args.prompt_len - 1)]
     target = SamplingParams(temperature=args.temperature, max_tokens=args.output_len, ignore_eos=True, logprobs=1,

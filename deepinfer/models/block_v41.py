@@ -30,7 +30,7 @@ class StepContext41:
     rope_main: RopeCache
     rope_compress: RopeCache
     inv_freq_compress: torch.Tensor
-    engram_rows: torch.Tensor | None      # [T, n_engram_layers, hash_heads]
+    engram_rows: list | None              # per Engram layer: [T, hash_heads] table rows, or StagedRows
     image_mask: torch.Tensor | None = None
 
     def subset(self, rows: torch.Tensor, batch: ForwardBatch) -> "StepContext41":
@@ -38,7 +38,9 @@ class StepContext41:
         pick = lambda t: None if t is None else t[rows.to(t.device)]  # noqa: E731
         return StepContext41(batch, RopeCache(pick(self.rope_main.cos), pick(self.rope_main.sin)),
                              RopeCache(pick(self.rope_compress.cos), pick(self.rope_compress.sin)),
-                             self.inv_freq_compress, pick(self.engram_rows), pick(self.image_mask))
+                             self.inv_freq_compress,
+                             None if self.engram_rows is None else [pick(r) for r in self.engram_rows],
+                             pick(self.image_mask))
 
 
 class Attention41(nn.Module):
@@ -136,7 +138,7 @@ class Block41(nn.Module):
         """-> (streams, pre for the next sub-layer, CSA2 state); only replay.rows' rows with `replay`."""
         if self.engram_index is not None:
             mask = None if ctx.image_mask is None else ~ctx.image_mask
-            x = self.engram(x, ctx.engram_rows[:, self.engram_index], mask)
+            x = self.engram(x, ctx.engram_rows[self.engram_index], mask)
         pre_a, post, comb = self.hc.weights(x, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale)
         y, state = self.attn(collapse_norm(x, pre_prev, self.attn_norm), ctx, cache, state, replay)
         if replay is not None:

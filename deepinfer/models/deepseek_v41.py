@@ -107,7 +107,10 @@ class DeepseekV41ForCausalLM(nn.Module):
                 windows, mask = batch.token_windows, batch.window_mask
             on_host = windows.device.type == "cpu" and self.engram_token_map.device.type != "cpu"
             token_map = self.engram_token_map_host if on_host else self.engram_token_map
-            rows = ngram_rows(windows, self.engram_params, token_map=token_map, mask=mask)
+            rows = ngram_rows(windows, self.engram_params, token_map=token_map, mask=mask).unbind(1)
+            if self.engram_host:  # gathered on the host now, copied while the layers below run
+                tables = [self.layers[i].engram.embed for i in self.config.engram_layer_ids]
+                rows = [t.stage(r, pos.device) for t, r in zip(tables, rows)]
         return StepContext41(batch, RopeCache.at(pos, self.inv_freq_main), RopeCache.at(pos, self.inv_freq_compress),
                              self.inv_freq_compress, rows, batch.image_mask)
 
