@@ -130,6 +130,14 @@ def test_math_packages_are_layered():
     assert not wrong, f"imports from a higher package: {wrong}"
 
 
+def test_the_worker_sees_models_only_through_the_registry_and_the_interface():
+    """A new model is a model file and a config file: the worker never names a model class."""
+    allowed = {"deepinfer.models.registry", "deepinfer.models.interface"}
+    wrong = sorted((m, t) for m, targets in import_graph().items() if _under(m, ("deepinfer.worker",))
+                   for t in targets if _under(t, ("deepinfer.models",)) and t not in allowed)
+    assert not wrong, f"worker modules importing a model module: {wrong}"
+
+
 def test_every_module_imports_first_in_a_fresh_interpreter():
     """Each module imported before any other deepinfer module (deepinfer's package init imports
     almost nothing, so a cycle through a package's __init__ shows up here, not hidden by import order)."""

@@ -13,7 +13,7 @@ from torch import nn
 
 from deepinfer.layers.attention import Compressor, Indexer, sparse_attention
 from deepinfer.state.forward_batch import CompressPlan, ForwardBatch
-from deepinfer.state.kv_state import LayerCache
+from deepinfer.state.kv_state import CarryState, EntryStore, IndexKeyStore, LayerCache, resolve_kv_cache_dtype
 from deepinfer.layers.linear import DENSE, Linear, QuantSpec, stacked_forward
 from deepinfer.layers.mhc import HyperConnection, collapse_norm, expand, register_hc_params, head_collapse
 from deepinfer.layers.moe import MoE
@@ -180,6 +180,14 @@ def add_dspark_heads(stage_module: nn.Module, cfg, stage: int, dtype: torch.dtyp
         stage_module.confidence_head.proj = Linear(d + rank, 1, torch.float32)
 
 
+# kv_cache_dtype -> (entry/window format, indexer-key format); "fp8" (= "auto") is the QAT format
+KV_FORMATS = {
+    "fp8": ("fp8", "fp4"),
+    "bfloat16": ("bfloat16", "bfloat16"),
+    "float32": ("float32", "float32"),
+}
+
+
 class DeepseekV4ForCausalLM(nn.Module):
     def __init__(self, cfg: DeepseekV4Config, dtype: torch.dtype = torch.float32, quantized: bool = False):
         super().__init__()
@@ -208,6 +216,33 @@ class DeepseekV4ForCausalLM(nn.Module):
     token_history = 0
     host_inputs = False
     supports_graphs = True
+
+    @staticmethod
+    def compressed_kinds(cfg: DeepseekV4Config) -> list[tuple[int, bool]]:
+        """(ratio, overlapped) of every layer that owns compressed entries (CSA overlaps, HCA does not)."""
+        return [(m, k == CSA) for k, m in zip(cfg.layer_kinds, cfg.compress_ratios) if k != SLIDING]
+
+    @staticmethod
+    def cache_layout(cfg: DeepseekV4Config, num_slots: int, num_blocks: dict[int, int], block_size: int,
+                     kv_cache_dtype: str, device) -> tuple[list[LayerCache], list[LayerCache]]:
+        """(trunk layers' caches, draft layers' caches): every layer a window ring; CSA / HCA layers their
+        compressed entries (paged per ratio) and compressor carry; CSA also indexer keys and carry."""
+        entry_fmt, key_fmt = KV_FORMATS[resolve_kv_cache_dtype(kv_cache_dtype)]
+        W, r = cfg.sliding_window, cfg.qk_rope_head_dim
+        ring = lambda: EntryStore(num_slots * W, cfg.head_dim, r, entry_fmt, device)  # noqa: E731
+        layers = []
+        for kind, m in zip(cfg.layer_kinds, cfg.compress_ratios):
+            cache = LayerCache(ring(), ratio=m)
+            if kind != SLIDING:
+                overlap, rows = kind == CSA, num_blocks[m] * block_size
+                span = 2 * m if overlap else m
+                cache.entries = EntryStore(rows, cfg.head_dim, r, entry_fmt, device)
+                cache.carry["main"] = CarryState.empty(num_slots * span, (2 if overlap else 1) * cfg.head_dim, device)
+            if kind == CSA:
+                cache.index_keys = IndexKeyStore(num_blocks[m] * block_size, cfg.index_head_dim, key_fmt, device)
+                cache.carry["indexer"] = CarryState.empty(num_slots * 2 * m, 2 * cfg.index_head_dim, device)
+            layers.append(cache)
+        return layers, [LayerCache(ring()) for _ in range(cfg.num_nextn_predict_layers)]
 
     def image_embeddings(self, image) -> torch.Tensor:
         raise ValueError("DeepSeek-V4 has no vision encoder: prompts with images need a V4.1 checkpoint")

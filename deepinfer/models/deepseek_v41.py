@@ -15,16 +15,24 @@ from torch import nn
 
 from deepinfer.layers.engram_hash import EngramHashParams, history_windows, ngram_rows
 from deepinfer.state.forward_batch import ForwardBatch
-from deepinfer.state.kv_state import LayerCache
+from deepinfer.state.kv_state import CarryState, FormatStore, LayerCache, resolve_kv_cache_dtype
 from deepinfer.layers.linear import Linear
 from deepinfer.layers.mhc import collapse
 from deepinfer.layers.norm import RMSNorm
 from deepinfer.layers.rotary import RopeCache, rope_inv_freq
 from deepinfer.models.block_v41 import Block41, StepContext41
-from deepinfer.models.config_v41 import DeepseekV41Config
+from deepinfer.models.config_v41 import FULL, DeepseekV41Config
 from deepinfer.models.deepseek_v4 import quant_spec
 from deepinfer.models.dspark_v41 import DSparkStage41
 from deepinfer.models.vision_v41 import VISION_DEFAULTS, VisionAligner, VisionTransformer, image_span_embeddings
+
+
+# kv_cache_dtype -> (window, compressed entries, index keys); "fp8" (= "auto") is the reference's formats
+KV_FORMATS = {
+    "fp8": ("fp8", "nvfp4", "mxfp4"),
+    "bfloat16": ("bfloat16", "bfloat16", "bfloat16"),
+    "float32": ("float32", "float32", "float32"),
+}
 
 
 class DeepseekV41ForCausalLM(nn.Module):
@@ -57,6 +65,31 @@ class DeepseekV41ForCausalLM(nn.Module):
         self.register_buffer("engram_token_map", None, persistent=False)
         self.engram_params: EngramHashParams | None = None
         self.engram_host = host
+
+    @staticmethod
+    def compressed_kinds(cfg: DeepseekV41Config) -> list[tuple[int, bool]]:
+        """(ratio, overlapped) of every layer that owns compressed entries: the Full (KV source) layers."""
+        return [(m, False) for i, m in enumerate(cfg.compress_ratios) if cfg.role(i) == FULL]
+
+    @staticmethod
+    def cache_layout(cfg: DeepseekV41Config, num_slots: int, num_blocks: dict[int, int], block_size: int,
+                     kv_cache_dtype: str, device) -> tuple[list[LayerCache], list[LayerCache]]:
+        """(trunk layers' caches, DSpark stages' caches): every layer a window ring; Full layers the
+        compressed entries and index keys the layers below the next Full layer read, and for ratio > 1
+        the open group's fp32 projections."""
+        win_fmt, entry_fmt, key_fmt = KV_FORMATS[resolve_kv_cache_dtype(kv_cache_dtype)]
+        ring = lambda: FormatStore(num_slots * cfg.sliding_window, cfg.head_dim, win_fmt, device)  # noqa: E731
+        layers = []
+        for i, m in enumerate(cfg.compress_ratios):
+            cache = LayerCache(ring(), ratio=m)
+            if cfg.role(i) == FULL:
+                rows = num_blocks[m] * block_size
+                cache.entries = FormatStore(rows, cfg.head_dim, entry_fmt, device)
+                cache.index_keys = FormatStore(rows, cfg.index_head_dim, key_fmt, device)
+                if m > 1:
+                    cache.carry["main"] = CarryState.empty(num_slots * m, cfg.head_dim, device)
+            layers.append(cache)
+        return layers, [LayerCache(ring()) for _ in range(cfg.num_nextn_predict_layers if cfg.has_dspark else 0)]
 
     @property
     def replay_layer(self) -> int:

@@ -36,6 +36,15 @@ class CausalLM(Protocol):
     def supports_graphs(self) -> bool:
         """Pure-decode steps may be captured as CUDA graphs (no host values and no host syncs)."""
 
+    @staticmethod
+    def compressed_kinds(cfg) -> list[tuple[int, bool]]:
+        """(ratio, overlapped) of every layer that owns compressed entries (paged per ratio)."""
+
+    @staticmethod
+    def cache_layout(cfg, num_slots: int, num_blocks: dict[int, int], block_size: int, kv_cache_dtype: str,
+                     device) -> tuple[list[LayerCache], list[LayerCache]]:
+        """(trunk layers' caches, draft layers' caches) in the stores and formats kv_cache_dtype names."""
+
     def forward(self, batch: ForwardBatch, caches: list[LayerCache],
                 token_history: torch.Tensor | None = None) -> torch.Tensor:
         """Per-token states [T, ...] that compute_logits maps to logits."""

@@ -20,6 +20,16 @@ from deepinfer.formats import group_quant
 from deepinfer.formats.quant import fp4_roundtrip, hadamard, quant_fp4, dequant_fp4, FP8_MAX
 
 EXACT_FORMATS = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+KV_CACHE_DTYPES = ("auto", "fp8", "bfloat16", "float32")
+
+
+def resolve_kv_cache_dtype(kv_cache_dtype: str) -> str:
+    """"auto" = the formats the model was trained with (QAT: "fp8" names them); the exact formats keep values."""
+    if kv_cache_dtype == "auto":
+        return "fp8"
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype: {kv_cache_dtype!r} is not one of {', '.join(KV_CACHE_DTYPES)}")
+    return kv_cache_dtype
 
 
 class RowStore:

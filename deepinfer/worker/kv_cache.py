@@ -12,26 +12,10 @@ from dataclasses import dataclass
 
 import torch
 
-from deepinfer.state.kv_state import CarryState, EntryStore, FormatStore, IndexKeyStore, LayerCache
-from deepinfer.models.config import CSA, SLIDING
-from deepinfer.models.config_v41 import FULL, DeepseekV41Config
+from deepinfer.models.registry import model_classes
+from deepinfer.state.kv_state import LayerCache
 
-# kv_cache_dtype -> (entry/window format, indexer-key format)
-KV_FORMATS = {
-    "fp8": ("fp8", "fp4"),
-    "bfloat16": ("bfloat16", "bfloat16"),
-    "float32": ("float32", "float32"),
-}
 DEFAULT_BLOCK_SIZE = 64
-
-
-def resolve_kv_cache_dtype(kv_cache_dtype: str) -> str:
-    """"auto" = the format DeepSeek-V4 was trained with (QAT): fp8 nope dims, fp4 indexer keys."""
-    if kv_cache_dtype == "auto":
-        return "fp8"
-    if kv_cache_dtype not in KV_FORMATS:
-        raise ValueError(f"kv_cache_dtype: {kv_cache_dtype!r} is not one of auto, {', '.join(KV_FORMATS)}")
-    return kv_cache_dtype
 
 
 def default_cache_memory(device: str, fraction: float = 0.9) -> int:
@@ -54,68 +38,21 @@ class CacheSpec:
     block_bytes: dict[int, int]        # one block of ratio m across all its layers
 
 
-# V4.1: kv_cache_dtype -> (window, compressed entries, index keys); "auto"/"fp8" = the reference formats
-V41_FORMATS = {
-    "fp8": ("fp8", "nvfp4", "mxfp4"),
-    "bfloat16": ("bfloat16", "bfloat16", "bfloat16"),
-    "float32": ("float32", "float32", "float32"),
-}
-
-
-def _layer_caches_v41(cfg: DeepseekV41Config, num_slots: int, num_blocks: dict[int, int], block_size: int,
-                      kv_cache_dtype: str, device) -> tuple[list[LayerCache], list[LayerCache]]:
-    win_fmt, entry_fmt, key_fmt = V41_FORMATS[resolve_kv_cache_dtype(kv_cache_dtype)]
-    ring = lambda: FormatStore(num_slots * cfg.sliding_window, cfg.head_dim, win_fmt, device)  # noqa: E731
-    layers = []
-    for i, m in enumerate(cfg.compress_ratios):
-        cache = LayerCache(ring(), ratio=m)
-        if cfg.role(i) == FULL:
-            rows = num_blocks[m] * block_size
-            cache.entries = FormatStore(rows, cfg.head_dim, entry_fmt, device)
-            cache.index_keys = FormatStore(rows, cfg.index_head_dim, key_fmt, device)
-            if m > 1:  # the open group: up to m - 1 tokens' fp32 projections
-                cache.carry["main"] = CarryState.empty(num_slots * m, cfg.head_dim, device)
-        layers.append(cache)
-    return layers, [LayerCache(ring()) for _ in range(cfg.num_nextn_predict_layers if cfg.has_dspark else 0)]
-
-
-def _compressed(cfg) -> list[tuple[int, bool]]:
-    """(ratio, overlapped) of every layer that owns compressed entries."""
-    if isinstance(cfg, DeepseekV41Config):
-        return [(m, False) for i, m in enumerate(cfg.compress_ratios) if cfg.role(i) == FULL]
-    return [(m, k == CSA) for k, m in zip(cfg.layer_kinds, cfg.compress_ratios) if k != SLIDING]
-
-
-def _layer_caches(cfg, num_slots: int, num_blocks: dict[int, int], block_size: int,
-                  kv_cache_dtype: str, device) -> tuple[list[LayerCache], list[LayerCache]]:
-    if isinstance(cfg, DeepseekV41Config):
-        return _layer_caches_v41(cfg, num_slots, num_blocks, block_size, kv_cache_dtype, device)
-    entry_fmt, key_fmt = KV_FORMATS[resolve_kv_cache_dtype(kv_cache_dtype)]
-    W, r = cfg.sliding_window, cfg.qk_rope_head_dim
-    ring = lambda: EntryStore(num_slots * W, cfg.head_dim, r, entry_fmt, device)  # noqa: E731
-    layers = []
-    for kind, m in zip(cfg.layer_kinds, cfg.compress_ratios):
-        cache = LayerCache(ring(), ratio=m)
-        if kind != SLIDING:
-            overlap, rows = kind == CSA, num_blocks[m] * block_size
-            span = 2 * m if overlap else m
-            cache.entries = EntryStore(rows, cfg.head_dim, r, entry_fmt, device)
-            cache.carry["main"] = CarryState.empty(num_slots * span, (2 if overlap else 1) * cfg.head_dim, device)
-        if kind == CSA:
-            cache.index_keys = IndexKeyStore(num_blocks[m] * block_size, cfg.index_head_dim, key_fmt, device)
-            cache.carry["indexer"] = CarryState.empty(num_slots * 2 * m, 2 * cfg.index_head_dim, device)
-        layers.append(cache)
-    return layers, [LayerCache(ring()) for _ in range(cfg.num_nextn_predict_layers)]
-
-
 def history_width(cfg) -> int:
     """Tokens of input history kept per slot (V4.1 Engram: the n-gram window minus the token itself)."""
     return cfg.engram_max_ngram_size - 1 if getattr(cfg, "engram_layer_ids", ()) else 0
 
 
+def _layer_caches(cfg, num_slots: int, num_blocks: dict[int, int], block_size: int,
+                  kv_cache_dtype: str, device) -> tuple[list[LayerCache], list[LayerCache]]:
+    """The model class lays out its own cache (models/interface.py CausalLM.cache_layout)."""
+    return model_classes(cfg.model_type)[1].cache_layout(cfg, num_slots, num_blocks, block_size, kv_cache_dtype,
+                                                         device)
+
+
 def cache_spec(cfg, kv_cache_dtype: str, block_size: int = DEFAULT_BLOCK_SIZE) -> CacheSpec:
     """Measured from a one-slot, one-block-per-ratio allocation on the meta device."""
-    kinds = frozenset(_compressed(cfg))
+    kinds = frozenset(model_classes(cfg.model_type)[1].compressed_kinds(cfg))
     ratios = tuple(sorted({m for m, _ in kinds}))
     base = sum(c.nbytes() for c in sum(_layer_caches(cfg, 1, dict.fromkeys(ratios, 0), block_size,
                                                      kv_cache_dtype, "meta"), []))
