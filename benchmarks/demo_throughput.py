@@ -37,8 +37,10 @@ import torch
 from common import add_commit_arg, recorded_commit
 from offline_throughput import _prompts, _sync
 
-MODELS = ("v4", "v41")
-NAMES = {"v4": "V4 demo", "v41": "V4.1 demo"}
+MODELS = ("v4", "v41", "v41-host")
+NAMES = {"v4": "V4 demo", "v41": "V4.1 demo", "v41-host": "V4.1 demo, engram_device=cpu"}
+# the cost of host-resident Engram tables (host hashing, rows staged through pinned memory, synchronous)
+ENGRAM_DEVICE = {"v41-host": "cpu"}
 
 
 def write_demo(model: str, preset: str, root: Path) -> Path:
@@ -46,7 +48,7 @@ def write_demo(model: str, preset: str, root: Path) -> Path:
     from deepinfer.tools.demo import demo_checkpoint
     from deepinfer.tools.make_checkpoint import PRESETS, write_checkpoint
 
-    if model == "v41" and preset == "demo41":
+    if model.startswith("v41") and preset == "demo41":
         return demo_checkpoint(root)
     return write_checkpoint(root / f"{preset}-{model}", PRESETS[preset], seed=0, dtype="fp8")
 
@@ -55,7 +57,7 @@ def measure(model: str, preset: str, ckpt: Path, args) -> dict:
     """One model's row: LLM with its defaults, a warm-up generate, then --reps timed ones."""
     from deepinfer import LLM, SamplingParams
 
-    llm = LLM(str(ckpt), device=args.device, max_num_seqs=args.num_prompts)
+    llm = LLM(str(ckpt), device=args.device, max_num_seqs=args.num_prompts, engram_device=ENGRAM_DEVICE.get(model))
     vocab = llm.model.config.vocab_size
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     llm.generate(_prompts(args.num_prompts, args.input_len, vocab, seed=2), params, use_tqdm=False)  # warm-up
@@ -124,7 +126,7 @@ def main() -> None:
     if args.smoke:
         args.v4_preset, args.v41_preset, args.device = "tiny", "tiny41", "cpu"
         args.num_prompts, args.input_len, args.output_len, args.reps = 4, 16, 4, 1
-    presets = {"v4": args.v4_preset, "v41": args.v41_preset}
+    presets = {"v4": args.v4_preset, "v41": args.v41_preset, "v41-host": args.v41_preset}
     with tempfile.TemporaryDirectory() as tmp:
         rows = [run_model_process(m, presets[m], write_demo(m, presets[m], Path(tmp)), args) for m in MODELS]
     device = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
@@ -137,6 +139,8 @@ def main() -> None:
     by = {r["model"]: r.get("output_tokens_per_s") for r in rows}
     if by[NAMES["v4"]] and by[NAMES["v41"]]:
         result["ratio_v41_over_v4"] = round(by[NAMES["v41"]] / by[NAMES["v4"]], 3)
+    if by[NAMES["v41"]] and by[NAMES["v41-host"]]:
+        result["ratio_engram_host_over_device"] = round(by[NAMES["v41-host"]] / by[NAMES["v41"]], 3)
     if args.out:
         out = Path(args.out)
     elif args.smoke:
@@ -145,10 +149,10 @@ def main() -> None:
         out = Path(__file__).parent / "results" / f"{date.today()}-{device.replace(' ', '-')}-demo-throughput.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"{'model':<12}{'out tok/s':>12}{'seconds':>10}{'async':>8}{'graphs':>8}")
+    print(f"{'model':<30}{'out tok/s':>12}{'seconds':>10}{'async':>8}{'graphs':>8}")
     for r in rows:
         error = f"  {r['error']}" if "error" in r else ""
-        print(f"{r['model']:<12}{str(r.get('output_tokens_per_s')):>12}{str(r.get('seconds')):>10}"
+        print(f"{r['model']:<30}{str(r.get('output_tokens_per_s')):>12}{str(r.get('seconds')):>10}"
               f"{str(r.get('async_scheduling')):>8}{str(r.get('cuda_graphs')):>8}{error}")
     if "ratio_v41_over_v4" in result:
         print(f"V4.1 / V4 output tok/s: {result['ratio_v41_over_v4']}x")

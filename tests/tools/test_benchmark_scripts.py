@@ -332,12 +332,16 @@ def test_demo_throughput_smoke_measures_both_models_and_their_ratio(tmp_path):
     assert res.returncode == 0, res.stderr[-3000:]
     result = json.loads(out.read_text())
     assert result["commit"] == "abcdef1"
-    assert [(r["model"], r["preset"]) for r in result["rows"]] == [("V4 demo", "tiny"), ("V4.1 demo", "tiny41")]
+    assert [(r["model"], r["preset"]) for r in result["rows"]] == [
+        ("V4 demo", "tiny"), ("V4.1 demo", "tiny41"), ("V4.1 demo, engram_device=cpu", "tiny41")]
     for r in result["rows"]:
         assert r["output_tokens"] == 4 * 4 and r["output_tokens_per_s"] > 0
         assert isinstance(r["async_scheduling"], bool) and r["cuda_graphs"] is False  # no graphs on the CPU
+    assert result["rows"][1]["async_scheduling"] and not result["rows"][2]["async_scheduling"]  # host hashing
     ratio = result["rows"][1]["output_tokens_per_s"] / result["rows"][0]["output_tokens_per_s"]
     assert result["ratio_v41_over_v4"] == pytest.approx(ratio, rel=1e-2)
+    host = result["rows"][2]["output_tokens_per_s"] / result["rows"][1]["output_tokens_per_s"]
+    assert result["ratio_engram_host_over_device"] == pytest.approx(host, rel=1e-2)
     assert res.stdout.strip().splitlines()[-1] == f"wrote {out}"
 
 
