@@ -27,7 +27,10 @@ power of two in bf16's (= fp32's) exponent range, so bf16 holds it without round
 the address table (per-token kernel) keys are read at their cache addresses: no gathered copy.
 The torch references decode with group_quant.decode and score in fp32 (q . k per head, relu,
 times w, summed over heads); the kernels differ from them only in fp32 summation order (the q . k
-products of bf16 / decoded values are exact in fp32).
+products of bf16 / decoded values are exact in fp32): over Dh the MMA's order (torch: its GEMM's),
+over heads h = 0, 1, ... in turn in the shared kernel and a fixed tree over BH lanes in the
+per-token kernel (torch: its sum over the head dim). With V4.1's mxfp4 queries and keys, q . k is
+a short sum of few-bit products and usually exact in any order; the head sum is where bits differ.
 """
 from __future__ import annotations
 
