@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from deepinfer.formats.quant import dequant_fp8_blocks
+from deepinfer.kernels.engram_lookup import EngramQuery
 from deepinfer.layers import invariant
 from deepinfer.layers.linear import DENSE, Linear, QuantSpec
 
@@ -102,10 +103,15 @@ class Engram(nn.Module):
         self.q_weight = nn.Parameter(torch.ones(n_streams, dim, dtype=dtype), requires_grad=False)
         self.k_weight = nn.Parameter(torch.ones(n_streams, dim, dtype=dtype), requires_grad=False)
 
-    def forward(self, x: torch.Tensor, rows: torch.Tensor | StagedRows, token_mask: torch.Tensor | None) -> torch.Tensor:
-        """x [T, n, D], rows [T, hash_heads] table rows (or rows staged from a host table);
-        token_mask False = image/pad (gate 0)."""
-        emb = self.embed.lookup(rows, x.dtype, x.device).flatten(1)
+    def forward(self, x: torch.Tensor, rows: torch.Tensor | StagedRows | EngramQuery,
+                token_mask: torch.Tensor | None) -> torch.Tensor:
+        """x [T, n, D], rows [T, hash_heads] table rows, rows staged from a host table, or the windows and
+        hash constants of a device-resident table (hashed and gathered in one kernel); token_mask False =
+        image/pad (gate 0)."""
+        if isinstance(rows, EngramQuery):
+            emb = rows.lookup(self.embed.weight, self.embed.scale, x.dtype).flatten(1)
+        else:
+            emb = self.embed.lookup(rows, x.dtype, x.device).flatten(1)
         key, value = self.wkv(emb).split((self.n * self.dim, self.dim), dim=-1)
         key, h = key.float().unflatten(-1, (self.n, self.dim)), x.float()
         w = self.q_weight.float() * self.k_weight.float()

@@ -30,7 +30,8 @@ class StepContext41:
     rope_main: RopeCache
     rope_compress: RopeCache
     inv_freq_compress: torch.Tensor
-    engram_rows: list | None              # per Engram layer: [T, hash_heads] table rows, or StagedRows
+    # per Engram layer: [T, hash_heads] table rows, StagedRows (host table) or EngramQuery (device table)
+    engram_rows: list | None
     image_mask: torch.Tensor | None = None
 
     def subset(self, rows: torch.Tensor, batch: ForwardBatch) -> "StepContext41":

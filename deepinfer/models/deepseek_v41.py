@@ -13,8 +13,9 @@ from dataclasses import replace
 import torch
 from torch import nn
 
-from deepinfer.layers.engram_hash import EngramHashParams, history_windows, ngram_rows
-from deepinfer.state.forward_batch import ForwardBatch
+from deepinfer.kernels.engram_lookup import EngramQuery
+from deepinfer.layers.engram_hash import EngramHashParams, _param_tensors, history_windows, ngram_rows
+from deepinfer.state.forward_batch import ForwardBatch, to_device
 from deepinfer.state.kv_state import CarryState, FormatStore, LayerCache, resolve_kv_cache_dtype
 from deepinfer.layers.linear import Linear
 from deepinfer.layers.mhc import collapse
@@ -138,12 +139,20 @@ class DeepseekV41ForCausalLM(nn.Module):
                 windows, mask = history_windows(batch.input_ids, batch.image_mask, token_history, batch.history), None
             else:
                 windows, mask = batch.token_windows, batch.window_mask
-            on_host = windows.device.type == "cpu" and self.engram_token_map.device.type != "cpu"
-            token_map = self.engram_token_map_host if on_host else self.engram_token_map
-            rows = ngram_rows(windows, self.engram_params, token_map=token_map, mask=mask).unbind(1)
-            if self.engram_host:  # gathered on the host now, copied while the layers below run
+            if self.engram_host:  # hashed and gathered on the host now, copied while the layers below run
+                on_host = windows.device.type == "cpu" and self.engram_token_map.device.type != "cpu"
+                token_map = self.engram_token_map_host if on_host else self.engram_token_map
+                rows = ngram_rows(windows, self.engram_params, token_map=token_map, mask=mask).unbind(1)
                 tables = [self.layers[i].engram.embed for i in self.config.engram_layer_ids]
                 rows = [t.stage(r, pos.device) for t, r in zip(tables, rows)]
+            else:  # hashed and gathered at each Engram layer, one kernel (kernels/engram_lookup.py)
+                if mask is not None:  # an unusable token blocks its window as -1 does
+                    windows = windows.masked_fill(~mask.to(windows.device), -1)
+                dev, p = self.engram_token_map.device, self.engram_params
+                windows = to_device(windows, dev)
+                mult, primes, offsets = _param_tensors(p, dev)
+                rows = [EngramQuery(windows, self.engram_token_map, mult[e], primes[e], offsets[e], p.pad_id)
+                        for e in range(len(p.layer_ids))]
         return StepContext41(batch, RopeCache.at(pos, self.inv_freq_main), RopeCache.at(pos, self.inv_freq_compress),
                              self.inv_freq_compress, rows, batch.image_mask)
 

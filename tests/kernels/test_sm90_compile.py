@@ -171,3 +171,22 @@ def csa2_launches():
 
 def test_csa2_compiles_for_sm90():
     test_kernels_compile_for_sm90(csa2_launches)
+
+
+def engram_launches():
+    """V4.1-Flash's Engram lookup (4-grams, 8 heads: 24 hash heads x 256 columns): FP8 table with E8M0 per 32
+    and a dense bf16 one, out in bf16 / fp32, decode and prefill token counts."""
+    from deepinfer.kernels import engram_lookup
+    K, HH, D = 4, 24, 256
+    consts = (_i(512), _i(K), _i(HH), _i(HH), 2)
+    tables = ((_e(4096, D, dtype=torch.float8_e4m3fn), _i(4096, D // 32, dtype=torch.uint8).view(torch.float8_e8m0fnu)),
+              (_e(4096, D), None))
+    for T in (1, 64, 8192):
+        for w, s in tables:
+            for dtype in (BF, torch.float32):
+                engram_lookup._launch(_i(T, K), *consts, w, s, dtype)
+    engram_lookup._launch(_i(3, 2), _i(512), _i(2), _i(1), _i(1), 0, _e(64, 48, dtype=torch.float32), None, BF)
+
+
+def test_engram_compiles_for_sm90():
+    test_kernels_compile_for_sm90(engram_launches)
