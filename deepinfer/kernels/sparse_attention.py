@@ -339,7 +339,9 @@ def entry_addresses(ids: torch.Tensor, token_req: torch.Tensor, table: torch.Ten
 
 def supported(q: torch.Tensor, kv_new: torch.Tensor, ring_fmt: str, entries_fmt: str | None,
               has_entries: bool) -> bool:
-    """Whether the kernel handles these dtypes / formats / head_dim (else `reference` is used).
+    """Whether the kernel handles these dtypes / formats / head_dim (else `reference` is used): bf16 q
+    and kv_new, D a power of two >= 16 and a multiple of each V4.1 format's group, stores in any of
+    FORMATS but float32.
     Compiled launches take bf16 q only: the fp32-q variant (IEEE dots) is exercised in the Triton
     interpreter, but compiled it does not match the reference closely enough at D = 512
     (benchmarks/NOTES.md), so fp32 stays on torch."""

@@ -309,7 +309,7 @@ def test_layers_path_names_v41_stores_for_the_kernel(fmt):
     want = {"bfloat16": "bfloat16", "fp8": "v41fp8", "nvfp4": "nvfp4"}.get(fmt)
     assert _kernel_format(FormatStore(4, 64, fmt, "meta")) == want
     if want is not None:
-        for D in (64, 512):  # the tiny models', V4.1-Flash's head_dim
+        for D in (64, 128, 512):  # head_dim of the tiny and demo V4.1 models, of V4.1-Flash
             q = torch.empty(3, 8, D, dtype=torch.bfloat16, device="meta")
             assert sa.supported(q, q[:, 0], want, want, True)
     if fmt in ("bfloat16", "float32", "fp8"):
