@@ -215,14 +215,13 @@ def ngram_rows(windows: torch.Tensor, params: EngramHashParams, *, token_map: to
 def history_windows(input_ids: torch.Tensor, image_mask: torch.Tensor | None, history: torch.Tensor,
                     plan) -> torch.Tensor:
     """The step's n-gram windows [T, K] (raw ids, -1 = none or image) read through a HistoryPlan
-    (state/forward_batch.py), then each request's last K - 1 tokens stored back into `history`
-    [slots, K - 1]. Device-side throughout: input ids filled on the device (placeholders) are hashed
+    (state/forward_batch.py), then the step's newest tokens stored into the per-slot ring `history`
+    [slots, K]. Device-side throughout: input ids filled on the device (placeholders) are hashed
     as they are. Image tokens are stored as -1, which blocks exactly as an image mask does."""
     ids = input_ids if image_mask is None else input_ids.masked_fill(image_mask, -1)
     ext = torch.cat((ids, history.view(-1)))
-    pick = lambda idx: torch.where(idx >= 0, ext[idx.clamp(min=0)], -1)  # noqa: E731
-    windows = pick(plan.win_src)
-    history.view(-1)[plan.hist_dst] = pick(plan.hist_src)  # gathered before written: no aliasing
+    windows = torch.where(plan.win_src >= 0, ext[plan.win_src.clamp(min=0)], -1)
+    history.view(-1)[plan.hist_dst] = ids[plan.hist_src]  # after the read: a step's reads see earlier steps only
     return windows
 
 

@@ -25,7 +25,7 @@ class CausalLM(Protocol):
     @property
     def token_history(self) -> int:
         """Input tokens each position reads, itself included (V4.1 Engram's n-gram window); 0: none.
-        The cache keeps the last token_history - 1 of each request (V4Cache.token_history)."""
+        The cache keeps a ring of each request's last token_history input tokens (V4Cache.token_history)."""
 
     @property
     def host_inputs(self) -> bool:

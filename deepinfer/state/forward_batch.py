@@ -50,12 +50,13 @@ class CompressPlan:
 
 @dataclass
 class HistoryPlan:
-    """Engram's n-gram windows from a per-slot device history (the last H = K - 1 input tokens of each
-    request, -1 = none or an image token). `ext` = cat(this step's input ids with image tokens as -1,
-    history.view(-1)); every index below points into `ext`, -1 = no token.
-    win_src [T, K]: column k of token t = the token k positions back;
-    hist_src / hist_dst [B * H]: after the windows are read, history.view(-1)[hist_dst] = ext[hist_src]
-    (each request's last H tokens). Tokens never depend on host values: placeholder inputs work."""
+    """Engram's n-gram windows from a per-slot device history: a ring of K rows per slot, position p
+    of the slot's request in row p % K (image tokens stored as -1). `ext` = cat(this step's
+    input ids with image tokens as -1, history.view(-1)); win_src [T, K] indexes `ext` (-1 = before the
+    sequence start): column k of token t = the token k positions back. After the windows are read,
+    history.view(-1)[hist_dst] = ext[hist_src] stores the step's tokens at positions >= end - K.
+    Rows are addressed by position, so running a step twice (graph warm-up, then replay) stores the
+    same values; token values never come from the host, so placeholder inputs work."""
 
     win_src: torch.Tensor
     hist_src: torch.Tensor
@@ -213,25 +214,17 @@ def _token_windows(chunks: list[SeqChunk], width: int) -> torch.Tensor:
     return torch.from_numpy(np.concatenate(rows))
 
 
-def _history_plan(chunks: list[SeqChunk], width: int, tok, pos, start, end, slot, req, cu) -> tuple:
-    """(win_src [T, K], hist_src [B*H], hist_dst [B*H]) of HistoryPlan, numpy. Positions below 0 have no
-    token; positions in [start - H, start) are read from the slot's history, whose row j holds position
-    start - H + j (written by the request's previous step)."""
-    h = width - 1
+def _history_plan(width: int, tok, pos, start, end, slot) -> tuple:
+    """(win_src [T, K], hist_src [N], hist_dst [N]) of HistoryPlan, numpy. The history is a ring of K
+    rows per slot: position p lives in row slot * K + p % K, so the K positions a window spans have
+    distinct rows. Positions below 0 have no token; positions below the chunk's start are read from the
+    ring (the request's previous steps wrote them); the step writes its tokens at positions >= end - K."""
     T = tok.shape[0]
     back = pos[:, None] - np.arange(width)                        # [T, K] position of each column
-    in_step = back >= start[:, None]
-    from_hist = np.where(in_step, tok[:, None] - np.arange(width),
-                         T + slot[:, None] * h + (back - start[:, None] + h))
-    win_src = np.where(back >= 0, from_hist, -1)
-    r_start, r_end = start[cu - 1], end[cu - 1]
-    r_slot, r_first = slot[cu - 1], (cu - (r_end - r_start))
-    q = r_end[:, None] - h + np.arange(h)                           # [B, H] positions kept
-    src = np.where(q >= r_start[:, None], r_first[:, None] + q - r_start[:, None],
-                   T + r_slot[:, None] * h + (q - r_start[:, None] + h))
-    hist_src = np.where(q >= 0, src, -1).reshape(-1)
-    hist_dst = (r_slot[:, None] * h + np.arange(h)).reshape(-1)
-    return win_src, hist_src, hist_dst
+    from_ring = T + slot[:, None] * width + back.clip(min=0) % width
+    win_src = np.where(back < 0, -1, np.where(back >= start[:, None], tok[:, None] - np.arange(width), from_ring))
+    kept = pos >= end - width
+    return win_src, tok[kept], slot[kept] * width + pos[kept] % width
 
 
 def build_forward_batch(chunks: list[SeqChunk], window: int, compress_kinds: set[tuple[int, bool]],
@@ -270,8 +263,7 @@ def build_forward_batch(chunks: list[SeqChunk], window: int, compress_kinds: set
                          to(ring_src), to(ring_dst), plans, windows, window_mask,
                          None if image_mask is None else to(image_mask), req_lens=tuple(lens.tolist()))
     if device_history:
-        batch.history = HistoryPlan(*map(to, _history_plan(chunks, device_history, tok, pos, start, end, slot,
-                                                           req, cu)))
+        batch.history = HistoryPlan(*map(to, _history_plan(device_history, tok, pos, start, end, slot)))
     replay_from = np.array([c.replay_from for c in chunks], dtype=np.int64)[req]
     keep = pos >= replay_from
     # replay applies if rows are dropped, or a kept row's window reaches below its request's replay_from

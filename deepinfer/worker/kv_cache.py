@@ -39,8 +39,8 @@ class CacheSpec:
 
 
 def history_width(cfg) -> int:
-    """Tokens of input history kept per slot (V4.1 Engram: the n-gram window minus the token itself)."""
-    return cfg.engram_max_ngram_size - 1 if getattr(cfg, "engram_layer_ids", ()) else 0
+    """Rows of the per-slot input-token ring (V4.1 Engram: one per token of the n-gram window)."""
+    return cfg.engram_max_ngram_size if getattr(cfg, "engram_layer_ids", ()) else 0
 
 
 def _layer_caches(cfg, num_slots: int, num_blocks: dict[int, int], block_size: int,
@@ -74,7 +74,7 @@ class V4Cache:
     compress_kinds: set[tuple[int, bool]]
     scratch_slot: int | None = None                 # a slot and an entry row per ratio no request owns
     scratch_addr: dict[int, int] | None = None      # (padding rows of captured decode graphs write there)
-    # [num_slots, H] each request's last H input tokens (-1 = none / image), or None (state/forward_batch.py)
+    # [num_slots, K] a ring of each request's last K input tokens (-1 = image), or None (state/forward_batch.py)
     token_history: torch.Tensor | None = None
 
     def copy_state(self, src_slot: int, dst_slot: int, src_blocks: dict[int, list[int]],

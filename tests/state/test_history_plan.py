@@ -35,7 +35,7 @@ def test_device_history_windows_and_rows_equal_host_ones(max_ngram, seed):
              for n, s0, k in zip(lengths, rng.integers(0, 8, 5), rng.integers(1, 5, 5))]
     slots = rng.permutation(8)[:5].tolist()
     params = EngramHashParams.build([1, 3], [4000, 5000], max_ngram, 2, 60, 50, pad_id=int(rng.integers(50)))
-    history = torch.full((8, max_ngram - 1), -1, dtype=torch.long)
+    history = torch.full((8, max_ngram), -1, dtype=torch.long)
     history[:] = torch.from_numpy(rng.integers(0, 50, size=history.shape))  # stale rows of earlier requests
     for step in _schedule(rng, lengths):
         chunks = [SeqChunk(slots[r], s, seqs[r][s:s + k], prev_tokens=seqs[r][max(0, s - 7):s],
@@ -58,11 +58,24 @@ def test_device_history_windows_and_rows_equal_host_ones(max_ngram, seed):
 def test_history_plan_fills_placeholder_inputs_on_the_device():
     """The windows read the step's input ids as they are when the forward runs, so an id written
     into input_ids after planning (a placeholder filled from the step before) is what is hashed."""
-    history = torch.full((2, 2), -1, dtype=torch.long)
+    history = torch.full((2, 3), -1, dtype=torch.long)
     first = build_forward_batch([SeqChunk(1, 0, [5, 6, 7])], 8, set(), 4, "cpu", device_history=3)
-    history_windows(first.input_ids, None, history, first.history)
-    assert history[1].tolist() == [6, 7]
+    assert history_windows(first.input_ids, None, history, first.history).tolist() == [
+        [5, -1, -1], [6, 5, -1], [7, 6, 5]]
     nxt = build_forward_batch([SeqChunk(1, 3, [-1])], 8, set(), 4, "cpu", device_history=3)
     nxt.input_ids[0] = 9  # filled on the device after planning
     assert history_windows(nxt.input_ids, None, history, nxt.history).tolist() == [[9, 7, 6]]
-    assert history[1].tolist() == [7, 9]
+
+
+def test_running_a_step_twice_reads_and_stores_the_same():
+    """A decode graph's capture runs its first step eagerly (warm-up) and then replays it: the
+    history is addressed by position, so the second run reads the same windows and stores the same rows."""
+    history = torch.full((3, 4), -1, dtype=torch.long)
+    first = build_forward_batch([SeqChunk(2, 0, [5, 6, 7, 8, 4])], 8, set(), 4, "cpu", device_history=4)
+    history_windows(first.input_ids, None, history, first.history)
+    step = build_forward_batch([SeqChunk(2, 5, [3])], 8, set(), 4, "cpu", device_history=4)
+    once = history_windows(step.input_ids, None, history, step.history)
+    after = history.clone()
+    assert once.tolist() == [[3, 4, 8, 7]]
+    assert torch.equal(history_windows(step.input_ids, None, history, step.history), once)
+    assert torch.equal(history, after)
