@@ -366,3 +366,13 @@ def test_result_records_hold_a_commit_hash_or_null():
         record = json.loads(p.read_text())
         commit = record.get("commit")
         assert commit is None or form.fullmatch(commit), f"{p.name}: {commit!r}"
+
+
+def test_host_step_stub_times_both_models(tmp_path):
+    out = tmp_path / "host.txt"
+    res = run([sys.executable, "benchmarks/host_step_stub.py", "--batches", "2", "--steps", "3", "--rows", "3",
+               "--out", str(out)])
+    assert res.returncode == 0, res.stderr[-3000:]
+    heads = [line for line in out.read_text().splitlines() if "ms host per engine step" in line]
+    assert [h.split(" batch")[0] for h in heads] == ["v4 (tiny)", "v41 (tiny41)"]
+    assert all("async=True" in h for h in heads)
