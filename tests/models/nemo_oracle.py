@@ -81,6 +81,26 @@ def no_cache_quant(*modules: str):
 
 
 @torch.no_grad()
+def teacher_forced_gap(llm, prompts: list[list[int]], ref_logprobs, max_tokens: int = 10) -> tuple[float, int, int]:
+    """Greedy generations of `llm` (top-5 logprobs), then the reference's fp32 logprobs on every
+    generated prefix (`ref_logprobs(prefix) -> [V]`): (largest |logprob - reference| over the
+    returned logprobs, positions where the reference's argmax is the token chosen, positions)."""
+    from deepinfer import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=5)
+    worst, agree, total = 0.0, 0, 0
+    for prompt, out in zip(prompts, llm.generate(prompts, params, use_tqdm=False)):
+        seq = list(prompt)
+        for tok, lp in zip(out.outputs[0].token_ids, out.outputs[0].logprobs):
+            with torch.inference_mode():
+                ref = ref_logprobs(seq)
+            worst = max(worst, max(abs(v - ref[t].item()) for t, v in lp.items()))
+            agree += int(ref.argmax()) == tok
+            total += 1
+            seq.append(tok)
+    return worst, agree, total
+
+
 def nemo_v41_logits(model, input_ids: torch.Tensor, exact: bool = False, **kwargs) -> torch.Tensor:
     """fp32 logits [B, S, V] of a full-sequence forward (positions 0..S-1). exact=True drops the
     reference's cache quantisation round trips (for a float32-KV engine)."""

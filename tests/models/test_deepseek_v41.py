@@ -13,7 +13,7 @@ from deepinfer.models.config_v41 import FULL, REINDEX, REUSE, SWA, DeepseekV41Co
 from deepinfer.models.deepseek_v41 import DeepseekV41ForCausalLM
 from deepinfer.tools.make_checkpoint import PRESETS, write_checkpoint
 from deepinfer.tools.static_cache import static_v4_cache
-from nemo_oracle import nemo_v41_logits, nemo_v41_model
+from nemo_oracle import nemo_v41_logits, nemo_v41_model, teacher_forced_gap
 
 TINY = PRESETS["tiny41"]
 
@@ -281,31 +281,26 @@ def test_cuda_matches_cpu_and_host_engram_on_cuda(ckpt, ours):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("kv", ["bfloat16", "auto"])
-def test_cuda_bf16_engine_gives_nemo_greedy_tokens(ckpt, nemo, kv):
-    """bf16 on the GPU through LLM as users run it (decode graphs, async scheduling, the Triton
-    kernels; reference cache formats under "auto") against NeMo's fp32 greedy tokens, computed with
-    the same cache rounding (exact=False under "auto"). A token may differ only where NeMo's two
-    best logits are within bf16 noise of each other; the sequences are compared up to there."""
-    from deepinfer import LLM, SamplingParams
+def test_cuda_bf16_engine_is_as_close_to_nemo_as_the_cpu_reference(ckpt, nemo, kv):
+    """bf16 through LLM on the GPU as users run it (decode graphs, async scheduling, the Triton
+    kernels; reference cache formats under "auto"), teacher-forced against NeMo's fp32 logits (with
+    the same cache rounding under "auto"). bf16 alone moves this tiny random model by nats and flips
+    greedy tokens (the CPU's torch reference does: benchmarks/bf16_vs_reference.py), so tokens cannot
+    match NeMo's; the GPU path must add no error of its own beyond bf16's: its gap is within 1.5x of
+    the CPU bf16 reference's plus 0.25 nats, and it agrees with NeMo's argmax nearly as often."""
+    from deepinfer import LLM
 
-    llm = LLM(str(ckpt), device="cuda", dtype="bfloat16", kv_cache_dtype=kv, kv_cache_memory=64 << 20,
-              max_num_batched_tokens=16, yoco_prefill_truncation_mode="none")
-    assert llm.engine.runner.graphs is not None and llm.engine.async_scheduling
     g = torch.Generator().manual_seed(3)
     prompts = [[0] + torch.randint(3, 1000, (n,), generator=g).tolist() for n in (9, 30, 17, 44)]
-    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), use_tqdm=False)
-    compared = 0
-    for prompt, out in zip(prompts, outs):
-        seq = list(prompt)
-        for tok in out.outputs[0].token_ids:
-            with torch.inference_mode():
-                logits = nemo_v41_logits(nemo, torch.tensor([seq]), exact=kv != "auto")[0, -1]
-            best = int(logits.argmax())
-            if tok != best:
-                margin = (logits[best] - logits[tok]).item()
-                assert margin <= 0.02 * logits.abs().max().item(), f"token {tok} vs NeMo {best}, margin {margin:.3g}"
-                break
-            seq.append(tok)
-            compared += 1
-    assert compared >= 30, f"only {compared} of 40 tokens compared before a near-tie"
-    assert llm.scheduler.kv.all_free()
+    ref = lambda seq: nemo_v41_logits(nemo, torch.tensor([seq]), exact=kv != "auto")[0, -1].log_softmax(-1)  # noqa: E731
+    gaps = {}
+    for device in ("cpu", "cuda"):
+        llm = LLM(str(ckpt), device=device, dtype="bfloat16", kv_cache_dtype=kv, kv_cache_memory=64 << 20,
+                  max_num_batched_tokens=16, yoco_prefill_truncation_mode="none")
+        if device == "cuda":
+            assert llm.engine.runner.graphs is not None and llm.engine.async_scheduling
+        gaps[device] = teacher_forced_gap(llm, prompts, ref)
+        assert llm.scheduler.kv.all_free()
+    (cpu_worst, cpu_agree, _), (gpu_worst, gpu_agree, _) = gaps["cpu"], gaps["cuda"]
+    assert gpu_worst <= 1.5 * cpu_worst + 0.25, gaps
+    assert gpu_agree >= cpu_agree - 4, gaps
