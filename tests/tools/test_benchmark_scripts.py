@@ -376,3 +376,11 @@ def test_host_step_stub_times_both_models(tmp_path):
     heads = [line for line in out.read_text().splitlines() if "ms host per engine step" in line]
     assert [h.split(" batch")[0] for h in heads] == ["v4 (tiny)", "v41 (tiny41)"]
     assert all("async=True" in h for h in heads)
+
+
+@pytest.mark.parametrize("arch", ["v4", "v41"])
+def test_profile_engine_step_smoke(arch):
+    res = run([sys.executable, "benchmarks/profile_engine_step.py", "--arch", arch, "--smoke"])
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stdout.startswith(f"{arch} fp8=False batch 1 context 40: async=True, graphs=False")
+    assert "ms per engine step" in res.stdout

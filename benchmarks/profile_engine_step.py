@@ -1,0 +1,111 @@
+"""Why an engine decode step costs more than the graph replay it launches (flash_slice.py's decode
+rows against their decode-graph-replay rows): on a Flash slice engine (V4 or V4.1, random weights,
+prefill made up), after warm-up,
+  1. seconds per steady `EngineCore.step` and per pipelined `DecodeGraphs.run`, as the sweep times them;
+  2. the calls that synchronise the host with the GPU during engine steps (torch's sync debug mode);
+  3. the caching allocator's retries and cudaMalloc calls during those steps (a retry frees cached
+     blocks and synchronises the device);
+  4. a torch.profiler trace of the steps: GPU busy time, the idle time between kernels, and the top
+     kernels and host ops.
+--smoke runs tiny widths on the CPU (no graphs; sections 1, 2, 3 and the GPU columns are skipped).
+
+    PYTHONPATH=. python benchmarks/profile_engine_step.py --arch v41 --batch 1 --context 256 [--fp8]
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import time
+import warnings
+
+import torch
+
+import flash_slice as fs
+
+
+def build(args):
+    if args.arch == "v41":
+        model, kv = fs.deepinfer_model_v41(args.fp8), "auto"
+    else:
+        model, kv = fs.deepinfer_model(args.fp8), "fp8" if args.fp8 else "bfloat16"
+    engine = fs.deepinfer_engine(model, args.batch, args.context + args.steps + 64, kv, 8192, False,
+                                 fs.DEVICE == "cuda")
+    prompt = [5 + i % 1000 for i in range(args.context)]
+    reqs = fs.start_decoding(engine, [list(prompt) for _ in range(args.batch)], 3 * args.steps + 16)
+    for _ in range(fs.DECODE_WARMUP):
+        engine.step()
+    return engine, reqs
+
+
+def gpu_gaps(prof) -> tuple[float, float, int]:
+    """(GPU busy ms, ms between the first kernel's start and the last one's end not covered by any
+    kernel or copy, number of device events) of a profiler trace."""
+    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                   if e.device_type == torch.autograd.DeviceType.CUDA)
+    if not spans:
+        return 0.0, 0.0, 0
+    busy, idle, end = 0.0, 0.0, spans[0][0]
+    for s, e in spans:
+        if s > end:
+            idle += s - end
+        busy += max(0, e - max(s, end))
+        end = max(end, e)
+    return busy / 1e3, idle / 1e3, len(spans)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--arch", choices=("v4", "v41"), default="v41")
+    ap.add_argument("--fp8", action="store_true")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--context", type=int, default=256)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--rows", type=int, default=25)
+    ap.add_argument("--smoke", action="store_true")
+    args = ap.parse_args()
+    if args.smoke:
+        fs.use_smoke_settings()
+        args.context, args.steps, args.rows = 40, 3, 5
+    cuda = fs.DEVICE == "cuda"
+    engine, reqs = build(args)
+    print(f"{args.arch} fp8={args.fp8} batch {args.batch} context {args.context}: async={engine.async_scheduling}, "
+          f"graphs={engine.runner.graphs is not None}")
+    if cuda:
+        step_s = fs.decode_seconds(engine, args.steps)
+        replay_s = fs.graph_replay_seconds(engine.runner.graphs, reqs, args.steps)
+        print(f"engine step {1e3 * step_s:.3f} ms, graph replay alone {1e3 * replay_s:.3f} ms")
+        before = torch.cuda.memory_stats()
+        torch.cuda.set_sync_debug_mode("warn")
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(args.steps):
+                engine.step()
+        torch.cuda.set_sync_debug_mode(0)
+        after = torch.cuda.memory_stats()
+        sites = collections.Counter(f"{w.filename}:{w.lineno}" for w in caught)
+        print(f"synchronising calls over {args.steps} engine steps: {len(caught)}")
+        for site, n in sites.most_common(15):
+            print(f"  {n:4d}  {site}")
+        for key in ("num_alloc_retries", "num_device_alloc", "num_device_free"):
+            print(f"allocator {key} during those steps: {after.get(key, 0) - before.get(key, 0)}")
+        free, total = torch.cuda.mem_get_info()
+        print(f"device memory free {free / 2**30:.1f} of {total / 2**30:.1f} GiB")
+    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+    t = time.perf_counter()
+    with torch.profiler.profile(activities=activities) as prof:
+        for _ in range(args.steps):
+            engine.step()
+        if cuda:
+            torch.cuda.synchronize()
+    wall = (time.perf_counter() - t) / args.steps
+    busy, idle, n = gpu_gaps(prof)
+    print(f"under the profiler: {1e3 * wall:.3f} ms per engine step; GPU busy {busy / args.steps:.3f} ms and "
+          f"idle between kernels {idle / args.steps:.3f} ms per step, {n / args.steps:.0f} device events per step")
+    sort = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+    print(prof.key_averages().table(sort_by=sort, row_limit=args.rows, max_name_column_width=70))
+    if cuda:
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.rows, max_name_column_width=70))
+
+
+if __name__ == "__main__":
+    main()
