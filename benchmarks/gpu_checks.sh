@@ -17,6 +17,11 @@ commit_arg=()
 [ -n "${COMMIT:-}" ] && commit_arg=(--commit "$COMMIT")
 commit=${COMMIT:-$(cd benchmarks && python3 -c "from common import git_commit; print(git_commit())")}
 echo "# commit $commit, $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null)" | tee "$out/summary.txt"
+# The NeMo-backed GPU tests need nemo_automodel, which the device does not have: carry
+# .venv/lib/python3.11/site-packages/nemo_automodel and put a folder holding it on PYTHONPATH
+# (a link to it, not the whole site-packages: that would shadow the device's torch).
+python3 -c "import nemo_automodel" 2>/dev/null \
+  || echo "nemo_automodel not importable: the NeMo-backed GPU tests will error" | tee -a "$out/summary.txt"
 if [ "$what" = tests ] || [ "$what" = all ]; then
   for part in tests/kernels "tests/models tests/layers" tests/engine; do
     # shellcheck disable=SC2086
