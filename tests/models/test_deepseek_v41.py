@@ -236,8 +236,11 @@ def test_image_prompts_match_nemo(tmp_path_factory):
     prompt = [0] + rnd(5) + [img_tok] + rnd(6) + [img_tok] + rnd(3)
     llm = LLM(str(ckpt), device="cpu", dtype="float32", kv_cache_dtype="float32", kv_cache_memory=32 << 20,
               max_num_batched_tokens=16, yoco_prefill_truncation_mode="none")  # image spans straddle chunks
+    tower, calls = llm.model.image_embeddings, []
+    llm.model.image_embeddings = lambda image: calls.append(image) or tower(image)
     out = llm.generate({"prompt_token_ids": prompt, "images": pics},
                        SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)[0]
+    assert len(calls) == 2 and not llm.engine.runner.image_cache  # the tower ran once per image, none kept
     ids = out.prompt_token_ids
     processed = [preprocess_image(p, llm.model.config.vision) for p in pics]
     starts = [i for i in range(len(ids)) if ids[i] == img_tok and (i == 0 or ids[i - 1] != img_tok)]
