@@ -42,12 +42,14 @@ SCALE_GROUP = 32   # table columns per E8M0 scale
 MAX_BLOCK_D = 256
 
 
-def hash_rows(windows: torch.Tensor, token_map: torch.Tensor, multipliers: torch.Tensor, primes: torch.Tensor,
+def hash_rows(windows: torch.Tensor, token_map: torch.Tensor | None, multipliers: torch.Tensor, primes: torch.Tensor,
               offsets: torch.Tensor, pad_id: int) -> torch.Tensor:
-    """Table rows [T, HH] of one layer (torch; the first half of `reference`)."""
+    """Table rows [T, HH] of one layer (torch; the first half of `reference`). token_map None: the
+    windows hold compressed ids already."""
     K = windows.shape[-1]
     bad = torch.cummax((windows < 0).to(torch.uint8), dim=-1).values.bool()
-    comp = token_map.long()[windows.long().clamp(min=0)].masked_fill(bad, pad_id)
+    safe = windows.long().clamp(min=0)
+    comp = (safe if token_map is None else token_map.long()[safe]).masked_fill(bad, pad_id)
     prod = comp * multipliers.long()
     grams = [prod[:, 0]]
     for k in range(1, K):

@@ -26,6 +26,8 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from deepinfer.kernels.engram_lookup import hash_rows
+
 _NORMALIZERS = None  # built lazily
 _PRIVATE_SENTINEL = "\ue000"
 
@@ -169,7 +171,8 @@ class EngramHashParams:
 
 
 @lru_cache(maxsize=64)
-def _param_tensors(params: EngramHashParams, device: torch.device):
+def hash_constants(params: EngramHashParams, device: torch.device):
+    """(multipliers [L, M], primes [L, HH], offsets [L, HH]) as int64 tensors on `device`, made once."""
     mult = torch.tensor(params.multipliers, dtype=torch.int64, device=device)   # [L, M]
     primes = torch.tensor(params.primes, dtype=torch.int64, device=device)      # [L, (M-1)*H]
     offsets = torch.tensor(params.offsets, dtype=torch.int64, device=device)    # [L, (M-1)*H]
@@ -191,25 +194,15 @@ def ngram_rows(windows: torch.Tensor, params: EngramHashParams, *, token_map: to
     if windows.shape[-1] != m:
         raise ValueError(f"engram windows need {m} columns, got shape {tuple(windows.shape)}")
     w = windows.long()
-    bad = w < 0
     if mask is not None:
         if mask.shape != windows.shape:
             raise ValueError(f"engram mask shape {tuple(mask.shape)} != windows {tuple(windows.shape)}")
-        bad = bad | ~mask.bool()
-    blocked = torch.cummax(bad.to(torch.uint8), dim=-1).values.bool()
-    safe = w.clamp(min=0)
-    comp = token_map.long()[safe] if token_map is not None else safe
-    comp = torch.where(blocked, torch.full_like(comp, params.pad_id), comp)
-    mult, primes, offsets = _param_tensors(params, windows.device)
-    prod = comp.unsqueeze(-2) * mult                                    # [..., L, M]
-    h = params.n_heads
-    out = []
-    rolling = prod[..., 0]
-    for k in range(1, m):
-        rolling = torch.bitwise_xor(rolling, prod[..., k])              # hash of the (k+1)-gram
-        sl = slice((k - 1) * h, k * h)
-        out.append(rolling.unsqueeze(-1) % primes[:, sl] + offsets[:, sl])
-    return torch.cat(out, dim=-1)
+        w = w.masked_fill(~mask.bool(), -1)  # an unusable token blocks as a missing one does
+    mult, primes, offsets = hash_constants(params, windows.device)
+    flat = w.reshape(-1, m)
+    rows = [hash_rows(flat, token_map, mult[e], primes[e], offsets[e], params.pad_id)
+            for e in range(len(params.layer_ids))]
+    return torch.stack(rows, dim=1).view(*windows.shape[:-1], len(params.layer_ids), params.hash_heads)
 
 
 def history_windows(input_ids: torch.Tensor, image_mask: torch.Tensor | None, history: torch.Tensor,

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from deepinfer.kernels.engram_lookup import EngramQuery
-from deepinfer.layers.engram_hash import EngramHashParams, _param_tensors, history_windows, ngram_rows
+from deepinfer.layers.engram_hash import EngramHashParams, hash_constants, history_windows, ngram_rows
 from deepinfer.state.forward_batch import ForwardBatch, to_device
 from deepinfer.state.kv_state import CarryState, FormatStore, LayerCache, resolve_kv_cache_dtype
 from deepinfer.layers.linear import Linear
@@ -140,8 +140,7 @@ class DeepseekV41ForCausalLM(nn.Module):
             else:
                 windows, mask = batch.token_windows, batch.window_mask
             if self.engram_host:  # hashed and gathered on the host now, copied while the layers below run
-                on_host = windows.device.type == "cpu" and self.engram_token_map.device.type != "cpu"
-                token_map = self.engram_token_map_host if on_host else self.engram_token_map
+                token_map = self.engram_token_map_host if windows.device.type == "cpu" else self.engram_token_map
                 rows = ngram_rows(windows, self.engram_params, token_map=token_map, mask=mask).unbind(1)
                 tables = [self.layers[i].engram.embed for i in self.config.engram_layer_ids]
                 rows = [t.stage(r, pos.device) for t, r in zip(tables, rows)]
@@ -150,7 +149,7 @@ class DeepseekV41ForCausalLM(nn.Module):
                     windows = windows.masked_fill(~mask.to(windows.device), -1)
                 dev, p = self.engram_token_map.device, self.engram_params
                 windows = to_device(windows, dev)
-                mult, primes, offsets = _param_tensors(p, dev)
+                mult, primes, offsets = hash_constants(p, dev)
                 rows = [EngramQuery(windows, self.engram_token_map, mult[e], primes[e], offsets[e], p.pad_id)
                         for e in range(len(p.layer_ids))]
         return StepContext41(batch, RopeCache.at(pos, self.inv_freq_main), RopeCache.at(pos, self.inv_freq_compress),

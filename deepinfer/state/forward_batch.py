@@ -54,7 +54,7 @@ class HistoryPlan:
     of the slot's request in row p % K (image tokens stored as -1). `ext` = cat(this step's
     input ids with image tokens as -1, history.view(-1)); win_src [T, K] indexes `ext` (-1 = before the
     sequence start): column k of token t = the token k positions back. After the windows are read,
-    history.view(-1)[hist_dst] = ext[hist_src] stores the step's tokens at positions >= end - K.
+    history.view(-1)[hist_dst] = ids[hist_src] stores the step's tokens at positions >= end - K.
     Rows are addressed by position, so running a step twice (graph warm-up, then replay) stores the
     same values; token values never come from the host, so placeholder inputs work."""
 

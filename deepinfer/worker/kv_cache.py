@@ -82,13 +82,12 @@ class V4Cache:
         """Duplicate a request's state into another slot and blocks (n > 1 forks after the
         shared prompt prefill). dst_blocks[m] must be at least as long as src_blocks[m]."""
         bs = self.block_size
+        if self.token_history is not None:
+            self.token_history[dst_slot] = self.token_history[src_slot]
         for cache in self.layers + self.mtp:
             for t in cache.per_slot():
                 per = t.shape[0] // self.num_slots
                 t[dst_slot * per:(dst_slot + 1) * per] = t[src_slot * per:(src_slot + 1) * per]
-        if self.token_history is not None:
-            self.token_history[dst_slot] = self.token_history[src_slot]
-        for cache in self.layers + self.mtp:
             src = src_blocks.get(cache.ratio, [])
             if not src:
                 continue

@@ -5,7 +5,7 @@ import torch
 
 from deepinfer.kernels.engram_lookup import EngramQuery, engram_lookup, hash_rows, reference
 from deepinfer.layers.engram import EngramTable
-from deepinfer.layers.engram_hash import EngramHashParams, _param_tensors, ngram_rows
+from deepinfer.layers.engram_hash import EngramHashParams, hash_constants, ngram_rows
 from interpreter import interpreted_and_gpu
 
 # Random windows: raw ids with -1 at random columns (blocking is cumulative whatever follows), hash constants
@@ -88,7 +88,7 @@ def test_reference_is_ngram_rows_then_the_table_lookup(K, fp8):
     win[torch.rand(50, K, generator=g) < 0.2] = -1
     tmap = torch.randint(0, 170, (300,), generator=g)
     rows = ngram_rows(win, p, token_map=tmap)
-    mult, primes, offsets = _param_tensors(p, win.device)
+    mult, primes, offsets = hash_constants(p, win.device)
     table = EngramTable(4000, 64, torch.float32, fp8)
     if fp8:
         table.weight, table.scale = _ns["fp8_table"](g, 4000, 64, True)
