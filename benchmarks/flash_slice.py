@@ -453,15 +453,54 @@ def start_decoding(engine, prompts: list[list[int]], max_tokens: int) -> list:
     return reqs
 
 
-def decode_seconds(engine, steps: int) -> float:
+def decode_row_engine(model, B: int, C: int, kv: str, steps: int, invariant: bool, graphs: bool, tokens):
+    """(engine, requests) of a decode row: B requests whose prompts (tokens(n) each) end DECODE_WARMUP +
+    `steps` positions before context C, made up as prefilled (start_decoding)."""
+    prompt_len = C - DECODE_WARMUP - steps
+    if prompt_len < 1:
+        raise ValueError(f"context {C} is shorter than the {DECODE_WARMUP + steps} steps of a decode row")
+    engine = deepinfer_engine(model, B, C + 8, kv, B * prompt_len, invariant, graphs)
+    return engine, start_decoding(engine, [tokens(prompt_len) for _ in range(B)], DECODE_WARMUP + steps + 8)
+
+
+def decode_seconds(engine, steps: int, diag: dict | None = None) -> float:
     """Seconds per engine step over `steps` steady decode steps (see TIMING): one step is in flight when the
-    clock starts and one when it stops, so no pipeline fill or drain is counted."""
+    clock starts and one when it stops, so no pipeline fill or drain is counted. `diag`, if given, gets
+    what happened during the timed steps: each step's ms, CUDA graphs captured, Python GC pauses (ms)
+    and caching-allocator retries (each frees cached blocks and synchronises the device)."""
     for _ in range(DECODE_WARMUP):
         _check_finished(engine.step(), 0, None)
-    t = time.perf_counter()
-    for _ in range(steps):
-        _check_finished(engine.step(), 0, None)
-    return (time.perf_counter() - t) / steps
+    graphs = engine.runner.graphs
+    n_graphs = len(graphs.graphs) if graphs is not None else 0
+    retries = _alloc_retries()
+    gc_ms, gc_start = [], []
+
+    def on_gc(phase, _info):
+        if phase == "start":
+            gc_start.append(time.perf_counter())
+        elif gc_start:
+            gc_ms.append(1e3 * (time.perf_counter() - gc_start.pop()))
+
+    each = []
+    gc.callbacks.append(on_gc)
+    try:
+        t = t0 = time.perf_counter()
+        for _ in range(steps):
+            _check_finished(engine.step(), 0, None)
+            now = time.perf_counter()
+            each.append(now - t)
+            t = now
+    finally:
+        gc.callbacks.remove(on_gc)
+    if diag is not None:
+        diag.update(step_ms_each=[round(1e3 * x, 3) for x in each],
+                    graphs_captured=(len(graphs.graphs) if graphs is not None else 0) - n_graphs,
+                    gc_ms=round(sum(gc_ms), 3), alloc_retries=_alloc_retries() - retries)
+    return (t - t0) / steps
+
+
+def _alloc_retries() -> int:
+    return torch.cuda.memory_stats().get("num_alloc_retries", 0) if DEVICE == "cuda" else 0
 
 
 def graph_replay_seconds(graphs, reqs: list, steps: int) -> float:
@@ -518,16 +557,13 @@ def deepinfer_rows(fp8: bool, invariant: bool, ceil: dict, args, name: str, arch
         engine = None
     steps = DECODE_STEPS_PER_REP[arch] * args.reps
     for C in DECODE_CONTEXTS:
-        prompt_len = C - DECODE_WARMUP - steps
-        if prompt_len < 1:
-            raise ValueError(f"context {C} is shorter than the {DECODE_WARMUP + steps} steps of a decode row")
         for B in DECODE_BATCHES:
             roof = roofline(B, B, C, True)
             try:
-                engine = deepinfer_engine(model, B, C + 8, kv, B * prompt_len, invariant, use_graphs)
-                reqs = start_decoding(engine, [tokens(prompt_len) for _ in range(B)], DECODE_WARMUP + steps + 8)
-                t = decode_seconds(engine, steps)
-                rows.append(_row(name, "decode", B, 1, C, B / t, t, roof, _engine_note(engine)))
+                engine, reqs = decode_row_engine(model, B, C, kv, steps, invariant, use_graphs, tokens)
+                diag: dict = {}
+                t = decode_seconds(engine, steps, diag)
+                rows.append(_row(name, "decode", B, 1, C, B / t, t, roof, _engine_note(engine), diag))
             except Exception as e:  # noqa: BLE001
                 rows.append(_failed_row(name, "decode", B, 1, C, e))
                 engine = reqs = None
@@ -616,13 +652,16 @@ def transformers_rows(ceil: dict, args) -> list[dict]:
     return rows
 
 
-def _row(engine, phase, batch, seq, context, tps, t, roof, note=None) -> dict:
+def _row(engine, phase, batch, seq, context, tps, t, roof, note=None, diag=None) -> dict:
+    """One result row; `diag` (decode rows of deepinfer) = decode_seconds' account of the timed steps."""
     row = {"engine": engine, "phase": phase, "batch": batch, "seq": seq, "context": context,
            "tokens_per_s": None if tps is None else round(tps, 1),
            "step_ms": None if t is None else round(1e3 * t, 3),
            "roofline_ms": None if roof is None else round(roof, 3)}
     if note:
         row["note"] = note
+    if diag:
+        row["diag"] = diag
     print(json.dumps(row), flush=True)
     return row
 

@@ -1,6 +1,8 @@
 """Why an engine decode step costs more than the graph replay it launches (flash_slice.py's decode
 rows against their decode-graph-replay rows): on a Flash slice engine (V4 or V4.1, random weights,
 prefill made up), after warm-up,
+  0. the sweep's own decode row (--sweep-rows times, each on a fresh engine): its ms per step, each timed
+     step's ms, graphs captured, GC pauses and allocator retries during the timed steps;
   1. seconds per steady `EngineCore.step` and per pipelined `DecodeGraphs.run`, as the sweep times them;
   2. the calls that synchronise the host with the GPU during engine steps (torch's sync debug mode);
   3. the caching allocator's retries and cudaMalloc calls during those steps (a retry frees cached
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import json
 import time
 import warnings
 
@@ -23,11 +26,25 @@ import torch
 import flash_slice as fs
 
 
-def build(args):
+def model_and_kv(args):
     if args.arch == "v41":
-        model, kv = fs.deepinfer_model_v41(args.fp8), "auto"
-    else:
-        model, kv = fs.deepinfer_model(args.fp8), "fp8" if args.fp8 else "bfloat16"
+        return fs.deepinfer_model_v41(args.fp8), "auto"
+    return fs.deepinfer_model(args.fp8), ("fp8" if args.fp8 else "bfloat16")
+
+
+def sweep_row(model, kv: str, args) -> dict:
+    """The sweep's decode row (flash_slice.decode_row_engine + decode_seconds, same prompts, budget and
+    steps = DECODE_STEPS_PER_REP x --reps) with decode_seconds' account of its timed steps."""
+    g = torch.Generator().manual_seed(0)
+    tokens = lambda n: torch.randint(0, model.config.vocab_size, (n,), generator=g).tolist()  # noqa: E731
+    steps = fs.DECODE_STEPS_PER_REP[args.arch] * args.reps
+    engine, _ = fs.decode_row_engine(model, args.batch, args.context, kv, steps, False, fs.DEVICE == "cuda", tokens)
+    diag: dict = {}
+    t = fs.decode_seconds(engine, steps, diag)
+    return {"step_ms": round(1e3 * t, 3), **diag}
+
+
+def build(model, kv: str, args):
     engine = fs.deepinfer_engine(model, args.batch, args.context + args.steps + 64, kv, 8192, False,
                                  fs.DEVICE == "cuda")
     prompt = [5 + i % 1000 for i in range(args.context)]
@@ -61,13 +78,18 @@ def main() -> None:
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--rows", type=int, default=25)
+    ap.add_argument("--reps", type=int, default=2, help="the sweep's REPS (its decode rows time DECODE_STEPS_PER_REP x reps steps)")
+    ap.add_argument("--sweep-rows", type=int, default=2, help="times to run the sweep's own decode row first")
     ap.add_argument("--smoke", action="store_true")
     args = ap.parse_args()
     if args.smoke:
         fs.use_smoke_settings()
-        args.context, args.steps, args.rows = 40, 3, 5
+        args.context, args.steps, args.rows, args.reps = 40, 3, 5, 1
     cuda = fs.DEVICE == "cuda"
-    engine, reqs = build(args)
+    model, kv = model_and_kv(args)
+    for i in range(args.sweep_rows):
+        print(f"sweep decode row {i + 1} (a fresh engine, as run_sweep.sh times it): {json.dumps(sweep_row(model, kv, args))}")
+    engine, reqs = build(model, kv, args)
     print(f"{args.arch} fp8={args.fp8} batch {args.batch} context {args.context}: async={engine.async_scheduling}, "
           f"graphs={engine.runner.graphs is not None}")
     if cuda:

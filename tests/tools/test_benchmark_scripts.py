@@ -382,5 +382,9 @@ def test_host_step_stub_times_both_models(tmp_path):
 def test_profile_engine_step_smoke(arch):
     res = run([sys.executable, "benchmarks/profile_engine_step.py", "--arch", arch, "--smoke"])
     assert res.returncode == 0, res.stderr[-3000:]
-    assert res.stdout.startswith(f"{arch} fp8=False batch 1 context 40: async=True, graphs=False")
+    lines = res.stdout.splitlines()
+    rows = [json.loads(line.split(": ", 1)[1]) for line in lines if line.startswith("sweep decode row")]
+    steps = {"v4": 10, "v41": 5}[arch]  # flash_slice.DECODE_STEPS_PER_REP, --reps 1
+    assert len(rows) == 2 and all(len(r["step_ms_each"]) == steps and r["graphs_captured"] == 0 for r in rows)
+    assert lines[2].startswith(f"{arch} fp8=False batch 1 context 40: async=True, graphs=False")
     assert "ms per engine step" in res.stdout
