@@ -280,8 +280,10 @@ TIMING = {
         "launches the next one before collecting its own sampled tokens, then updates the scheduler; "
         "otherwise a step schedules, launches, waits for its tokens and updates; CUDA graphs where "
         "ModelRunner uses them. The row's note names what the engine did not use (graphs, async "
-        "scheduling). The timed steps compute positions `context` - steps .. `context` - 1, steps = 10 * reps "
-        "(V4 slice) or 5 * reps (V4.1 slice). The requests' cache state comes from a prefill that is "
+        "scheduling). The timed steps compute positions `context` - 1 - steps .. `context` - 2 (and, async, launch "
+        "the step at `context` - 1), steps = 10 * reps (V4 slice) or 5 * reps (V4.1 slice); `diag` lists each "
+        "timed step's ms, the CUDA graphs captured during them (captures happen on a graph's first use), GC "
+        "pauses and allocator retries. The requests' cache state comes from a prefill that is "
         "scheduled but not computed (the cache stays zero): step times do not depend on cache values.",
     "deepinfer:decode-graph-replay":
         "not an engine step: DecodeGraphs.run alone (host planning, one input copy, graph replay) for the "
@@ -455,8 +457,10 @@ def start_decoding(engine, prompts: list[list[int]], max_tokens: int) -> list:
 
 def decode_row_engine(model, B: int, C: int, kv: str, steps: int, invariant: bool, graphs: bool, tokens):
     """(engine, requests) of a decode row: B requests whose prompts (tokens(n) each) end DECODE_WARMUP +
-    `steps` positions before context C, made up as prefilled (start_decoding)."""
-    prompt_len = C - DECODE_WARMUP - steps
+    `steps` + 1 positions before context C, made up as prefilled (start_decoding). Under async scheduling
+    the last timed step also launches the step at position C - 1: no timed step reaches position C, which
+    (C a power of two) would need the next entry-width bucket's CUDA graph, captured on first use."""
+    prompt_len = C - DECODE_WARMUP - steps - 1  # the last timed step launches the one at C - 1 ahead
     if prompt_len < 1:
         raise ValueError(f"context {C} is shorter than the {DECODE_WARMUP + steps} steps of a decode row")
     engine = deepinfer_engine(model, B, C + 8, kv, B * prompt_len, invariant, graphs)
@@ -563,7 +567,9 @@ def deepinfer_rows(fp8: bool, invariant: bool, ceil: dict, args, name: str, arch
                 engine, reqs = decode_row_engine(model, B, C, kv, steps, invariant, use_graphs, tokens)
                 diag: dict = {}
                 t = decode_seconds(engine, steps, diag)
-                rows.append(_row(name, "decode", B, 1, C, B / t, t, roof, _engine_note(engine), diag))
+                note = "; ".join(filter(None, [_engine_note(engine), diag["graphs_captured"] and
+                                               f"{diag['graphs_captured']} CUDA graph capture(s) in the timed steps"]))
+                rows.append(_row(name, "decode", B, 1, C, B / t, t, roof, note or None, diag))
             except Exception as e:  # noqa: BLE001
                 rows.append(_failed_row(name, "decode", B, 1, C, e))
                 engine = reqs = None

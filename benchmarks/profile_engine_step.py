@@ -9,14 +9,18 @@ prefill made up), after warm-up,
      blocks and synchronises the device);
   4. a torch.profiler trace of the steps: GPU busy time, the idle time between kernels, and the top
      kernels and host ops.
+--phase prefill instead times the sweep's prefill row, then GPU ms per module role over one such step
+(summed over layers) and a profiler trace of it.
 --smoke runs tiny widths on the CPU (no graphs; sections 1, 2, 3 and the GPU columns are skipped).
 
-    PYTHONPATH=. python benchmarks/profile_engine_step.py --arch v41 --batch 1 --context 256 [--fp8]
+    cd benchmarks && PYTHONPATH=.. python profile_engine_step.py --arch v41 --batch 1 --context 256 [--fp8]
+    cd benchmarks && PYTHONPATH=.. python profile_engine_step.py --arch v41 --phase prefill --batch 4 --seq 2048
 """
 from __future__ import annotations
 
 import argparse
 import collections
+import itertools
 import json
 import time
 import warnings
@@ -70,23 +74,26 @@ def gpu_gaps(prof) -> tuple[float, float, int]:
     return busy / 1e3, idle / 1e3, len(spans)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--arch", choices=("v4", "v41"), default="v41")
-    ap.add_argument("--fp8", action="store_true")
-    ap.add_argument("--batch", type=int, default=1)
-    ap.add_argument("--context", type=int, default=256)
-    ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--rows", type=int, default=25)
-    ap.add_argument("--reps", type=int, default=2, help="the sweep's REPS (its decode rows time DECODE_STEPS_PER_REP x reps steps)")
-    ap.add_argument("--sweep-rows", type=int, default=2, help="times to run the sweep's own decode row first")
-    ap.add_argument("--smoke", action="store_true")
-    args = ap.parse_args()
-    if args.smoke:
-        fs.use_smoke_settings()
-        args.context, args.steps, args.rows, args.reps = 40, 3, 5, 1
-    cuda = fs.DEVICE == "cuda"
-    model, kv = model_and_kv(args)
+def profiled(step, n: int, args, cuda: bool) -> None:
+    """`n` calls of `step` under torch.profiler: wall time, GPU busy / idle time and the top ops."""
+    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+    t = time.perf_counter()
+    with torch.profiler.profile(activities=activities) as prof:
+        for _ in range(n):
+            step()
+        if cuda:
+            torch.cuda.synchronize()
+    wall = (time.perf_counter() - t) / n
+    busy, idle, events = gpu_gaps(prof)
+    print(f"under the profiler: {1e3 * wall:.3f} ms per engine step; GPU busy {busy / n:.3f} ms and "
+          f"idle between kernels {idle / n:.3f} ms per step, {events / n:.0f} device events per step")
+    sort = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+    print(prof.key_averages().table(sort_by=sort, row_limit=args.rows, max_name_column_width=70))
+    if cuda:
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.rows, max_name_column_width=70))
+
+
+def decode(model, kv: str, args, cuda: bool) -> None:
     for i in range(args.sweep_rows):
         print(f"sweep decode row {i + 1} (a fresh engine, as run_sweep.sh times it): {json.dumps(sweep_row(model, kv, args))}")
     engine, reqs = build(model, kv, args)
@@ -112,21 +119,57 @@ def main() -> None:
             print(f"allocator {key} during those steps: {after.get(key, 0) - before.get(key, 0)}")
         free, total = torch.cuda.mem_get_info()
         print(f"device memory free {free / 2**30:.1f} of {total / 2**30:.1f} GiB")
-    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
-    t = time.perf_counter()
-    with torch.profiler.profile(activities=activities) as prof:
-        for _ in range(args.steps):
-            engine.step()
-        if cuda:
-            torch.cuda.synchronize()
-    wall = (time.perf_counter() - t) / args.steps
-    busy, idle, n = gpu_gaps(prof)
-    print(f"under the profiler: {1e3 * wall:.3f} ms per engine step; GPU busy {busy / args.steps:.3f} ms and "
-          f"idle between kernels {idle / args.steps:.3f} ms per step, {n / args.steps:.0f} device events per step")
-    sort = "self_cuda_time_total" if cuda else "self_cpu_time_total"
-    print(prof.key_averages().table(sort_by=sort, row_limit=args.rows, max_name_column_width=70))
+    profiled(engine.step, args.steps, args, cuda)
+
+
+def prefill(model, kv: str, args, cuda: bool) -> None:
+    """The sweep's prefill row (one engine step taking --batch prompts of --seq tokens, median of --reps),
+    then one such step timed per module role (CUDA events) and one under the profiler."""
+    from deepinfer import SamplingParams
+    from deepinfer.engine.request import Request
+
+    B, S = args.batch, args.seq
+    engine = fs.deepinfer_engine(model, B, S + 8, kv, B * S, False, False)
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, model.config.vocab_size, (S,), generator=g).tolist() for _ in range(B)]
+    t = fs.prefill_seconds(engine, prompts, args.reps)
+    print(f"{args.arch} fp8={args.fp8} prefill {B} x {S}: engine step {1e3 * t:.3f} ms (median of {args.reps}, as the "
+          f"sweep times it), replay_keep={engine.runner.replay_keep}")
+    params, ids = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True), itertools.count()
+
+    def step():
+        for p in prompts:
+            engine.add_request(Request(f"profiled{next(ids)}", p, params))
+        for r in engine.step():
+            engine.completion(r, 0)
+
     if cuda:
-        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.rows, max_name_column_width=70))
+        from profile_step import print_module_times
+
+        print_module_times(model, step)
+    profiled(step, 1, args, cuda)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--arch", choices=("v4", "v41"), default="v41")
+    ap.add_argument("--phase", choices=("decode", "prefill"), default="decode")
+    ap.add_argument("--fp8", action="store_true")
+    ap.add_argument("--batch", type=int, default=1)
+    ap.add_argument("--context", type=int, default=256, help="decode: the sweep row's context")
+    ap.add_argument("--seq", type=int, default=2048, help="prefill: prompt length")
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--rows", type=int, default=25)
+    ap.add_argument("--reps", type=int, default=2, help="the sweep's REPS (its decode rows time DECODE_STEPS_PER_REP x reps steps)")
+    ap.add_argument("--sweep-rows", type=int, default=2, help="times to run the sweep's own decode row first")
+    ap.add_argument("--smoke", action="store_true")
+    args = ap.parse_args()
+    if args.smoke:
+        fs.use_smoke_settings()
+        args.context, args.seq, args.steps, args.rows, args.reps = 40, 32, 3, 5, 1
+    cuda = fs.DEVICE == "cuda"
+    model, kv = model_and_kv(args)
+    (prefill if args.phase == "prefill" else decode)(model, kv, args, cuda)
 
 
 if __name__ == "__main__":

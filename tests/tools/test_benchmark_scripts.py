@@ -388,3 +388,10 @@ def test_profile_engine_step_smoke(arch):
     assert len(rows) == 2 and all(len(r["step_ms_each"]) == steps and r["graphs_captured"] == 0 for r in rows)
     assert lines[2].startswith(f"{arch} fp8=False batch 1 context 40: async=True, graphs=False")
     assert "ms per engine step" in res.stdout
+
+
+def test_profile_engine_step_prefill_smoke():
+    res = run([sys.executable, "benchmarks/profile_engine_step.py", "--arch", "v41", "--phase", "prefill", "--smoke"])
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stdout.startswith("v41 fp8=False prefill 1 x 32: engine step ")
+    assert "aten::" in res.stdout  # the profiler's op table of one prefill step
