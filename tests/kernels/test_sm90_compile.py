@@ -190,3 +190,26 @@ def engram_launches():
 
 def test_engram_compiles_for_sm90():
     test_kernels_compile_for_sm90(engram_launches)
+
+
+def fp8_linear_launches():
+    """W8A8 linears (prefill row counts): the 1 x 128 activation quantisation at V4 / V4.1 widths, and the
+    Triton FP8 GEMM for V4's 128 x 128 blocks (fallback where cuBLAS blockwise is unavailable) and V4.1's
+    32 x 32 blocks, E8M0 and fp32 weight scales (the recorder's CPU tensors keep the e4m3 dot)."""
+    from deepinfer.kernels import act_quant, fp8_gemm
+    E4 = torch.float8_e4m3fn
+    for T in (256, 8192):
+        for K in (4096, 5120, 1024):
+            act_quant._launch(_e(T, K), 128, True, rows=-(-T // 16) * 16)
+    act_quant._launch(_e(300, 4096, dtype=torch.float32), 32, False)
+    e8 = lambda *s: _i(*s, dtype=torch.uint8).view(torch.float8_e8m0fnu)  # noqa: E731
+    for T in (256, 8192):
+        a, sa = _e(T, 4096, dtype=E4), _e(32, T, dtype=torch.float32).t()
+        fp8_gemm._launch(a, sa, _e(1536, 4096, dtype=E4), e8(12, 32))
+        fp8_gemm._launch(a, sa, _e(1536, 4096, dtype=E4), _e(12, 32, dtype=torch.float32))
+        fp8_gemm._launch(_e(T, 5120, dtype=E4), _e(40, T, dtype=torch.float32).t(), _e(1280, 5120, dtype=E4),
+                         e8(40, 160), 128, (32, 32))
+
+
+def test_fp8_linear_kernels_compile_for_sm90():
+    test_kernels_compile_for_sm90(fp8_linear_launches)
