@@ -82,7 +82,8 @@ def test_hierarchical_keeps_groups_on_one_node(num_logical, num_physical, num_gp
             assert node_of_slot[in_group].unique().numel() == 1, f"layer {layer} group {grp} spans nodes"
         # groups per node equal
         nodes = [int(node_of_slot[p.logical_to_physical[layer, grp * group_size, 0]]) for grp in range(num_groups)]
-        assert torch.bincount(torch.tensor(nodes), minlength=num_nodes).tolist() == [num_groups // num_nodes] * num_nodes
+        per_node = torch.bincount(torch.tensor(nodes), minlength=num_nodes).tolist()
+        assert per_node == [num_groups // num_nodes] * num_nodes
 
 
 def test_global_spreads_a_group_that_hierarchical_keeps_together():
