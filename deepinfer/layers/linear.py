@@ -3,8 +3,17 @@
 Quantised mode keeps the checkpoint's tensors as they are (`weight` e4m3 + `scale`
 E8M0 or fp32, named exactly as on disk) and dequantises on the fly: this is the
 storage the GPU path consumes. Dense mode holds `weight` in the model dtype.
-On CUDA with bf16 activations a quantised Linear runs the Triton grouped GEMM with one group
-(kernels/grouped_gemm.py: FP8 weight tiles dequantised in registers, activations stay bf16).
+On CUDA with bf16 activations a quantised Linear picks its GEMM by the row count M:
+  * M >= FP8_GEMM_ROWS (prefill; compute-bound): W8A8 as DeepSeek's reference computes it, the
+    input quantised per 1 x ACT_GROUP group to e4m3 with power-of-two scales (kernels/act_quant.py)
+    and an FP8 x FP8 tensor-core GEMM with block scales on both operands (kernels/fp8_gemm.py:
+    torch._scaled_mm blockwise for 128 x 128 weight blocks, Triton otherwise);
+  * fewer rows (decode; weight-bandwidth-bound): W8A16, the Triton grouped GEMM with one group
+    (kernels/grouped_gemm.py: FP8 weight tiles widened in registers, activations stay bf16, so the
+    result is closer to exact than the reference's, which quantises activations at every size).
+Batch-invariant mode runs W8A16 with invariant.GEMM_TILES at every M (one path whatever the batch).
+Weights whose blocks are not powers of two >= 16 wide along K stay on W8A16. Elsewhere (CPU, fp32
+activations) the weight is dequantised and multiplied densely, as before.
 """
 from __future__ import annotations
 
@@ -14,6 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from deepinfer.kernels.act_quant import act_quant
+from deepinfer.kernels.fp8_gemm import ROW_PAD, fp8_gemm, use_scaled_mm
 from deepinfer.kernels.grouped_gemm import grouped_gemm, triton_available
 from deepinfer.layers import invariant
 from deepinfer.formats.quant import dequant_fp4, dequant_fp8_blocks
@@ -70,9 +81,11 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.block_size is not None and x.is_cuda and x.dtype == torch.bfloat16 and triton_available():
-            # W8A16 on the GPU: one group, the FP8 tiles dequantised in the GEMM's registers
-            y = grouped_gemm(x.reshape(-1, self.in_features), self.weight, None, self.scale, self.block_size,
-                             **invariant.gemm_tiles())
+            a = x.reshape(-1, self.in_features)
+            if fp8_gemm_rows(a.shape[0], self.block_size):  # W8A8: compute-bound row counts
+                y = fp8_linear(a, self.weight, self.scale, self.block_size)
+            else:  # W8A16: one group, the FP8 tiles dequantised in the GEMM's registers
+                y = grouped_gemm(a, self.weight, None, self.scale, self.block_size, **invariant.gemm_tiles())
             return y.view(*x.shape[:-1], self.out_features)
         return dense_linear(x, self.dense_weight(x.dtype))
 
@@ -80,10 +93,15 @@ class Linear(nn.Module):
         """x [T, G, I] through the weight as G row blocks [G, O, I] (O = out_features / G), group g's
         inputs meeting block g only -> [T, G * O] (V4's grouped output projection wo_a).
         FP8 on CUDA below GROUPED_GEMM_ROWS tokens: one Triton grouped GEMM over the group-major
-        rows, FP8 tiles dequantised in registers (no per-step bf16 copy of the weight); otherwise
-        the dense weight through `grouped_linear`."""
+        rows, FP8 tiles dequantised in registers (no per-step bf16 copy of the weight); from
+        FP8_GEMM_ROWS tokens (when O is whole weight blocks) W8A8: the input quantised once (its
+        1 x ACT_GROUP groups never straddle two groups' inputs when I % ACT_GROUP == 0) and one
+        FP8 GEMM per group on its column slice; otherwise the dense weight through `grouped_linear`."""
         T, G, I = x.shape
         O = self.out_features // G
+        if (self.block_size is not None and x.is_cuda and x.dtype == torch.bfloat16 and triton_available()
+                and fp8_gemm_rows(T, self.block_size) and O % self.block_size[0] == 0 and I % ACT_GROUP == 0):
+            return fp8_linear_grouped(x, self.weight, self.scale, self.block_size)
         if (self.block_size is not None and x.is_cuda and x.dtype == torch.bfloat16 and triton_available()
                 and 0 < T < GROUPED_GEMM_ROWS and O % self.block_size[0] == 0 and not invariant.enabled()):
             a = x.transpose(0, 1).reshape(G * T, I)
@@ -95,6 +113,48 @@ class Linear(nn.Module):
 
 
 GROUPED_GEMM_ROWS = 512  # prefill keeps dequant + cuBLAS per group (the weight copy is small beside its GEMMs)
+# W8A8 from this many rows: an FP8 weight read once per GEMM stops bounding the time near
+# M = 790 TFLOP/s / 4.8 TB/s / 2 FLOP per byte ~ 80 rows (bf16 rate) .. 165 (fp8 rate); 256 keeps
+# every decode batch of the Flash-slice sweep (<= 128) on W8A16. Not tuned on the GPU yet
+# (benchmarks/fp8_gemm_bench.py times both paths at M = 1 .. 8192).
+FP8_GEMM_ROWS = 256
+ACT_GROUP = 128  # the reference's act_quant group (1 x 128, power-of-two scales)
+
+
+def fp8_gemm_rows(M: int, block: tuple[int, int]) -> bool:
+    """Whether M rows through an FP8 weight of `block` take W8A8 (outside batch-invariant mode)."""
+    bo, bi = block
+    pow2 = bo > 0 and bi >= 16 and not (bo & (bo - 1)) and not (bi & (bi - 1))
+    return M >= FP8_GEMM_ROWS and pow2 and not invariant.enabled()
+
+
+def _quantised_input(a: torch.Tensor, N: int, K: int,
+                     block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor, str]:
+    """act_quant's (q, s) for a [M, *], rows padded to ROW_PAD when cuBLAS will run the GEMMs (each
+    N x K), and the fp8_gemm backend that takes them."""
+    M = a.shape[0]
+    backend = "scaled_mm" if use_scaled_mm(a.device, N, K, ACT_GROUP, block) else "triton"
+    rows = -(-M // ROW_PAD) * ROW_PAD if backend == "scaled_mm" else M
+    q, s = act_quant(a, ACT_GROUP, rows=rows)
+    return q, s, backend
+
+
+def fp8_linear(a: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """W8A8 a [M, K] bf16 @ w [N, K]^T: act_quant + fp8_gemm -> [M, N] bf16."""
+    q, s, backend = _quantised_input(a, w.shape[0], w.shape[1], block)
+    return fp8_gemm(q, s, w, scale, ACT_GROUP, block, backend)[: a.shape[0]]
+
+
+def fp8_linear_grouped(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor,
+                       block: tuple[int, int]) -> torch.Tensor:
+    """x [T, G, I] bf16 through w [G*O, I] as G row blocks (Linear.forward_grouped), W8A8 -> [T, G*O]."""
+    T, G, I = x.shape
+    O, so = w.shape[0] // G, scale.shape[0] // G
+    q, s, backend = _quantised_input(x.reshape(T, G * I), O, I, block)
+    gi = I // ACT_GROUP
+    ys = [fp8_gemm(q[:, g * I:(g + 1) * I], s[:, g * gi:(g + 1) * gi], w[g * O:(g + 1) * O],
+                   scale[g * so:(g + 1) * so], ACT_GROUP, block, backend) for g in range(G)]
+    return torch.cat(ys, dim=1)[:T]
 
 
 def stacked_forward(owner: nn.Module, key: str, parts: tuple[Linear, ...], x: torch.Tensor,

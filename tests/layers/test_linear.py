@@ -1,6 +1,7 @@
 """Linear helpers: stacked same-input projections (one GEMM for several weights)."""
 import pytest
 import torch
+import torch.nn.functional as F
 
 from deepinfer.layers.linear import Linear, QuantSpec, fuse_output_rows, stacked_forward
 
@@ -73,3 +74,96 @@ def test_stacked_forward_on_gpu():
         assert g.dtype == torch.float32
         torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
 
+
+
+# ---- FP8 linears: W8A8 (act_quant + FP8 GEMM) from FP8_GEMM_ROWS rows, W8A16 below and in invariant mode
+
+def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.float() - want.float()).norm() / want.float().norm())
+
+
+def _fp8_case(rows: int, i: int, o: int, block=(128, 128), seed=0):
+    from deepinfer.formats.quant import dequant_fp8_blocks
+    g = torch.Generator().manual_seed(seed)
+    w = (torch.randn(o, i, generator=g) * 4).to(torch.float8_e4m3fn)
+    s = torch.randint(117, 122, (-(-o // block[0]), -(-i // block[1])), generator=g, dtype=torch.uint8)
+    x = torch.randn(rows, i, generator=g).to(torch.bfloat16)
+    s = s.view(torch.float8_e8m0fnu)
+    return x, w, s, F.linear(x.float(), dequant_fp8_blocks(w, s, block))
+
+
+def test_fp8_gemm_rows_picks_w8a8_for_many_rows_outside_invariant_mode():
+    from deepinfer.layers import invariant
+    from deepinfer.layers.linear import FP8_GEMM_ROWS, fp8_gemm_rows
+    assert fp8_gemm_rows(FP8_GEMM_ROWS, (128, 128)) and fp8_gemm_rows(8192, (32, 32))
+    assert not fp8_gemm_rows(FP8_GEMM_ROWS - 1, (128, 128))         # decode sizes: W8A16
+    assert not fp8_gemm_rows(8192, (16, 48)) and not fp8_gemm_rows(8192, (1, 8))  # no e4m3 dot over K
+    with invariant.mode(True):
+        assert not fp8_gemm_rows(8192, (128, 128))                 # one path whatever the batch
+
+
+def test_fp8_linear_is_act_quant_then_the_fp8_gemm():
+    """On CPU tensors fp8_linear runs both references: the reference's W8A8 arithmetic, within
+    e4m3's activation rounding of the exact product."""
+    from deepinfer.kernels import act_quant, fp8_gemm
+    from deepinfer.layers.linear import fp8_linear
+    for block in ((128, 128), (32, 32)):
+        x, w, s, exact = _fp8_case(37, 256, 96, block)
+        got = fp8_linear(x, w, s, block)
+        assert got.shape == (37, 96) and got.dtype == torch.bfloat16
+        assert torch.equal(got, fp8_gemm.reference(*act_quant.reference(x, 128), w, s, 128, block))
+        assert 1e-3 < _rel(got, exact) < 0.04
+
+
+def test_fp8_grouped_projection_quantises_each_groups_input_alone():
+    """forward_grouped's W8A8 form: one act_quant over [T, G * I] equals each group's own (no 1 x 128
+    group straddles two groups' inputs), then one GEMM per group."""
+    from deepinfer.layers.linear import fp8_linear, fp8_linear_grouped
+    G, I, O, T = 4, 256, 128, 9
+    _, w, s, _ = _fp8_case(0, I, G * O, seed=1)                     # G row blocks of [O, I]
+    xg = torch.randn(T, G, I).to(torch.bfloat16)
+    want = torch.cat([fp8_linear(xg[:, g].contiguous(), w[g * O:(g + 1) * O], s[g:(g + 1)], (128, 128))
+                      for g in range(G)], dim=1)
+    assert torch.equal(fp8_linear_grouped(xg, w, s, (128, 128)), want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("block", [(128, 128), (32, 32)])
+@pytest.mark.parametrize("rows", [5, 300, 4096])
+def test_fp8_linear_paths_on_gpu(block, rows):
+    """From FP8_GEMM_ROWS rows Linear.forward is W8A8 (the CPU's fp8_linear to bf16 rounding: rel < 4e-3),
+    below it W8A16 (the exact product to rel < 4e-3); invariant mode is W8A16 at every size, the same bits
+    as grouped_gemm with GEMM_TILES."""
+    from deepinfer.kernels.grouped_gemm import grouped_gemm
+    from deepinfer.layers import invariant
+    from deepinfer.layers.linear import FP8_GEMM_ROWS, fp8_linear
+    x, w, s, exact = _fp8_case(rows, 1024, 1536, block)
+    lin = Linear(1024, 1536, torch.bfloat16, QuantSpec(block_size=block))
+    lin.weight.copy_(w)
+    lin.scale.copy_(s)
+    lin.cuda()
+    y = lin(x.cuda()[None])[0]
+    assert y.shape == (rows, 1536) and y.dtype == torch.bfloat16
+    if rows >= FP8_GEMM_ROWS:
+        assert _rel(y.cpu(), fp8_linear(x, w, s, block)) < 4e-3
+    else:
+        assert _rel(y.cpu(), exact) < 4e-3
+    with invariant.mode(True):
+        yi = lin(x.cuda())
+    assert torch.equal(yi, grouped_gemm(x.cuda(), lin.weight, None, lin.scale, block, **invariant.GEMM_TILES))
+    assert _rel(yi.cpu(), exact) < 4e-3
+
+
+@pytest.mark.gpu
+def test_fp8_grouped_projection_w8a8_on_gpu():
+    from deepinfer.layers.linear import FP8_GEMM_ROWS, GROUPED_GEMM_ROWS, fp8_linear_grouped
+    G, I, O = 8, 512, 256
+    T = max(FP8_GEMM_ROWS, GROUPED_GEMM_ROWS) + 88
+    lin = Linear(I, G * O, torch.bfloat16, QuantSpec(block_size=(128, 128)))
+    lin.weight.copy_((torch.randn(G * O, I) * 4).to(torch.float8_e4m3fn))
+    lin.scale.copy_(torch.randint(117, 122, lin.scale.shape, dtype=torch.uint8).view(lin.scale.dtype))
+    x = torch.randn(T, G, I).to(torch.bfloat16)
+    want = fp8_linear_grouped(x, lin.weight, lin.scale, (128, 128))
+    lin.cuda()
+    got = lin.forward_grouped(x.cuda())
+    assert got.shape == (T, G * O) and _rel(got.cpu(), want) < 4e-3
