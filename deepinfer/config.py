@@ -9,6 +9,13 @@ from typing import Mapping
 ACCELERATORS = ("nvidia", "cpu", "ascend")
 KV_CACHE_DTYPES = ("auto", "fp8", "bfloat16", "float32")
 DTYPES = ("bfloat16", "float32")
+# vLLM's `quantization` values this build understands: None keeps the checkpoint's formats on CUDA and
+# dequantises on the CPU (the torch reference path); "fp8" keeps DeepSeek's shipped formats (FP8 block
+# weights, FP4 routed experts) on any device; "none" dequantises every weight to `dtype`
+QUANTIZATIONS = (None, "fp8", "none")
+# vLLM's parallel-size arguments (and context_parallel_size), with their single-process defaults
+PARALLEL_DEFAULTS = {"tensor_parallel_size": 1, "data_parallel_size": 1, "context_parallel_size": 1,
+                     "enable_expert_parallel": False, "enable_eplb": False}
 
 # env var -> EngineConfig field
 ENV_FIELDS = {
@@ -52,6 +59,12 @@ class EngineConfig:
     # a request's logits do not depend on the rest of the batch, its size or its prompt's chunking
     # (fixed-tile GEMMs, fixed-block attention reductions); costs speed, so off by default
     batch_invariant: bool = False
+    quantization: str | None = None   # one of QUANTIZATIONS
+    tensor_parallel_size: int = 1     # attention heads split over this many ranks
+    data_parallel_size: int = 1       # attention data parallelism: ranks that own their own requests
+    enable_expert_parallel: bool = False  # routed experts split over the tp x dp ranks
+    enable_eplb: bool = False         # expert-parallel load balancing (redundant, moving expert replicas)
+    context_parallel_size: int = 1    # long prefills split over this many ranks
 
     def __post_init__(self):
         _check_choice("accelerator", self.accelerator, ACCELERATORS)
@@ -73,8 +86,29 @@ class EngineConfig:
         for name in ("max_model_len", "kv_cache_memory"):
             if getattr(self, name) is not None:
                 _check_positive(name, getattr(self, name))
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization: {self.quantization!r} is not one of None, 'fp8', 'none'")
+        for name in ("tensor_parallel_size", "data_parallel_size", "context_parallel_size"):
+            _check_positive(name, getattr(self, name))
+        for name in ("enable_expert_parallel", "enable_eplb"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name}: must be True or False, got {getattr(self, name)!r}")
+        if self.enable_eplb and not self.enable_expert_parallel:
+            raise ValueError("enable_eplb: load balancing moves routed experts between expert-parallel ranks; "
+                             "it needs enable_expert_parallel=True")
         if self.accelerator == "ascend":
             raise ValueError("accelerator: 'ascend' is not supported in this build of deepinfer")
+
+    @property
+    def keeps_checkpoint_formats(self) -> bool:
+        """Whether the model holds FP8/FP4 weights as the checkpoint stores them (`quantization`)."""
+        if self.quantization is None:
+            return self.device.startswith("cuda")
+        return self.quantization == "fp8"
+
+    def parallel_changes(self) -> dict[str, object]:
+        """The parallel-size fields set to something other than one process's defaults."""
+        return {k: getattr(self, k) for k, v in PARALLEL_DEFAULTS.items() if getattr(self, k) != v}
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides) -> "EngineConfig":

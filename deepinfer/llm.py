@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import gc
 import itertools
+import logging
 import numbers
 from typing import Sequence
 
@@ -13,16 +14,18 @@ from deepinfer.config import EngineConfig
 from deepinfer.engine.detokenizer import Detokenizer
 from deepinfer.engine.engine_core import EngineCore
 from deepinfer.engine.kv_manager import KVCacheManager, plan_capacity
+from deepinfer.engine.memory_fit import WORKSPACE_BYTES, check_fit, format_bytes, requests_at_length
 from deepinfer.engine.outputs import CompletionOutput, RequestOutput
 from deepinfer.engine.request import Request, Status
 from deepinfer.engine.scheduler import Scheduler
-from deepinfer.loader.model_loader import load_model
+from deepinfer.loader.model_loader import load_model, weight_bytes
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.tools.demo import DEMO_NAME, demo_checkpoint
 from deepinfer.worker.kv_cache import allocate_v4_cache, cache_spec, default_cache_memory
 from deepinfer.worker.model_runner import ModelRunner
 
 DEFAULT_MODEL = "deepseek-ai/DeepSeek-V4.1-Flash-1017"
+logger = logging.getLogger(__name__)
 
 # a text, token ids, or {"prompt" | "prompt_token_ids": ..., "images": [PIL.Image | bytes, ...]} where each
 # image_token_id in the prompt marks where one image goes (it expands to the image's token span)
@@ -36,7 +39,13 @@ class LLM:
                  skip_tokenizer_init: bool = False, seed: int | None = None, block_size: int = 64,
                  yoco_prefill_truncation_mode: str | None = None, yoco_prefill_keep_tokens: int | None = None,
                  engram_device: str | None = None, enforce_eager: bool = False, async_scheduling: bool = True,
-                 batch_invariant: bool | None = None, max_logprobs: int = 20):
+                 batch_invariant: bool | None = None, max_logprobs: int = 20, quantization: str | None = None,
+                 tensor_parallel_size: int = 1, data_parallel_size: int = 1, enable_expert_parallel: bool = False,
+                 enable_eplb: bool = False, context_parallel_size: int = 1):
+        """`quantization` (vLLM's name): None keeps the checkpoint's FP8/FP4 formats on CUDA and dequantises
+        to `dtype` on the CPU; "fp8" keeps them on any device; "none" dequantises. Before any weight is
+        read, the model's bytes (built on the meta device) are checked against the GPU's free memory;
+        a model that does not fit raises ValueError with the layouts that would."""
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         cfg = EngineConfig.from_env(
             model=model, device=device, dtype=dtype, kv_cache_dtype=kv_cache_dtype, max_model_len=max_model_len,
@@ -45,17 +54,22 @@ class LLM:
             block_size=block_size, yoco_prefill_truncation_mode=yoco_prefill_truncation_mode,
             yoco_prefill_keep_tokens=yoco_prefill_keep_tokens, engram_device=engram_device,
             enforce_eager=enforce_eager, async_scheduling=async_scheduling, batch_invariant=batch_invariant,
-            max_logprobs=max_logprobs)
+            max_logprobs=max_logprobs, quantization=quantization, tensor_parallel_size=tensor_parallel_size,
+            data_parallel_size=data_parallel_size, enable_expert_parallel=enable_expert_parallel,
+            enable_eplb=enable_eplb, context_parallel_size=context_parallel_size)
         if cfg.device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError(f"device: {cfg.device!r} needs a CUDA device, and this torch ({torch.__version__}) "
                              "sees none; use device='cpu'")
+        _require_one_process(cfg)
         self.config = cfg
         ref = cfg.model or cfg.hf_model_dir or DEFAULT_MODEL
         if ref == DEMO_NAME:
             ref = str(demo_checkpoint())
         self.model, self.model_dir = load_model(ref, dtype=getattr(torch, cfg.dtype), device=cfg.device,
+                                                quantized=cfg.keeps_checkpoint_formats,
                                                 hf_model_dir=cfg.hf_model_dir, offline=cfg.hf_hub_offline,
-                                                engram_device=cfg.engram_device)
+                                                engram_device=cfg.engram_device,
+                                                check=lambda meta: _check_before_load(cfg, meta))
         mcfg = self.model.config
         self.detokenizer = None if cfg.skip_tokenizer_init else _load_detokenizer(self.model_dir)
         spec = cache_spec(mcfg, cfg.kv_cache_dtype, cfg.block_size)
@@ -70,6 +84,7 @@ class LLM:
                                   scratch=True)
         self.scheduler = Scheduler(kv, min(cfg.max_num_seqs, num_slots), cfg.max_num_batched_tokens,
                                    self.max_model_len)
+        _log_capacity(self.model, cache, kv, self.max_model_len, cfg)
         runner = ModelRunner(self.model, cache, cfg.device, cfg.seed, _replay_keep(cfg, mcfg), not cfg.enforce_eager,
                              cfg.batch_invariant)
         self.engine = EngineCore(self.scheduler, runner, self.detokenizer, cfg.async_scheduling)
@@ -247,6 +262,68 @@ def _text_of(prompt: PromptType) -> str | None:
     if isinstance(prompt, dict):
         prompt = prompt.get("prompt")
     return prompt if isinstance(prompt, str) else None
+
+
+def _require_one_process(cfg: EngineConfig) -> None:
+    """The one place that turns down parallel sizes: this build runs every model in one process.
+    (The torch.distributed launcher replaces this check.)"""
+    changed = cfg.parallel_changes()
+    if changed:
+        names = ", ".join(f"{k}={v!r}" for k, v in changed.items())
+        raise ValueError(f"{names}: not yet supported in this build: deepinfer serves a model from one process "
+                         "on one device; leave the parallel sizes at their defaults")
+
+
+def _check_before_load(cfg: EngineConfig, meta: torch.nn.Module) -> None:
+    """What can be refused from the model built on the meta device, before any weight is read: a
+    quantization the checkpoint does not have, and a model that does not fit the GPU's free memory."""
+    mcfg = meta.config
+    if cfg.quantization == "fp8" and mcfg.quant.block_size is None:
+        raise ValueError("quantization: 'fp8' keeps the checkpoint's FP8/FP4 weights, but this checkpoint's "
+                         "config.json has no quantization_config (its weights are not quantised); leave "
+                         "quantization unset or pass 'none'")
+    if not cfg.device.startswith("cuda"):
+        # host memory is not checked: the CPU path is the torch reference for test-sized models, and what
+        # the host has "available" (page cache, memory-mapped shards, other processes) is no fixed bound
+        return
+    device = torch.device(cfg.device)
+    free, _ = torch.cuda.mem_get_info(device)
+    weights = weight_bytes(meta, cfg.engram_device == "cpu").serving(_repacks_fp4(cfg))
+    check_fit(weights, free, _fit_reserve(cfg, mcfg), f"{cfg.device} ({torch.cuda.get_device_name(device)})")
+
+
+def _repacks_fp4(cfg: EngineConfig) -> bool:
+    """Whether the routed experts' FP4 codes will be held as FP8 codes (twice the bytes): the GPU's
+    grouped-GEMM path (bf16 activations) repacks them on its first step (layers/moe.py)."""
+    return cfg.device.startswith("cuda") and cfg.dtype == "bfloat16"
+
+
+def _fit_reserve(cfg: EngineConfig, mcfg) -> int:
+    """Bytes a device keeps beside the weights: kv_cache_memory when given, else the cache of one request
+    at the expected length (the least the engine starts with), plus WORKSPACE_BYTES for activations."""
+    if cfg.kv_cache_memory:
+        return cfg.kv_cache_memory + WORKSPACE_BYTES
+    spec = cache_spec(mcfg, cfg.kv_cache_dtype, cfg.block_size)
+    per_token = sum(b / (cfg.block_size * m) for m, b in spec.block_bytes.items())
+    expected = cfg.max_model_len or min(mcfg.max_position_embeddings, 4096)
+    return int(spec.slot_bytes + expected * per_token) + WORKSPACE_BYTES
+
+
+def _log_capacity(model: torch.nn.Module, cache, kv: KVCacheManager, max_model_len: int, cfg: EngineConfig) -> None:
+    """Start-up figures: the weights as held on the device, the cache, and how many requests of
+    max_model_len tokens fit in it at once."""
+    weights = weight_bytes(model, cfg.engram_device == "cpu")
+    cache_bytes = sum(c.nbytes() for c in cache.layers + cache.mtp)
+    if cache.token_history is not None:
+        cache_bytes += cache.token_history.numel() * cache.token_history.element_size()
+    fit = requests_at_length(kv.num_slots, kv.num_blocks, kv.blocks_for(max_model_len))
+    formats = "as the checkpoint stores them" if cfg.keeps_checkpoint_formats else f"dequantised to {cfg.dtype}"
+    served = weights.serving(_repacks_fp4(cfg))
+    later = f"; {format_bytes(served.total)} once the FP4 experts are repacked as FP8" if served != weights else ""
+    logger.info("weights: %s on %s (%s; routed experts %s%s)", format_bytes(weights.total), cfg.device, formats,
+                format_bytes(weights.experts), later)
+    logger.info("cache: %s (%d request slots); %d request(s) of max_model_len=%d tokens fit at once",
+                format_bytes(cache_bytes), kv.num_slots, fit, max_model_len)
 
 
 def _replay_keep(cfg: EngineConfig, mcfg) -> int | None:

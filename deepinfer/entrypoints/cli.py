@@ -23,7 +23,10 @@ def _generate(args: argparse.Namespace) -> None:
 
     llm = LLM(model=args.model, device=args.device, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
               max_model_len=args.max_model_len, seed=args.seed, enforce_eager=args.enforce_eager,
-              batch_invariant=args.batch_invariant or None)
+              batch_invariant=args.batch_invariant or None, quantization=args.quantization,
+              tensor_parallel_size=args.tensor_parallel_size, data_parallel_size=args.data_parallel_size,
+              enable_expert_parallel=args.enable_expert_parallel, enable_eplb=args.enable_eplb,
+              context_parallel_size=args.context_parallel_size)
     for out in llm.generate(args.prompt, params, use_tqdm=False):
         for c in out.outputs:
             print(json.dumps({"prompt": out.prompt, "index": c.index, "text": c.text, "token_ids": c.token_ids,
@@ -45,6 +48,14 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda where available)")
     g.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "bfloat16", "float32"])
+    g.add_argument("--quantization", default=None, choices=["fp8", "none"],
+                   help="fp8: keep the checkpoint's FP8/FP4 weights; none: dequantise to --dtype "
+                        "(default: keep them on CUDA, dequantise on the CPU)")
+    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    g.add_argument("--data-parallel-size", "-dp", type=int, default=1)
+    g.add_argument("--enable-expert-parallel", action="store_true", help="split the routed experts over the ranks")
+    g.add_argument("--enable-eplb", action="store_true", help="expert-parallel load balancing")
+    g.add_argument("--context-parallel-size", type=int, default=1)
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")

@@ -4,15 +4,20 @@ from __future__ import annotations
 import dataclasses
 import logging
 from pathlib import Path
-from typing import TypeVar
+from typing import Callable, TypeVar
 
 import torch
+from torch import nn
+
+from deepinfer.engine.memory_fit import WeightBytes
 
 from deepinfer.loader.checkpoint import CheckpointReader
 from deepinfer.loader.model_config import read_model_config
 from deepinfer.loader.names import DRAFT_PREFIX, is_draft_name
 from deepinfer.loader.resolve import resolve_model_dir
 from deepinfer.loader.weights import load_weights
+from deepinfer.layers.engram import EngramTable
+from deepinfer.layers.moe import Experts
 from deepinfer.models.config import DeepseekV4Config
 from deepinfer.models.config_v41 import DeepseekV41Config
 from deepinfer.models.registry import model_classes
@@ -23,9 +28,14 @@ Config = TypeVar("Config", DeepseekV4Config, DeepseekV41Config)
 
 def load_model(model: str | Path | None, *, dtype: torch.dtype = torch.bfloat16, device: str = "cpu",
                quantized: bool = False, hf_model_dir: str | None = None, offline: bool = False,
-               engram_device: str | None = None):
-    """-> (model in eval mode, its directory). `quantized=True` keeps FP8/FP4 weights as stored;
-    engram_device="cpu" (V4.1) leaves the Engram tables memory-mapped on the host.
+               engram_device: str | None = None, check: Callable[[nn.Module], None] | None = None):
+    """-> (model in eval mode, its directory). `quantized=True` keeps FP8/FP4 weights as stored (a
+    checkpoint with no quantization_config loads in `dtype` either way); engram_device="cpu" (V4.1)
+    leaves the Engram tables memory-mapped on the host.
+
+    `check`, when given, is called with the same model built on the meta device (same class, config,
+    `quantized` and Engram placement: the tensors it will hold, with no storage) before any storage is
+    allocated on `device` or any weight is read; whatever it raises stops the load.
 
     A checkpoint with no draft tensors at all (`mtp.*`) loads as its trunk: the model is built
     without draft layers (`model.mtp is None`, its config says 0 of them) and a warning says so.
@@ -39,6 +49,9 @@ def load_model(model: str | Path | None, *, dtype: torch.dtype = torch.bfloat16,
         cfg = without_draft(cfg)
     _, model_cls = model_classes(cfg.model_type)
     extra = {"engram_device": engram_device} if engram_device and hasattr(cfg, "engram_layer_ids") else {}
+    if check is not None:
+        with torch.device("meta"):
+            check(model_cls(cfg, dtype=dtype, quantized=quantized, **extra))
     with torch.device(device):
         net = model_cls(cfg, dtype=dtype, quantized=quantized, **extra)
     load_weights(net, reader, config=cfg)
@@ -49,6 +62,31 @@ def load_model(model: str | Path | None, *, dtype: torch.dtype = torch.bfloat16,
     if getattr(cfg, "engram_layer_ids", None):
         net.set_engram_vocab(_engram_token_map(path))
     return net.eval(), path
+
+
+def weight_bytes(net: nn.Module, host_engram: bool = False) -> WeightBytes:
+    """Bytes of `net`'s parameters and buffers (on any device, meta included), routed experts apart.
+    `host_engram`: V4.1 Engram tables are left on the host (engram_device="cpu") and not counted."""
+    experts = other = packed = 0
+    seen: set[int] = set()
+    for mod in net.modules():
+        if host_engram and isinstance(mod, EngramTable):
+            seen.update(id(t) for t in mod.parameters(recurse=False))
+            seen.update(id(t) for t in mod.buffers(recurse=False))
+            continue
+        routed = isinstance(mod, Experts)
+        for t in [*mod.parameters(recurse=False), *mod.buffers(recurse=False)]:
+            if id(t) in seen:  # shared tensors count once
+                continue
+            seen.add(id(t))
+            n = t.numel() * t.element_size()
+            if not routed:
+                other += n
+                continue
+            experts += n
+            if mod.quant.fp4_experts and t.dtype == torch.int8:  # two e2m1 codes per byte
+                packed += n
+    return WeightBytes(experts, other, packed)
 
 
 def without_draft(cfg: Config) -> Config:

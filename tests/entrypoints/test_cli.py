@@ -2,6 +2,7 @@
 one-line errors with exit code 2."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -53,3 +54,46 @@ def test_sampling_flags_are_checked_before_the_model_is_looked_for(tmp_path):
                                ("--max-tokens", "0", "max_tokens"), ("--n", "0", "n")]:
         _one_line_error(_cli("generate", "--model", str(tmp_path / "nowhere"), "--prompt", "hi", flag, value),
                         field)
+
+
+@pytest.fixture(scope="module")
+def fp8_ckpt(tmp_path_factory):
+    from deepinfer.tools.make_checkpoint import PRESETS, write_checkpoint
+
+    return write_checkpoint(tmp_path_factory.mktemp("cli") / "ckpt", PRESETS["tiny"], seed=3, dtype="fp8")
+
+
+def test_quantization_flag_reaches_the_engine(fp8_ckpt):
+    """--quantization fp8 keeps the FP8/FP4 weights, none dequantises (the start-up log says which);
+    on the CPU both give the same greedy tokens (the quantised layers dequantise exactly)."""
+    common = ("generate", "--model", str(fp8_ckpt), "--prompt", "hello", "--device", "cpu", "--dtype", "float32",
+              "--temperature", "0", "--max-tokens", "4")
+    env = {**ENV, "DEEPINFER_CONFIGURE_LOGGING": "1"}  # the deepinfer logger's own stderr handler
+    runs = {}
+    for q, said in (("fp8", "as the checkpoint stores them"), ("none", "dequantised to float32")):
+        res = subprocess.run([sys.executable, "-m", "deepinfer.entrypoints.cli", *common, "--quantization", q],
+                             env=env, capture_output=True, text=True, timeout=300)
+        assert res.returncode == 0, res.stderr[-2000:]
+        assert said in res.stderr and "request(s) of max_model_len=" in res.stderr, res.stderr[-2000:]
+        runs[q] = json.loads(res.stdout.splitlines()[0])["token_ids"]
+    assert runs["fp8"] == runs["none"] and len(runs["fp8"]) == 4
+
+
+def test_quantization_and_parallel_flags_are_checked_before_any_weight_is_read(fp8_ckpt, tmp_path):
+    res = _cli("generate", "--model", str(fp8_ckpt), "--prompt", "hi", "--quantization", "int4")
+    assert res.returncode == 2 and "--quantization" in res.stderr and "int4" in res.stderr
+    from deepinfer.tools.make_checkpoint import PRESETS, write_checkpoint
+
+    bf16 = write_checkpoint(tmp_path / "bf16", PRESETS["tiny"], seed=3, dtype="bfloat16")
+    _one_line_error(_cli("generate", "--model", str(bf16), "--prompt", "hi", "--device", "cpu",
+                         "--quantization", "fp8"), "quantization", "no quantization_config")
+    # the model does not exist: the parallel sizes are refused before it is looked for
+    nowhere = str(tmp_path / "nowhere")
+    _one_line_error(_cli("generate", "--model", nowhere, "--prompt", "hi", "--device", "cpu",
+                         "--tensor-parallel-size", "2"), "tensor_parallel_size=2", "not yet supported")
+    _one_line_error(_cli("generate", "--model", nowhere, "--prompt", "hi", "--device", "cpu", "-dp", "2",
+                         "--enable-expert-parallel"), "data_parallel_size=2", "enable_expert_parallel=True")
+    _one_line_error(_cli("generate", "--model", nowhere, "--prompt", "hi", "--device", "cpu",
+                         "--context-parallel-size", "0"), "context_parallel_size")
+    _one_line_error(_cli("generate", "--model", nowhere, "--prompt", "hi", "--device", "cpu", "--enable-eplb"),
+                    "enable_eplb", "enable_expert_parallel")
