@@ -289,7 +289,14 @@ def _check_before_load(cfg: EngineConfig, meta: torch.nn.Module) -> None:
     device = torch.device(cfg.device)
     free, _ = torch.cuda.mem_get_info(device)
     weights = weight_bytes(meta, cfg.engram_device == "cpu").serving(_repacks_fp4(cfg))
-    check_fit(weights, free, _fit_reserve(cfg, mcfg), f"{cfg.device} ({torch.cuda.get_device_name(device)})")
+    try:
+        check_fit(weights, free, _fit_reserve(cfg, mcfg), f"{cfg.device} ({torch.cuda.get_device_name(device)})")
+    except ValueError as e:
+        tables = weights.other - weight_bytes(meta, host_engram=True).other
+        if not tables:
+            raise
+        raise ValueError(f"{e}. engram_device='cpu' keeps the {format_bytes(tables)} of Engram tables on the host, "
+                         "memory-mapped") from None
 
 
 def _repacks_fp4(cfg: EngineConfig) -> bool:
