@@ -82,6 +82,9 @@ class Experts(nn.Module):
                  quant: QuantSpec = DENSE):
         super().__init__()
         self.num_experts, self.limit, self.quant = num_experts, limit, quant
+        # this module holds experts first_expert .. first_expert + num_experts - 1 of num_global (the
+        # router's ids); fewer than all when the experts are split over ranks (deepinfer/distributed)
+        self.first_expert, self.num_global = 0, num_experts
         for name, (o, i) in (("w1", (inter, dim)), ("w2", (dim, inter)), ("w3", (inter, dim))):
             w, s = expert_tensors(num_experts, o, i, dtype, quant)
             if s is None:
@@ -93,6 +96,13 @@ class Experts(nn.Module):
     def _w(self, name: str, e: int, dtype: torch.dtype) -> torch.Tensor:
         scale = getattr(self, f"{name}_scale", None)
         return dequant_expert(getattr(self, name)[e], None if scale is None else scale[e], self.quant, dtype)
+
+    def _held(self, weights: torch.Tensor, idx: torch.Tensor, drop: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Router ids -> ids into this module's experts; a (token, slot) routed to an expert held
+        elsewhere gets weight 0 and id `drop` (so it adds exactly 0 to the token's sum)."""
+        local = idx - self.first_expert
+        held = (local >= 0) & (local < self.num_experts)
+        return torch.where(held, weights, 0.0), torch.where(held, local, drop)
 
     def _sorted(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """(order, tok, offs, inv): the (token, slot) pairs sorted by expert, each one's token row, the
@@ -161,9 +171,14 @@ class Experts(nn.Module):
         """Tokens grouped by expert; each token's k outputs summed in fp32 -> [T, D] fp32, or with
         `shared` (the shared expert's output) (sum + float(shared)).to(x.dtype). Grouped GEMMs on the
         GPU for bf16 activations (dense or quantised experts); the reference loop on the CPU and for fp32."""
+        split = self.num_experts != self.num_global
         if self._use_grouped(x):
+            if split:  # pairs of other ranks' experts run through expert 0 with weight 0 (fixed shapes)
+                weights, idx = self._held(weights, idx, 0)
             return self.grouped(x, weights, idx, shared)
-        order, tok, offs, _ = self._sorted(idx)
+        if split:  # pairs of other ranks' experts sort into one extra group, never computed
+            weights, idx = self._held(weights, idx, self.num_experts)
+        order, tok, offs, _ = moe_align(idx, self.num_experts + int(split))
         bounds = [0] + offs.tolist()
         w = weights.flatten()[order]
         out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)

@@ -1,0 +1,319 @@
+"""One engine over N processes on one node: tensor parallelism (torch.multiprocessing, spawn).
+
+The calling process is rank 0, the driver: it owns the Scheduler and the EngineCore. It spawns
+ranks 1..N-1; every rank loads the checkpoint, keeps its shard (distributed/tensor_parallel.py),
+allocates the same cache and builds a ModelRunner. Each step the driver broadcasts the step's
+SchedulerOutput (pickled, over the gloo group) and every rank runs the forward on it; the TP
+all-reduces inside the forward keep the ranks' residuals equal.
+
+Sampling: only the driver's sampled tokens are used. Scheduling is synchronous (no placeholder
+inputs), so the next SchedulerOutput carries every token the other ranks need: nothing has to be
+sent back, and a rank's own sampling (same seed, same logits) is computed and dropped. Chosen
+over broadcasting tokens because it adds no collective to a step.
+
+Failure: any rank that raises ends the engine. A worker puts its traceback on a queue and exits;
+the driver's pending collective then fails (the peer's connection closes) or times out after
+`timeout_s`; `TPEngine.step` raises TPWorkerError naming the rank and its error. The engine is
+then closed: a new one must be built.
+"""
+from __future__ import annotations
+
+import bisect
+import logging
+import queue
+import shutil
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.multiprocessing as mp
+
+from deepinfer.distributed import parallel_state as ps
+from deepinfer.distributed.parallel_state import ParallelConfig
+from deepinfer.distributed.tensor_parallel import shard_model
+from deepinfer.engine.engine_core import EngineCore
+from deepinfer.engine.kv_manager import KVCacheManager, plan_capacity
+from deepinfer.engine.outputs import CompletionOutput, ModelOutput, SchedulerOutput
+from deepinfer.engine.request import Request, Status
+from deepinfer.engine.scheduler import Scheduler
+from deepinfer.loader.model_loader import load_model
+from deepinfer.sampling_params import SamplingParams
+from deepinfer.worker.kv_cache import allocate_v4_cache, cache_spec, default_cache_memory
+from deepinfer.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+# seconds the driver waits, once a collective failed, for the failing rank's report or exit
+REPORT_WAIT_S = 10.0
+
+
+@dataclass(frozen=True)
+class EngineArgs:
+    """What every rank needs to build its part of the engine (pickled to the spawned ranks)."""
+
+    model_dir: str
+    parallel: ParallelConfig
+    device: str = "cpu"
+    dtype: str = "float32"
+    quantized: bool = False
+    kv_cache_dtype: str = "auto"
+    kv_cache_memory: int | None = None
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    block_size: int = 64
+    seed: int | None = 0
+    enforce_eager: bool = True        # CUDA graphs with NCCL all-reduces inside are not validated yet
+    timeout_s: float = 600.0          # a collective waiting longer for a peer raises
+    num_threads: int | None = None    # torch CPU threads per rank (None: torch's default)
+    # called by every rank but the driver before each step as step_hook(rank, step); must be picklable
+    # (a module-level function). Fault injection for tests; None in serving.
+    step_hook: Callable[[int, int], None] | None = None
+
+    def __post_init__(self):
+        p = self.parallel
+        if p.data_parallel_size != 1 or p.enable_expert_parallel or p.context_parallel_size != 1:
+            raise ValueError("parallel: only tensor parallelism is launched so far (data_parallel_size=1, "
+                             "enable_expert_parallel=False, context_parallel_size=1)")
+        if self.timeout_s <= 0:
+            raise ValueError(f"timeout_s: expected > 0, got {self.timeout_s}")
+
+
+class TPWorkerError(RuntimeError):
+    """A rank of a multi-process engine failed; the engine is closed. `rank` is the first failing rank
+    found (None if only the driver's collective saw it), `details` every report collected."""
+
+    def __init__(self, message: str, rank: int | None, details: list[str]):
+        super().__init__(message)
+        self.rank, self.details = rank, details
+
+
+@dataclass
+class _Rank:
+    info: ps.RankInfo
+    model: torch.nn.Module
+    runner: ModelRunner
+    num_slots: int
+    num_blocks: dict[int, int]
+
+
+def _build_rank(args: EngineArgs, rank: int, init_method: str) -> _Rank:
+    """Join the groups, load and shard the model, agree on the cache size (the smallest any rank can
+    hold), allocate the cache and the runner."""
+    info = ps.init_parallel(args.parallel, rank, args.device, init_method, args.timeout_s)
+    if args.num_threads:
+        torch.set_num_threads(args.num_threads)
+    device = str(info.device)
+    model, _ = load_model(args.model_dir, dtype=getattr(torch, args.dtype), device=device, quantized=args.quantized)
+    shard_model(model, info.tp_rank, info.tp_size)
+    cfg = model.config
+    spec = cache_spec(cfg, args.kv_cache_dtype, args.block_size)
+    memory = args.kv_cache_memory or default_cache_memory(device)
+    expected = args.max_model_len or min(cfg.max_position_embeddings, 4096)
+    plans = ps.all_gather_object(plan_capacity(memory, spec.slot_bytes, spec.block_bytes, args.block_size,
+                                               args.max_num_seqs, expected))
+    num_slots = min(s for s, _ in plans)
+    num_blocks = {m: min(b[m] for _, b in plans) for m in plans[0][1]}
+    cache = allocate_v4_cache(cfg, num_slots, num_blocks, args.kv_cache_dtype, device, args.block_size, scratch=True)
+    runner = ModelRunner(model, cache, device, args.seed, None, not args.enforce_eager)
+    return _Rank(info, model, runner, num_slots, num_blocks)
+
+
+def _worker_main(rank: int, args: EngineArgs, init_method: str, reports) -> None:
+    """A non-driver rank: run every step plan the driver broadcasts until it sends None."""
+    try:
+        r = _build_rank(args, rank, init_method)
+        step = 0
+        while (so := ps.broadcast_object(None)) is not None:
+            if args.step_hook is not None:
+                args.step_hook(rank, step)
+            r.runner.execute(so)
+            step += 1
+    except BaseException as e:  # noqa: BLE001 (reported to the driver, then this process ends)
+        reports.put((rank, f"{type(e).__name__}: {e}", traceback.format_exc()))
+        reports.close()
+        reports.join_thread()
+        raise SystemExit(1)
+    finally:
+        ps.destroy()
+
+
+class _DriverRunner:
+    """The driver's runner as EngineCore sees it: every step plan goes to the other ranks first.
+    Any failure ends the engine (the ranks may be out of step): `diagnose` turns it into the error
+    that names the failing rank, which is kept (`failure`) and raised, so the step's requests are
+    aborted with it."""
+
+    supports_placeholders = False  # synchronous steps: the next plan carries the sampled tokens
+
+    def __init__(self, runner: ModelRunner, diagnose: Callable[[BaseException], TPWorkerError]):
+        self.runner, self.diagnose, self.failure = runner, diagnose, None
+
+    def execute(self, so: SchedulerOutput) -> ModelOutput:
+        if self.failure is not None:
+            raise self.failure
+        try:
+            ps.broadcast_object(so)
+            return self.runner.execute(so)
+        except Exception as e:
+            self.failure = self.diagnose(e)
+            raise self.failure from e
+
+
+class TPEngine:
+    """EngineCore's surface (add_request, step, has_unfinished, completion, abort, release) over a
+    tensor-parallel group started on this node; this process is rank 0. `close()` (or leaving a
+    `with` block) stops the other ranks and leaves the process group."""
+
+    def __init__(self, args: EngineArgs, detokenizer=None):
+        self.args, self._error = args, None
+        world = args.parallel.world_size
+        self._tmp = None
+        init_method = ps.init_method_from_env()
+        if init_method is None:
+            self._tmp = tempfile.mkdtemp(prefix="deepinfer-pg-")
+            init_method = f"file://{Path(self._tmp) / 'store'}"
+        ctx = mp.get_context("spawn")
+        self._reports = ctx.Queue()
+        self._procs = {r: ctx.Process(target=_worker_main, args=(r, args, init_method, self._reports), daemon=True,
+                                      name=f"deepinfer-rank{r}") for r in range(1, world)}
+        for p in self._procs.values():
+            p.start()
+        try:
+            rank = _build_rank(args, 0, init_method)
+        except Exception as e:
+            raise self._diagnose(e) from e
+        self.model, self.rank_info = rank.model, rank.info
+        kv = KVCacheManager(rank.num_slots, rank.num_blocks, args.block_size)
+        self.max_model_len = _max_model_len(args.max_model_len, self.model.config.max_position_embeddings, kv)
+        self.scheduler = Scheduler(kv, min(args.max_num_seqs, rank.num_slots), args.max_num_batched_tokens,
+                                   self.max_model_len)
+        self._runner = _DriverRunner(rank.runner, self._diagnose)
+        self.engine = EngineCore(self.scheduler, self._runner, detokenizer, async_scheduling=False)
+
+    # EngineCore's surface
+    def add_request(self, req: Request) -> None:
+        self._check_open()
+        self.engine.add_request(req)
+
+    def has_unfinished(self) -> bool:
+        return self.engine.has_unfinished()
+
+    def step(self) -> list[Request]:
+        """One step on every rank; raises TPWorkerError (and closes the engine) if any rank failed."""
+        self._check_open()
+        finished = self.engine.step()  # a failing step's requests are aborted in it, with the error
+        if self._runner.failure is not None:
+            self.engine.abort(list(self.engine.requests), str(self._runner.failure))  # and all others
+            raise self._runner.failure
+        return finished
+
+    def completion(self, req: Request, index: int) -> CompletionOutput:
+        return self.engine.completion(req, index)
+
+    def abort(self, request_ids: list[str], error: str) -> list[Request]:
+        return self.engine.abort(request_ids, error)
+
+    def release(self, req: Request) -> None:
+        self.engine.release(req)
+
+    def close(self) -> None:
+        """Stop the other ranks (a clean goodbye when the group is healthy) and leave the group."""
+        if self._procs and self._error is None and ps.rank_info() is not None:
+            try:
+                ps.broadcast_object(None)
+            except Exception:  # a rank already gone: it is stopped below
+                logger.exception("the tensor-parallel ranks could not be told to stop")
+        for p in self._procs.values():
+            p.join(timeout=1.0 if self._error is not None else REPORT_WAIT_S)
+            if p.is_alive():
+                p.terminate()
+                p.join(timeout=REPORT_WAIT_S)
+        self._procs = {}
+        ps.destroy()
+        if self._tmp is not None:
+            shutil.rmtree(self._tmp, ignore_errors=True)
+            self._tmp = None
+
+    def __enter__(self) -> TPEngine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if self._error is not None:
+            raise self._error
+
+    def _diagnose(self, err: BaseException) -> TPWorkerError:
+        """Collect the ranks' reports (waiting a little for a failing rank to report or exit), close
+        the engine, and return the error that names what failed."""
+        if self._error is not None:
+            return self._error
+        reports: dict[int, str] = {}
+        deadline = time.monotonic() + REPORT_WAIT_S
+        while not reports and time.monotonic() < deadline:
+            try:
+                rank, msg, tb = self._reports.get(timeout=0.2)
+                reports[rank] = f"{msg}\n{tb}"
+            except queue.Empty:
+                if any(p.exitcode not in (None, 0) for p in self._procs.values()):
+                    deadline = min(deadline, time.monotonic() + 1.0)  # exited: its report, if any, is close
+        while True:  # reports already sent by other ranks
+            try:
+                rank, msg, tb = self._reports.get_nowait()
+                reports.setdefault(rank, f"{msg}\n{tb}")
+            except queue.Empty:
+                break
+        for rank, p in self._procs.items():
+            if p.exitcode not in (None, 0) and rank not in reports:
+                reports[rank] = f"exited with code {p.exitcode} without a report\n"
+        driver = f"{type(err).__name__}: {err}"
+        if reports:
+            first = min(reports)
+            msg = f"tensor-parallel rank {first} failed: {reports[first].splitlines()[0]}"
+        else:
+            first = None
+            msg = (f"a tensor-parallel collective failed on the driver and no other rank reported an error within "
+                   f"{REPORT_WAIT_S:.0f} s (a rank stuck past timeout_s={self.args.timeout_s} s?): {driver}")
+        details = [f"rank {r}: {text}" for r, text in sorted(reports.items())] + [f"driver (rank 0): {driver}"]
+        self._error = TPWorkerError(msg, first, details)
+        self.close()
+        return self._error
+
+
+def _max_model_len(requested: int | None, model_max: int, kv: KVCacheManager) -> int:
+    """The requested length if one request of it fits the cache, else the longest that fits."""
+    if requested is not None:
+        if not kv.fits_alone(requested):
+            raise ValueError(f"max_model_len: {requested} tokens do not fit in the cache "
+                             f"({kv.num_slots} slots, blocks {kv.num_blocks}); raise kv_cache_memory")
+        return requested
+    longest = bisect.bisect_left(range(1, model_max + 1), True, key=lambda n: not kv.fits_alone(n))
+    if longest == 0:
+        raise ValueError(f"kv_cache_memory: the cache ({kv.num_slots} slots, blocks {kv.num_blocks}) cannot hold "
+                         "a single request")
+    return longest
+
+
+def generate_tp(args: EngineArgs, prompts: list[list[int]],
+                params: SamplingParams | list[SamplingParams]) -> list[list[CompletionOutput]]:
+    """Token-id prompts through a TPEngine (started and closed here); per prompt its n completions."""
+    params = params if isinstance(params, list) else [params] * len(prompts)
+    with TPEngine(args) as eng:
+        eos = eng.model.config.eos_token_id
+        groups = []
+        for i, (ids, sp) in enumerate(zip(prompts, params)):
+            reqs = [Request(f"{i}.{j}", list(ids), sp, eos, sample_index=j) for j in range(sp.n)]
+            reqs[0].siblings = reqs[1:]
+            for r in reqs[1:]:
+                r.status = Status.FORKING
+            eng.add_request(reqs[0])
+            groups.append(reqs)
+        while eng.has_unfinished():
+            eng.step()
+        return [[eng.completion(r, j) for j, r in enumerate(g)] for g in groups]

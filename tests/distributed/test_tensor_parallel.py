@@ -1,0 +1,200 @@
+"""Tensor parallelism on the CPU: 2 and 4 gloo ranks (torch.multiprocessing, spawn) on the tiny V4
+checkpoint, fp32 activations and cache, against one process; a failing rank ends the run with its
+error, not a hang.
+
+Tolerance: logprobs within 1e-4 of one process. They cannot be bit-identical: each rank's attention
+and MoE output is a partial sum (its heads' rows of wo_b, its experts) and the all-reduce adds the
+partials in another order than one GEMM / one expert loop does; in fp32 that moves a logprob by a
+few 1e-6 over the tiny model's 6 layers (measured: <= 2e-6). Greedy tokens must be equal.
+"""
+from __future__ import annotations
+
+import copy
+import time
+
+import pytest
+import torch
+
+from deepinfer import LLM, SamplingParams
+from deepinfer.distributed import launch, parallel_state
+from deepinfer.distributed.launch import EngineArgs, TPEngine, TPWorkerError, generate_tp
+from deepinfer.distributed.parallel_state import ParallelConfig
+from deepinfer.distributed.tensor_parallel import shard_model, shard_moe
+from deepinfer.engine.request import Request
+from deepinfer.layers.moe import MoE
+from deepinfer.loader.model_loader import load_model
+from deepinfer.tools.make_checkpoint import PRESETS, write_checkpoint
+
+CFG = {**PRESETS["tiny"], "index_topk": 64}  # top-k >= entries: no indexer near-ties between engines
+LOGPROB_TOL = 1e-4
+MEMORY = 16 << 20
+PROMPTS = [[0, 5, 17, 33, 99, 100, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 300, 301, 302, 303], [0, 44, 45, 46],
+           [0] + list(range(500, 537))]
+# chunked prefill (16 tokens a step) and n=2 (the second sample forks from the first's prefill)
+GREEDY = SamplingParams(temperature=0, max_tokens=6, logprobs=2)
+FORKED = SamplingParams(temperature=0.8, max_tokens=6, logprobs=2, n=2, seq_seed=7)
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return write_checkpoint(tmp_path_factory.mktemp("tp") / "ckpt", CFG, seed=11, dtype="fp8")
+
+
+def _args(ckpt, tp: int, **kw) -> EngineArgs:
+    base = dict(kv_cache_dtype="float32", kv_cache_memory=MEMORY, max_num_batched_tokens=16, num_threads=1,
+                timeout_s=60.0)
+    return EngineArgs(str(ckpt), ParallelConfig(tensor_parallel_size=tp), **{**base, **kw})
+
+
+def _assert_same(got, want) -> None:
+    """got/want: per prompt, its completions (CompletionOutput lists)."""
+    worst = 0.0
+    for g_outs, w_outs in zip(got, want, strict=True):
+        for g, w in zip(g_outs, w_outs, strict=True):
+            assert g.token_ids == w.token_ids
+            assert g.finish_reason == w.finish_reason
+            for gl, wl, t in zip(g.logprobs, w.logprobs, w.token_ids, strict=True):
+                assert gl.keys() == wl.keys()
+                worst = max(worst, max(abs(gl[k] - wl[k]) for k in wl))
+    assert worst <= LOGPROB_TOL, worst
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_tensor_parallel_matches_one_process(ckpt, tp):
+    params = [GREEDY, FORKED, GREEDY]
+    one = LLM(str(ckpt), device="cpu", dtype="float32", kv_cache_dtype="float32", kv_cache_memory=MEMORY,
+              max_num_batched_tokens=16)
+    want = [o.outputs for o in one.generate(PROMPTS, params, use_tqdm=False)]
+    got = generate_tp(_args(ckpt, tp), PROMPTS, params)
+    _assert_same(got, want)
+    assert parallel_state.rank_info() is None  # the group was left
+
+
+def test_the_driver_holds_its_shard_only(ckpt):
+    """tp=4 > o_groups=2: two ranks share each output group (the column-split path of wo_a)."""
+    with TPEngine(_args(ckpt, 4)) as eng:
+        m, c = eng.model, eng.model.config
+        shard = m.tensor_parallel
+        assert (shard.rank, shard.size) == (0, 4)
+        attn, moe = m.layers[1].attn, m.layers[1].ffn
+        assert attn.n_heads == c.num_attention_heads // 4 and attn.attn_sink.shape == (attn.n_heads,)
+        assert attn.wq_b.weight.shape == (attn.n_heads * c.head_dim, c.q_lora_rank)
+        assert attn.o_groups == 1 and attn.wo_a.weight.shape == (c.o_lora_rank, c.num_attention_heads * c.head_dim // 4)
+        assert attn.wo_b.weight.shape == (c.hidden_size, c.o_lora_rank)
+        assert attn.wkv.weight.shape == (c.head_dim, c.hidden_size)  # the KV head: whole
+        assert moe.experts.w1.shape[0] == c.n_routed_experts // 4 and moe.experts.num_global == c.n_routed_experts
+        assert moe.shared_experts.w1.weight.shape[0] == c.moe_intermediate_size // 4
+        assert m.embed.weight.shape[0] == c.vocab_size and m.head.weight.shape[0] == c.vocab_size
+        assert len(shard.reduced) == 2 * (c.num_hidden_layers + c.num_nextn_predict_layers)
+
+
+def test_checkpoint_formats_kept_as_shipped_shard_on_block_bounds(tmp_path):
+    """quantized=True: FP8 block weights sliced with their scales, FP4 experts by whole experts."""
+    ck = write_checkpoint(tmp_path / "ckpt", {**CFG, "o_lora_rank": 32}, seed=3, dtype="fp8")
+    want = generate_tp(_args(ck, 1, quantized=True), PROMPTS[:2], GREEDY)
+    got = generate_tp(_args(ck, 2, quantized=True), PROMPTS[:2], GREEDY)
+    _assert_same(got, want)
+
+
+def raise_on_rank1(rank: int, step: int) -> None:
+    if rank == 1 and step == 2:
+        raise RuntimeError("injected fault in rank 1")
+
+
+def hang_on_rank1(rank: int, step: int) -> None:
+    if rank == 1 and step == 2:
+        time.sleep(600)
+
+
+def _run_until_error(args: EngineArgs) -> tuple[TPWorkerError, list[Request], float]:
+    eng = TPEngine(args)
+    reqs = [Request(str(i), p, GREEDY, 1) for i, p in enumerate(PROMPTS)]
+    for r in reqs:
+        eng.add_request(r)
+    t0 = time.monotonic()
+    with pytest.raises(TPWorkerError) as err:
+        while eng.has_unfinished():
+            eng.step()
+    took = time.monotonic() - t0
+    with pytest.raises(TPWorkerError):  # closed: every later step says why
+        eng.step()
+    assert parallel_state.rank_info() is None and not eng._procs
+    return err.value, reqs, took
+
+
+def test_a_rank_that_raises_ends_the_run_with_its_error(ckpt):
+    err, reqs, took = _run_until_error(_args(ckpt, 2, step_hook=raise_on_rank1, timeout_s=60.0))
+    assert err.rank == 1
+    assert "tensor-parallel rank 1 failed: RuntimeError: injected fault in rank 1" in str(err)
+    assert any("raise_on_rank1" in d for d in err.details)  # the rank's traceback
+    assert took < 30  # the closed connection ends the driver's collective; no wait for timeout_s
+    assert all(r.finished and r.finish_reason == "abort" and "rank 1" in r.error for r in reqs)
+
+
+def test_a_stuck_rank_ends_the_run_after_the_timeout(ckpt, monkeypatch):
+    monkeypatch.setattr(launch, "REPORT_WAIT_S", 1.0)
+    err, reqs, took = _run_until_error(_args(ckpt, 2, step_hook=hang_on_rank1, timeout_s=3.0))
+    assert err.rank is None and "no other rank reported an error" in str(err) and "timeout_s=3.0" in str(err)
+    assert took < 30
+    assert all(r.finished and r.finish_reason == "abort" for r in reqs)
+
+
+def test_moe_shards_sum_to_the_whole_layer():
+    """Each rank's MoE output (its experts, its shared-expert columns) sums to one process's."""
+    torch.manual_seed(0)
+    moe = MoE(32, 16, 8, 3, 1, 50, False, 1.5, 10.0, torch.float32)
+    for p in moe.parameters():
+        p.data.normal_(0, 0.3)
+    x, ids = torch.randn(11, 32), torch.randint(0, 50, (11,))
+    whole = moe(x, ids)
+    for tp in (2, 4, 8):
+        parts = []
+        for r in range(tp):
+            m = copy.deepcopy(moe)
+            shard_moe("ffn", m, r, tp)
+            parts.append(m(x, ids))
+        torch.testing.assert_close(sum(parts), whole, rtol=1e-5, atol=1e-5)  # fp32, summed in another order
+
+
+def test_sizes_that_do_not_divide_are_refused_by_name(ckpt):
+    model, _ = load_model(str(ckpt), dtype=torch.float32)
+    with pytest.raises(ValueError, match="tensor_parallel_size: 3 does not divide num_attention_heads"):
+        shard_model(model, 0, 3)
+    with pytest.raises(ValueError, match="tensor_parallel_size"):
+        ParallelConfig(tensor_parallel_size=0)
+    with pytest.raises(ValueError, match="only tensor parallelism"):
+        EngineArgs(str(ckpt), ParallelConfig(data_parallel_size=2))
+
+
+def test_collectives_are_the_identity_without_a_group():
+    x = torch.randn(3, 4)
+    assert parallel_state.tp_all_reduce(x) is x and parallel_state.tp_all_gather(x) is x
+    assert parallel_state.tp_size() == 1 and parallel_state.rank_info() is None
+
+
+@pytest.mark.gpu
+def test_moe_shards_sum_to_the_whole_layer_on_the_gpu():
+    """The grouped-GEMM path (bf16 on CUDA): another rank's pairs run through expert 0 with weight 0."""
+    torch.manual_seed(0)
+    moe = MoE(256, 128, 16, 4, 1, 50, False, 1.5, 10.0, torch.bfloat16).cuda()
+    for p in moe.parameters():
+        p.data.normal_(0, 0.05)
+    x, ids = torch.randn(40, 256, device="cuda", dtype=torch.bfloat16), torch.randint(0, 50, (40,), device="cuda")
+    whole = moe(x, ids).float()
+    for tp in (2, 4):
+        parts = []
+        for r in range(tp):
+            m = copy.deepcopy(moe)
+            shard_moe("ffn", m, r, tp)
+            parts.append(m(x, ids).float())
+        torch.testing.assert_close(sum(parts), whole, rtol=2e-2, atol=2e-2)  # bf16 partials, rounded apart
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+def test_tensor_parallel_on_two_gpus_matches_one_process(ckpt):
+    """NCCL for the all-reduces, gloo for the step plans; fp32 activations (no TF32)."""
+    params = [GREEDY, FORKED, GREEDY]
+    want = generate_tp(_args(ckpt, 1, device="cuda"), PROMPTS, params)
+    got = generate_tp(_args(ckpt, 2, device="cuda"), PROMPTS, params)
+    _assert_same(got, want)
