@@ -24,11 +24,13 @@ reference does. Products of two e4m3 values are exact in fp32; only summation or
 Two implementations, chosen per call by `fp8_gemm` (`use_scaled_mm`):
   * torch._scaled_mm with blockwise scaling (cuBLAS; BlockWise1x128 on A, BlockWise128x128 on W),
     when the recipe is exactly the reference's: ga = 128, W blocks 128 x 128, K % 128 == 0,
-    N % 16 == 0, (K / 128) % 4 == 0 (torch versions differ on the row stride they require of the
-    weight scales, and agree when it is a multiple of 4), on a device where a trial call succeeded
-    (probed once per device, never during CUDA-graph capture). W's scales become fp32 [nb, kb]; A's
+    N % 128 == 0 (whole weight blocks: every V4 projection), (K / 128) % 4 == 0 (torch versions
+    differ on the row stride they require of the weight scales, and agree when it is a multiple of
+    4), on a device where a trial call succeeded (probed once per device, never during CUDA-graph
+    capture). W's scales become fp32 [nb, kb]; A's
     rows are padded by act_quant to a multiple of 16 (their scale stride is the padded row count).
-    1193 TFLOP/s measured on the H200 at 8192 x 4096 x 4096 (spec h200-facts.md).
+    1193 TFLOP/s measured on the H200 at 8192 x 4096 x 4096 (spec h200-facts.md). A may have a row
+    stride above K (forward_grouped's column slices): torch hands it to cuBLAS as it is.
   * the Triton kernel below for every other block shape (V4.1's 32 x 32): a tile of BLOCK_M x
     BLOCK_N outputs walks K in steps of SK = min(ga, bi) columns; each step's e4m3 x e4m3 tl.dot
     (fp32 result) is scaled by s_a[rows, k // ga] (x) s_w[cols // bo, k // bi] and added to the
@@ -171,7 +173,7 @@ _SCALED_MM_OK: dict[int, bool] = {}
 
 def scaled_mm_shape_ok(N: int, K: int, group: int, block: tuple[int, int]) -> bool:
     """The reference's recipe, in shapes torch._scaled_mm's blockwise path accepts in every version."""
-    return group == 128 and tuple(block) == (128, 128) and K % 128 == 0 and N % 16 == 0 and (K // 128) % 4 == 0
+    return group == 128 and tuple(block) == (128, 128) and K % 128 == 0 and N % 128 == 0 and (K // 128) % 4 == 0
 
 
 def _scaled_mm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:

@@ -52,7 +52,7 @@ def test_shapes_for_scaled_mm_and_cpu_dispatch():
     assert not scaled_mm_shape_ok(1536, 4096, 128, (32, 32))            # V4.1 blocks: Triton
     assert not scaled_mm_shape_ok(1536, 4096, 32, (128, 128))           # not the 1x128 recipe
     assert not scaled_mm_shape_ok(1536, 384, 128, (128, 128))           # K / 128 = 3: stride rules differ
-    assert not scaled_mm_shape_ok(1000, 4096, 128, (128, 128))          # N % 16
+    assert not scaled_mm_shape_ok(1040, 4096, 128, (128, 128))          # a ragged weight block
     assert not use_scaled_mm(torch.device("cpu"), 1536, 4096, 128, (128, 128))
     x, q, s, w, ws = make_case(5, 64, 256)
     assert torch.equal(fp8_gemm(q, s, w, ws), reference(q, s, w, ws))  # CPU tensors: the reference
