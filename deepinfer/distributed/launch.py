@@ -19,6 +19,7 @@ then closed: a new one must be built.
 from __future__ import annotations
 
 import bisect
+import itertools
 import logging
 import queue
 import shutil
@@ -194,6 +195,7 @@ class TPEngine:
                                    self.max_model_len)
         self._runner = _DriverRunner(rank.runner, self._diagnose)
         self.engine = EngineCore(self.scheduler, self._runner, detokenizer, async_scheduling=False)
+        self._ids = itertools.count()
 
     # EngineCore's surface
     def add_request(self, req: Request) -> None:
@@ -220,6 +222,23 @@ class TPEngine:
 
     def release(self, req: Request) -> None:
         self.engine.release(req)
+
+    def generate(self, prompts: list[list[int]],
+                 params: SamplingParams | list[SamplingParams]) -> list[list[CompletionOutput]]:
+        """Token-id prompts to completion; per prompt its n completions (LLM.generate's validation
+        and text handling stay in LLM)."""
+        params = params if isinstance(params, list) else [params] * len(prompts)
+        eos, groups = self.model.config.eos_token_id, []
+        for ids, sp in zip(prompts, params, strict=True):
+            reqs = [Request(f"{next(self._ids)}", list(ids), sp, eos, sample_index=j) for j in range(sp.n)]
+            reqs[0].siblings = reqs[1:]
+            for r in reqs[1:]:
+                r.status = Status.FORKING
+            self.add_request(reqs[0])
+            groups.append(reqs)
+        while self.has_unfinished():
+            self.step()
+        return [[self.completion(r, j) for j, r in enumerate(g)] for g in groups]
 
     def close(self) -> None:
         """Stop the other ranks (a clean goodbye when the group is healthy) and leave the group."""
@@ -302,18 +321,6 @@ def _max_model_len(requested: int | None, model_max: int, kv: KVCacheManager) ->
 
 def generate_tp(args: EngineArgs, prompts: list[list[int]],
                 params: SamplingParams | list[SamplingParams]) -> list[list[CompletionOutput]]:
-    """Token-id prompts through a TPEngine (started and closed here); per prompt its n completions."""
-    params = params if isinstance(params, list) else [params] * len(prompts)
+    """Token-id prompts through a TPEngine started and closed here; per prompt its n completions."""
     with TPEngine(args) as eng:
-        eos = eng.model.config.eos_token_id
-        groups = []
-        for i, (ids, sp) in enumerate(zip(prompts, params)):
-            reqs = [Request(f"{i}.{j}", list(ids), sp, eos, sample_index=j) for j in range(sp.n)]
-            reqs[0].siblings = reqs[1:]
-            for r in reqs[1:]:
-                r.status = Status.FORKING
-            eng.add_request(reqs[0])
-            groups.append(reqs)
-        while eng.has_unfinished():
-            eng.step()
-        return [[eng.completion(r, j) for j, r in enumerate(g)] for g in groups]
+        return eng.generate(prompts, params)

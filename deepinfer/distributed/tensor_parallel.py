@@ -1,4 +1,4 @@
-"""Tensor parallelism for DeepSeek-V4: a loaded model sliced to one rank's shard.
+"""Tensor parallelism for DeepSeek-V4 and V4.1: a loaded model sliced to one rank's shard.
 
 With `tp` ranks, rank r keeps:
 
@@ -10,10 +10,11 @@ With `tp` ranks, rank r keeps:
   another rank's expert add exactly 0 here), and the shared expert's intermediate columns
   (`w1` / `w3` rows, `w2` columns);
 * everything else whole: embeddings, head, norms, hyper-connections, router, `wq_a`, the single KV
-  head (`wkv`, `kv_norm`), compressors and the lightning indexer (so the cache is whole on every rank).
+  head (`wkv`, `kv_norm`), compressors and the lightning indexer (so the cache is whole on every rank);
+  V4.1's Engram tables and vision tower. Draft layers (MTP, DSpark stages) are sharded like the trunk.
 
-wo_b(wo_a(.)) and the MoE sum are linear in what a rank holds, so each rank's attention and MoE
-output is a partial sum of the one-process value; a forward hook all-reduces it over the TP group
+wo_b(wo_a(.)) and the MoE sum are linear in what a rank holds, so each rank's wo_b and MoE output
+is a partial sum of the one-process value; a forward hook all-reduces it over the TP group
 (`parallel_state.tp_all_reduce`), after which every rank holds the same residual. Works on dense
 weights and on checkpoint formats kept as shipped (FP8 blocks: slice bounds must fall on blocks).
 """
@@ -27,7 +28,9 @@ from torch import nn
 from deepinfer.distributed.parallel_state import tp_all_reduce
 from deepinfer.layers.linear import Linear
 from deepinfer.layers.moe import MoE
+from deepinfer.models.block_v41 import Attention41
 from deepinfer.models.deepseek_v4 import Attention, DeepseekV4ForCausalLM
+from deepinfer.models.deepseek_v41 import DeepseekV41ForCausalLM
 
 
 @dataclass
@@ -43,16 +46,18 @@ class TPShard:
 def shard_model(model: nn.Module, tp_rank: int, tp_size: int) -> TPShard:
     """Slice `model` (loaded whole) in place to rank `tp_rank` of `tp_size`; returns what was done,
     also kept as `model.tensor_parallel`. tp_size 1 leaves the model as it is."""
-    if not isinstance(model, DeepseekV4ForCausalLM):
-        raise ValueError(f"tensor_parallel_size: tensor parallelism supports DeepSeek-V4 models so far, "
+    if not isinstance(model, (DeepseekV4ForCausalLM, DeepseekV41ForCausalLM)):
+        raise ValueError(f"tensor_parallel_size: tensor parallelism supports DeepSeek-V4 and V4.1 models, "
                          f"not {type(model).__name__}")
     if not 0 <= tp_rank < tp_size:
         raise ValueError(f"tp_rank: {tp_rank} is outside [0, {tp_size})")
     shard = TPShard(tp_rank, tp_size)
     if tp_size > 1:
         for name, mod in model.named_modules():
-            if isinstance(mod, Attention):
+            if isinstance(mod, (Attention, Attention41)):
                 shard_attention(name, mod, tp_rank, tp_size)
+                # on wo_b, not the attention module: V4.1's DSpark stages call its projections directly
+                name, mod = f"{name}.wo_b", mod.wo_b
             elif isinstance(mod, MoE):
                 shard_moe(name, mod, tp_rank, tp_size)
             else:
@@ -73,7 +78,7 @@ def _split(total: int, tp: int, what: str, where: str) -> int:
     return total // tp
 
 
-def shard_attention(name: str, attn: Attention, r: int, tp: int) -> None:
+def shard_attention(name: str, attn: Attention | Attention41, r: int, tp: int) -> None:
     H, G, D, rank = attn.n_heads, attn.o_groups, attn.head_dim, attn.o_rank
     h = _split(H, tp, "num_attention_heads", name)
     if G % tp and tp % G:

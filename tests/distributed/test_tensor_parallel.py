@@ -59,19 +59,22 @@ def _assert_same(got, want) -> None:
     assert worst <= LOGPROB_TOL, worst
 
 
-@pytest.mark.parametrize("tp", [2, 4])
-def test_tensor_parallel_matches_one_process(ckpt, tp):
-    params = [GREEDY, FORKED, GREEDY]
+def _one_process(ckpt, params) -> list:
     one = LLM(str(ckpt), device="cpu", dtype="float32", kv_cache_dtype="float32", kv_cache_memory=MEMORY,
               max_num_batched_tokens=16)
-    want = [o.outputs for o in one.generate(PROMPTS, params, use_tqdm=False)]
-    got = generate_tp(_args(ckpt, tp), PROMPTS, params)
-    _assert_same(got, want)
+    return [o.outputs for o in one.generate(PROMPTS, params, use_tqdm=False)]
+
+
+def test_two_ranks_match_one_process(ckpt):
+    params = [GREEDY, FORKED, GREEDY]
+    _assert_same(generate_tp(_args(ckpt, 2), PROMPTS, params), _one_process(ckpt, params))
     assert parallel_state.rank_info() is None  # the group was left
 
 
-def test_the_driver_holds_its_shard_only(ckpt):
+def test_four_ranks_match_one_process_and_the_driver_holds_its_shard_only(ckpt):
     """tp=4 > o_groups=2: two ranks share each output group (the column-split path of wo_a)."""
+    params = [GREEDY, FORKED, GREEDY]
+    want = _one_process(ckpt, params)
     with TPEngine(_args(ckpt, 4)) as eng:
         m, c = eng.model, eng.model.config
         shard = m.tensor_parallel
@@ -86,6 +89,17 @@ def test_the_driver_holds_its_shard_only(ckpt):
         assert moe.shared_experts.w1.weight.shape[0] == c.moe_intermediate_size // 4
         assert m.embed.weight.shape[0] == c.vocab_size and m.head.weight.shape[0] == c.vocab_size
         assert len(shard.reduced) == 2 * (c.num_hidden_layers + c.num_nextn_predict_layers)
+        assert "layers.1.attn.wo_b" in shard.reduced and "layers.1.ffn" in shard.reduced
+        got = eng.generate(PROMPTS, params)
+    _assert_same(got, want)
+
+
+def test_v41_two_ranks_match_one_process(tmp_path):
+    """V4.1: CSA2 roles, Engram (replicated), DSpark stages sharded like the trunk."""
+    c = PRESETS["tiny41"]
+    ck = write_checkpoint(tmp_path / "ckpt", {**c, "text_config": {**c["text_config"], "index_topk": 64}},
+                          seed=5, dtype="fp8")
+    _assert_same(generate_tp(_args(ck, 2), PROMPTS, GREEDY), _one_process(ck, GREEDY))
 
 
 def test_checkpoint_formats_kept_as_shipped_shard_on_block_bounds(tmp_path):
