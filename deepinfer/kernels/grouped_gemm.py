@@ -30,9 +30,10 @@ Dequantisation in the K loop:
     (acc += dot(a, w) * s[n]); otherwise each weight element is scaled before the dot, with the
     tile's [BLOCK_N, BLOCK_K / bi] scales loaded once and broadcast when bi divides BLOCK_K (the
     (1, 32) blocks of FP4 experts repacked to FP8), gathered per element otherwise.
-  * FP4: the packed bytes [BLOCK_N, BLOCK_K/2] are split into low / high nibbles; a code's value is
-    built arithmetically (bit 3 sign, bits 1-2 exponent, bit 0 mantissa: exponent 0 gives 0 or 0.5,
-    otherwise (2 + m) * 2^(exp - 2)) and multiplied by 2^(byte - 127). The even / odd columns of A
+  * FP4: the packed bytes [BLOCK_N, BLOCK_K/2] are split into low / high nibbles; each code times its
+    E8M0 scale is built directly as fp32 bits (the scale byte added to the exponent field: no
+    multiply, exact for scale bytes 2..252, which bounds |value| to fp32's normal range), with the
+    tile's BLOCK_K / 32 scale bytes per row loaded once and broadcast. The even / odd columns of A
     are loaded separately so each nibble plane goes to its own dot (no register shuffle).
   * E8M0 bytes are decoded by placing the byte in an fp32 exponent field (byte 0 -> 2^-127).
 Under TRITON_INTERPRET=1 (CPU tensors) the dot operands are rounded to bf16 and then widened to
@@ -141,12 +142,17 @@ if triton is not None:
         return tl.where(b == 0, 5.877471754111438e-39, (b << 23).to(tl.float32, bitcast=True))
 
     @triton.jit
-    def _e2m1(code):
-        """4-bit e2m1 codes (int32) -> fp32 values."""
-        m = (code & 1).to(tl.float32)
+    def _e2m1_scaled(code, sbyte):
+        """4-bit e2m1 codes times E8M0 scales 2^(sbyte - 127) -> fp32, built as bits: no multiply.
+        e2m1 is 0.5 m (exponent 0) or (1 + m/2) 2^(ex-1); times 2^(sbyte-127) its fp32 exponent field is
+        sbyte - 1 (ex 0) or ex + sbyte - 1, its mantissa's top bit m (ex > 0). Exact for scale bytes in
+        [2, 252] (every field a normal fp32 exponent); ±0 codes give ±0 whatever the scale."""
+        m = code & 1
         ex = (code >> 1) & 3
-        mag = tl.where(ex == 0, 0.5 * m, (2.0 + m) * (1 << ex).to(tl.float32) * 0.25)
-        return tl.where((code & 8) != 0, -mag, mag)
+        field = tl.minimum(tl.maximum(tl.where(ex == 0, sbyte - 1, ex + sbyte - 1), 0), 254)
+        bits = (field << 23) | tl.where(ex == 0, 0, m << 22)
+        bits = tl.where((code & 7) == 0, 0, bits) | ((code & 8) << 28)
+        return bits.to(tl.float32, bitcast=True)
 
     @triton.jit
     def _grouped_gemm_kernel(a_ptr, w_ptr, s_ptr, offs_ptr, out_ptr, M, N, E,
@@ -201,10 +207,14 @@ if triton is not None:
                                 other=0.0)
                 wmask = nmask[:, None] & kmask[None, :]
                 byte = tl.load(w_rows + kp[None, :] * s_wk, mask=wmask, other=0).to(tl.int32) & 0xFF
-                sc = _e8m0(tl.load(s_base + cols[:, None] * s_sn + (kp // 16)[None, :] * s_sk,
-                                   mask=wmask, other=127))
-                lo = (_e2m1(byte & 0xF) * sc).to(tl.bfloat16).to(OP)
-                hi = (_e2m1(byte >> 4) * sc).to(tl.bfloat16).to(OP)
+                # HALF / 16 scale bytes per row (one per 32 K columns = 16 bytes), broadcast in registers
+                NS: tl.constexpr = HALF // 16
+                sk = k0 // 32 + tl.arange(0, NS)
+                sb = tl.load(s_base + cols[:, None] * s_sn + sk[None, :] * s_sk,
+                             mask=nmask[:, None] & (sk < K // 32)[None, :], other=127).to(tl.int32) & 0xFF
+                sb = tl.reshape(tl.broadcast_to(sb[:, :, None], (BLOCK_N, NS, 16)), (BLOCK_N, HALF))
+                lo = _e2m1_scaled(byte & 0xF, sb).to(tl.bfloat16).to(OP)
+                hi = _e2m1_scaled(byte >> 4, sb).to(tl.bfloat16).to(OP)
                 acc = tl.dot(a_even.to(tl.bfloat16).to(OP), tl.trans(lo), acc)
                 acc = tl.dot(a_odd.to(tl.bfloat16).to(OP), tl.trans(hi), acc)
             else:

@@ -5,7 +5,7 @@ import torch.nn.functional as F
 from deepinfer.kernels.grouped_gemm import grouped_gemm, max_m_tiles, reference
 from deepinfer.layers.linear import DENSE, Linear, QuantSpec, dequant_expert
 from deepinfer.layers.moe import Experts
-from interpreter import SHIMS, run_interpreted
+from interpreter import SHIMS, interpreted_and_gpu, run_interpreted
 
 QUANT = {"bf16": DENSE, "fp8": QuantSpec(block_size=(128, 128)),
          "fp4": QuantSpec(block_size=(128, 128), fp4_experts=True)}
@@ -271,3 +271,25 @@ def test_kernel_matches_reference_in_the_triton_interpreter():
         "    torch.testing.assert_close(g.float(), want.float(), atol=2e-2, rtol=1.6e-2)\n"
         "print('ok')\n")
     run_interpreted(code)
+
+
+# FP4 codes times E8M0 scales are built as bits in the kernel: read every code under every scale byte
+# the kernel is exact for (2..252) back through one-hot rows of A, which must give the dequantised
+# weight bit for bit (one nonzero product per output, exact in bf16 and fp32).
+FP4_EXACT = (
+    "import torch\n"
+    "from deepinfer.kernels.grouped_gemm import _launch\n"
+    "from deepinfer.formats.quant import dequant_fp4\n"
+    "K, N = 64, 256\n"
+    "codes = torch.arange(N * K, dtype=torch.int64) % 16\n"        # every code in every column
+    "lo, hi = codes.view(N, K)[:, 0::2], codes.view(N, K)[:, 1::2]\n"
+    "w = (lo | (hi << 4)).to(torch.uint8).view(torch.int8)\n"
+    "s = (2 + torch.arange(N * K // 32) % 251).view(N, K // 32).to(torch.uint8).view(torch.float8_e8m0fnu)\n"
+    "a = torch.eye(K, dtype=torch.bfloat16)\n"
+    "want = dequant_fp4(w, s, 32, torch.float32).T\n"
+    "for cfg in (dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=32), dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64)):\n"
+    "    got = _launch(a.to(DEV), w.to(DEV), None, s.to(DEV), (1, 32), num_warps=4, num_stages=1, **cfg)\n"
+    "    assert torch.equal(got.float().cpu(), want), (got.float().cpu() - want).abs().max()\n"
+    "print('ok')\n")
+test_fp4_bits_exact_in_the_triton_interpreter, test_fp4_bits_exact_on_gpu = interpreted_and_gpu(
+    FP4_EXACT, "DEV = 'cpu'\n", "DEV = 'cuda'\n")

@@ -52,6 +52,8 @@ def moe_launches():
                              _i(E, 16, 32, dtype=torch.uint8).view(torch.float8_e8m0fnu), (128, 128))
         grouped_gemm._launch(a, _e(E, 2048, 4096, dtype=torch.float8_e4m3fn), offs,
                              _i(E, 2048, 128, dtype=torch.uint8).view(torch.float8_e8m0fnu), (1, 32))
+        grouped_gemm._launch(a, _i(E, 2048, 2048, dtype=torch.int8), offs,  # FP4 experts as shipped
+                             _i(E, 2048, 128, dtype=torch.uint8).view(torch.float8_e8m0fnu), (1, 32))
     grouped_gemm._launch(_e(1, 4096), _e(1024, 4096, dtype=torch.float8_e4m3fn), None,
                          _i(8, 32, dtype=torch.uint8).view(torch.float8_e8m0fnu), (128, 128), split_k=8)
     grouped_gemm._launch(_e(6, 4096), _e(4, 2048, 4096), _i(4, dtype=torch.int32), None, (128, 128),
