@@ -140,6 +140,14 @@ def tp_rank() -> int:
     return 0 if _STATE is None else _STATE.info.tp_rank
 
 
+def tp_group() -> dist.ProcessGroup | None:
+    return None if _STATE is None else _STATE.tp_group
+
+
+def dp_group() -> dist.ProcessGroup | None:
+    return None if _STATE is None else _STATE.dp_group
+
+
 def tp_all_reduce(x: torch.Tensor) -> torch.Tensor:
     """Sum of `x` over the tensor-parallel group (in place; every rank gets the same values).
     Identity at TP size 1."""

@@ -212,3 +212,31 @@ def test_tensor_parallel_on_two_gpus_matches_one_process(ckpt):
     want = generate_tp(_args(ckpt, 1, device="cuda"), PROMPTS, params)
     got = generate_tp(_args(ckpt, 2, device="cuda"), PROMPTS, params)
     _assert_same(got, want)
+
+
+def probe_groups(rank: int, init_method: str, out: str) -> None:
+    """One rank of a tp=2 x dp=2 world: what each group sums and gathers."""
+    import torch.distributed as dist
+
+    info = parallel_state.init_parallel(ParallelConfig(tensor_parallel_size=2, data_parallel_size=2), rank, "cpu",
+                                        init_method, timeout_s=30)
+    tp_sum = parallel_state.tp_all_reduce(torch.tensor([float(rank)])).item()
+    gathered = parallel_state.tp_all_gather(torch.tensor([rank]), dim=0).tolist()
+    dp_sum = torch.tensor([float(rank)])
+    dist.all_reduce(dp_sum, group=parallel_state.dp_group())
+    objs = parallel_state.all_gather_object(rank * 10)
+    torch.save({"info": (info.tp_rank, info.tp_size, info.dp_rank, info.dp_size), "tp_sum": tp_sum,
+                "gathered": gathered, "dp_sum": dp_sum.item(), "objs": objs}, f"{out}/{rank}.pt")
+    parallel_state.destroy()
+
+
+def test_groups_lay_out_tensor_parallel_ranks_consecutively(tmp_path):
+    """rank = dp_rank * tp + tp_rank: TP groups {0,1} {2,3}, DP groups {0,2} {1,3}."""
+    torch.multiprocessing.spawn(probe_groups, args=(f"file://{tmp_path / 'store'}", str(tmp_path)), nprocs=4)
+    got = {r: torch.load(tmp_path / f"{r}.pt") for r in range(4)}
+    for r, g in got.items():
+        assert g["info"] == (r % 2, 2, r // 2, 2)
+        assert g["tp_sum"] == {0: 1, 1: 1, 2: 5, 3: 5}[r]
+        assert g["gathered"] == ([0, 1] if r < 2 else [2, 3])
+        assert g["dp_sum"] == {0: 2, 1: 4, 2: 2, 3: 4}[r]
+        assert g["objs"] == [0, 10, 20, 30]
