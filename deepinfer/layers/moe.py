@@ -97,18 +97,18 @@ class Experts(nn.Module):
         scale = getattr(self, f"{name}_scale", None)
         return dequant_expert(getattr(self, name)[e], None if scale is None else scale[e], self.quant, dtype)
 
-    def _held(self, weights: torch.Tensor, idx: torch.Tensor, drop: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Router ids -> ids into this module's experts; a (token, slot) routed to an expert held
-        elsewhere gets weight 0 and id `drop` (so it adds exactly 0 to the token's sum)."""
+    def _sorted(self, weights: torch.Tensor, idx: torch.Tensor):
+        """(weights, order, tok, offs, inv): the (token, slot) pairs sorted by expert, each one's token
+        row, the cumulative row end of each of this module's experts (int32, torch._grouped_mm's
+        convention) and where each pair landed. No host sync; one launch for small batches
+        (deepinfer/kernels/moe_align.py). When this module holds some of the router's experts only,
+        pairs routed elsewhere get weight 0 and sort after offs[-1], where no expert computes them."""
+        if self.num_experts == self.num_global:
+            return (weights, *moe_align(idx, self.num_experts))
         local = idx - self.first_expert
         held = (local >= 0) & (local < self.num_experts)
-        return torch.where(held, weights, 0.0), torch.where(held, local, drop)
-
-    def _sorted(self, idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(order, tok, offs, inv): the (token, slot) pairs sorted by expert, each one's token row, the
-        cumulative row end of every expert (int32, torch._grouped_mm's convention) and where each pair
-        landed. No host sync; one launch for small batches (deepinfer/kernels/moe_align.py)."""
-        return moe_align(idx, self.num_experts)
+        order, tok, offs, inv = moe_align(torch.where(held, local, self.num_experts), self.num_experts + 1)
+        return torch.where(held, weights, 0.0), order, tok, offs[:self.num_experts], inv
 
     def _grouped_mm(self, xs: torch.Tensor, name: str, offs: torch.Tensor) -> torch.Tensor:
         w, scale = getattr(self, name), getattr(self, f"{name}_scale", None)
@@ -148,15 +148,18 @@ class Experts(nn.Module):
         (sum + float(shared)).to(x.dtype), added inside the combine kernel."""
         if self.quant.fp4_experts and self.w1.dtype != torch.float8_e4m3fn:
             self.repack_fp4_as_fp8()  # once, on the first GPU step (before any graph capture)
-        order, tok, offs, inv = self._sorted(idx)
+        weights, order, tok, offs, inv = self._sorted(weights, idx)
         xs = x[tok]
         gate = self._grouped_mm(xs, "w1", offs)
         up = self._grouped_mm(xs, "w3", offs)
-        if x.is_cuda and triton_available():  # fused: one pass each, k slots summed in slot order (batch-invariant)
-            y = self._grouped_mm(swiglu(gate, up, self.limit, x.dtype), "w2", offs)
+        fused = x.is_cuda and triton_available()  # one pass each, k slots summed in slot order (batch-invariant)
+        y = self._grouped_mm(swiglu(gate, up, self.limit, x.dtype) if fused else
+                             clamped_swiglu(gate, up, self.limit).to(x.dtype), "w2", offs)
+        if self.num_experts != self.num_global:  # rows past offs[-1] (other experts' pairs) are unwritten
+            y = y.masked_fill((torch.arange(y.shape[0], device=y.device) >= offs[-1])[:, None], 0)
+        if fused:
             return moe_combine(y, order, weights, idx.shape[1], inv, shared,
                                torch.float32 if shared is None else x.dtype)
-        y = self._grouped_mm(clamped_swiglu(gate, up, self.limit).to(x.dtype), "w2", offs)
         out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)
         out.index_add_(0, tok, y.float() * weights.flatten()[order, None])
         return out if shared is None else (out + shared.float()).to(x.dtype)
@@ -171,14 +174,9 @@ class Experts(nn.Module):
         """Tokens grouped by expert; each token's k outputs summed in fp32 -> [T, D] fp32, or with
         `shared` (the shared expert's output) (sum + float(shared)).to(x.dtype). Grouped GEMMs on the
         GPU for bf16 activations (dense or quantised experts); the reference loop on the CPU and for fp32."""
-        split = self.num_experts != self.num_global
         if self._use_grouped(x):
-            if split:  # pairs of other ranks' experts run through expert 0 with weight 0 (fixed shapes)
-                weights, idx = self._held(weights, idx, 0)
             return self.grouped(x, weights, idx, shared)
-        if split:  # pairs of other ranks' experts sort into one extra group, never computed
-            weights, idx = self._held(weights, idx, self.num_experts)
-        order, tok, offs, _ = moe_align(idx, self.num_experts + int(split))
+        weights, order, tok, offs, _ = self._sorted(weights, idx)
         bounds = [0] + offs.tolist()
         w = weights.flatten()[order]
         out = torch.zeros(x.shape[0], x.shape[1], dtype=torch.float32, device=x.device)

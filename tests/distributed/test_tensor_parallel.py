@@ -170,6 +170,25 @@ def test_moe_shards_sum_to_the_whole_layer():
         torch.testing.assert_close(sum(parts), whole, rtol=1e-5, atol=1e-5)  # fp32, summed in another order
 
 
+def test_expert_shards_sum_to_the_whole_on_the_grouped_path():
+    """The GPU's grouped-GEMM path (run on the CPU through the kernels' references): pairs routed to
+    another rank's experts sort past the last offset, are never computed and add 0."""
+    torch.manual_seed(1)
+    moe = MoE(32, 16, 8, 3, 1, 50, False, 1.5, 10.0, torch.bfloat16)
+    for p in moe.parameters():
+        p.data.normal_(0, 0.3)
+    x = torch.randn(13, 32, dtype=torch.bfloat16)
+    weights, idx = moe.gate(x, torch.randint(0, 50, (13,)))
+    whole = moe.experts.grouped(x, weights, idx)
+    for tp in (2, 4):
+        parts = []
+        for r in range(tp):
+            m = copy.deepcopy(moe)
+            shard_moe("ffn", m, r, tp)
+            parts.append(m.experts.grouped(x, weights, idx))
+        torch.testing.assert_close(sum(parts), whole, rtol=1e-5, atol=1e-5)  # fp32 sums of the same bf16 rows
+
+
 def test_sizes_that_do_not_divide_are_refused_by_name(ckpt):
     model, _ = load_model(str(ckpt), dtype=torch.float32)
     with pytest.raises(ValueError, match="tensor_parallel_size: 3 does not divide num_attention_heads"):
