@@ -70,6 +70,7 @@ class EngineArgs:
     seed: int | None = 0
     enforce_eager: bool = True        # CUDA graphs with NCCL all-reduces inside are not validated yet
     timeout_s: float = 600.0          # a collective waiting longer for a peer raises
+    backend: str | None = None        # None: NCCL on CUDA, gloo on the CPU; "gloo" on CUDA: ranks may share a GPU
     num_threads: int | None = None    # torch CPU threads per rank (None: torch's default)
     # called by every rank but the driver before each step as step_hook(rank, step); must be picklable
     # (a module-level function). Fault injection for tests; None in serving.
@@ -105,7 +106,7 @@ class _Rank:
 def _build_rank(args: EngineArgs, rank: int, init_method: str) -> _Rank:
     """Join the groups, load and shard the model, agree on the cache size (the smallest any rank can
     hold), allocate the cache and the runner."""
-    info = ps.init_parallel(args.parallel, rank, args.device, init_method, args.timeout_s)
+    info = ps.init_parallel(args.parallel, rank, args.device, init_method, args.timeout_s, args.backend)
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
     device = str(info.device)

@@ -79,10 +79,12 @@ def init_method_from_env() -> str | None:
 
 
 def init_parallel(parallel: ParallelConfig, rank: int, device: torch.device | str, init_method: str,
-                  timeout_s: float = 600.0) -> RankInfo:
+                  timeout_s: float = 600.0, backend: str | None = None) -> RankInfo:
     """Join the default process group (`init_method`: "env://", "tcp://host:port" or "file://path"),
     then build the TP and DP groups. Every collective of these groups raises after `timeout_s`
     seconds without its peers (gloo; NCCL with TORCH_NCCL_BLOCKING_WAIT or async error handling).
+    `backend` overrides backend_for(device): "gloo" on CUDA lets several ranks share one GPU (NCCL
+    refuses two ranks on a device), for testing the GPU path with fewer GPUs than ranks.
     Context parallelism is not laid out yet: context_parallel_size must be 1."""
     global _STATE
     if _STATE is not None:
@@ -97,7 +99,9 @@ def init_parallel(parallel: ParallelConfig, rank: int, device: torch.device | st
         device = torch.device("cuda", device.index if device.index is not None else rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
     timeout = timedelta(seconds=timeout_s)
-    backend = backend_for(device)
+    backend = backend or backend_for(device)
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend: expected 'gloo' or 'nccl', got {backend!r}")
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world, timeout=timeout)
     cpu_group = dist.group.WORLD if backend == "gloo" else dist.new_group(backend="gloo", timeout=timeout)
     tp, dp = parallel.tensor_parallel_size, parallel.data_parallel_size
