@@ -1,0 +1,161 @@
+"""Expert-parallel MoE dispatch / combine (deepinfer/distributed/expert_parallel.py) on 2 and 4 gloo
+ranks (torch.multiprocessing spawn, parallel_state's groups), fp32, 8 experts, dim 64, inter 32,
+top-2, skewed routing; every rank has its own tokens (data-parallel attention), one rank none.
+
+What each rank checks against the one-process `Experts` on its own tokens:
+* eager arithmetic: within rtol = atol = 1e-5 (measured: ~1e-6). Not bit-identical: an expert's
+  GEMM sees the rows of every rank at once, and the CPU library picks its blocking from the row count.
+* batch-invariant mode (layers/invariant.py: fixed 16-row GEMM tiles, one thread): bit-identical
+  (torch.equal). Each row then goes through the same arithmetic as in one process, and with k = 2 the
+  slot-order fp32 sum equals the one-process expert-order sum (two terms commute).
+* the fixed-capacity (graph-capturable) exchange equals the variable-size one, bit for bit (invariant).
+* with an EPLB placement (one redundant slot per rank): the same outputs, and the most rows any rank
+  receives drops (max / mean printed).
+The group timeout is 60 s: a rank left waiting for an idle one raises instead of hanging the test.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from deepinfer.distributed import parallel_state
+from deepinfer.distributed.eplb import count_experts, rebalance_experts, route_to_physical
+from deepinfer.distributed.expert_parallel import ExpertParallel, shard_experts
+from deepinfer.distributed.parallel_state import ParallelConfig
+from deepinfer.layers import invariant
+from deepinfer.layers.moe import Experts
+
+E, D, INTER, K, LIMIT = 8, 64, 32, 2, 10.0
+MAX_TOKENS = 16
+SKEW = torch.tensor([8.0, 4.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0])  # routing probabilities: experts 0, 1 hot
+TOL = dict(rtol=1e-5, atol=1e-5)
+# per world size, rounds of per-rank token counts (each round: one forward of every kind)
+ROUNDS = {2: [[11, 5], [0, 7]], 4: [[9, 0, 5, 16]]}
+
+
+def whole_experts() -> Experts:
+    torch.manual_seed(0)
+    ex = Experts(D, INTER, E, LIMIT, torch.float32)
+    for p in ex.parameters():
+        p.data.normal_(0, 0.2)
+    return ex
+
+
+def batch(tokens: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [T, D], router weights [T, k] fp32, distinct skewed logical ids [T, k]."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, D, generator=g)
+    w = torch.rand(tokens, K, generator=g) + 0.1
+    ids = torch.multinomial(SKEW.expand(tokens, E), K, generator=g) if tokens else torch.zeros(0, K, dtype=torch.long)
+    return x, w, ids
+
+
+def skewed_placement(world: int, rounds: list[list[int]]):
+    """EPLB placement from every rank's routing of every round: E + world slots (one replica slot a rank)."""
+    ids = torch.cat([batch(t, 100 * i + r)[2] for i, ts in enumerate(rounds) for r, t in enumerate(ts)])
+    return rebalance_experts(count_experts(ids, E)[None].double(), E + world, world)
+
+
+def ep_rank_main(rank: int, world: int, init_method: str, out: str) -> None:
+    parallel_state.init_parallel(ParallelConfig(data_parallel_size=world), rank, "cpu", init_method, timeout_s=60)
+    try:
+        torch.set_num_threads(1)
+        group = parallel_state.dp_group()  # tensor_parallel_size 1: every rank
+        whole = whole_experts()
+        placement = skewed_placement(world, ROUNDS[world])
+        plain = ExpertParallel(shard_experts(whole, None, 0, rank, world), E, group=group, max_tokens=MAX_TOKENS)
+        eplb = ExpertParallel(shard_experts(whole, placement, 0, rank, world), E, placement, 0, group,
+                              max_tokens=MAX_TOKENS)
+        assert plain.experts.num_experts == E // world and eplb.experts.num_experts == E // world + 1
+        received = []
+        for i, tokens in enumerate(ROUNDS[world]):
+            x, w, ids = batch(tokens[rank], 100 * i + rank)
+            shared = torch.randn(x.shape[0], D)
+            want = whole(x, w, ids)
+            for ep in (plain, eplb):
+                got = ep.forward(x, w, ids)
+                assert got.shape == (tokens[rank], D) and got.dtype == torch.float32
+                torch.testing.assert_close(got, want, **TOL)
+                torch.testing.assert_close(ep.forward_fixed(x, w, ids), want, **TOL)
+                with invariant.mode(True):
+                    exact = whole(x, w, ids)
+                    assert torch.equal(ep.forward(x, w, ids), exact), (rank, i)
+                    assert torch.equal(ep.forward_fixed(x, w, ids), exact), (rank, i)
+                    assert torch.equal(ep.forward(x, w, ids, shared), whole(x, w, ids, shared))
+            received.append((plain.received_rows(ids), eplb.received_rows(ids)))
+        if rank == 0:
+            torch.save(received, f"{out}/received.pt")
+    finally:
+        parallel_state.destroy()
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_expert_parallel_matches_one_process_on_every_rank(world, tmp_path):
+    torch.multiprocessing.spawn(ep_rank_main, args=(world, f"file://{tmp_path / 'store'}", str(tmp_path)),
+                                nprocs=world)
+    for (before, after), tokens in zip(torch.load(tmp_path / "received.pt"), ROUNDS[world], strict=True):
+        assert before.shape == after.shape == (world,)
+        assert int(before.sum()) == int(after.sum()) == sum(tokens) * K  # every pair received once
+        ratio_before = float(before.max()) / float(before.float().mean())
+        ratio_after = float(after.max()) / float(after.float().mean())
+        print(f"\nworld {world}, tokens {tokens}: rows received per rank {before.tolist()} -> {after.tolist()} "
+              f"with EPLB, max/mean {ratio_before:.2f} -> {ratio_after:.2f}")
+        assert after.max() < before.max()
+
+
+# one process (EP group of one): routing, sharding and the refusals, no spawn
+
+
+def test_route_is_eplbs_rule_shifted_per_rank():
+    placement = rebalance_experts(SKEW[None].double(), E + 2, 1)
+    hot = int(SKEW.argmax())
+    assert placement.replica_counts[0, hot] >= 2
+    local = shard_experts(whole_experts(), placement, 0, 0, 1)
+    routes = [ExpertParallel(local, E, placement, token_offset=r) for r in range(2)]
+    ids = batch(12, 3)[2]
+    assert torch.equal(routes[0].route(ids), route_to_physical(ids, placement, 0))
+    # decode, one token a rank: rank r's copy of the hot expert takes replica r
+    one = torch.tensor([[hot, hot + 1]])
+    assert [int(ep.route(one)[0, 0]) for ep in routes] == placement.logical_to_physical[0, hot, :2].tolist()
+
+
+def test_shard_experts_copies_each_slots_logical_expert():
+    whole = whole_experts()
+    placement = skewed_placement(2, ROUNDS[2])
+    for rank in range(2):
+        local = shard_experts(whole, placement, 0, rank, 2)
+        experts = placement.gpu_experts(0, rank)
+        assert (local.num_experts, local.first_expert, local.num_global) == (5, 0, 6)
+        for name in ("w1", "w2", "w3"):
+            assert torch.equal(getattr(local, name), getattr(whole, name)[experts])
+
+
+def test_one_rank_group_matches_experts_with_replicas_and_an_empty_batch():
+    whole = whole_experts()
+    placement = rebalance_experts(SKEW[None].double(), E + 3, 1)
+    ep = ExpertParallel(shard_experts(whole, placement, 0, 0, 1), E, placement, max_tokens=MAX_TOKENS)
+    x, w, ids = batch(13, 1)
+    with invariant.mode(True):
+        assert torch.equal(ep.forward(x, w, ids), whole(x, w, ids))
+        assert torch.equal(ep.forward_fixed(x, w, ids), whole(x, w, ids))
+    assert ep.forward(x[:0], w[:0], ids[:0]).shape == (0, D)
+    assert ep.forward_fixed(x[:0], w[:0], ids[:0]).shape == (0, D)
+    assert ep.received_rows(ids).tolist() == [13 * K]
+
+
+def test_bad_inputs_are_refused_by_name():
+    whole = whole_experts()
+    with pytest.raises(ValueError, match="experts: expected this rank's 8 slots"):
+        ExpertParallel(shard_experts(whole, None, 0, 0, 2), E)  # 4 slots for a group of one
+    ep = ExpertParallel(shard_experts(whole, None, 0, 0, 1), E, max_tokens=4)
+    x, w, ids = batch(5, 0)
+    with pytest.raises(ValueError, match="max_tokens=4"):
+        ep.forward_fixed(x, w, ids)
+    with pytest.raises(ValueError, match="weights"):
+        ep.forward(x, w[:, :1], ids)
+    with pytest.raises(ValueError, match="max_tokens: forward_fixed needs"):
+        ExpertParallel(shard_experts(whole, None, 0, 0, 1), E).forward_fixed(x, w, ids)
+    with pytest.raises(ValueError, match="forward_fixed needs num_global = 9"):
+        ExpertParallel(whole, E, max_tokens=8).forward_fixed(x, w, ids)  # the whole module: no drop id
+    with pytest.raises(ValueError, match="placement"):
+        ExpertParallel(whole, E, rebalance_experts(SKEW[None].double(), E, 2))
