@@ -20,8 +20,8 @@ One forward:
    weight 1 (so its fp32 result is exactly the expert's output row, y.float(); sent back in x's dtype,
    which loses nothing: y was computed in it).
 4. combine: the rows go back to where they came from; token t's output is
-   sum_j y[t, j].float() * weights[t, j] accumulated in fp32 in slot order j = 0 .. k-1 (as the GPU
-   combine kernel, kernels/moe_combine.py, sums them), then `shared` added as Experts does.
+   sum_j y[t, j].float() * weights[t, j] accumulated in fp32 in slot order j = 0 .. k-1, then
+   `shared` added, by kernels/moe_combine.py (the kernel the one-process GPU path ends with).
 
 So the result equals the one-process `Experts(x_r, weights, ids)` up to the expert GEMMs' own
 arithmetic: each row's expert output is the same function of the row; only the rows sharing a GEMM
@@ -38,12 +38,14 @@ the group's collectives do not match):
   (source, destination) pair: a rank sends at most T*k <= C pairs to any one rank, so nothing can
   overflow. Each destination's block is filled on the device (positions from a cumulative count),
   padding rows carry local id S (the drop id), every all_to_all has equal splits and fixed shapes: no
-  host sync, no size exchange. Costs ep*C rows of buffer and transfer per layer; padding rows are
-  sorted past the local experts' last offset and never computed (`Experts` drops ids outside its
-  held range, so the local module must have num_global = S + 1: `shard_experts` sets that).
+  host sync, no size exchange (a receiver tells real rows from padding by their id). Costs ep*C rows
+  of buffer and transfer per layer; padding rows sort past the local experts' last offset, where no
+  expert GEMM reads them, and come back as zeros (`Experts` drops ids outside its held range, so the
+  local module must have num_global = S + 1: `shard_experts` sets that).
 
-Idle ranks (T_r = 0, a dummy batch) call the same collectives with empty inputs and get [0, D]: the
-other ranks' collectives never wait on a rank that skipped a layer.
+Idle ranks (T_r = 0, a dummy batch) call the same collectives with empty inputs and get [0, D], so
+no rank's collective waits for one that has no requests. Each MoE layer of each step must be called
+on every rank of the group, in the same order.
 
 Backends: torch.distributed's all_to_all_single on NCCL (GPUs) and gloo (CPUs): gloo in this torch
 (2.13) implements it, uneven and empty splits included, so one exchange function serves both.
@@ -56,6 +58,7 @@ import torch.distributed as dist
 from torch import nn
 
 from deepinfer.distributed.eplb import Placement, contiguous_placement
+from deepinfer.kernels.moe_combine import moe_combine
 from deepinfer.layers.moe import Experts
 
 
@@ -182,14 +185,16 @@ class ExpertParallel:
         return self.experts(rows, ones, local[:, None]).to(rows.dtype)
 
     @staticmethod
-    def _combine(pairs: torch.Tensor, weights: torch.Tensor, shared: torch.Tensor | None,
+    def _combine(y: torch.Tensor, order: torch.Tensor, weights: torch.Tensor, shared: torch.Tensor | None,
                  dtype: torch.dtype) -> torch.Tensor:
-        """pairs [T, k, D] (each pair's expert output) -> sum_j pairs[:, j].float() * weights[:, j] in
-        fp32, in slot order; with `shared`, (sum + float(shared)).to(dtype), as Experts.forward."""
-        out = torch.zeros(pairs.shape[0], pairs.shape[2], dtype=torch.float32, device=pairs.device)
-        for j in range(pairs.shape[1]):
-            out += pairs[:, j].float() * weights[:, j, None]
-        return out if shared is None else (out + shared.float()).to(dtype)
+        """y [T*k, D]: the pairs' expert outputs, row r holding pair order[r] (pair t*k + j) ->
+        sum_j y.float() * weights[t, j] in fp32 in slot order j (kernels/moe_combine.py: one fused
+        launch on CUDA), fp32; with `shared`, (sum + float(shared)).to(dtype), as Experts.forward."""
+        T, k = weights.shape
+        out_dtype = torch.float32 if shared is None else dtype
+        if T == 0:  # no launch for an empty grid
+            return y.new_empty(0, y.shape[1], dtype=out_dtype)
+        return moe_combine(y, order, weights, k, None, shared, out_dtype)
 
     # the two exchanges
     def forward(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
@@ -209,9 +214,7 @@ class ExpertParallel:
         recv_local = all_to_all(local.new_empty(n), local[order], recv_splits, send_splits, self.group)
         y = self._compute(recv_x, recv_local) if n else recv_x
         back = all_to_all(torch.empty_like(send_x), y, send_splits, recv_splits, self.group)
-        pairs = torch.empty_like(back)
-        pairs[order] = back
-        return self._combine(pairs.view(T, k, x.shape[1]), weights, shared, x.dtype)
+        return self._combine(back, order, weights, shared, x.dtype)
 
     __call__ = forward
 
@@ -243,4 +246,4 @@ class ExpertParallel:
         recv_local = all_to_all(torch.empty_like(send_local), send_local, None, None, self.group)
         y = self._compute(recv_x, recv_local)
         back = all_to_all(torch.empty_like(y), y, None, None, self.group)
-        return self._combine(back[row].view(T, k, x.shape[1]), weights, shared, x.dtype)
+        return self._combine(back[row], torch.arange(T * k, device=x.device), weights, shared, x.dtype)

@@ -159,3 +159,78 @@ def test_bad_inputs_are_refused_by_name():
         ExpertParallel(whole, E, max_tokens=8).forward_fixed(x, w, ids)  # the whole module: no drop id
     with pytest.raises(ValueError, match="placement"):
         ExpertParallel(whole, E, rebalance_experts(SKEW[None].double(), E, 2))
+
+
+# GPU: the grouped-GEMM local compute (bf16), the fixed-capacity exchange inside a CUDA graph, NCCL
+
+GPU_E, GPU_D, GPU_INTER, GPU_K, GPU_TOKENS = 16, 256, 128, 4, 32
+
+
+def gpu_layer(world: int, rank: int) -> tuple[Experts, ExpertParallel]:
+    """bf16 experts on this rank's GPU, an EPLB placement with one replica slot per rank."""
+    torch.manual_seed(0)
+    whole = Experts(GPU_D, GPU_INTER, GPU_E, LIMIT, torch.bfloat16).cuda()
+    for p in whole.parameters():
+        p.data.normal_(0, 0.05)
+    load = torch.arange(GPU_E, 0, -1, dtype=torch.float64) ** 2  # expert 0 hottest
+    placement = rebalance_experts(load[None], GPU_E + world, world)
+    ep = ExpertParallel(shard_experts(whole, placement, 0, rank, world), GPU_E, placement,
+                        group=parallel_state.dp_group(), max_tokens=GPU_TOKENS)
+    return whole, ep
+
+
+def gpu_batch(tokens: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, GPU_D, generator=g).to("cuda", torch.bfloat16)
+    w = (torch.rand(tokens, GPU_K, generator=g) + 0.1).cuda()
+    probs = torch.arange(GPU_E, 0, -1, dtype=torch.float32).expand(max(tokens, 1), GPU_E)
+    ids = torch.multinomial(probs, GPU_K, generator=g)[:tokens].cuda()
+    return x, w, ids
+
+
+def check_gpu_rank(whole: Experts, ep: ExpertParallel, tokens: int, seed: int) -> None:
+    """Eager exchanges against one process (bf16 GEMMs over other row groupings: 2e-2), then
+    forward_fixed captured in a CUDA graph and replayed on new inputs (bit for bit the eager call)."""
+    x, w, ids = gpu_batch(tokens, seed)
+    shared = torch.randn_like(x)
+    got = [ep.forward(x, w, ids, shared), ep.forward_fixed(x, w, ids, shared)]
+    for g in got:
+        assert g.shape == (tokens, GPU_D) and g.dtype == torch.bfloat16
+        if tokens:  # (an idle rank only joins the collectives)
+            torch.testing.assert_close(g.float(), whole(x, w, ids, shared).float(), rtol=2e-2, atol=2e-2)
+    sx, sw, sids = gpu_batch(GPU_TOKENS, seed + 1)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up: Triton compiles, NCCL communicators
+        for _ in range(2):
+            ep.forward_fixed(sx, sw, sids)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = ep.forward_fixed(sx, sw, sids)
+    for s in (seed + 2, seed + 3):
+        for static, new in zip((sx, sw, sids), gpu_batch(GPU_TOKENS, s)):
+            static.copy_(new)
+        graph.replay()
+        assert torch.equal(out, ep.forward_fixed(sx, sw, sids))
+
+
+@pytest.mark.gpu
+def test_fixed_capacity_exchange_replays_in_a_cuda_graph():
+    whole, ep = gpu_layer(1, 0)
+    check_gpu_rank(whole, ep, 20, 0)
+
+
+def ep_gpu_rank_main(rank: int, init_method: str) -> None:
+    parallel_state.init_parallel(ParallelConfig(data_parallel_size=2), rank, "cuda", init_method, timeout_s=120)
+    try:
+        whole, ep = gpu_layer(2, rank)
+        check_gpu_rank(whole, ep, [0, 23][rank], 10 * rank)  # rank 0 idle in the eager checks
+    finally:
+        parallel_state.destroy()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA devices")
+def test_expert_parallel_on_two_gpus_over_nccl(tmp_path):
+    torch.multiprocessing.spawn(ep_gpu_rank_main, args=(f"file://{tmp_path / 'store'}",), nprocs=2)
