@@ -1,8 +1,8 @@
 """One engine over N processes on one node: tensor parallelism (torch.multiprocessing, spawn).
 
 The calling process is rank 0, the driver: it owns the Scheduler and the EngineCore. It spawns
-ranks 1..N-1; every rank loads the checkpoint, keeps its shard (distributed/tensor_parallel.py),
-allocates the same cache and builds a ModelRunner. Each step the driver broadcasts the step's
+ranks 1..N-1; every rank loads its shard of the checkpoint (tensor_parallel.load_shard: only its
+part of each tensor is read and stored), allocates the same cache and builds a ModelRunner. Each step the driver broadcasts the step's
 SchedulerOutput (pickled, over the gloo group) and every rank runs the forward on it; the TP
 all-reduces inside the forward keep the ranks' residuals equal.
 
@@ -35,13 +35,12 @@ import torch.multiprocessing as mp
 
 from deepinfer.distributed import parallel_state as ps
 from deepinfer.distributed.parallel_state import ParallelConfig
-from deepinfer.distributed.tensor_parallel import shard_model
+from deepinfer.distributed.tensor_parallel import load_shard
 from deepinfer.engine.engine_core import EngineCore
 from deepinfer.engine.kv_manager import KVCacheManager, plan_capacity
 from deepinfer.engine.outputs import CompletionOutput, ModelOutput, SchedulerOutput
 from deepinfer.engine.request import Request, Status
 from deepinfer.engine.scheduler import Scheduler
-from deepinfer.loader.model_loader import load_model
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.worker.kv_cache import allocate_v4_cache, cache_spec, default_cache_memory
 from deepinfer.worker.model_runner import ModelRunner
@@ -110,8 +109,8 @@ def _build_rank(args: EngineArgs, rank: int, init_method: str) -> _Rank:
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
     device = str(info.device)
-    model, _ = load_model(args.model_dir, dtype=getattr(torch, args.dtype), device=device, quantized=args.quantized)
-    shard_model(model, info.tp_rank, info.tp_size)
+    model = load_shard(args.model_dir, info.tp_rank, info.tp_size, dtype=getattr(torch, args.dtype), device=device,
+                       quantized=args.quantized)
     cfg = model.config
     spec = cache_spec(cfg, args.kv_cache_dtype, args.block_size)
     memory = args.kv_cache_memory or default_cache_memory(device)

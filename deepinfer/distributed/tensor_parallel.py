@@ -21,12 +21,22 @@ weights and on checkpoint formats kept as shipped (FP8 blocks: slice bounds must
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._device import _device_constructors
 
 from deepinfer.distributed.parallel_state import tp_all_reduce
-from deepinfer.layers.linear import Linear
+from deepinfer.loader.checkpoint import CheckpointReader
+from deepinfer.loader.model_config import read_model_config
+from deepinfer.loader.model_loader import _engram_token_map as engram_token_map
+from deepinfer.loader.model_loader import without_draft
+from deepinfer.loader.names import is_draft_name
+from deepinfer.loader.resolve import resolve_model_dir
+from deepinfer.loader.weights import Part, Slice, load_weights
+from deepinfer.models.registry import model_classes
 from deepinfer.layers.moe import MoE
 from deepinfer.models.block_v41 import Attention41
 from deepinfer.models.deepseek_v4 import Attention, DeepseekV4ForCausalLM
@@ -35,17 +45,21 @@ from deepinfer.models.deepseek_v41 import DeepseekV41ForCausalLM
 
 @dataclass
 class TPShard:
-    """What shard_model did: the rank, the size, and the modules whose output is all-reduced."""
+    """What shard_model did: the rank, the size, the modules whose output is all-reduced, and the
+    part of its checkpoint tensor each sliced state_dict entry holds (for load_weights' `shard`)."""
 
     rank: int
     size: int
     reduced: list[str] = field(default_factory=list)
+    parts: dict[str, Part] = field(default_factory=dict)
     hooks: list = field(default_factory=list, repr=False)
 
 
 def shard_model(model: nn.Module, tp_rank: int, tp_size: int) -> TPShard:
-    """Slice `model` (loaded whole) in place to rank `tp_rank` of `tp_size`; returns what was done,
-    also kept as `model.tensor_parallel`. tp_size 1 leaves the model as it is."""
+    """Slice `model` in place to rank `tp_rank` of `tp_size`; returns what was done, also kept as
+    `model.tensor_parallel`. The model may hold its weights (they are sliced) or not yet (built on
+    the meta device: then load_weights(..., shard=result.parts) reads only this rank's part).
+    tp_size 1 leaves the model as it is."""
     if not isinstance(model, (DeepseekV4ForCausalLM, DeepseekV41ForCausalLM)):
         raise ValueError(f"tensor_parallel_size: tensor parallelism supports DeepSeek-V4 and V4.1 models, "
                          f"not {type(model).__name__}")
@@ -55,11 +69,11 @@ def shard_model(model: nn.Module, tp_rank: int, tp_size: int) -> TPShard:
     if tp_size > 1:
         for name, mod in model.named_modules():
             if isinstance(mod, (Attention, Attention41)):
-                shard_attention(name, mod, tp_rank, tp_size)
+                shard_attention(mod, tp_rank, tp_size, name, shard.parts)
                 # on wo_b, not the attention module: V4.1's DSpark stages call its projections directly
                 name, mod = f"{name}.wo_b", mod.wo_b
             elif isinstance(mod, MoE):
-                shard_moe(name, mod, tp_rank, tp_size)
+                shard_moe(mod, tp_rank, tp_size, name, shard.parts)
             else:
                 continue
             shard.reduced.append(name)
@@ -78,63 +92,138 @@ def _split(total: int, tp: int, what: str, where: str) -> int:
     return total // tp
 
 
-def shard_attention(name: str, attn: Attention | Attention41, r: int, tp: int) -> None:
+class _Cutter:
+    """Slices the tensors of the module named `prefix` and records each one's part by state_dict key."""
+
+    def __init__(self, prefix: str, parts: dict[str, Part]):
+        self.prefix, self.parts = prefix, parts
+
+    def tensor(self, module: nn.Module, path: str, dim: int, start: int, stop: int) -> None:
+        """Keep [start, stop) along `dim` of the tensor at `path` (dotted, below this module)."""
+        owner, _, leaf = path.rpartition(".")
+        mod = module.get_submodule(owner) if owner else module
+        t = getattr(mod, leaf)
+        key = f"{self.prefix}.{path}" if self.prefix else path
+        self.parts[key] = self.parts.get(key, ()) + (Slice(dim, start, stop, t.shape[dim]),)
+        value = t.data.narrow(dim, start, stop - start).clone(memory_format=torch.contiguous_format)
+        if leaf in mod._parameters:  # a compact copy: the whole tensor is freed
+            mod._parameters[leaf] = nn.Parameter(value, requires_grad=False)
+        else:
+            mod._buffers[leaf] = value
+
+    def linear(self, module: nn.Module, path: str, dim: int, start: int, stop: int) -> None:
+        """Keep rows (dim 0: outputs) or columns (dim 1: inputs) [start, stop) of the Linear at
+        `path`, and of its FP8 block scale, whose blocks the bounds must not cut."""
+        lin = module.get_submodule(path)
+        full = lin.weight.shape[dim]
+        if lin.block_size is not None:
+            b = lin.block_size[dim]
+            if start % b or (stop % b and stop != full):
+                raise ValueError(f"tensor_parallel_size: the slice [{start}, {stop}) of {self.prefix}.{path} "
+                                 f"{tuple(lin.weight.shape)} cuts its FP8 {tuple(lin.block_size)} scale blocks")
+            self.tensor(module, f"{path}.scale", dim, start // b, -(-stop // b))
+        self.tensor(module, f"{path}.weight", dim, start, stop)
+        if dim == 0:
+            lin.out_features = stop - start
+        else:
+            lin.in_features = stop - start
+
+
+def shard_attention(attn: Attention | Attention41, r: int, tp: int, prefix: str = "",
+                    parts: dict[str, Part] | None = None) -> None:
+    """Keep rank r's query heads and their output projection; `parts` gets the state_dict keys
+    (under `prefix`) that hold a part of their checkpoint tensor."""
+    cut = _Cutter(prefix, {} if parts is None else parts)
     H, G, D, rank = attn.n_heads, attn.o_groups, attn.head_dim, attn.o_rank
-    h = _split(H, tp, "num_attention_heads", name)
+    h = _split(H, tp, "num_attention_heads", cut.prefix)
     if G % tp and tp % G:
-        raise ValueError(f"tensor_parallel_size: {tp} and o_groups ({G}) of {name} must divide one another")
+        raise ValueError(f"tensor_parallel_size: {tp} and o_groups ({G}) of {cut.prefix} must divide one another")
     group_in = H * D // G
     if G >= tp:  # whole groups per rank
-        g0, g1, cols = r * G // tp, (r + 1) * G // tp, (0, group_in)
+        g0, g1, cols = r * G // tp, (r + 1) * G // tp, None
     else:  # tp / G ranks share one group, each with its heads' input columns
         per = tp // G
         width = group_in // per
         g0 = r // per
         g1, cols = g0 + 1, ((r % per) * width, (r % per + 1) * width)
-    slice_linear(attn.wq_b, 0, r * h * D, (r + 1) * h * D)
-    _replace(attn, "attn_sink", attn.attn_sink.data[r * h:(r + 1) * h])
-    slice_linear(attn.wo_a, 0, g0 * rank, g1 * rank)
-    slice_linear(attn.wo_a, 1, *cols)
-    slice_linear(attn.wo_b, 1, g0 * rank, g1 * rank)
+    cut.linear(attn, "wq_b", 0, r * h * D, (r + 1) * h * D)
+    cut.tensor(attn, "attn_sink", 0, r * h, (r + 1) * h)
+    cut.linear(attn, "wo_a", 0, g0 * rank, g1 * rank)
+    if cols is not None:
+        cut.linear(attn, "wo_a", 1, *cols)
+    cut.linear(attn, "wo_b", 1, g0 * rank, g1 * rank)
     attn.n_heads, attn.o_groups = h, g1 - g0
 
 
-def shard_moe(name: str, moe: MoE, r: int, tp: int) -> None:
+def shard_moe(moe: MoE, r: int, tp: int, prefix: str = "", parts: dict[str, Part] | None = None) -> None:
+    """Keep rank r's routed experts and shared-expert columns (`parts` as in shard_attention)."""
+    cut = _Cutter(prefix, {} if parts is None else parts)
     ex = moe.experts
-    n = _split(ex.num_experts, tp, "routed experts", name)
+    n = _split(ex.num_experts, tp, "routed experts", cut.prefix)
     for leaf in ("w1", "w2", "w3", "w1_scale", "w2_scale", "w3_scale"):
-        t = getattr(ex, leaf, None)
-        if t is not None:
-            _replace(ex, leaf, t.data[r * n:(r + 1) * n])
+        if getattr(ex, leaf, None) is not None:
+            cut.tensor(moe, f"experts.{leaf}", 0, r * n, (r + 1) * n)
     ex.first_expert, ex.num_experts = r * n, n
-    mlp = moe.shared_experts
-    i = _split(mlp.w1.out_features, tp, "the shared expert's intermediate size", name)
-    slice_linear(mlp.w1, 0, r * i, (r + 1) * i)
-    slice_linear(mlp.w3, 0, r * i, (r + 1) * i)
-    slice_linear(mlp.w2, 1, r * i, (r + 1) * i)
+    i = _split(moe.shared_experts.w1.out_features, tp, "the shared expert's intermediate size", cut.prefix)
+    cut.linear(moe, "shared_experts.w1", 0, r * i, (r + 1) * i)
+    cut.linear(moe, "shared_experts.w3", 0, r * i, (r + 1) * i)
+    cut.linear(moe, "shared_experts.w2", 1, r * i, (r + 1) * i)
 
 
-def slice_linear(lin: Linear, dim: int, start: int, stop: int) -> None:
-    """Keep rows (dim 0: outputs) or columns (dim 1: inputs) [start, stop) of `lin`'s weight, and
-    of its FP8 block scale, whose blocks the bounds must not cut."""
-    full = lin.weight.shape[dim]
-    if lin.block_size is not None:
-        b = lin.block_size[dim]
-        if start % b or (stop % b and stop != full):
-            raise ValueError(f"tensor_parallel_size: the slice [{start}, {stop}) of a {tuple(lin.weight.shape)} "
-                             f"FP8 weight cuts its {tuple(lin.block_size)} scale blocks")
-        _replace(lin, "scale", lin.scale.data.narrow(dim, start // b, -(-stop // b) - start // b))
-    _replace(lin, "weight", lin.weight.data.narrow(dim, start, stop - start))
-    if dim == 0:
-        lin.out_features = stop - start
-    else:
-        lin.in_features = stop - start
+# tensors of at least this many elements are built on the meta device by load_shard (smaller ones for
+# real: an __init__ may compute them, such as RoPE frequencies, and they cost nothing whole)
+META_MIN_NUMEL = 1 << 16
 
 
-def _replace(module: nn.Module, leaf: str, value: torch.Tensor) -> None:
-    """Swap a parameter or buffer for a compact copy of `value` (the whole tensor is freed)."""
-    value = value.clone(memory_format=torch.contiguous_format)
-    if leaf in module._parameters:
-        module._parameters[leaf] = nn.Parameter(value, requires_grad=False)
-    else:
-        module._buffers[leaf] = value
+class _LargeOnMeta(TorchFunctionMode):
+    """Factory calls (torch.empty, zeros, ...) without a device make tensors of at least `min_numel`
+    elements on the meta device and smaller ones on `device`."""
+
+    def __init__(self, device: torch.device, min_numel: int):
+        super().__init__()
+        self.device, self.min_numel = device, min_numel
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _device_constructors() and kwargs.get("device") is None:
+            probe = func(*args, **{**kwargs, "device": "meta"})
+            if isinstance(probe, torch.Tensor) and probe.numel() >= self.min_numel:
+                return probe
+            kwargs["device"] = self.device
+        return func(*args, **kwargs)
+
+
+def _materialize(model: nn.Module, device: torch.device) -> None:
+    """Storage on `device` for every meta parameter and buffer (filled by load_weights next)."""
+    for name, mod in model.named_modules():
+        for leaf, t in list(mod._parameters.items()):
+            if t is not None and t.is_meta:
+                mod._parameters[leaf] = nn.Parameter(torch.empty_like(t, device=device), requires_grad=False)
+        for leaf, t in list(mod._buffers.items()):
+            if t is not None and t.is_meta:
+                if leaf in mod._non_persistent_buffers_set:  # computed, never loaded: it would stay garbage
+                    raise RuntimeError(f"{name}.{leaf}: a computed buffer of {t.numel()} elements was built on "
+                                       f"the meta device; raise META_MIN_NUMEL above it")
+                mod._buffers[leaf] = torch.empty_like(t, device=device)
+
+
+def load_shard(model_dir: str | Path, tp_rank: int, tp_size: int, *, dtype: torch.dtype, device: str,
+               quantized: bool = False, min_numel: int | None = None) -> nn.Module:
+    """load_model for one TP rank: the model is built with its large tensors on the meta device,
+    sliced by shard_model, given storage for its shard only, and filled with its part of each
+    checkpoint tensor: device memory holds the shard, never the whole model. (Engram tables, which
+    load_model can leave on the host, are loaded onto `device` whole.)"""
+    path = resolve_model_dir(str(model_dir))
+    cfg = read_model_config(path)
+    reader = CheckpointReader(path)
+    if cfg.num_nextn_predict_layers > 0 and not any(is_draft_name(n) for n in reader.names()):
+        cfg = without_draft(cfg)  # no draft tensors at all: the trunk (load_model says so in a warning)
+    device = torch.device(device)
+    with _LargeOnMeta(device, META_MIN_NUMEL if min_numel is None else min_numel):
+        net = model_classes(cfg.model_type)[1](cfg, dtype=dtype, quantized=quantized)
+    shard = shard_model(net, tp_rank, tp_size)
+    _materialize(net, device)
+    load_weights(net, reader, config=cfg, shard=shard.parts)
+    if getattr(cfg, "engram_layer_ids", None):
+        net.set_engram_vocab(engram_token_map(path))
+    return net.eval()

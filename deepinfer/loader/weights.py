@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Mapping, NamedTuple
 
 import torch
 
@@ -18,12 +19,39 @@ from deepinfer.loader.checkpoint import CheckpointError, CheckpointReader
 from deepinfer.loader.names import WeightRef, plan_names, split_expert_name
 from deepinfer.models.config import DeepseekV4Config
 
-__all__ = ["CheckpointError", "load_weights"]
+__all__ = ["CheckpointError", "Part", "Slice", "load_weights"]
 
 FP4_GROUP = 32
 _QUANT_WEIGHT_DTYPES = (torch.float8_e4m3fn, torch.int8, torch.uint8)
 _BYTE_DTYPES = (torch.int8, torch.uint8, torch.float8_e4m3fn, torch.float8_e8m0fnu)
 _MAX_LISTED = 20
+
+
+class Slice(NamedTuple):
+    """Elements [start, stop) along `dim` of a checkpoint tensor `full` long there. A model tensor
+    holding a part of its checkpoint tensor (tensor parallelism) is given one Slice per cut dim; for
+    stacked experts, dim 0 is the expert index."""
+
+    dim: int
+    start: int
+    stop: int
+    full: int
+
+
+Part = tuple[Slice, ...]
+
+
+def _cut(t: torch.Tensor, part: Part) -> torch.Tensor:
+    for s in part:
+        t = t.narrow(s.dim, s.start, s.stop - s.start)
+    return t
+
+
+def _index(part: Part) -> tuple:
+    index = [slice(None)] * (1 + max(s.dim for s in part))
+    for s in part:
+        index[s.dim] = slice(s.start, s.stop)
+    return tuple(index)
 
 
 @dataclass
@@ -33,6 +61,11 @@ class _Job:
     expert: int | None  # slice of a stacked expert tensor
     scale: WeightRef | None = None
     scale_target: str | None = None  # set in quantised mode: copy weight + scale raw
+    part: Part | None = None  # the model tensor holds this part of the checkpoint's
+    scale_part: Part | None = None
+
+
+_SKIP = object()  # a checkpoint expert that another rank holds
 
 
 def _sliced_shape(shape: tuple[int, ...], index: tuple | None) -> tuple[int, ...]:
@@ -46,10 +79,12 @@ def _sliced_shape(shape: tuple[int, ...], index: tuple | None) -> tuple[int, ...
 
 
 class _Planner:
-    def __init__(self, reader: CheckpointReader, targets: dict[str, torch.Tensor], config: DeepseekV4Config):
+    def __init__(self, reader: CheckpointReader, targets: dict[str, torch.Tensor], config: DeepseekV4Config,
+                 shard: Mapping[str, Part]):
         self.reader = reader
         self.targets = targets
         self.config = config
+        self.shard = shard
         self.errors: list[str] = []
 
     def where(self, ref: WeightRef) -> str:
@@ -60,8 +95,13 @@ class _Planner:
         return _sliced_shape(self.reader.shape(ref.source), ref.index)
 
     def expected(self, job: _Job, key: str) -> tuple[int, ...]:
-        shape = tuple(self.targets[key].shape)
-        return shape[1:] if job.expert is not None else shape
+        """The checkpoint tensor's shape that fills model tensor `key` (whole, where it holds a part)."""
+        shape = list(self.targets[key].shape)
+        if job.expert is not None:
+            return tuple(shape[1:])
+        for cut in self.shard.get(key, ()):
+            shape[cut.dim] = cut.full
+        return tuple(shape)
 
     def check_shape(self, job: _Job, ref: WeightRef, got: tuple[int, ...], key: str) -> None:
         want = self.expected(job, key)
@@ -110,16 +150,20 @@ class _Planner:
 
 
 def load_weights(model: torch.nn.Module, model_dir: str | Path | CheckpointReader, *,
-                 config: DeepseekV4Config) -> None:
+                 config: DeepseekV4Config, shard: Mapping[str, Part] | None = None) -> None:
     """Fill every tensor of `model.state_dict()` from the checkpoint, one tensor at a time.
 
     Raises CheckpointError for tensors the model lacks, model tensors the checkpoint
     lacks, shape or dtype mismatches. With `config.has_dspark`, unmatched `mtp.*`
     tensors go to `model.unmapped_tensors` instead.
+
+    `shard` (tensor parallelism, deepinfer/distributed/tensor_parallel.py): model tensors that hold
+    a part of their checkpoint tensor; only that part is copied (read alone where the file allows).
+    For stacked experts the part is an expert range: the other experts are not read.
     """
     reader = model_dir if isinstance(model_dir, CheckpointReader) else CheckpointReader(model_dir)
     targets = model.state_dict(keep_vars=True)
-    jobs, keep = _plan(reader, targets, config)
+    jobs, keep = _plan(reader, targets, config, shard or {})
     for job in [j for j in jobs if targets[j.target].is_meta]:
         _bind_mmap(model, job, reader, targets)
         jobs.remove(job)
@@ -133,10 +177,10 @@ def load_weights(model: torch.nn.Module, model_dir: str | Path | CheckpointReade
             _run(job, reader, targets, config)
 
 
-def _plan(reader: CheckpointReader, targets: dict[str, torch.Tensor],
-          config: DeepseekV4Config) -> tuple[list[_Job], list[WeightRef]]:
+def _plan(reader: CheckpointReader, targets: dict[str, torch.Tensor], config: DeepseekV4Config,
+          shard: Mapping[str, Part]) -> tuple[list[_Job], list[WeightRef]]:
     refs: dict[str, WeightRef] = {}
-    planner = _Planner(reader, targets, config)
+    planner = _Planner(reader, targets, config, shard)
     for ref in plan_names(reader.names(), reader.shape):
         if ref.name in refs:
             raise CheckpointError(f"two checkpoint tensors map to {ref.name}: {planner.where(refs[ref.name])} "
@@ -151,7 +195,9 @@ def _plan(reader: CheckpointReader, targets: dict[str, torch.Tensor],
     for name, ref in refs.items():
         if name.endswith(".scale") and name[: -len(".scale")] + ".weight" in refs:
             continue  # loaded together with its weight
-        job = _target_of(name, ref, targets)
+        job = _target_of(name, ref, targets, shard)
+        if job is _SKIP:
+            continue
         if job is None:
             if config.has_dspark and name.startswith("mtp."):
                 keep.append(ref)
@@ -170,6 +216,7 @@ def _plan(reader: CheckpointReader, targets: dict[str, torch.Tensor],
                                       f"{planner.where(ref)} has no .scale tensor")
                 continue
             job.scale_target = quant_key
+            job.scale_part = shard.get(quant_key) if job.expert is None else None
         planner.check(job)
         jobs.append(job)
         for key in filter(None, (job.target, job.scale_target)):
@@ -202,15 +249,21 @@ def _plan(reader: CheckpointReader, targets: dict[str, torch.Tensor],
     return jobs, keep
 
 
-def _target_of(name: str, ref: WeightRef, targets: dict[str, torch.Tensor]) -> _Job | None:
+def _target_of(name: str, ref: WeightRef, targets: dict[str, torch.Tensor], shard: Mapping[str, Part]):
+    """The job filling a model tensor from `ref`; None: no model tensor; _SKIP: another rank's expert."""
     split = split_expert_name(name)
     if split is not None:
         stem, e, proj, leaf = split
         key = f"{stem}.{proj}"
+        if key in shard and leaf == "weight":
+            (experts,) = shard[key]  # an expert range
+            if not experts.start <= e < experts.stop:
+                return _SKIP
+            e -= experts.start
         if leaf != "weight" or key not in targets or e >= targets[key].shape[0]:
             return None
         return _Job(ref, key, e)
-    return _Job(ref, name, None) if name in targets else None
+    return _Job(ref, name, None, part=shard.get(name)) if name in targets else None
 
 
 def _bind_mmap(model: torch.nn.Module, job: _Job, reader: CheckpointReader, targets) -> None:
@@ -246,20 +299,28 @@ def _put(targets: dict[str, torch.Tensor], key: str, expert: int | None, value: 
     dst.copy_(value)
 
 
+def _read(reader: CheckpointReader, ref: WeightRef, part: Part | None) -> torch.Tensor:
+    """`ref`'s tensor, or its `part` (read alone from the file when `ref` is a whole tensor)."""
+    if part is None:
+        return reader.get(ref.source, ref.index)
+    if ref.index is None:
+        return reader.get(ref.source, _index(part))
+    return _cut(reader.get(ref.source, ref.index), part)
+
+
 def _run(job: _Job, reader: CheckpointReader, targets: dict[str, torch.Tensor],
          config: DeepseekV4Config) -> None:
-    w = reader.get(job.ref.source, job.ref.index)
     if job.scale_target is not None:
-        _put(targets, job.target, job.expert, w)
-        _put(targets, job.scale_target, job.expert, reader.get(job.scale.source, job.scale.index))
+        _put(targets, job.target, job.expert, _read(reader, job.ref, job.part))
+        _put(targets, job.scale_target, job.expert, _read(reader, job.scale, job.scale_part))
         return
     dtype = targets[job.target].dtype
     if job.scale is None:
-        _put(targets, job.target, job.expert, w.to(dtype))
+        _put(targets, job.target, job.expert, _read(reader, job.ref, job.part).to(dtype))
         return
-    s = reader.get(job.scale.source, job.scale.index)
+    w, s = reader.get(job.ref.source, job.ref.index), reader.get(job.scale.source, job.scale.index)
     if w.dtype == torch.float8_e4m3fn:
         value = dequant_fp8_blocks(w, s, config.quant.block_size, dtype)
     else:
         value = dequant_fp4(w, s, FP4_GROUP, dtype)
-    _put(targets, job.target, job.expert, value)
+    _put(targets, job.target, job.expert, value if job.part is None else _cut(value, job.part))

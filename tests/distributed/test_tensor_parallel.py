@@ -19,7 +19,7 @@ from deepinfer import LLM, SamplingParams
 from deepinfer.distributed import launch, parallel_state
 from deepinfer.distributed.launch import EngineArgs, TPEngine, TPWorkerError, generate_tp
 from deepinfer.distributed.parallel_state import ParallelConfig
-from deepinfer.distributed.tensor_parallel import shard_model, shard_moe
+from deepinfer.distributed.tensor_parallel import load_shard, shard_model, shard_moe
 from deepinfer.engine.request import Request
 from deepinfer.layers.moe import MoE
 from deepinfer.loader.model_loader import load_model
@@ -110,6 +110,25 @@ def test_checkpoint_formats_kept_as_shipped_shard_on_block_bounds(tmp_path):
     _assert_same(got, want)
 
 
+@pytest.mark.parametrize("model, quantized, tp", [("v4", True, 2), ("v41", False, 4)])
+def test_a_shard_loaded_alone_equals_the_whole_model_sliced(tmp_path, model, quantized, tp):
+    """load_shard (large tensors built on the meta device, only the rank's part read) holds exactly
+    what load_model + shard_model hold: FP8 weights with their scale blocks, FP4 experts by expert,
+    V4.1's Engram tables and DSpark stages. min_numel=64: nearly every tensor takes the meta path."""
+    c = PRESETS["tiny41"] if model == "v41" else {**CFG, "o_lora_rank": 32}
+    ck = write_checkpoint(tmp_path / "ckpt", c, seed=4, dtype="fp8")
+    for r in range(tp):
+        part = load_shard(ck, r, tp, dtype=torch.float32, device="cpu", quantized=quantized, min_numel=64)
+        whole, _ = load_model(ck, dtype=torch.float32, quantized=quantized)
+        shard_model(whole, r, tp)
+        got, want = part.state_dict(), whole.state_dict()
+        assert got.keys() == want.keys()
+        for k, t in want.items():
+            bits = (lambda x: x.view(torch.uint8)) if t.element_size() == 1 else (lambda x: x)  # noqa: E731
+            assert got[k].shape == t.shape and torch.equal(bits(got[k]), bits(t)), k
+        assert torch.equal(part.inv_freq_compress, whole.inv_freq_compress)  # computed, not loaded
+
+
 def raise_on_rank1(rank: int, step: int) -> None:
     if rank == 1 and step == 2:
         raise RuntimeError("injected fault in rank 1")
@@ -165,7 +184,7 @@ def test_moe_shards_sum_to_the_whole_layer():
         parts = []
         for r in range(tp):
             m = copy.deepcopy(moe)
-            shard_moe("ffn", m, r, tp)
+            shard_moe(m, r, tp)
             parts.append(m(x, ids))
         torch.testing.assert_close(sum(parts), whole, rtol=1e-5, atol=1e-5)  # fp32, summed in another order
 
@@ -184,7 +203,7 @@ def test_expert_shards_sum_to_the_whole_on_the_grouped_path():
         parts = []
         for r in range(tp):
             m = copy.deepcopy(moe)
-            shard_moe("ffn", m, r, tp)
+            shard_moe(m, r, tp)
             parts.append(m.experts.grouped(x, weights, idx))
         torch.testing.assert_close(sum(parts), whole, rtol=1e-5, atol=1e-5)  # fp32 sums of the same bf16 rows
 
@@ -220,7 +239,7 @@ def test_moe_shards_sum_to_the_whole_layer_on_the_gpu():
         parts = []
         for r in range(tp):
             m = copy.deepcopy(moe)
-            shard_moe("ffn", m, r, tp)
+            shard_moe(m, r, tp)
             parts.append(m(x, ids).float())
         torch.testing.assert_close(sum(parts), whole, rtol=2e-2, atol=2e-2)  # bf16 partials, rounded apart
 
