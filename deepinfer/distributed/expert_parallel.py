@@ -15,7 +15,7 @@ One forward:
    rule with the token index shifted per rank, so at decode (one token a rank) the ranks' copies of a
    hot expert land on different replicas (route_to_physical itself when token_offset = 0).
 2. dispatch: each pair's activation row goes to the rank that holds its slot, with the slot's local
-   index (all_to_all_single).
+   index riding in the row's trailing columns (`pack_rows`): one all_to_all_single.
 3. local compute: the received rows run through the local `Experts` module, one row per pair, with
    weight 1 (so its fp32 result is exactly the expert's output row, y.float(); sent back in x's dtype,
    which loses nothing: y was computed in it).
@@ -33,12 +33,14 @@ Two exchange variants, chosen for a whole step by the caller (every rank must ta
 the group's collectives do not match):
 
 * `forward` (prefill, eager): split sizes exchanged first (one all_to_all of [ep] counts), read on
-  the host, then variable-size all_to_all_single of rows and local ids. Sends only the real rows.
+  the host, then variable-size all_to_all_single of the rows out and back: three collectives a layer.
+  Sends only the real rows.
 * `forward_fixed` (decode, CUDA-graph capturable): a fixed capacity of C = max_tokens * k rows per
   (source, destination) pair: a rank sends at most T*k <= C pairs to any one rank, so nothing can
   overflow. Each destination's block is filled on the device (positions from a cumulative count),
   padding rows carry local id S (the drop id), every all_to_all has equal splits and fixed shapes: no
-  host sync, no size exchange (a receiver tells real rows from padding by their id). Costs ep*C rows
+  host sync, no size exchange (a receiver tells real rows from padding by their id): two collectives
+  a layer. Costs ep*C rows
   of buffer and transfer per layer; padding rows sort past the local experts' last offset, where no
   expert GEMM reads them, and come back as zeros (`Experts` drops ids outside its held range, so the
   local module must have num_global = S + 1: `shard_experts` sets that).
@@ -83,6 +85,24 @@ def all_to_all(out: torch.Tensor, inp: torch.Tensor, out_splits: list[int] | Non
 def exchange_counts(send_counts: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
     """[ep] rows this rank sends to each rank -> [ep] rows it receives from each rank."""
     return all_to_all(torch.empty_like(send_counts), send_counts.contiguous(), None, None, group)
+
+
+def pack_rows(rows: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """rows [M, D] with each row's id (int32 bits) in trailing columns -> [M, D + c], c = 4 bytes in
+    rows' elements (bf16: 2, fp32: 1): one collective carries both, bit for bit (collectives copy)."""
+    M, D = rows.shape
+    size = rows.element_size()
+    if D * size % 4:
+        raise ValueError(f"x: rows of {D} x {size} bytes cannot carry an aligned int32 id (need a multiple of 4)")
+    buf = rows.new_empty(M, D + max(1, 4 // size))
+    buf[:, :D] = rows
+    buf[:, D:].view(torch.int32)[:, 0] = ids
+    return buf
+
+
+def unpack_rows(buf: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """pack_rows' inverse: (rows [M, dim], a view of `buf`; ids [M] int64)."""
+    return buf[:, :dim], buf[:, dim:].view(torch.int32)[:, 0].long()
 
 
 def shard_experts(whole: Experts, placement: Placement | None, layer: int, rank: int, ep_size: int) -> Experts:
@@ -209,11 +229,10 @@ class ExpertParallel:
         recv_counts = exchange_counts(send_counts, self.group)
         send_splits, recv_splits = send_counts.tolist(), recv_counts.tolist()
         n = sum(recv_splits)
-        send_x = x[torch.div(order, k, rounding_mode="floor")]
-        recv_x = all_to_all(x.new_empty(n, x.shape[1]), send_x, recv_splits, send_splits, self.group)
-        recv_local = all_to_all(local.new_empty(n), local[order], recv_splits, send_splits, self.group)
-        y = self._compute(recv_x, recv_local) if n else recv_x
-        back = all_to_all(torch.empty_like(send_x), y, send_splits, recv_splits, self.group)
+        send = pack_rows(x[torch.div(order, k, rounding_mode="floor")], local[order])
+        recv = all_to_all(send.new_empty(n, send.shape[1]), send, recv_splits, send_splits, self.group)
+        y = self._compute(*unpack_rows(recv, x.shape[1])) if n else x.new_empty(0, x.shape[1])
+        back = all_to_all(x.new_empty(T * k, x.shape[1]), y, send_splits, recv_splits, self.group)
         return self._combine(back, order, weights, shared, x.dtype)
 
     __call__ = forward
@@ -240,10 +259,10 @@ class ExpertParallel:
         pos = ((dest[:, None] == ranks).long().cumsum(0) - 1).gather(1, dest[:, None]).squeeze(1)
         row = dest * cap + pos
         tok = torch.div(torch.arange(T * k, device=x.device), k, rounding_mode="floor")
-        send_x = x.new_zeros(self.size * cap, x.shape[1]).index_copy_(0, row, x[tok])
-        send_local = local.new_full((self.size * cap,), self.slots_per_rank).index_copy_(0, row, local)
-        recv_x = all_to_all(torch.empty_like(send_x), send_x, None, None, self.group)
-        recv_local = all_to_all(torch.empty_like(send_local), send_local, None, None, self.group)
-        y = self._compute(recv_x, recv_local)
+        padding = local.new_full((self.size * cap,), self.slots_per_rank)
+        send = pack_rows(x.new_zeros(self.size * cap, x.shape[1]), padding)
+        send.index_copy_(0, row, pack_rows(x[tok], local))
+        recv = all_to_all(torch.empty_like(send), send, None, None, self.group)
+        y = self._compute(*unpack_rows(recv, x.shape[1]))
         back = all_to_all(torch.empty_like(y), y, None, None, self.group)
         return self._combine(back[row], torch.arange(T * k, device=x.device), weights, shared, x.dtype)

@@ -20,7 +20,7 @@ import torch
 
 from deepinfer.distributed import parallel_state
 from deepinfer.distributed.eplb import count_experts, rebalance_experts, route_to_physical
-from deepinfer.distributed.expert_parallel import ExpertParallel, shard_experts
+from deepinfer.distributed.expert_parallel import ExpertParallel, pack_rows, shard_experts, unpack_rows
 from deepinfer.distributed.parallel_state import ParallelConfig
 from deepinfer.layers import invariant
 from deepinfer.layers.moe import Experts
@@ -141,6 +141,18 @@ def test_one_rank_group_matches_experts_with_replicas_and_an_empty_batch():
     assert ep.forward(x[:0], w[:0], ids[:0]).shape == (0, D)
     assert ep.forward_fixed(x[:0], w[:0], ids[:0]).shape == (0, D)
     assert ep.received_rows(ids).tolist() == [13 * K]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
+def test_rows_carry_their_ids_bit_for_bit(dtype):
+    rows = torch.randn(5, 64).to(dtype)
+    ids = torch.tensor([0, 7, 300, 70000, 2 ** 31 - 1])
+    buf = pack_rows(rows, ids)
+    assert buf.shape == (5, 64 + 4 // rows.element_size()) and buf.dtype == dtype
+    got, got_ids = unpack_rows(buf.clone(), 64)
+    assert torch.equal(got.view(torch.uint8), rows.view(torch.uint8)) and torch.equal(got_ids, ids)
+    with pytest.raises(ValueError, match="aligned int32 id"):
+        pack_rows(torch.zeros(2, 63, dtype=torch.bfloat16), ids[:2])
 
 
 def test_bad_inputs_are_refused_by_name():
