@@ -155,8 +155,6 @@ class ExpertParallel:
         if placement.num_logical != num_logical or placement.num_gpus != self.size:
             raise ValueError(f"placement: {placement.num_logical} logical experts on {placement.num_gpus} ranks, "
                              f"expected {num_logical} on the EP group's {self.size}")
-        if not 0 <= layer < placement.num_layers:
-            raise ValueError(f"layer: {layer} is outside the placement's {placement.num_layers} layers")
         S = placement.slots_per_gpu
         if experts.num_experts != S or experts.first_expert != 0 or experts.num_global not in (S, S + 1):
             raise ValueError(f"experts: expected this rank's {S} slots as experts 0..{S - 1} of {S} or {S + 1} "
@@ -167,9 +165,27 @@ class ExpertParallel:
         self.experts, self.num_logical, self.slots_per_rank, self.max_tokens = experts, num_logical, S, max_tokens
         self.token_offset = self.rank if token_offset is None else token_offset
         device = experts.w1.device
-        # device copies, so routing needs no host transfer inside a captured graph
-        self.logical_to_physical = placement.logical_to_physical[layer].to(device)
-        self.replica_counts = placement.replica_counts[layer].to(device)
+        # device tables, so routing needs no host transfer inside a captured graph; logical_to_physical
+        # is as wide as any placement of these slots can need, so set_placement always fits in place
+        P = placement.num_physical
+        self.logical_to_physical = torch.full((num_logical, P - num_logical + 1), -1, dtype=torch.long, device=device)
+        self.replica_counts = torch.empty(num_logical, dtype=torch.long, device=device)
+        self.set_placement(placement, layer)
+
+    def set_placement(self, placement: Placement, layer: int) -> None:
+        """Route by `placement` (layer `layer`) from now on: the routing tables are overwritten in
+        place, so CUDA graphs captured before still read them. Same slot count per rank; the local
+        experts' weights must be moved to the new slots by the caller (eplb.rebalance_plan)."""
+        if placement.num_logical != self.num_logical or placement.num_gpus != self.size or \
+                placement.slots_per_gpu != self.slots_per_rank:
+            raise ValueError(f"placement: {placement.num_logical} logical experts in {placement.slots_per_gpu} slots "
+                             f"on each of {placement.num_gpus} ranks, expected {self.num_logical} in "
+                             f"{self.slots_per_rank} on {self.size}")
+        if not 0 <= layer < placement.num_layers:
+            raise ValueError(f"layer: {layer} is outside the placement's {placement.num_layers} layers")
+        l2p = placement.logical_to_physical[layer]
+        self.logical_to_physical.fill_(-1)[:, :l2p.shape[1]].copy_(l2p)
+        self.replica_counts.copy_(placement.replica_counts[layer])
 
     # routing
     def route(self, ids: torch.Tensor) -> torch.Tensor:

@@ -143,6 +143,29 @@ def test_one_rank_group_matches_experts_with_replicas_and_an_empty_batch():
     assert ep.received_rows(ids).tolist() == [13 * K]
 
 
+def test_a_new_placement_is_routed_in_place():
+    """Rebalancing between steps: the routing tables are overwritten where they are (a captured graph
+    keeps reading them), the caller copies the slots' new weights; the output stays the layer's."""
+    whole = whole_experts()
+    old = rebalance_experts(SKEW[None].double(), E + 3, 1)
+    new = rebalance_experts(SKEW.flip(0)[None].double(), E + 3, 1)
+    ep = ExpertParallel(shard_experts(whole, old, 0, 0, 1), E, old, max_tokens=MAX_TOKENS)
+    tables = (ep.logical_to_physical.data_ptr(), ep.replica_counts.data_ptr())
+    moved = shard_experts(whole, new, 0, 0, 1)
+    for name in ("w1", "w2", "w3"):
+        getattr(ep.experts, name).copy_(getattr(moved, name))
+    ep.set_placement(new, 0)
+    assert (ep.logical_to_physical.data_ptr(), ep.replica_counts.data_ptr()) == tables
+    x, w, ids = batch(13, 2)
+    assert torch.equal(ep.route(ids), route_to_physical(ids, new, 0))
+    assert not torch.equal(ep.route(ids), route_to_physical(ids, old, 0))
+    with invariant.mode(True):
+        assert torch.equal(ep.forward(x, w, ids), whole(x, w, ids))
+        assert torch.equal(ep.forward_fixed(x, w, ids), whole(x, w, ids))
+    with pytest.raises(ValueError, match="12 slots on each of 1 ranks, expected 8 in 11"):
+        ep.set_placement(rebalance_experts(SKEW[None].double(), E + 4, 1), 0)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
 def test_rows_carry_their_ids_bit_for_bit(dtype):
     rows = torch.randn(5, 64).to(dtype)
