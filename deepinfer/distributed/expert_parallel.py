@@ -61,7 +61,7 @@ from torch import nn
 
 from deepinfer.distributed.eplb import Placement, contiguous_placement
 from deepinfer.kernels.moe_combine import moe_combine
-from deepinfer.layers.moe import Experts
+from deepinfer.layers.moe import Experts, MoE
 
 
 def group_rank_size(group: dist.ProcessGroup | None) -> tuple[int, int]:
@@ -164,6 +164,7 @@ class ExpertParallel:
             raise ValueError(f"max_tokens: expected >= 1, got {max_tokens}")
         self.experts, self.num_logical, self.slots_per_rank, self.max_tokens = experts, num_logical, S, max_tokens
         self.token_offset = self.rank if token_offset is None else token_offset
+        self.fixed_capacity = False  # which exchange __call__ takes
         device = experts.w1.device
         # device tables, so routing needs no host transfer inside a captured graph; logical_to_physical
         # is as wide as any placement of these slots can need, so set_placement always fits in place
@@ -251,7 +252,11 @@ class ExpertParallel:
         back = all_to_all(x.new_empty(T * k, x.shape[1]), y, send_splits, recv_splits, self.group)
         return self._combine(back, order, weights, shared, x.dtype)
 
-    __call__ = forward
+    def __call__(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                 shared: torch.Tensor | None = None) -> torch.Tensor:
+        """Experts.forward's signature: `forward_fixed` while `fixed_capacity` is set (a step-wide
+        choice the runner makes on every rank alike, e.g. for captured decode steps), else `forward`."""
+        return (self.forward_fixed if self.fixed_capacity else self.forward)(x, weights, ids, shared)
 
     def forward_fixed(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                       shared: torch.Tensor | None = None) -> torch.Tensor:
@@ -282,3 +287,11 @@ class ExpertParallel:
         y = self._compute(*unpack_rows(recv, x.shape[1]))
         back = all_to_all(torch.empty_like(y), y, None, None, self.group)
         return self._combine(back[row], torch.arange(T * k, device=x.device), weights, shared, x.dtype)
+
+
+def moe_forward(moe: MoE, ep: ExpertParallel, x: torch.Tensor, input_ids: torch.Tensor,
+                image_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """MoE.forward with the routed experts expert-parallel: the router and the shared expert run on
+    this rank's tokens (replicated weights), `ep` in place of moe.experts. T may be 0."""
+    weights, idx = moe.gate(x, input_ids, image_mask)
+    return ep(x, weights, idx, moe.shared_experts(x))

@@ -20,10 +20,10 @@ import torch
 
 from deepinfer.distributed import parallel_state
 from deepinfer.distributed.eplb import count_experts, rebalance_experts, route_to_physical
-from deepinfer.distributed.expert_parallel import ExpertParallel, pack_rows, shard_experts, unpack_rows
+from deepinfer.distributed.expert_parallel import ExpertParallel, moe_forward, pack_rows, shard_experts, unpack_rows
 from deepinfer.distributed.parallel_state import ParallelConfig
 from deepinfer.layers import invariant
-from deepinfer.layers.moe import Experts
+from deepinfer.layers.moe import Experts, MoE
 
 E, D, INTER, K, LIMIT = 8, 64, 32, 2, 10.0
 MAX_TOKENS = 16
@@ -39,6 +39,15 @@ def whole_experts() -> Experts:
     for p in ex.parameters():
         p.data.normal_(0, 0.2)
     return ex
+
+
+def whole_moe() -> MoE:
+    """A routed MoE layer (top-2 of 8 by score + bias, one shared expert) with random weights."""
+    torch.manual_seed(1)
+    moe = MoE(D, INTER, E, K, 1, 50, False, 1.5, LIMIT, torch.float32)
+    for p in moe.parameters():
+        p.data.normal_(0, 0.2)
+    return moe
 
 
 def batch(tokens: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -67,6 +76,9 @@ def ep_rank_main(rank: int, world: int, init_method: str, out: str) -> None:
         eplb = ExpertParallel(shard_experts(whole, placement, 0, rank, world), E, placement, 0, group,
                               max_tokens=MAX_TOKENS)
         assert plain.experts.num_experts == E // world and eplb.experts.num_experts == E // world + 1
+        moe = whole_moe()
+        moe_ep = ExpertParallel(shard_experts(moe.experts, placement, 0, rank, world), E, placement, 0, group,
+                                max_tokens=MAX_TOKENS)
         received = []
         for i, tokens in enumerate(ROUNDS[world]):
             x, w, ids = batch(tokens[rank], 100 * i + rank)
@@ -83,6 +95,13 @@ def ep_rank_main(rank: int, world: int, init_method: str, out: str) -> None:
                     assert torch.equal(ep.forward_fixed(x, w, ids), exact), (rank, i)
                     assert torch.equal(ep.forward(x, w, ids, shared), whole(x, w, ids, shared))
             received.append((plain.received_rows(ids), eplb.received_rows(ids)))
+            # the whole layer: router and shared expert on this rank's tokens, experts over the group
+            input_ids = torch.randint(0, 50, (tokens[rank],), generator=torch.Generator().manual_seed(rank))
+            with invariant.mode(True):
+                want = moe(x, input_ids)
+                for fixed in (False, True):
+                    moe_ep.fixed_capacity = fixed
+                    assert torch.equal(moe_forward(moe, moe_ep, x, input_ids), want), (rank, i, fixed)
         if rank == 0:
             torch.save(received, f"{out}/received.pt")
     finally:
