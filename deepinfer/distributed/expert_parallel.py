@@ -274,8 +274,8 @@ class ExpertParallel:
             raise ValueError(f"x: {T} tokens exceed max_tokens={self.max_tokens} of forward_fixed")
         cap = self.max_tokens * k  # >= the T*k pairs a rank can send to any one rank
         # row of each pair in the send buffer: its destination's block, then its rank among that
-        # destination's pairs (token-major)
-        # destination ranks: (dest == r) rather than one_hot, which may check its input on the host
+        # destination's pairs (token-major); (dest == r) rather than one_hot, which may check its input
+        # on the host
         ranks = torch.arange(self.size, device=dest.device)
         pos = ((dest[:, None] == ranks).long().cumsum(0) - 1).gather(1, dest[:, None]).squeeze(1)
         row = dest * cap + pos

@@ -23,6 +23,7 @@ from deepinfer.distributed.eplb import count_experts, rebalance_experts, route_t
 from deepinfer.distributed.expert_parallel import ExpertParallel, moe_forward, pack_rows, shard_experts, unpack_rows
 from deepinfer.distributed.parallel_state import ParallelConfig
 from deepinfer.layers import invariant
+from deepinfer.layers.linear import QuantSpec
 from deepinfer.layers.moe import Experts, MoE
 
 E, D, INTER, K, LIMIT = 8, 64, 32, 2, 10.0
@@ -160,6 +161,23 @@ def test_one_rank_group_matches_experts_with_replicas_and_an_empty_batch():
     assert ep.forward(x[:0], w[:0], ids[:0]).shape == (0, D)
     assert ep.forward_fixed(x[:0], w[:0], ids[:0]).shape == (0, D)
     assert ep.received_rows(ids).tolist() == [13 * K]
+
+
+def test_fp4_experts_are_sharded_as_shipped():
+    """Packed FP4 codes and their E8M0 scales copied per slot: replicas included, the layer's output."""
+    torch.manual_seed(0)
+    whole = Experts(D, INTER, E, LIMIT, torch.float32, QuantSpec(block_size=(128, 128), fp4_experts=True))
+    for name in ("w1", "w2", "w3"):
+        getattr(whole, name).copy_(torch.randint(-128, 127, getattr(whole, name).shape, dtype=torch.int8))
+        getattr(whole, f"{name}_scale").view(torch.uint8).copy_(
+            torch.randint(115, 130, getattr(whole, f"{name}_scale").shape, dtype=torch.uint8))
+    placement = rebalance_experts(SKEW[None].double(), E + 2, 1)
+    ep = ExpertParallel(shard_experts(whole, placement, 0, 0, 1), E, placement, max_tokens=MAX_TOKENS)
+    assert ep.experts.w1.dtype == torch.int8 and ep.experts.w1_scale.dtype == whole.w1_scale.dtype
+    x, w, ids = batch(11, 4)
+    with invariant.mode(True):
+        assert torch.equal(ep.forward(x, w, ids), whole(x, w, ids))
+        assert torch.equal(ep.forward_fixed(x, w, ids), whole(x, w, ids))
 
 
 def test_a_new_placement_is_routed_in_place():
