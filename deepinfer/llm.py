@@ -65,6 +65,10 @@ class LLM:
         ref = cfg.model or cfg.hf_model_dir or DEFAULT_MODEL
         if ref == DEMO_NAME:
             ref = str(demo_checkpoint())
+        self._ids = itertools.count()
+        if cfg.tensor_parallel_size > 1:
+            self._start_tensor_parallel(ref)
+            return
         self.model, self.model_dir = load_model(ref, dtype=getattr(torch, cfg.dtype), device=cfg.device,
                                                 quantized=cfg.keeps_checkpoint_formats,
                                                 hf_model_dir=cfg.hf_model_dir, offline=cfg.hf_hub_offline,
@@ -88,11 +92,44 @@ class LLM:
         runner = ModelRunner(self.model, cache, cfg.device, cfg.seed, _replay_keep(cfg, mcfg), not cfg.enforce_eager,
                              cfg.batch_invariant)
         self.engine = EngineCore(self.scheduler, runner, self.detokenizer, cfg.async_scheduling)
-        self._ids = itertools.count()
         # the start-up heap (weights' Python objects, tokenizer, configs) is never garbage: moving it out
         # of the collector's generations keeps full collections from pausing steps
         gc.collect()
         gc.freeze()
+
+    def _start_tensor_parallel(self, ref: str) -> None:
+        """tensor_parallel_size ranks on this node (deepinfer/distributed/launch.py): this process is
+        rank 0 and runs the scheduler; the others are spawned, so a script that builds such an LLM needs
+        an `if __name__ == "__main__":` guard. Steps are synchronous and eager for now."""
+        from deepinfer.distributed.launch import EngineArgs, TPEngine
+        from deepinfer.distributed.parallel_state import ParallelConfig
+        from deepinfer.loader.model_config import read_model_config
+        from deepinfer.loader.resolve import resolve_model_dir
+
+        cfg = self.config
+        if cfg.engram_device is not None:
+            raise ValueError("engram_device: host-resident Engram tables are not supported with "
+                             "tensor_parallel_size > 1 yet (every rank holds the tables on its device)")
+        if cfg.async_scheduling or not cfg.enforce_eager:
+            logger.info("tensor_parallel_size=%d: steps run synchronously and without CUDA graphs (not yet "
+                        "validated across ranks)", cfg.tensor_parallel_size)
+        self.model_dir = resolve_model_dir(ref, hf_model_dir=cfg.hf_model_dir, offline=cfg.hf_hub_offline)
+        self.detokenizer = None if cfg.skip_tokenizer_init else _load_detokenizer(self.model_dir)
+        keep = _replay_keep(cfg, read_model_config(self.model_dir))
+        args = EngineArgs(str(self.model_dir), ParallelConfig(tensor_parallel_size=cfg.tensor_parallel_size),
+                          device=cfg.device, dtype=cfg.dtype, quantized=cfg.keeps_checkpoint_formats,
+                          kv_cache_dtype=cfg.kv_cache_dtype, kv_cache_memory=cfg.kv_cache_memory,
+                          max_model_len=cfg.max_model_len, max_num_seqs=cfg.max_num_seqs,
+                          max_num_batched_tokens=cfg.max_num_batched_tokens, block_size=cfg.block_size,
+                          seed=cfg.seed, replay_keep=keep, batch_invariant=cfg.batch_invariant)
+        self.engine = TPEngine(args, self.detokenizer)
+        self.model, self.scheduler, self.max_model_len = self.engine.model, self.engine.scheduler, self.engine.max_model_len
+
+    def close(self) -> None:
+        """Stop the other ranks of a multi-process engine (a no-op for one process)."""
+        close = getattr(self.engine, "close", None)
+        if close is not None:
+            close()
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -265,13 +302,13 @@ def _text_of(prompt: PromptType) -> str | None:
 
 
 def _require_one_process(cfg: EngineConfig) -> None:
-    """The one place that turns down parallel sizes: this build runs every model in one process.
-    (The torch.distributed launcher replaces this check.)"""
-    changed = cfg.parallel_changes()
+    """The one place that turns down parallel sizes this build cannot launch yet: tensor parallelism
+    runs (LLM._start_tensor_parallel); data / expert / context parallelism do not."""
+    changed = {k: v for k, v in cfg.parallel_changes().items() if k != "tensor_parallel_size"}
     if changed:
         names = ", ".join(f"{k}={v!r}" for k, v in changed.items())
-        raise ValueError(f"{names}: not yet supported in this build: deepinfer serves a model from one process "
-                         "on one device; leave the parallel sizes at their defaults")
+        raise ValueError(f"{names}: not yet supported in this build: deepinfer runs one process or a "
+                         "tensor-parallel group (tensor_parallel_size); leave the other parallel sizes at their defaults")
 
 
 def _check_before_load(cfg: EngineConfig, meta: torch.nn.Module) -> None:

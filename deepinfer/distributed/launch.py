@@ -67,6 +67,8 @@ class EngineArgs:
     max_num_batched_tokens: int = 8192
     block_size: int = 64
     seed: int | None = 0
+    replay_keep: int | None = None    # V4.1 SWA bounded replay (LLM's yoco_prefill_keep_tokens); None: exact prefill
+    batch_invariant: bool = False
     enforce_eager: bool = True        # CUDA graphs with NCCL all-reduces inside are not validated yet
     timeout_s: float = 600.0          # a collective waiting longer for a peer raises
     backend: str | None = None        # None: NCCL on CUDA, gloo on the CPU; "gloo" on CUDA: ranks may share a GPU
@@ -120,7 +122,8 @@ def _build_rank(args: EngineArgs, rank: int, init_method: str) -> _Rank:
     num_slots = min(s for s, _ in plans)
     num_blocks = {m: min(b[m] for _, b in plans) for m in plans[0][1]}
     cache = allocate_v4_cache(cfg, num_slots, num_blocks, args.kv_cache_dtype, device, args.block_size, scratch=True)
-    runner = ModelRunner(model, cache, device, args.seed, None, not args.enforce_eager)
+    runner = ModelRunner(model, cache, device, args.seed, args.replay_keep, not args.enforce_eager,
+                         args.batch_invariant)
     return _Rank(info, model, runner, num_slots, num_blocks)
 
 

@@ -27,11 +27,14 @@ def _generate(args: argparse.Namespace) -> None:
               tensor_parallel_size=args.tensor_parallel_size, data_parallel_size=args.data_parallel_size,
               enable_expert_parallel=args.enable_expert_parallel, enable_eplb=args.enable_eplb,
               context_parallel_size=args.context_parallel_size)
-    for out in llm.generate(args.prompt, params, use_tqdm=False):
-        for c in out.outputs:
-            print(json.dumps({"prompt": out.prompt, "index": c.index, "text": c.text, "token_ids": c.token_ids,
-                              "finish_reason": c.finish_reason, "logprobs": _json_logprobs(c.logprobs)},
-                             ensure_ascii=False))
+    try:
+        for out in llm.generate(args.prompt, params, use_tqdm=False):
+            for c in out.outputs:
+                print(json.dumps({"prompt": out.prompt, "index": c.index, "text": c.text, "token_ids": c.token_ids,
+                                  "finish_reason": c.finish_reason, "logprobs": _json_logprobs(c.logprobs)},
+                                 ensure_ascii=False))
+    finally:
+        llm.close()  # a tensor-parallel LLM stops its other ranks
 
 
 def _json_logprobs(lps):

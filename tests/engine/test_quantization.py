@@ -179,10 +179,10 @@ def test_the_fit_check_counts_the_model_with_its_quantization(ckpt, monkeypatch)
     assert seen == [shipped, dense]
 
 
-@pytest.mark.parametrize("kw", [{"tensor_parallel_size": 2}, {"data_parallel_size": 4},
+@pytest.mark.parametrize("kw", [{"data_parallel_size": 4},
                                 {"context_parallel_size": 2}, {"enable_expert_parallel": True},
                                 {"enable_expert_parallel": True, "enable_eplb": True, "data_parallel_size": 2}])
-def test_parallel_sizes_are_refused_until_the_launcher_lands(ckpt, monkeypatch, kw):
+def test_parallel_sizes_other_than_tensor_parallel_are_refused(ckpt, monkeypatch, kw):
     _no_weight_reads(monkeypatch)
     with pytest.raises(ValueError, match="not yet supported in this build") as e:
         _llm(ckpt, **kw)

@@ -89,11 +89,21 @@ def test_quantization_and_parallel_flags_are_checked_before_any_weight_is_read(f
                          "--quantization", "fp8"), "quantization", "no quantization_config")
     # the model does not exist: the parallel sizes are refused before it is looked for
     nowhere = str(tmp_path / "nowhere")
-    _one_line_error(_cli("generate", "--model", nowhere, "--prompt", "hi", "--device", "cpu",
-                         "--tensor-parallel-size", "2"), "tensor_parallel_size=2", "not yet supported")
     _one_line_error(_cli("generate", "--model", nowhere, "--prompt", "hi", "--device", "cpu", "-dp", "2",
                          "--enable-expert-parallel"), "data_parallel_size=2", "enable_expert_parallel=True")
     _one_line_error(_cli("generate", "--model", nowhere, "--prompt", "hi", "--device", "cpu",
                          "--context-parallel-size", "0"), "context_parallel_size")
     _one_line_error(_cli("generate", "--model", nowhere, "--prompt", "hi", "--device", "cpu", "--enable-eplb"),
                     "enable_eplb", "enable_expert_parallel")
+
+
+def test_tensor_parallel_flag_runs_two_ranks_with_the_same_greedy_tokens(fp8_ckpt):
+    common = ("generate", "--model", str(fp8_ckpt), "--prompt", "hello", "--device", "cpu", "--dtype", "float32",
+              "--kv-cache-dtype", "float32", "--temperature", "0", "--max-tokens", "4")
+    runs = {}
+    for tp in ("1", "2"):
+        res = subprocess.run([sys.executable, "-m", "deepinfer.entrypoints.cli", *common, "-tp", tp],
+                             env=ENV, capture_output=True, text=True, timeout=300)
+        assert res.returncode == 0, res.stderr[-2000:]
+        runs[tp] = json.loads(res.stdout.splitlines()[0])["token_ids"]
+    assert runs["2"] == runs["1"] and len(runs["1"]) == 4
