@@ -67,8 +67,7 @@ def moe_inputs(tokens: int, E=256, K=4096, N=2048, topk=6):
     s4 = torch.full((E, N, K // 32), 120, dtype=torch.uint8, device="cuda").view(torch.float8_e8m0fnu)
     touched = int((counts > 0).sum())
     s32 = torch.full((E, N, K // 32), 120, dtype=torch.uint8, device="cuda").view(torch.float8_e8m0fnu)
-    # fp8x32: FP4 experts repacked to e4m3 codes, one E8M0 scale per 32 inputs (the GPU path before 8772f27,
-    # at twice the bytes); fp4: packed as shipped, what the GPU runs now
+    # fp8x32: FP4 experts as the GPU runs them (repacked to e4m3 codes, one E8M0 scale per 32 inputs)
     return a, offs, {"bf16": (w16, None), "fp8": (w8, s8), "fp4": (w4, s4), "fp8x32": (w8, s32)}, touched
 
 

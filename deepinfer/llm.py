@@ -325,7 +325,7 @@ def _check_before_load(cfg: EngineConfig, meta: torch.nn.Module) -> None:
         return
     device = torch.device(cfg.device)
     free, _ = torch.cuda.mem_get_info(device)
-    weights = weight_bytes(meta, cfg.engram_device == "cpu")
+    weights = weight_bytes(meta, cfg.engram_device == "cpu").serving(_repacks_fp4(cfg))
     try:
         check_fit(weights, free, _fit_reserve(cfg, mcfg), f"{cfg.device} ({torch.cuda.get_device_name(device)})")
     except ValueError as e:
@@ -334,6 +334,12 @@ def _check_before_load(cfg: EngineConfig, meta: torch.nn.Module) -> None:
             raise
         raise ValueError(f"{e}. engram_device='cpu' keeps the {format_bytes(tables)} of Engram tables on the host, "
                          "memory-mapped") from None
+
+
+def _repacks_fp4(cfg: EngineConfig) -> bool:
+    """Whether the routed experts' FP4 codes will be held as FP8 codes (twice the bytes): the GPU's
+    grouped-GEMM path (bf16 activations) repacks them on its first step (layers/moe.py)."""
+    return cfg.device.startswith("cuda") and cfg.dtype == "bfloat16"
 
 
 def _fit_reserve(cfg: EngineConfig, mcfg) -> int:
@@ -356,8 +362,10 @@ def _log_capacity(model: torch.nn.Module, cache, kv: KVCacheManager, max_model_l
         cache_bytes += cache.token_history.numel() * cache.token_history.element_size()
     fit = requests_at_length(kv.num_slots, kv.num_blocks, kv.blocks_for(max_model_len))
     formats = "as the checkpoint stores them" if cfg.keeps_checkpoint_formats else f"dequantised to {cfg.dtype}"
-    logger.info("weights: %s on %s (%s; routed experts %s)", format_bytes(weights.total), cfg.device, formats,
-                format_bytes(weights.experts))
+    served = weights.serving(_repacks_fp4(cfg))
+    later = f"; {format_bytes(served.total)} once the FP4 experts are repacked as FP8" if served != weights else ""
+    logger.info("weights: %s on %s (%s; routed experts %s%s)", format_bytes(weights.total), cfg.device, formats,
+                format_bytes(weights.experts), later)
     logger.info("cache: %s (%d request slots); %d request(s) of max_model_len=%d tokens fit at once",
                 format_bytes(cache_bytes), kv.num_slots, fit, max_model_len)
 

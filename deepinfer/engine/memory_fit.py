@@ -26,18 +26,28 @@ WORKSPACE_BYTES = 2 * GiB
 class WeightBytes:
     """Bytes a model holds on its compute device, split by how expert parallelism divides them."""
 
-    experts: int          # routed experts (weights and scales, FP4 codes packed as shipped); split across EP ranks
+    experts: int          # routed experts (weights and scales); split across expert-parallel ranks
     other: int            # everything else; every rank holds a copy
+    packed_fp4: int = 0   # of `experts`: FP4 codes packed two per byte
 
     def __post_init__(self):
-        for name in ("experts", "other"):
+        for name in ("experts", "other", "packed_fp4"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 0:
                 raise ValueError(f"WeightBytes.{name}: must be a non-negative integer, got {v!r}")
+        if self.packed_fp4 > self.experts:
+            raise ValueError(f"WeightBytes.packed_fp4: {self.packed_fp4} bytes exceed the experts' {self.experts}")
 
     @property
     def total(self) -> int:
         return self.experts + self.other
+
+    def serving(self, repack_fp4: bool) -> "WeightBytes":
+        """The bytes held while serving. `repack_fp4`: packed FP4 experts are rewritten as FP8 codes (one
+        byte per weight, twice the packed bytes) on the first GPU step, as the grouped-GEMM path does."""
+        if not repack_fp4:
+            return self
+        return WeightBytes(self.experts + self.packed_fp4, self.other, 0)
 
 
 def per_device_bytes(weights: WeightBytes, ep_size: int, reserve: int) -> int:

@@ -29,7 +29,7 @@ Dequantisation in the K loop:
     depends on the output column only and is applied to the tile's partial product in fp32
     (acc += dot(a, w) * s[n]); otherwise each weight element is scaled before the dot, with the
     tile's [BLOCK_N, BLOCK_K / bi] scales loaded once and broadcast when bi divides BLOCK_K (the
-    (1, 32) blocks: V4.1-style fine blocks), gathered per element otherwise.
+    (1, 32) blocks of FP4 experts repacked to FP8), gathered per element otherwise.
   * FP4: the packed bytes [BLOCK_N, BLOCK_K/2] are split into low / high nibbles; each code times its
     E8M0 scale is built directly as fp32 bits (the scale byte added to the exponent field: no
     multiply, exact for scale bytes 2..252, which bounds |value| to fp32's normal range), with the

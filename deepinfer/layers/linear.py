@@ -262,5 +262,7 @@ def dequant_expert(w: torch.Tensor, scale: torch.Tensor | None, quant: QuantSpec
     if scale is None:
         return w.to(dtype)
     if quant.fp4_experts:
+        if w.dtype == torch.float8_e4m3fn:  # repacked for the GPU (Experts.repack_fp4_as_fp8)
+            return dequant_fp8_blocks(w, scale, (1, 32), dtype)
         return dequant_fp4(w, scale, 32, dtype)
     return dequant_fp8_blocks(w, scale, quant.block_size, dtype)

@@ -7,13 +7,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from deepinfer.kernels import router as _router
-from deepinfer.kernels.grouped_gemm import grouped_gemm, triton_available
+from deepinfer.kernels.grouped_gemm import FP4_GROUP, grouped_gemm, triton_available
 from deepinfer.kernels.moe_align import moe_align
 from deepinfer.kernels.moe_combine import moe_combine
 from deepinfer.kernels.swiglu import swiglu
 from deepinfer.layers import invariant
 from deepinfer.layers.linear import (DENSE, Linear, QuantSpec, dense_linear, dequant_expert, expert_tensors,
                                     matmul_fp32, stacked_forward)
+from deepinfer.formats.quant import unpack_fp4
 
 
 def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
@@ -116,15 +117,37 @@ class Experts(nn.Module):
             if xs.shape[0] <= 16 * self.num_experts or tiles:  # decode: the Triton kernel streams weights faster
                 return grouped_gemm(xs, w, offs, **tiles)
             return torch._grouped_mm(xs, w.transpose(1, 2), offs=offs)
+        if w.dtype == torch.float8_e4m3fn and self.quant.fp4_experts:
+            return grouped_gemm(xs, w, offs, scale, (1, FP4_GROUP), **tiles)
         return grouped_gemm(xs, w, offs, scale, self.quant.block_size, **tiles)
+
+    @torch.no_grad()
+    def repack_fp4_as_fp8(self) -> None:
+        """FP4 experts -> FP8 e4m3 codes with the same E8M0 scale per 32 inputs (block (1, 32)). Exact:
+        every e2m1 value is an e4m3 value. Twice the bytes, but the GPU kernel decodes e4m3 in
+        hardware, where the e2m1 bit-twiddling made FP4 decode ALU-bound (0.42 vs 2.8 TB/s effective
+        on the H200 at decode batch 64: benchmarks/results/2026-11-29-h200-kernel-sweep.json)."""
+        if not self.quant.fp4_experts:
+            return
+        for name in ("w1", "w2", "w3"):
+            packed = getattr(self, name)
+            if packed.dtype == torch.float8_e4m3fn:
+                continue
+            fp8 = torch.empty(*packed.shape[:-1], 2 * packed.shape[-1], dtype=torch.float8_e4m3fn,
+                              device=packed.device)
+            for e in range(packed.shape[0]):  # one expert at a time bounds the fp32 temporary
+                fp8[e] = unpack_fp4(packed[e]).to(torch.float8_e4m3fn)
+            setattr(self, name, fp8)
 
     def grouped(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor,
                 shared: torch.Tensor | None = None) -> torch.Tensor:
         """GPU path: one grouped GEMM per projection over the tokens sorted by expert, offsets kept on
         the device: no host sync, no Python loop. Dense bf16 experts use torch._grouped_mm, quantised
-        (FP8 / FP4, held as shipped) ones the Triton kernel that dequantises while loading (bf16 activations).
+        (FP8 / FP4) ones the Triton kernel that dequantises while loading (bf16 activations).
         -> fp32 [T, D]; with `shared` (the shared expert's output) the layer's result
         (sum + float(shared)).to(x.dtype), added inside the combine kernel."""
+        if self.quant.fp4_experts and self.w1.dtype != torch.float8_e4m3fn:
+            self.repack_fp4_as_fp8()  # once, on the first GPU step (before any graph capture)
         weights, order, tok, offs, inv = self._sorted(weights, idx)
         xs = x[tok]
         gate = self._grouped_mm(xs, "w1", offs)

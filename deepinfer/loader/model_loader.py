@@ -67,7 +67,7 @@ def load_model(model: str | Path | None, *, dtype: torch.dtype = torch.bfloat16,
 def weight_bytes(net: nn.Module, host_engram: bool = False) -> WeightBytes:
     """Bytes of `net`'s parameters and buffers (on any device, meta included), routed experts apart.
     `host_engram`: V4.1 Engram tables are left on the host (engram_device="cpu") and not counted."""
-    experts = other = 0
+    experts = other = packed = 0
     seen: set[int] = set()
     for mod in net.modules():
         if host_engram and isinstance(mod, EngramTable):
@@ -80,11 +80,13 @@ def weight_bytes(net: nn.Module, host_engram: bool = False) -> WeightBytes:
                 continue
             seen.add(id(t))
             n = t.numel() * t.element_size()
-            if routed:
-                experts += n
-            else:
+            if not routed:
                 other += n
-    return WeightBytes(experts, other)
+                continue
+            experts += n
+            if mod.quant.fp4_experts and t.dtype == torch.int8:  # two e2m1 codes per byte
+                packed += n
+    return WeightBytes(experts, other, packed)
 
 
 def without_draft(cfg: Config) -> Config:

@@ -39,8 +39,15 @@ def test_per_device_bytes_splits_only_the_experts():
     assert fitting_ep_sizes(w, 30, 5) == []
 
 
+def test_repacked_fp4_experts_count_twice_their_packed_codes():
+    w = WeightBytes(experts=70, other=10, packed_fp4=64)  # 64 bytes of codes + 6 of scales
+    assert w.serving(repack_fp4=False) == w
+    assert w.serving(repack_fp4=True) == WeightBytes(experts=134, other=10)
+
+
 @pytest.mark.parametrize("kw, field", [({"experts": -1, "other": 0}, "experts"),
-                                       ({"experts": 0, "other": 1.5}, "other")])
+                                       ({"experts": 0, "other": 1.5}, "other"),
+                                       ({"experts": 4, "other": 0, "packed_fp4": 5}, "packed_fp4")])
 def test_bad_weight_bytes_name_the_field(kw, field):
     with pytest.raises(ValueError, match=field):
         WeightBytes(**kw)
@@ -81,11 +88,10 @@ def test_weight_bytes_counts_every_tensor_once_and_sets_the_routed_experts_apart
     assert w.total == everything
     routed = sum(t.numel() * t.element_size() for n, t in flash.named_buffers() if ".ffn.experts." in n)
     assert w.experts == routed and w.experts > 0
-    # held as shipped: FP4 codes E x (2 F x D/2 + D x F/2) bytes per MoE layer (main stack + MTP) + E8M0 per 32
+    # the FP4 codes: E x (2 F x D/2 + D x F/2) bytes per MoE layer (main stack + MTP)
     c = flash.config
     layers = c.num_hidden_layers + c.num_nextn_predict_layers
-    codes = layers * c.n_routed_experts * 3 * c.moe_intermediate_size * c.hidden_size // 2
-    assert w.experts == codes + codes // 16
+    assert w.packed_fp4 == layers * c.n_routed_experts * 3 * c.moe_intermediate_size * c.hidden_size // 2
 
 
 def test_v4_flash_as_shipped_is_about_its_released_size(flash):
@@ -107,6 +113,9 @@ def test_v4_flash_does_not_fit_one_h200_and_the_error_names_the_ep_sizes_that_do
     assert need == pytest.approx((shipped.total + reserve) / GiB, abs=0.01)
     assert "139.00 GiB is available" in msg
     assert "on 2 GPUs" in msg and "4 GPUs" in msg  # FP4 codes as shipped: ~75 GB of experts per GPU at EP2
+    # the GPU path holds FP4 experts as FP8 codes once it has run (twice the packed bytes): EP2 no longer fits
+    served = shipped.serving(repack_fp4=True)
+    assert fitting_ep_sizes(served, H200_FREE, reserve) == [4, 8, 16, 64]
 
 
 def test_v41_flash_backbone_with_host_engram_needs_expert_parallelism():

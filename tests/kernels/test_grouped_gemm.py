@@ -254,7 +254,7 @@ def test_kernel_matches_reference_in_the_triton_interpreter():
         "         ('fp4', [3, 20], 24, 96, (128, 128), 'e8m0', dict(tile, BLOCK_K=64)),\n"  # ragged K tile
         "         ('bf16', [21], 24, 80, (128, 128), 'e8m0', tile),\n"
         "         ('fp8', [21], 24, 80, (16, 32), 'e8m0', tile),\n"
-        "         ('fp8', [0, 7, 30], 40, 128, (1, 32), 'e8m0', dict(tile, BLOCK_K=64))]\n"  # (1, 32) blocks
+        "         ('fp8', [0, 7, 30], 40, 128, (1, 32), 'e8m0', dict(tile, BLOCK_K=64))]\n"  # repacked FP4
         "for fmt, counts, N, K, block, sd, cfg in cases:\n"
         "    a, w, offs, s = make_case(counts, N, K, fmt, block, sd)\n"
         "    want = reference(a, w, offs, s, block)\n"
