@@ -337,6 +337,16 @@ def deepinfer_model(fp8: bool):
     with torch.device(DEVICE):
         model = DeepseekV4ForCausalLM(cfg, dtype=torch.bfloat16, quantized=fp8).eval()
     _init_random(model)
+    return _as_llm_holds(model)
+
+
+def _as_llm_holds(model):
+    """FP4 routed experts as LLM holds them on a GPU where the copy fits (the slices fit an H200): FP8
+    codes, the faster kernel (engine/memory_fit.py repack_fits; layers/moe.py repack_fp4_as_fp8)."""
+    from deepinfer.layers.moe import repack_fp4_experts
+
+    if DEVICE == "cuda":
+        repack_fp4_experts(model)
     return model
 
 
@@ -368,7 +378,7 @@ def deepinfer_model_v41(fp8: bool):
     _init_random(model)
     n = cfg.engram_compressed_vocab_size
     model.set_engram_vocab([i % n for i in range(cfg.vocab_size)])  # synthetic: every compressed id used
-    return model
+    return _as_llm_holds(model)
 
 
 def engine_cache(cfg, num_slots: int, max_len: int, kv_dtype: str, device: str | None = None):

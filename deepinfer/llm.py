@@ -14,10 +14,11 @@ from deepinfer.config import EngineConfig
 from deepinfer.engine.detokenizer import Detokenizer
 from deepinfer.engine.engine_core import EngineCore
 from deepinfer.engine.kv_manager import KVCacheManager, plan_capacity
-from deepinfer.engine.memory_fit import WORKSPACE_BYTES, check_fit, format_bytes, requests_at_length
+from deepinfer.engine.memory_fit import WORKSPACE_BYTES, check_fit, format_bytes, repack_fits, requests_at_length
 from deepinfer.engine.outputs import CompletionOutput, RequestOutput
 from deepinfer.engine.request import Request, Status
 from deepinfer.engine.scheduler import Scheduler
+from deepinfer.layers.moe import Experts, repack_fp4_experts
 from deepinfer.loader.model_loader import load_model, weight_bytes
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.tools.demo import DEMO_NAME, demo_checkpoint
@@ -69,11 +70,14 @@ class LLM:
         if cfg.tensor_parallel_size > 1:
             self._start_tensor_parallel(ref)
             return
+        repack: list[bool] = []  # FP4 experts held as FP8 codes: decided before the weights are read
         self.model, self.model_dir = load_model(ref, dtype=getattr(torch, cfg.dtype), device=cfg.device,
                                                 quantized=cfg.keeps_checkpoint_formats,
                                                 hf_model_dir=cfg.hf_model_dir, offline=cfg.hf_hub_offline,
                                                 engram_device=cfg.engram_device,
-                                                check=lambda meta: _check_before_load(cfg, meta))
+                                                check=lambda meta: repack.append(_check_before_load(cfg, meta)))
+        if repack and repack[0]:
+            repack_fp4_experts(self.model)
         mcfg = self.model.config
         self.detokenizer = None if cfg.skip_tokenizer_init else _load_detokenizer(self.model_dir)
         spec = cache_spec(mcfg, cfg.kv_cache_dtype, cfg.block_size)
@@ -123,7 +127,8 @@ class LLM:
                           max_num_batched_tokens=cfg.max_num_batched_tokens, block_size=cfg.block_size,
                           seed=cfg.seed, replay_keep=keep, batch_invariant=cfg.batch_invariant)
         self.engine = TPEngine(args, self.detokenizer)
-        self.model, self.scheduler, self.max_model_len = self.engine.model, self.engine.scheduler, self.engine.max_model_len
+        self.model, self.scheduler = self.engine.model, self.engine.scheduler
+        self.max_model_len = self.engine.max_model_len
 
     def close(self) -> None:
         """Stop the other ranks of a multi-process engine (a no-op for one process)."""
@@ -308,12 +313,15 @@ def _require_one_process(cfg: EngineConfig) -> None:
     if changed:
         names = ", ".join(f"{k}={v!r}" for k, v in changed.items())
         raise ValueError(f"{names}: not yet supported in this build: deepinfer runs one process or a "
-                         "tensor-parallel group (tensor_parallel_size); leave the other parallel sizes at their defaults")
+                         "tensor-parallel group (tensor_parallel_size); leave the other parallel sizes at their "
+                         "defaults")
 
 
-def _check_before_load(cfg: EngineConfig, meta: torch.nn.Module) -> None:
+def _check_before_load(cfg: EngineConfig, meta: torch.nn.Module) -> bool:
     """What can be refused from the model built on the meta device, before any weight is read: a
-    quantization the checkpoint does not have, and a model that does not fit the GPU's free memory."""
+    quantization the checkpoint does not have, and a model that does not fit the GPU's free memory as
+    shipped. -> whether its FP4 routed experts are to be held as FP8 codes: on CUDA with bf16
+    activations, where that larger model still fits (the faster kernel; Experts.repack_fp4_as_fp8)."""
     mcfg = meta.config
     if cfg.quantization == "fp8" and mcfg.quant.block_size is None:
         raise ValueError("quantization: 'fp8' keeps the checkpoint's FP8/FP4 weights, but this checkpoint's "
@@ -322,24 +330,19 @@ def _check_before_load(cfg: EngineConfig, meta: torch.nn.Module) -> None:
     if not cfg.device.startswith("cuda"):
         # host memory is not checked: the CPU path is the torch reference for test-sized models, and what
         # the host has "available" (page cache, memory-mapped shards, other processes) is no fixed bound
-        return
+        return False
     device = torch.device(cfg.device)
     free, _ = torch.cuda.mem_get_info(device)
-    weights = weight_bytes(meta, cfg.engram_device == "cpu").serving(_repacks_fp4(cfg))
+    weights, reserve = weight_bytes(meta, cfg.engram_device == "cpu"), _fit_reserve(cfg, mcfg)
     try:
-        check_fit(weights, free, _fit_reserve(cfg, mcfg), f"{cfg.device} ({torch.cuda.get_device_name(device)})")
+        check_fit(weights, free, reserve, f"{cfg.device} ({torch.cuda.get_device_name(device)})")
     except ValueError as e:
         tables = weights.other - weight_bytes(meta, host_engram=True).other
         if not tables:
             raise
         raise ValueError(f"{e}. engram_device='cpu' keeps the {format_bytes(tables)} of Engram tables on the host, "
                          "memory-mapped") from None
-
-
-def _repacks_fp4(cfg: EngineConfig) -> bool:
-    """Whether the routed experts' FP4 codes will be held as FP8 codes (twice the bytes): the GPU's
-    grouped-GEMM path (bf16 activations) repacks them on its first step (layers/moe.py)."""
-    return cfg.device.startswith("cuda") and cfg.dtype == "bfloat16"
+    return cfg.dtype == "bfloat16" and repack_fits(weights, free, reserve)
 
 
 def _fit_reserve(cfg: EngineConfig, mcfg) -> int:
@@ -362,10 +365,11 @@ def _log_capacity(model: torch.nn.Module, cache, kv: KVCacheManager, max_model_l
         cache_bytes += cache.token_history.numel() * cache.token_history.element_size()
     fit = requests_at_length(kv.num_slots, kv.num_blocks, kv.blocks_for(max_model_len))
     formats = "as the checkpoint stores them" if cfg.keeps_checkpoint_formats else f"dequantised to {cfg.dtype}"
-    served = weights.serving(_repacks_fp4(cfg))
-    later = f"; {format_bytes(served.total)} once the FP4 experts are repacked as FP8" if served != weights else ""
-    logger.info("weights: %s on %s (%s; routed experts %s%s)", format_bytes(weights.total), cfg.device, formats,
-                format_bytes(weights.experts), later)
+    if any(getattr(m, "w1", None) is not None and m.w1.dtype == torch.float8_e4m3fn and m.quant.fp4_experts
+           for m in model.modules() if isinstance(m, Experts)):
+        formats += "; FP4 routed experts held as FP8 codes (twice their bytes, faster kernels: they fit)"
+    logger.info("weights: %s on %s (%s; routed experts %s)", format_bytes(weights.total), cfg.device, formats,
+                format_bytes(weights.experts))
     logger.info("cache: %s (%d request slots); %d request(s) of max_model_len=%d tokens fit at once",
                 format_bytes(cache_bytes), kv.num_slots, fit, max_model_len)
 

@@ -44,7 +44,7 @@ class WeightBytes:
 
     def serving(self, repack_fp4: bool) -> "WeightBytes":
         """The bytes held while serving. `repack_fp4`: packed FP4 experts are rewritten as FP8 codes (one
-        byte per weight, twice the packed bytes) on the first GPU step, as the grouped-GEMM path does."""
+        byte per weight, twice the packed bytes), as LLM does where they fit (repack_fits)."""
         if not repack_fp4:
             return self
         return WeightBytes(self.experts + self.packed_fp4, self.other, 0)
@@ -61,6 +61,12 @@ def fitting_ep_sizes(weights: WeightBytes, available: int, reserve: int,
                      sizes: tuple[int, ...] = EP_SIZES) -> list[int]:
     """The expert-parallel sizes (of `sizes`) at which every device's share fits in `available` bytes."""
     return [n for n in sizes if per_device_bytes(weights, n, reserve) <= available]
+
+
+def repack_fits(weights: WeightBytes, available: int, reserve: int) -> bool:
+    """Whether FP4 experts rewritten as FP8 codes (faster GPU kernels, twice the codes' bytes) still fit
+    one device beside the reserve. False when there are no packed FP4 experts."""
+    return weights.packed_fp4 > 0 and per_device_bytes(weights.serving(True), 1, reserve) <= available
 
 
 def check_fit(weights: WeightBytes, available: int, reserve: int, where: str) -> None:

@@ -12,7 +12,8 @@ On CUDA with bf16 activations a quantised Linear picks its GEMM by the row count
     (kernels/grouped_gemm.py: FP8 weight tiles widened in registers, activations stay bf16, so the
     result is closer to exact than the reference's, which quantises activations at every size).
 Batch-invariant mode runs W8A16 with invariant.GEMM_TILES at every M (one path whatever the batch).
-Weights whose blocks are not powers of two >= 16 wide along K stay on W8A16. Elsewhere (CPU, fp32
+Weights whose blocks are not powers of two >= ACT_GROUP wide along K stay on W8A16 (V4.1's 32 x 32:
+measured slower as W8A8, see FP8_GEMM_ROWS). Elsewhere (CPU, fp32
 activations) the weight is dequantised and multiplied densely, as before.
 """
 from __future__ import annotations
@@ -113,18 +114,19 @@ class Linear(nn.Module):
 
 
 GROUPED_GEMM_ROWS = 512  # prefill keeps dequant + cuBLAS per group (the weight copy is small beside its GEMMs)
-# W8A8 from this many rows: an FP8 weight read once per GEMM stops bounding the time near
-# M = 790 TFLOP/s / 4.8 TB/s / 2 FLOP per byte ~ 80 rows (bf16 rate) .. 165 (fp8 rate); 256 keeps
-# every decode batch of the Flash-slice sweep (<= 128) on W8A16. Not tuned on the GPU yet
-# (benchmarks/fp8_gemm_bench.py times both paths at M = 1 .. 8192).
-FP8_GEMM_ROWS = 256
+# W8A8 from this many rows, for weight blocks at least ACT_GROUP wide along K (V4's 128 x 128). H200,
+# benchmarks/results/2026-12-01-h200-fp8-gemm-cffa476.json, V4 slice projections per layer: at M = 8192
+# W8A8 (cuBLAS blockwise) 2.62 ms against W8A16 10.88 and bf16 3.01; at M = 256 W8A8 0.95 against
+# W8A16 0.76. 1024 lies between the measured sizes (not tuned). V4.1's 32 x 32 blocks stay on W8A16:
+# its Triton W8A8 took 10.29 ms per layer at M = 8192 against W8A16's 7.19.
+FP8_GEMM_ROWS = 1024
 ACT_GROUP = 128  # the reference's act_quant group (1 x 128, power-of-two scales)
 
 
 def fp8_gemm_rows(M: int, block: tuple[int, int]) -> bool:
     """Whether M rows through an FP8 weight of `block` take W8A8 (outside batch-invariant mode)."""
     bo, bi = block
-    pow2 = bo > 0 and bi >= 16 and not (bo & (bo - 1)) and not (bi & (bi - 1))
+    pow2 = bo > 0 and bi >= ACT_GROUP and not (bo & (bo - 1)) and not (bi & (bi - 1))
     return M >= FP8_GEMM_ROWS and pow2 and not invariant.enabled()
 
 

@@ -125,8 +125,10 @@ class Experts(nn.Module):
     def repack_fp4_as_fp8(self) -> None:
         """FP4 experts -> FP8 e4m3 codes with the same E8M0 scale per 32 inputs (block (1, 32)). Exact:
         every e2m1 value is an e4m3 value. Twice the bytes, but the GPU kernel decodes e4m3 in
-        hardware, where the e2m1 bit-twiddling made FP4 decode ALU-bound (0.42 vs 2.8 TB/s effective
-        on the H200 at decode batch 64: benchmarks/results/2026-11-29-h200-kernel-sweep.json)."""
+        hardware, where e2m1 costs ALU work: on the H200 the V4 Flash slice's FP8 engine took 3.03 ms
+        per decode step at batch 1 and 340 ms per 4 x 2048 prefill with packed FP4 experts
+        (benchmarks/results/2026-12-01-NVIDIA-H200-cffa476.json), 1.96 / ~120 ms repacked (e1ceeea).
+        The engine repacks where the repacked model fits (LLM: engine/memory_fit.py repack_fits)."""
         if not self.quant.fp4_experts:
             return
         for name in ("w1", "w2", "w3"):
@@ -143,11 +145,10 @@ class Experts(nn.Module):
                 shared: torch.Tensor | None = None) -> torch.Tensor:
         """GPU path: one grouped GEMM per projection over the tokens sorted by expert, offsets kept on
         the device: no host sync, no Python loop. Dense bf16 experts use torch._grouped_mm, quantised
-        (FP8 / FP4) ones the Triton kernel that dequantises while loading (bf16 activations).
+        (FP8, FP4 packed or repacked as FP8) ones the Triton kernel that dequantises while loading
+        (bf16 activations).
         -> fp32 [T, D]; with `shared` (the shared expert's output) the layer's result
         (sum + float(shared)).to(x.dtype), added inside the combine kernel."""
-        if self.quant.fp4_experts and self.w1.dtype != torch.float8_e4m3fn:
-            self.repack_fp4_as_fp8()  # once, on the first GPU step (before any graph capture)
         weights, order, tok, offs, inv = self._sorted(weights, idx)
         xs = x[tok]
         gate = self._grouped_mm(xs, "w1", offs)
@@ -204,3 +205,11 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor, image_mask: torch.Tensor | None = None):
         weights, idx = self.gate(x, input_ids, image_mask)
         return self.experts(x, weights, idx, self.shared_experts(x))
+
+
+def repack_fp4_experts(model: nn.Module) -> int:
+    """Experts.repack_fp4_as_fp8 on every routed-expert module of `model`; -> how many were FP4."""
+    mods = [m for m in model.modules() if isinstance(m, Experts) and m.quant.fp4_experts]
+    for m in mods:
+        m.repack_fp4_as_fp8()
+    return len(mods)

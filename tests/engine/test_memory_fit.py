@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from deepinfer.engine.memory_fit import (EP_SIZES, GiB, WeightBytes, check_fit, fitting_ep_sizes, format_bytes,
-                                         per_device_bytes, requests_at_length)
+                                         per_device_bytes, repack_fits, requests_at_length)
 from deepinfer.loader.model_loader import weight_bytes
 from deepinfer.models.registry import model_classes
 from deepinfer.tools.make_checkpoint import PRESETS, checkpoint_config
@@ -43,6 +43,8 @@ def test_repacked_fp4_experts_count_twice_their_packed_codes():
     w = WeightBytes(experts=70, other=10, packed_fp4=64)  # 64 bytes of codes + 6 of scales
     assert w.serving(repack_fp4=False) == w
     assert w.serving(repack_fp4=True) == WeightBytes(experts=134, other=10)
+    assert repack_fits(w, 134 + 10 + 5, 5) and not repack_fits(w, 134 + 10 + 4, 5)
+    assert not repack_fits(WeightBytes(experts=70, other=10), 10 ** 9, 5)  # nothing packed: nothing to repack
 
 
 @pytest.mark.parametrize("kw, field", [({"experts": -1, "other": 0}, "experts"),

@@ -143,7 +143,7 @@ def _fake_gpu(monkeypatch, free: int) -> None:
 
 
 def test_a_model_that_does_not_fit_the_gpu_is_refused_before_any_weight_is_read(ckpt, kept, monkeypatch):
-    served = weight_bytes(kept.model).serving(repack_fp4=True)  # bf16 on the GPU: FP4 experts become FP8 codes
+    served = weight_bytes(kept.model).serving(repack_fp4=True)  # FP4 experts as FP8 codes (where they fit)
     kv = 1 << 20
     _no_weight_reads(monkeypatch)
     # room for the reserve, the non-expert weights and half the experts: EP2 fits exactly, one GPU does not
@@ -176,7 +176,7 @@ def test_the_fit_check_counts_the_model_with_its_quantization(ckpt, monkeypatch)
             LLM(str(ckpt), device="cuda", quantization=q, skip_tokenizer_init=True)
     shipped = weight_bytes(_llm(ckpt, quantization="fp8", dtype="bfloat16", kv_cache_dtype="bfloat16").model)
     dense = weight_bytes(_llm(ckpt, quantization="none", dtype="bfloat16", kv_cache_dtype="bfloat16").model)
-    assert seen == [shipped.serving(repack_fp4=True), dense]
+    assert seen == [shipped, dense]  # as shipped: the FP8-code copy of the FP4 experts is optional
 
 
 @pytest.mark.parametrize("kw", [{"data_parallel_size": 4},
@@ -254,9 +254,28 @@ def test_on_cuda_the_weights_take_their_shipped_bytes(ckpt, monkeypatch):
     assert abs(grew[0] - disk) <= 0.05 * disk + 512 * tensors, (grew, disk)  # the allocator rounds to 512 B
     dense = weight_bytes(_llm(ckpt, quantization="none", dtype="bfloat16", kv_cache_dtype="bfloat16").model)
     assert grew[0] < 0.7 * dense.total
-    loaded = weight_bytes(llm.model)
+    # this tiny model fits many times over: its FP4 experts were rewritten as FP8 codes after loading
+    # (the faster kernel), and serving holds that size, no more
+    shipped = weight_bytes(_llm(ckpt, quantization="fp8", dtype="bfloat16", kv_cache_dtype="bfloat16").model)
+    assert weight_bytes(llm.model) == shipped.serving(repack_fp4=True)
     out = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert all(len(o.outputs[0].token_ids) == GREEDY.max_tokens for o in out)
-    # the fit check assumes the grouped-GEMM path holds FP4 experts as FP8 codes after its first step
-    # (llm._repacks_fp4); if the GPU path stops repacking, that assumption must change with it
-    assert weight_bytes(llm.model) == loaded.serving(repack_fp4=True)
+    assert weight_bytes(llm.model) == shipped.serving(repack_fp4=True)
+
+
+@pytest.mark.parametrize("room, repacked", [("repacked", True), ("shipped", False)])
+def test_fp4_experts_are_held_as_fp8_codes_only_where_that_fits(ckpt, kept, monkeypatch, room, repacked):
+    """bf16 on CUDA: the faster FP8-code copy of the FP4 experts (twice their codes' bytes) where it fits
+    the GPU beside the reserve, the packed codes as shipped where only they fit."""
+    from deepinfer import llm as llm_module
+    from deepinfer.engine.memory_fit import per_device_bytes
+
+    cfg = EngineConfig(device="cuda", dtype="bfloat16", kv_cache_memory=1 << 20)
+    shipped = weight_bytes(kept.model)
+    reserve = llm_module._fit_reserve(cfg, kept.model.config)
+    free = per_device_bytes(shipped.serving(repack_fp4=room == "repacked"), 1, reserve)
+    _fake_gpu(monkeypatch, free=free)
+    assert shipped.packed_fp4 > 0
+    assert llm_module._check_before_load(cfg, kept.model) is repacked
+    assert llm_module._check_before_load(EngineConfig(device="cuda", dtype="float32", kv_cache_memory=1 << 20),
+                                         kept.model) is False  # fp32 activations take the dequantising path

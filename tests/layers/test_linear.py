@@ -95,7 +95,7 @@ def _fp8_case(rows: int, i: int, o: int, block=(128, 128), seed=0):
 def test_fp8_gemm_rows_picks_w8a8_for_many_rows_outside_invariant_mode():
     from deepinfer.layers import invariant
     from deepinfer.layers.linear import FP8_GEMM_ROWS, fp8_gemm_rows
-    assert fp8_gemm_rows(FP8_GEMM_ROWS, (128, 128)) and fp8_gemm_rows(8192, (32, 32))
+    assert fp8_gemm_rows(FP8_GEMM_ROWS, (128, 128)) and not fp8_gemm_rows(8192, (32, 32))  # V4.1's: W8A16
     assert not fp8_gemm_rows(FP8_GEMM_ROWS - 1, (128, 128))         # decode sizes: W8A16
     assert not fp8_gemm_rows(8192, (16, 48)) and not fp8_gemm_rows(8192, (1, 8))  # no e4m3 dot over K
     with invariant.mode(True):
@@ -131,12 +131,13 @@ def test_fp8_grouped_projection_quantises_each_groups_input_alone():
 @pytest.mark.parametrize("block", [(128, 128), (32, 32)])
 @pytest.mark.parametrize("rows", [5, 300, 4096])
 def test_fp8_linear_paths_on_gpu(block, rows):
-    """From FP8_GEMM_ROWS rows Linear.forward is W8A8 (the CPU's fp8_linear to bf16 rounding: rel < 4e-3),
+    """From FP8_GEMM_ROWS rows (128-wide blocks) Linear.forward is W8A8 (the CPU's fp8_linear to bf16
+    rounding: rel < 4e-3),
     below it W8A16 (the exact product to rel < 4e-3); invariant mode is W8A16 at every size, the same bits
     as grouped_gemm with GEMM_TILES."""
     from deepinfer.kernels.grouped_gemm import grouped_gemm
     from deepinfer.layers import invariant
-    from deepinfer.layers.linear import FP8_GEMM_ROWS, fp8_linear
+    from deepinfer.layers.linear import fp8_gemm_rows, fp8_linear
     x, w, s, exact = _fp8_case(rows, 1024, 1536, block)
     lin = Linear(1024, 1536, torch.bfloat16, QuantSpec(block_size=block))
     lin.weight.copy_(w)
@@ -144,7 +145,7 @@ def test_fp8_linear_paths_on_gpu(block, rows):
     lin.cuda()
     y = lin(x.cuda()[None])[0]
     assert y.shape == (rows, 1536) and y.dtype == torch.bfloat16
-    if rows >= FP8_GEMM_ROWS:
+    if fp8_gemm_rows(rows, block):
         assert _rel(y.cpu(), fp8_linear(x, w, s, block)) < 4e-3
     else:
         assert _rel(y.cpu(), exact) < 4e-3
