@@ -127,7 +127,7 @@ class Experts(nn.Module):
         every e2m1 value is an e4m3 value. Twice the bytes, but the GPU kernel decodes e4m3 in
         hardware, where e2m1 costs ALU work: on the H200 the V4 Flash slice's FP8 engine took 3.03 ms
         per decode step at batch 1 and 340 ms per 4 x 2048 prefill with packed FP4 experts
-        (benchmarks/results/2026-12-01-NVIDIA-H200-cffa476.json), 1.96 / ~120 ms repacked (e1ceeea).
+        (benchmarks/results/2026-12-01-NVIDIA-H200-cffa476.json), 2.19 / 124 ms repacked (e1ceeea).
         The engine repacks where the repacked model fits (LLM: engine/memory_fit.py repack_fits)."""
         if not self.quant.fp4_experts:
             return
