@@ -67,6 +67,9 @@ class LLM:
         if ref == DEMO_NAME:
             ref = str(demo_checkpoint())
         self._ids = itertools.count()
+        if cfg.data_parallel_size > 1:
+            self._start_data_parallel(ref)
+            return
         if cfg.tensor_parallel_size > 1:
             self._start_tensor_parallel(ref)
             return
@@ -105,28 +108,49 @@ class LLM:
         """tensor_parallel_size ranks on this node (deepinfer/distributed/launch.py): this process is
         rank 0 and runs the scheduler; the others are spawned, so a script that builds such an LLM needs
         an `if __name__ == "__main__":` guard. Steps are synchronous and eager for now."""
-        from deepinfer.distributed.launch import EngineArgs, TPEngine
+        from deepinfer.distributed.launch import TPEngine
+
+        self._start_engine(ref, "tensor_parallel_size", TPEngine)
+
+    def _start_data_parallel(self, ref: str) -> None:
+        """data_parallel_size ranks on this node (deepinfer/distributed/dp_engine.py), each with its own
+        requests, scheduler and cache; with enable_expert_parallel the routed experts are spread over
+        them (enable_eplb: rebalanced while serving, EPLBConfig's defaults), else every rank holds them
+        all. This process is rank 0 and schedules every rank; the others are spawned (`if __name__ ==
+        "__main__":` guard). Steps are synchronous and eager for now."""
+        from deepinfer.distributed.dp_engine import DPEngine, EPLBConfig
+
+        eplb = EPLBConfig() if self.config.enable_eplb else None
+        self._start_engine(ref, "data_parallel_size", lambda args, detok: DPEngine(args, detok, eplb))
+
+    def _start_engine(self, ref: str, size: str, engine) -> None:
+        """A multi-process engine (`engine(EngineArgs, detokenizer)`) for this LLM's config; `size` names
+        the parallel size that asked for it."""
+        from deepinfer.distributed.launch import EngineArgs
         from deepinfer.distributed.parallel_state import ParallelConfig
         from deepinfer.loader.model_config import read_model_config
         from deepinfer.loader.resolve import resolve_model_dir
 
         cfg = self.config
         if cfg.engram_device is not None:
-            raise ValueError("engram_device: host-resident Engram tables are not supported with "
-                             "tensor_parallel_size > 1 yet (every rank holds the tables on its device)")
+            raise ValueError(f"engram_device: host-resident Engram tables are not supported with {size} > 1 yet "
+                             "(every rank holds the tables on its device)")
         if cfg.async_scheduling or not cfg.enforce_eager:
-            logger.info("tensor_parallel_size=%d: steps run synchronously and without CUDA graphs (not yet "
-                        "validated across ranks)", cfg.tensor_parallel_size)
+            logger.info("%s=%d: steps run synchronously and without CUDA graphs (not yet validated across ranks)",
+                        size, getattr(cfg, size))
         self.model_dir = resolve_model_dir(ref, hf_model_dir=cfg.hf_model_dir, offline=cfg.hf_hub_offline)
         self.detokenizer = None if cfg.skip_tokenizer_init else _load_detokenizer(self.model_dir)
         keep = _replay_keep(cfg, read_model_config(self.model_dir))
-        args = EngineArgs(str(self.model_dir), ParallelConfig(tensor_parallel_size=cfg.tensor_parallel_size),
-                          device=cfg.device, dtype=cfg.dtype, quantized=cfg.keeps_checkpoint_formats,
-                          kv_cache_dtype=cfg.kv_cache_dtype, kv_cache_memory=cfg.kv_cache_memory,
-                          max_model_len=cfg.max_model_len, max_num_seqs=cfg.max_num_seqs,
-                          max_num_batched_tokens=cfg.max_num_batched_tokens, block_size=cfg.block_size,
-                          seed=cfg.seed, replay_keep=keep, batch_invariant=cfg.batch_invariant)
-        self.engine = TPEngine(args, self.detokenizer)
+        parallel = ParallelConfig(tensor_parallel_size=cfg.tensor_parallel_size,
+                                  data_parallel_size=cfg.data_parallel_size,
+                                  enable_expert_parallel=cfg.enable_expert_parallel)
+        args = EngineArgs(str(self.model_dir), parallel, device=cfg.device, dtype=cfg.dtype,
+                          quantized=cfg.keeps_checkpoint_formats, kv_cache_dtype=cfg.kv_cache_dtype,
+                          kv_cache_memory=cfg.kv_cache_memory, max_model_len=cfg.max_model_len,
+                          max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
+                          block_size=cfg.block_size, seed=cfg.seed, replay_keep=keep,
+                          batch_invariant=cfg.batch_invariant)
+        self.engine = engine(args, self.detokenizer)
         self.model, self.scheduler = self.engine.model, self.engine.scheduler
         self.max_model_len = self.engine.max_model_len
 
@@ -307,14 +331,21 @@ def _text_of(prompt: PromptType) -> str | None:
 
 
 def _require_one_process(cfg: EngineConfig) -> None:
-    """The one place that turns down parallel sizes this build cannot launch yet: tensor parallelism
-    runs (LLM._start_tensor_parallel); data / expert / context parallelism do not."""
-    changed = {k: v for k, v in cfg.parallel_changes().items() if k != "tensor_parallel_size"}
-    if changed:
-        names = ", ".join(f"{k}={v!r}" for k, v in changed.items())
-        raise ValueError(f"{names}: not yet supported in this build: deepinfer runs one process or a "
-                         "tensor-parallel group (tensor_parallel_size); leave the other parallel sizes at their "
-                         "defaults")
+    """The one place that turns down parallel layouts this build cannot launch yet. It runs a
+    tensor-parallel group (LLM._start_tensor_parallel), or data-parallel ranks with tensor_parallel_size
+    1, their routed experts spread over them with enable_expert_parallel (+ enable_eplb) or replicated
+    (LLM._start_data_parallel); not context parallelism, TP inside DP ranks, or EP without DP."""
+    changed = cfg.parallel_changes()
+    refused = {k: v for k, v in changed.items() if k == "context_parallel_size"}
+    if cfg.data_parallel_size > 1 and cfg.tensor_parallel_size > 1:
+        refused |= {k: changed[k] for k in ("data_parallel_size", "tensor_parallel_size")}
+    if cfg.enable_expert_parallel and cfg.data_parallel_size == 1:
+        refused |= {k: v for k, v in changed.items() if k in ("enable_expert_parallel", "enable_eplb")}
+    if refused:
+        names = ", ".join(f"{k}={v!r}" for k, v in refused.items())
+        raise ValueError(f"{names}: not yet supported in this build: deepinfer runs one process, a "
+                         "tensor-parallel group (tensor_parallel_size), or data-parallel ranks (data_parallel_size, "
+                         "tensor_parallel_size=1) with enable_expert_parallel / enable_eplb; no context parallelism")
 
 
 def _check_before_load(cfg: EngineConfig, meta: torch.nn.Module) -> bool:

@@ -79,9 +79,14 @@ class EngineArgs:
 
     def __post_init__(self):
         p = self.parallel
-        if p.data_parallel_size != 1 or p.enable_expert_parallel or p.context_parallel_size != 1:
-            raise ValueError("parallel: only tensor parallelism is launched so far (data_parallel_size=1, "
-                             "enable_expert_parallel=False, context_parallel_size=1)")
+        if p.context_parallel_size != 1:
+            raise ValueError("parallel: context_parallel_size: only 1 is launched so far")
+        if p.data_parallel_size != 1 and p.tensor_parallel_size != 1:
+            raise ValueError("parallel: tensor parallelism inside data-parallel ranks is not launched yet "
+                             "(data_parallel_size > 1 needs tensor_parallel_size=1)")
+        if p.enable_expert_parallel and p.data_parallel_size == 1:
+            raise ValueError("parallel: enable_expert_parallel spreads the experts over the data-parallel ranks; "
+                             "it needs data_parallel_size > 1")
         if self.timeout_s <= 0:
             raise ValueError(f"timeout_s: expected > 0, got {self.timeout_s}")
 
@@ -104,15 +109,15 @@ class _Rank:
     num_blocks: dict[int, int]
 
 
-def _build_rank(args: EngineArgs, rank: int, init_method: str) -> _Rank:
-    """Join the groups, load and shard the model, agree on the cache size (the smallest any rank can
-    hold), allocate the cache and the runner."""
+def _build_rank(args: EngineArgs, rank: int, init_method: str,
+                load: Callable[[EngineArgs, ps.RankInfo], torch.nn.Module] | None = None) -> _Rank:
+    """Join the groups, load this rank's part of the model (`load`; default: its tensor-parallel
+    shard), agree on the cache size (the smallest any rank can hold), allocate the cache and the runner."""
     info = ps.init_parallel(args.parallel, rank, args.device, init_method, args.timeout_s, args.backend)
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
     device = str(info.device)
-    model = load_shard(args.model_dir, info.tp_rank, info.tp_size, dtype=getattr(torch, args.dtype), device=device,
-                       quantized=args.quantized)
+    model = (load or _load_tp_shard)(args, info)
     cfg = model.config
     spec = cache_spec(cfg, args.kv_cache_dtype, args.block_size)
     memory = args.kv_cache_memory or default_cache_memory(device)
@@ -127,6 +132,11 @@ def _build_rank(args: EngineArgs, rank: int, init_method: str) -> _Rank:
     return _Rank(info, model, runner, num_slots, num_blocks)
 
 
+def _load_tp_shard(args: EngineArgs, info: ps.RankInfo) -> torch.nn.Module:
+    return load_shard(args.model_dir, info.tp_rank, info.tp_size, dtype=getattr(torch, args.dtype),
+                      device=str(info.device), quantized=args.quantized)
+
+
 def _worker_main(rank: int, args: EngineArgs, init_method: str, reports) -> None:
     """A non-driver rank: run every step plan the driver broadcasts until it sends None."""
     try:
@@ -138,12 +148,17 @@ def _worker_main(rank: int, args: EngineArgs, init_method: str, reports) -> None
             r.runner.execute(so)
             step += 1
     except BaseException as e:  # noqa: BLE001 (reported to the driver, then this process ends)
-        reports.put((rank, f"{type(e).__name__}: {e}", traceback.format_exc()))
-        reports.close()
-        reports.join_thread()
-        raise SystemExit(1)
+        report_failure(rank, e, reports)
     finally:
         ps.destroy()
+
+
+def report_failure(rank: int, err: BaseException, reports) -> None:
+    """A spawned rank's end on error: its traceback to the driver's queue, then exit code 1."""
+    reports.put((rank, f"{type(err).__name__}: {err}", traceback.format_exc()))
+    reports.close()
+    reports.join_thread()
+    raise SystemExit(1)
 
 
 class _DriverRunner:
@@ -173,20 +188,13 @@ class TPEngine:
     tensor-parallel group started on this node; this process is rank 0. `close()` (or leaving a
     `with` block) stops the other ranks and leaves the process group."""
 
+    kind = "tensor-parallel"  # how errors name the ranks
+
     def __init__(self, args: EngineArgs, detokenizer=None):
-        self.args, self._error = args, None
-        world = args.parallel.world_size
-        self._tmp = None
-        init_method = ps.init_method_from_env()
-        if init_method is None:
-            self._tmp = tempfile.mkdtemp(prefix="deepinfer-pg-")
-            init_method = f"file://{Path(self._tmp) / 'store'}"
-        ctx = mp.get_context("spawn")
-        self._reports = ctx.Queue()
-        self._procs = {r: ctx.Process(target=_worker_main, args=(r, args, init_method, self._reports), daemon=True,
-                                      name=f"deepinfer-rank{r}") for r in range(1, world)}
-        for p in self._procs.values():
-            p.start()
+        if args.parallel.data_parallel_size != 1:
+            raise ValueError("parallel: TPEngine runs one data-parallel rank; data_parallel_size > 1 is "
+                             "distributed/dp_engine.py's DPEngine")
+        init_method = self._start_ranks(args, _worker_main)
         try:
             rank = _build_rank(args, 0, init_method)
         except Exception as e:
@@ -199,6 +207,22 @@ class TPEngine:
         self._runner = _DriverRunner(rank.runner, self._diagnose)
         self.engine = EngineCore(self.scheduler, self._runner, detokenizer, async_scheduling=False)
         self._ids = itertools.count()
+
+    def _start_ranks(self, args: EngineArgs, target: Callable, *extra) -> str:
+        """Spawn ranks 1..world-1 as target(rank, args, init_method, reports, *extra); -> init_method."""
+        self.args, self._error = args, None
+        self._tmp = None
+        init_method = ps.init_method_from_env()
+        if init_method is None:
+            self._tmp = tempfile.mkdtemp(prefix="deepinfer-pg-")
+            init_method = f"file://{Path(self._tmp) / 'store'}"
+        ctx = mp.get_context("spawn")
+        self._reports = ctx.Queue()
+        self._procs = {r: ctx.Process(target=target, args=(r, args, init_method, self._reports, *extra), daemon=True,
+                                      name=f"deepinfer-rank{r}") for r in range(1, args.parallel.world_size)}
+        for p in self._procs.values():
+            p.start()
+        return init_method
 
     # EngineCore's surface
     def add_request(self, req: Request) -> None:
@@ -249,7 +273,7 @@ class TPEngine:
             try:
                 ps.broadcast_object(None)
             except Exception:  # a rank already gone: it is stopped below
-                logger.exception("the tensor-parallel ranks could not be told to stop")
+                logger.exception("the %s ranks could not be told to stop", self.kind)
         for p in self._procs.values():
             p.join(timeout=1.0 if self._error is not None else REPORT_WAIT_S)
             if p.is_alive():
@@ -297,10 +321,10 @@ class TPEngine:
         driver = f"{type(err).__name__}: {err}"
         if reports:
             first = min(reports)
-            msg = f"tensor-parallel rank {first} failed: {reports[first].splitlines()[0]}"
+            msg = f"{self.kind} rank {first} failed: {reports[first].splitlines()[0]}"
         else:
             first = None
-            msg = (f"a tensor-parallel collective failed on the driver and no other rank reported an error within "
+            msg = (f"a {self.kind} collective failed on the driver and no other rank reported an error within "
                    f"{REPORT_WAIT_S:.0f} s (a rank stuck past timeout_s={self.args.timeout_s} s?): {driver}")
         details = [f"rank {r}: {text}" for r, text in sorted(reports.items())] + [f"driver (rank 0): {driver}"]
         self._error = TPWorkerError(msg, first, details)

@@ -201,10 +201,14 @@ class MoE(nn.Module):
         self.gate = Gate(dim, num_experts, topk, vocab_size, hashed, route_scale, dtype, vision_bias)
         self.experts = Experts(dim, inter, num_experts, limit, dtype, expert_quant)
         self.shared_experts = MLP(dim, inter * n_shared, limit, dtype, shared_quant)
+        # set by an expert-parallel engine (deepinfer/distributed): a callable with Experts.forward's
+        # signature that runs the routed experts across ranks; None: `experts` runs them here
+        self.expert_parallel = None
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor, image_mask: torch.Tensor | None = None):
         weights, idx = self.gate(x, input_ids, image_mask)
-        return self.experts(x, weights, idx, self.shared_experts(x))
+        routed = self.experts if self.expert_parallel is None else self.expert_parallel
+        return routed(x, weights, idx, self.shared_experts(x))
 
 
 def repack_fp4_experts(model: nn.Module) -> int:

@@ -214,8 +214,8 @@ def test_sizes_that_do_not_divide_are_refused_by_name(ckpt):
         shard_model(model, 0, 3)
     with pytest.raises(ValueError, match="tensor_parallel_size"):
         ParallelConfig(tensor_parallel_size=0)
-    with pytest.raises(ValueError, match="only tensor parallelism"):
-        EngineArgs(str(ckpt), ParallelConfig(data_parallel_size=2))
+    with pytest.raises(ValueError, match="tensor parallelism inside data-parallel ranks"):
+        EngineArgs(str(ckpt), ParallelConfig(data_parallel_size=2, tensor_parallel_size=2))
     with pytest.raises(ValueError, match="backend: expected 'gloo' or 'nccl', got 'mpi'"):
         parallel_state.init_parallel(ParallelConfig(), 0, "cpu", "file:///nonexistent/store", backend="mpi")
 

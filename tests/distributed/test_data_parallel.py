@@ -1,0 +1,166 @@
+"""Attention data parallelism with expert-parallel MoE (distributed/dp_engine.py) on the CPU: 2 and 4
+gloo ranks (spawned) on the tiny V4 checkpoint, fp32 activations and cache, against one process.
+
+Tolerances. Greedy tokens (and seeded samples) are always equal. Logprobs:
+* default mode, chunked prefill: within test_tensor_parallel.LOGPROB_TOL = 1e-4 (measured <= 2e-6). Not bit-identical for
+  two reasons: every DP rank has its own token budget, so a prompt is prefilled in other chunks than in
+  one process (the chunk's attention sums run in another order), and with k = 3 experts a token the
+  one-process CPU loop adds its products in expert order, the expert-parallel combine in slot order.
+* batch-invariant mode, k = 2, prompts prefilled whole: bit-identical (0.0), EPLB rebalancing
+  included: every row is computed as in one process and a sum of two products does not depend on
+  their order.
+"""
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from deepinfer import LLM, SamplingParams
+from deepinfer.distributed import parallel_state
+from deepinfer.distributed.dp_engine import DPEngine, EPLBConfig, initial_placement
+from deepinfer.distributed.launch import EngineArgs, TPEngine, TPWorkerError
+from deepinfer.distributed.parallel_state import ParallelConfig
+from deepinfer.engine.request import Request
+from deepinfer.tools.make_checkpoint import write_checkpoint
+from test_tensor_parallel import CFG, FORKED, GREEDY, MEMORY, PROMPTS, _assert_same
+
+# a prompt per rank at most: with 4 ranks one is idle for the whole run
+PARAMS = [GREEDY, FORKED, GREEDY]
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return write_checkpoint(tmp_path_factory.mktemp("dp") / "ckpt", CFG, seed=11, dtype="fp8")
+
+
+@pytest.fixture(scope="module")
+def ckpt_k2(tmp_path_factory):
+    return write_checkpoint(tmp_path_factory.mktemp("dp2") / "ckpt", {**CFG, "num_experts_per_tok": 2}, seed=11,
+                            dtype="fp8")
+
+
+def _engine_kw(**kw) -> dict:
+    return {"kv_cache_dtype": "float32", "kv_cache_memory": MEMORY, "max_num_batched_tokens": 16, **kw}
+
+
+def _args(ckpt, dp: int, ep: bool = True, **kw) -> EngineArgs:
+    base = _engine_kw(num_threads=1, timeout_s=60.0, max_num_seqs=8)
+    return EngineArgs(str(ckpt), ParallelConfig(data_parallel_size=dp, enable_expert_parallel=ep), **{**base, **kw})
+
+
+def _one_process(ckpt, prompts, params, **kw) -> list:
+    one = LLM(str(ckpt), device="cpu", dtype="float32", skip_tokenizer_init=True, **_engine_kw(**kw))
+    return [o.outputs for o in one.generate(prompts, params, use_tqdm=False)]
+
+
+def _exact(outs) -> list:
+    """Per prompt, its completions' tokens, logprobs (floats compared exactly) and finish reasons."""
+    return [[(c.token_ids, c.logprobs, c.finish_reason) for c in cs] for cs in outs]
+
+
+@pytest.fixture(scope="module")
+def want(ckpt):
+    return _one_process(ckpt, PROMPTS, PARAMS)
+
+
+def test_two_ranks_match_one_process(ckpt, want):
+    with DPEngine(_args(ckpt, 2)) as eng:
+        moe = eng.model.layers[1].ffn
+        assert moe.experts.num_experts == CFG["n_routed_experts"] // 2  # the driver keeps its experts only
+        assert moe.expert_parallel.experts is moe.experts
+        got = eng.generate(PROMPTS, PARAMS)
+        assert 0 < eng.fixed_steps < eng._steps  # decode steps took the fixed-capacity exchange
+        assert [len(c.decode_state) for c in eng.cores] == [0, 0]  # completions read and dropped
+    _assert_same(got, want)  # logprobs within LOGPROB_TOL
+    assert parallel_state.rank_info() is None  # the group was left
+
+
+def test_four_ranks_with_an_idle_rank_and_eplb_rebalancing_match_one_process(ckpt, want):
+    """3 prompts on 4 ranks: rank 3 never has a request and joins every MoE layer with zero tokens.
+    EPLB every 2 steps, one redundant slot per rank: weights move between steps, requests in flight."""
+    t0 = time.monotonic()
+    with DPEngine(_args(ckpt, 4), eplb=EPLBConfig(interval=2, window=4)) as eng:
+        got = eng.generate(PROMPTS, PARAMS)
+        assert eng.cores[3].scheduler.num_preemptions == 0 and not eng.cores[3].requests
+        assert eng.rank.rebalances == eng._steps // 2 >= 2
+        assert eng.rank.remote_slots > 0  # some slots were filled over the process group
+    assert time.monotonic() - t0 < 120
+    _assert_same(got, want)  # logprobs within LOGPROB_TOL
+
+
+def test_eplb_rebalancing_after_step_two_is_bit_identical_in_batch_invariant_mode(ckpt_k2):
+    """k = 2, prompts prefilled whole (no chunk boundaries of the ranks' own), batch-invariant GEMMs:
+    logprobs bit for bit, with the experts moved after step 2 while every request is mid-decode."""
+    kw = {"max_num_batched_tokens": 256, "batch_invariant": True}
+    want = _one_process(ckpt_k2, PROMPTS, PARAMS, **kw)
+    with DPEngine(_args(ckpt_k2, 2, **kw), eplb=EPLBConfig(interval=2, window=2)) as eng:
+        got = eng.generate(PROMPTS, PARAMS)
+        assert eng.rank.rebalances >= 1 and eng.rank.moved_slots > 0 and eng.rank.remote_slots > 0
+        placement = eng.model.placement
+        assert not torch.equal(placement.physical_to_logical,
+                               initial_placement(placement.num_layers, CFG["n_routed_experts"], 2,
+                                                 EPLBConfig()).physical_to_logical)
+    assert _exact(got) == _exact(want)
+
+
+def test_fewer_prompts_than_ranks_do_not_hang(ckpt, want):
+    """One prompt on two ranks, then a second generate on the same engine: the idle rank runs dummy steps."""
+    with DPEngine(_args(ckpt, 2)) as eng:
+        first = eng.generate(PROMPTS[:1], GREEDY)
+        second = eng.generate(PROMPTS[1:2], GREEDY)  # least loaded: rank 0 again
+    assert first[0][0].token_ids == want[0][0].token_ids
+    _assert_same(second, _one_process(ckpt, PROMPTS[1:2], GREEDY))
+
+
+def raise_on_rank1(rank: int, step: int) -> None:
+    if rank == 1 and step == 2:
+        raise RuntimeError("injected fault in rank 1")
+
+
+def test_a_rank_that_raises_ends_the_run_with_its_error(ckpt):
+    eng = DPEngine(_args(ckpt, 2, step_hook=raise_on_rank1))
+    reqs = [Request(str(i), p, GREEDY, 1) for i, p in enumerate(PROMPTS)]
+    for r in reqs:
+        eng.add_request(r)
+    t0 = time.monotonic()
+    with pytest.raises(TPWorkerError, match="data-parallel rank 1 failed: RuntimeError: injected fault") as err:
+        while eng.has_unfinished():
+            eng.step()
+    assert time.monotonic() - t0 < 30 and err.value.rank == 1
+    assert all(r.finished and r.finish_reason == "abort" for r in reqs)  # every rank's requests
+    with pytest.raises(TPWorkerError):  # the engine is closed
+        eng.add_request(Request("x", PROMPTS[0], GREEDY, 1))
+    assert parallel_state.rank_info() is None
+
+
+def test_layouts_not_launched_are_refused_by_name(ckpt):
+    with pytest.raises(ValueError, match="enable_expert_parallel.*needs data_parallel_size > 1"):
+        EngineArgs(str(ckpt), ParallelConfig(enable_expert_parallel=True))
+    with pytest.raises(ValueError, match="TPEngine runs one data-parallel rank"):
+        TPEngine(_args(ckpt, 2))
+    with pytest.raises(ValueError, match="DPEngine needs data_parallel_size >= 2"):
+        DPEngine(EngineArgs(str(ckpt), ParallelConfig()))
+    with pytest.raises(ValueError, match="eplb: .*enable_expert_parallel=True"):
+        DPEngine(_args(ckpt, 2, ep=False), eplb=EPLBConfig())
+    with pytest.raises(ValueError, match="interval"):
+        EPLBConfig(interval=0)
+
+
+@pytest.mark.parametrize("ep", [True, False])
+def test_llm_with_two_data_parallel_ranks_matches_one_process(ckpt, want, ep):
+    """LLM starts the engine itself; without expert parallelism every rank holds all the experts."""
+    llm = LLM(str(ckpt), device="cpu", dtype="float32", skip_tokenizer_init=True, data_parallel_size=2,
+              enable_expert_parallel=ep, enable_eplb=ep, max_num_seqs=8, **_engine_kw())
+    try:
+        assert isinstance(llm.engine, DPEngine)
+        experts = llm.model.layers[1].ffn.experts.num_experts
+        assert experts == ((CFG["n_routed_experts"] + 2) // 2 if ep else CFG["n_routed_experts"])  # + 1 replica a rank
+        got = [o.outputs for o in llm.generate(PROMPTS, PARAMS, use_tqdm=False)]
+        with pytest.raises(ValueError, match=r"prompts\[0\]: .*outside the vocabulary"):  # LLM's checks still run
+            llm.generate([[10 ** 9]], GREEDY, use_tqdm=False)
+    finally:
+        llm.close()
+    _assert_same(got, want)  # logprobs within LOGPROB_TOL
+    assert parallel_state.rank_info() is None
