@@ -50,11 +50,15 @@ class Compressor(nn.Module):
         self.norm = RMSNorm(dim, eps)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, plan: CompressPlan, carry: CarryState,
-                rope: RopeCache) -> tuple[torch.Tensor, torch.Tensor]:
+                rope: RopeCache, gather=None) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns (new entries [N, dim] normed + rotated, their addresses); updates carry. `rope`:
-        cos/sin at plan.rope_pos (shared by every compressor of the plan's kind in a step)."""
+        cos/sin at plan.rope_pos (shared by every compressor of the plan's kind in a step). `gather`
+        (context parallelism): x holds some rows of the step, the plan indexes all of them; the
+        rows' projections are gathered before pooling (StepContext.gather)."""
         kv, score = stacked_forward(self, "_wkv_wgate", (self.wkv, self.wgate), x, fp32=True)  # one GEMM on CUDA
         score = score + self.ape[positions % self.ratio]
+        if gather is not None:
+            kv, score = gather(torch.cat((kv, score), dim=-1)).split(kv.shape[-1], dim=-1)
         if x.is_cuda and _pool.triton is not None:  # one launch; slots reduced in order (batch-invariant)
             pooled = _pool.compress_pool(kv, score, carry.kv, carry.score, plan.src_new, plan.src_carry, self.dim,
                                          self.overlap).to(x.dtype)
@@ -89,10 +93,12 @@ class Indexer(nn.Module):
         self.compressor = Compressor(dim, head_dim, ratio, True, eps, dtype)
 
     def forward(self, x: torch.Tensor, qr: torch.Tensor, batch: ForwardBatch, plan: CompressPlan,
-                keys: IndexKeyStore, carry: CarryState, rope: RopeCache, entry_rope: RopeCache) -> torch.Tensor:
+                keys: IndexKeyStore, carry: CarryState, rope: RopeCache, entry_rope: RopeCache,
+                gather=None) -> torch.Tensor:
         """-> [T, k] selected entry ids (ascending score order not guaranteed), -1 = none. `rope`: at
-        the tokens' positions (queries); `entry_rope`: at the new entries' (plan.rope_pos)."""
-        new_keys, dst = self.compressor(x, batch.positions, plan, carry, entry_rope)
+        the tokens' positions (queries); `entry_rope`: at the new entries' (plan.rope_pos); `gather`:
+        see Compressor.forward."""
+        new_keys, dst = self.compressor(x, batch.positions, plan, carry, entry_rope, gather)
         keys.write(dst, new_keys)
         q = apply_rope(self.wq_b(qr).view(-1, self.n_heads, self.head_dim), rope, overwrite=True)
         q = keys.prepare_query(q)

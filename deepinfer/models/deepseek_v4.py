@@ -7,6 +7,7 @@ Module and parameter names follow DeepSeek's checkpoint (`layers.N.attn.wq_a`, `
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 from torch import nn
@@ -34,6 +35,10 @@ class StepContext:
     # them and shared by the rest (a context lives for one forward: never stale across CUDA-graph
     # warm-up and capture)
     memo: dict = field(default_factory=dict)
+    # context parallelism (distributed/context_parallel.py): this rank's token rows -> the whole
+    # step's rows in step order. `batch` then holds this rank's queries only, while its write plans
+    # (ring_src/dst, the compress plans' sources, carry and dst) index the whole step. None: one process.
+    gather: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def entry_rope(self, plan: CompressPlan) -> RopeCache:
         """cos/sin at the rotation positions of the entries of `plan`'s kind that close this step."""
@@ -89,14 +94,17 @@ class Attention(nn.Module):
         qr = self.q_norm(q_lat)
         q = norm_rope(self.wq_b(qr).view(T, self.n_heads, self.head_dim), self.eps, rope)  # per-head norm + rope
         kv = cache.ring.roundtrip(apply_rope(self.kv_norm(kv_lat), rope, overwrite=True))
+        if ctx.gather is not None:
+            kv = ctx.gather(kv)  # every window key of the step: the queries read them by step row
         entry_ids = plan = None
         if self.kind != SLIDING:
             plan = batch.plans[(self.ratio, self.kind == CSA)]
-            entries, dst = self.compressor(x, batch.positions, plan, cache.carry["main"], ctx.entry_rope(plan))
+            entries, dst = self.compressor(x, batch.positions, plan, cache.carry["main"], ctx.entry_rope(plan),
+                                           ctx.gather)
             cache.entries.write(dst, entries)
         if self.kind == CSA:
             entry_ids = self.indexer(x, qr, batch, plan, cache.index_keys, cache.carry["indexer"],
-                                     rope, ctx.entry_rope(plan))
+                                     rope, ctx.entry_rope(plan), ctx.gather)
         elif self.kind == HCA:
             entry_ids = ctx.all_entries(plan)
         o = sparse_attention(q, kv, batch, cache.ring, entry_ids, plan, cache.entries,
@@ -253,10 +261,12 @@ class DeepseekV4ForCausalLM(nn.Module):
                            self.inv_freq_compress)
 
     def forward(self, batch: ForwardBatch, caches: list[LayerCache],
-                token_history: torch.Tensor | None = None) -> torch.Tensor:
+                token_history: torch.Tensor | None = None, gather=None) -> torch.Tensor:
         """Runs the trunk on a flat varlen batch; returns the residual streams [T, n, D] before hc_head.
-        (`token_history`: part of the common interface; V4 reads no input history.)"""
+        (`token_history`: part of the common interface; V4 reads no input history. `gather`: context
+        parallelism, see StepContext.gather.)"""
         ctx = self.step_context(batch)
+        ctx.gather = gather
         x = self.embed(batch.input_ids).unsqueeze(1).repeat(1, self.config.hc_mult, 1)
         for layer, cache in zip(self.layers, caches):
             x = layer(x, batch.input_ids, ctx, cache)

@@ -1,0 +1,259 @@
+"""Context parallelism (CP) for the prefill of one long prompt: DeepSeek-V4, torch.distributed.
+
+Split. The prompt's T tokens are cut into 2*cp equal chunks; rank r takes chunks r and 2cp-1-r
+(zig-zag). A query at position p attends to O(p) keys (HCA entries, indexer scores over p/m
+entries), and chunk r's positions sum to what chunk 2cp-1-r's fall short of the mean by, so every
+rank gets the same causal work: sum(p + 1) over its tokens is equal on every rank
+(`causal_work`). Constraint: the chunk length T / (2cp) is a multiple of `align` (default: the
+largest compression ratio), so every compressed window lies inside one chunk and its entry closes
+on the rank holding the chunk. `zigzag_split` refuses other lengths with a ValueError;
+`prefill_cp` runs the longest aligned prefix in CP and the rest (< 2cp*align tokens) as an
+ordinary step on every rank.
+
+Per layer (models/deepseek_v4.py StepContext.gather): each rank computes every projection of its
+own tokens only (queries, the window kv, both compressors' kv and gate scores); the window kv and
+the compressor projections are all-gathered over the CP group into step order; each rank then
+pools every compressed entry and indexer key of the step (cheap: linear in T), writes them, the
+window ring rows and the compressor carry into its own cache at the addresses one process would
+use, and runs the indexer, attention, output projection and MoE for its own queries only (the
+quadratic part). After the prefill every rank's cache is what one process leaves (the carry
+included), so decoding continues on every rank identically with no communication (or on one).
+
+What a production version would send instead: the window kv of the W tokens before each chunk
+(the sliding window), the compressor projections of the m tokens before each chunk (the CSA
+overlap: the "carry" across the split) and the compressed entries / indexer keys each rank pools
+from its own whole windows, all-gathered once per layer (T/m rows, not T), i.e. point-to-point
+halos plus an entry all-gather, overlapped with the query projections. The all-gather of every
+token's projections here is the correctness-first version: (head_dim + 2*2*head_dim + 2*2*index
+dim) fp32 values per token and layer.
+
+One request per CP step; the chunk of a prompt that starts after earlier chunks (start > 0) works
+too: earlier positions come from the cache as in one process.
+"""
+from __future__ import annotations
+
+import dataclasses
+import pickle
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from deepinfer.state.forward_batch import ForwardBatch, SeqChunk, build_forward_batch
+
+
+def zigzag_split(num_tokens: int, cp_size: int, align: int = 1) -> list[np.ndarray]:
+    """Per rank, the step rows (ascending) it computes: chunks r and 2cp-1-r of 2cp equal chunks.
+    num_tokens must be a multiple of 2 * cp_size * align (chunk boundaries on whole windows)."""
+    if not isinstance(cp_size, int) or cp_size < 1:
+        raise ValueError(f"cp_size: expected an integer >= 1, got {cp_size!r}")
+    if align < 1:
+        raise ValueError(f"align: expected >= 1, got {align!r}")
+    unit = 2 * cp_size * align
+    if num_tokens <= 0 or num_tokens % unit:
+        raise ValueError(f"num_tokens: {num_tokens} is not a positive multiple of 2 * cp_size * align = {unit} "
+                         f"(zig-zag chunks of whole compression windows); use aligned_prefix()")
+    c = num_tokens // (2 * cp_size)
+    return [np.concatenate((np.arange(r * c, (r + 1) * c), np.arange((2 * cp_size - 1 - r) * c, (2 * cp_size - r) * c)))
+            for r in range(cp_size)]
+
+
+def aligned_prefix(num_tokens: int, cp_size: int, align: int = 1) -> int:
+    """The longest prefix zigzag_split accepts (0 when the prompt is shorter than one unit)."""
+    unit = 2 * cp_size * align
+    return num_tokens // unit * unit
+
+
+def causal_work(rows: np.ndarray, start: int = 0) -> int:
+    """Keys a causal query set attends to, counting every earlier position: sum(pos + 1)."""
+    return int((rows + start + 1).sum())
+
+
+class RowGather:
+    """This rank's rows -> the whole step's rows in step order (all_gather over `group`)."""
+
+    def __init__(self, split: list[np.ndarray], group: dist.ProcessGroup | None, device):
+        self.group, self.size = group, len(split)
+        self.order = torch.from_numpy(np.concatenate(split)).to(device)
+        self.calls = self.bytes = 0  # collectives issued and bytes this rank received (tests, reports)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        dist.all_gather(parts, x.contiguous(), group=self.group)
+        out = torch.empty((self.order.numel(), *x.shape[1:]), dtype=x.dtype, device=x.device)
+        out[self.order] = torch.cat(parts)
+        self.calls += 1
+        self.bytes += out.numel() * out.element_size()
+        return out
+
+
+def local_view(full: ForwardBatch, rows: torch.Tensor) -> ForwardBatch:
+    """The batch of one CP rank: per-token fields (ids, positions, window and entry visibility) of
+    `rows` only; write plans (ring rows, compressor sources, carry, entry addresses) of the whole
+    step, read against gathered tensors (StepContext.gather). One request only."""
+    if len(full.req_lens) != 1:
+        raise ValueError(f"chunks: context parallelism runs one request per step, got {len(full.req_lens)}")
+    if full.replay is not None or full.history is not None or full.input_embeds is not None:
+        raise ValueError("context parallelism: bounded replay, device history and image inputs are not supported")
+    plans = {k: dataclasses.replace(p, visible=p.visible[rows]) for k, p in full.plans.items()}
+    return ForwardBatch(full.input_ids[rows], full.positions[rows], full.token_req[rows],
+                        full.logits_idx[:0], full.win_new[rows], full.win_ring[rows],
+                        full.ring_src, full.ring_dst, plans, req_lens=(rows.numel(),))
+
+
+def _forward_step(model, caches, chunk: SeqChunk, window: int, kinds, block_size: int, device, cp_size: int,
+                  rank: int, group, align: int) -> tuple[torch.Tensor, RowGather | None]:
+    """Trunk streams of the step's last token (every rank) for one CP step of `chunk`."""
+    full = build_forward_batch([chunk], window, kinds, block_size, device)
+    if cp_size == 1:
+        return model(full, caches)[full.logits_idx], None
+    split = zigzag_split(len(chunk.token_ids), cp_size, align)
+    gather = RowGather(split, group, device)
+    rows = torch.from_numpy(split[rank]).to(device)
+    streams = model(local_view(full, rows), caches, gather=gather)
+    # zig-zag: the step's last token is the last row of rank 0 (chunk 2cp-1)
+    last = streams[-1:].contiguous() if rank == 0 else torch.empty_like(streams[-1:])
+    dist.broadcast(last, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
+    return last, gather
+
+
+@torch.inference_mode()
+def prefill_cp(model, caches, prompt: list[int], slot: int, block_tables: dict[int, list[int]], block_size: int,
+               group: dist.ProcessGroup | None = None, align: int | None = None, start: int = 0,
+               stats: dict | None = None) -> torch.Tensor:
+    """Prefill `prompt` (positions start..) of the request in `slot` over the CP group; returns the
+    fp32 logits [1, V] of its last position, equal on every rank. Every rank's cache then holds the
+    request's state as one process would have written it. The longest prefix of 2*cp*align tokens'
+    multiples runs in CP, the rest as one ordinary step on every rank. `stats`, if given, receives
+    the rows per rank, the collectives and the bytes gathered."""
+    cfg = model.config
+    cp, rank = (1, 0) if group is None else (dist.get_world_size(group), dist.get_rank(group))
+    align = align or max(cfg.compress_ratios)
+    device = next(model.parameters()).device
+    kinds = set(model.compressed_kinds(cfg))
+    args = (cfg.sliding_window, kinds, block_size, device)
+    head = aligned_prefix(len(prompt), cp, align) if cp > 1 else 0
+    pieces = [(0, head, cp), (head, len(prompt), 1)] if head else [(0, len(prompt), 1)]
+    last = None
+    for a, b, size in pieces:
+        if a == b:
+            continue
+        chunk = SeqChunk(slot, start + a, list(prompt[a:b]), block_tables)
+        last, gather = _forward_step(model, caches, chunk, *args, size, rank, group, align)
+        if stats is not None and gather is not None:
+            stats.update(rows=b - a, cp_rows=(b - a) // size, collectives=gather.calls, gathered_bytes=gather.bytes)
+    return model.compute_logits(last)
+
+
+@torch.inference_mode()
+def generate_cp(model, cache, prompt: list[int], max_tokens: int, group: dist.ProcessGroup | None = None,
+                slot: int = 0, align: int | None = None, stats: dict | None = None):
+    """Greedy generation: CP prefill, then decoding on every rank alike (each holds the whole
+    cache; no communication). Returns (tokens, logprob of each chosen token, the prompt's
+    last-position log-softmax [V]). `cache`: worker/kv_cache.py V4Cache with room for the request."""
+    bs = cache.block_size
+    need = {m: -(-((len(prompt) + max_tokens) // m) // bs) for m in cache.num_blocks}
+    for m, n in need.items():
+        if n > cache.num_blocks[m]:
+            raise ValueError(f"cache: ratio {m} needs {n} blocks for this request, has {cache.num_blocks[m]}")
+    tables = {m: list(range(n)) for m, n in cache.num_blocks.items()}
+    logits = prefill_cp(model, cache.layers, prompt, slot, tables, bs, group, align, stats=stats)
+    first = torch.log_softmax(logits[0], -1)
+    tokens, lps, lp = [], [], first
+    cfg = model.config
+    kinds = set(model.compressed_kinds(cfg))
+    for i in range(max_tokens):
+        t = int(lp.argmax())
+        tokens.append(t)
+        lps.append(float(lp[t]))
+        if i + 1 == max_tokens:
+            break
+        b = build_forward_batch([SeqChunk(slot, len(prompt) + i, [t], tables)], cfg.sliding_window, kinds, bs,
+                                lp.device)
+        with torch.inference_mode():
+            lp = torch.log_softmax(model.compute_logits(model(b, cache.layers)[b.logits_idx])[0], -1)
+    return tokens, lps, first
+
+
+@dataclasses.dataclass(frozen=True)
+class CPArgs:
+    """What every CP rank needs (pickled to the spawned ranks)."""
+
+    model_dir: str
+    context_parallel_size: int
+    dtype: str = "float32"
+    kv_cache_dtype: str = "float32"
+    max_model_len: int = 1024
+    block_size: int = 16
+    num_threads: int = 1
+    timeout_s: float = 120.0
+    quantized: bool = False
+
+
+def _rank_main(rank: int, args: CPArgs, init_method: str, prompt: list[int], max_tokens: int, results) -> None:
+    from deepinfer.loader.model_loader import load_model
+    from deepinfer.worker.kv_cache import allocate_v4_cache
+
+    try:
+        from datetime import timedelta
+        torch.set_num_threads(args.num_threads)
+        dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=args.context_parallel_size,
+                                timeout=timedelta(seconds=args.timeout_s))
+        model, _ = load_model(args.model_dir, dtype=getattr(torch, args.dtype), quantized=args.quantized)
+        cfg = model.config
+        blocks = {m: -(-(-(-args.max_model_len // m)) // args.block_size) for m, _ in model.compressed_kinds(cfg)}
+        cache = allocate_v4_cache(cfg, 1, blocks, args.kv_cache_dtype, "cpu", args.block_size)
+        stats: dict = {}
+        tokens, lps, first = generate_cp(model, cache, prompt, max_tokens, dist.group.WORLD, stats=stats)
+        caches = [[t.clone() for t in c.per_slot() + c.paged()] for c in cache.layers]
+        # pickled by value: a tensor put on the queue as is would be shared through the rank's
+        # memory, gone once it exits
+        results.put((rank, None, pickle.dumps((tokens, lps, first, stats, caches))))
+    except BaseException as e:  # noqa: BLE001 - reported to the driver, which raises it
+        import traceback
+        results.put((rank, f"{type(e).__name__}: {e}\n{traceback.format_exc()}", None))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def generate_cp_spawn(args: CPArgs, prompt: list[int], max_tokens: int) -> list[tuple]:
+    """Runs generate_cp on `context_parallel_size` spawned gloo ranks (CPU); returns each rank's
+    (tokens, logprobs, first-position log-softmax, stats, cache tensors), in rank order. A rank
+    that fails ends the run with a RuntimeError naming it."""
+    import queue
+    import tempfile
+    import time
+
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        init = f"file://{tmp}/rendezvous"
+        procs = [ctx.Process(target=_rank_main, args=(r, args, init, prompt, max_tokens, results), daemon=True)
+                 for r in range(args.context_parallel_size)]
+        for p in procs:
+            p.start()
+        out: dict[int, tuple] = {}
+        deadline = time.monotonic() + args.timeout_s
+        try:
+            while len(out) < len(procs):
+                try:
+                    rank, err, res = results.get(timeout=1.0)
+                except queue.Empty:
+                    missing = sorted(set(range(len(procs))) - set(out))
+                    dead = [r for r in missing if procs[r].exitcode not in (None, 0)]
+                    if dead or time.monotonic() > deadline:
+                        why = f"exited with {procs[dead[0]].exitcode}" if dead else f"no result in {args.timeout_s} s"
+                        raise RuntimeError(f"context parallel: rank {(dead or missing)[0]} {why}") from None
+                    continue
+                if err is not None:
+                    raise RuntimeError(f"context parallel rank {rank} failed: {err}")
+                out[rank] = pickle.loads(res)
+        finally:
+            for p in procs:
+                p.join(timeout=5)
+                if p.is_alive():
+                    p.kill()
+    return [out[r] for r in range(len(procs))]

@@ -1,0 +1,117 @@
+"""Context parallelism on the CPU: 2 and 4 gloo ranks (spawned) prefill one long prompt of the tiny
+V4 checkpoint in zig-zag chunks, fp32 activations and cache, against one process.
+
+Exactness: bit-identical. Each rank computes its tokens' projections with the same per-row math
+as one process, the all-gathers only move rows, and pooling, attention and MoE are row-local, so
+the tiny model's tokens, every logprob and every cache row (window ring, compressed entries,
+indexer keys, compressor carry) equal one process's exactly. A prompt whose length is not a
+multiple of 2 * cp * 16 runs its tail as a second, ordinary step: that is chunked prefill, equal to
+one process's single step within 1e-5 (measured: one ulp of a logprob).
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from deepinfer import LLM, SamplingParams
+from deepinfer.distributed.context_parallel import (CPArgs, aligned_prefix, causal_work, generate_cp,
+                                                    generate_cp_spawn, zigzag_split)
+from deepinfer.loader.model_loader import load_model
+from deepinfer.tools.make_checkpoint import PRESETS, write_checkpoint
+from deepinfer.worker.kv_cache import allocate_v4_cache
+
+CFG = {**PRESETS["tiny"], "index_topk": 64}  # top-k >= entries: scores decide nothing near ties
+ALIGN = 16  # the tiny model's largest compression ratio; sliding window 8
+# 256 tokens: 16 windows of 16, 64 of 4, 32 sliding windows of 8; at cp=4 chunks of 32
+PROMPT = [0] + [(i * 37 + 11) % 1000 + 2 for i in range(255)]
+MAX_TOKENS = 4
+LOGPROB_TOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return write_checkpoint(tmp_path_factory.mktemp("cp") / "ckpt", CFG, seed=11, dtype="fp8")
+
+
+@pytest.fixture(scope="module")
+def one_process(ckpt):
+    """prompt -> generate_cp with no group: the plain forward, the whole prompt in one step."""
+    model, _ = load_model(ckpt, dtype=torch.float32)
+    args, memo = CPArgs(str(ckpt), 1), {}
+
+    def run(prompt: list[int]):
+        key = tuple(prompt)
+        if key not in memo:
+            blocks = {m: -(-(-(-args.max_model_len // m)) // args.block_size)
+                      for m, _ in model.compressed_kinds(model.config)}
+            cache = allocate_v4_cache(model.config, 1, blocks, "float32", "cpu", args.block_size)
+            tokens, lps, first = generate_cp(model, cache, prompt, MAX_TOKENS)
+            memo[key] = tokens, lps, first, [[t.clone() for t in c.per_slot() + c.paged()] for c in cache.layers]
+        return memo[key]
+    return run
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_zigzag_split_covers_every_row_once_with_equal_causal_work(cp):
+    split = zigzag_split(256, cp, ALIGN)
+    assert np.array_equal(np.sort(np.concatenate(split)), np.arange(256))
+    assert {len(r) for r in split} == {256 // cp}
+    c = 256 // (2 * cp)
+    for r, rows in enumerate(split):  # chunks r and 2cp-1-r, on window bounds
+        assert np.array_equal(rows, np.r_[r * c:(r + 1) * c, (2 * cp - 1 - r) * c:(2 * cp - r) * c])
+        assert c % ALIGN == 0
+    work = [causal_work(r) for r in split]
+    assert len(set(work)) == 1 and sum(work) == 256 * 257 // 2
+    contiguous = [causal_work(r) for r in np.split(np.arange(256), cp)]
+    assert max(contiguous) / min(contiguous) > 2 * cp - 1.5  # what the zig-zag removes: ~3x at cp=2, ~7x at cp=4
+
+
+def test_misaligned_lengths_are_refused_and_the_aligned_prefix_is_given():
+    with pytest.raises(ValueError, match="num_tokens: 250 is not a positive multiple of 2 \\* cp_size \\* align = 64"):
+        zigzag_split(250, 2, ALIGN)
+    with pytest.raises(ValueError, match="cp_size"):
+        zigzag_split(256, 0)
+    assert aligned_prefix(250, 2, ALIGN) == 192 and aligned_prefix(261, 4, ALIGN) == 256
+    assert aligned_prefix(100, 4, ALIGN) == 0  # shorter than one unit: no CP step at all
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_ranks_match_one_process_bit_for_bit(ckpt, one_process, cp):
+    want_tokens, want_lps, want_first, want_cache = one_process(PROMPT)
+    ranks = generate_cp_spawn(CPArgs(str(ckpt), cp), PROMPT, MAX_TOKENS)
+    for tokens, lps, first, stats, cache in ranks:
+        assert tokens == want_tokens and lps == want_lps
+        assert torch.equal(first, want_first)
+        for layer, (got, want) in enumerate(zip(cache, want_cache, strict=True)):
+            for g, w in zip(got, want, strict=True):
+                assert torch.equal(g, w), f"layer {layer}: cache differs from one process"
+        # every row in CP (256 / cp each); one gather per layer for the window kv plus one per
+        # compressor (2 sliding layers, 2 CSA x 3, 2 HCA x 2)
+        assert stats["rows"] == 256 and stats["cp_rows"] == 256 // cp and stats["collectives"] == 12
+
+
+def test_a_misaligned_tail_runs_as_a_second_step(ckpt, one_process):
+    """PROMPT + 5 tokens at cp=2: 256 rows in CP, 5 as an ordinary step on every rank (chunked
+    prefill: equal to one process's single step up to fp32 summation order)."""
+    prompt = PROMPT + [7, 8, 9, 10, 11]
+    want_tokens, want_lps, want_first, want_cache = one_process(prompt)
+    for tokens, lps, first, stats, cache in generate_cp_spawn(CPArgs(str(ckpt), 2), prompt, MAX_TOKENS):
+        assert tokens == want_tokens and stats["rows"] == 256
+        assert max(abs(a - b) for a, b in zip(lps, want_lps)) <= LOGPROB_TOL
+        assert torch.allclose(first, want_first, rtol=0, atol=LOGPROB_TOL)
+        for got, want in zip(cache, want_cache, strict=True):
+            for g, w in zip(got, want, strict=True):
+                assert torch.allclose(g, w, rtol=1e-5, atol=1e-5)
+
+
+def test_cp_reference_is_the_llm_engine(ckpt, one_process):
+    """The one-process reference above is the LLM engine's step: greedy tokens equal, logprobs
+    within 1e-5 (the engine's own sampler computes them)."""
+    llm = LLM(str(ckpt), device="cpu", dtype="float32", kv_cache_dtype="float32", kv_cache_memory=16 << 20,
+              max_num_batched_tokens=512)
+    out = llm.generate([PROMPT], SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=0), use_tqdm=False)
+    got = out[0].outputs[0]
+    tokens, lps = one_process(PROMPT)[:2]
+    assert got.token_ids == tokens
+    assert max(abs(d[t] - lp) for d, t, lp in zip(got.logprobs, tokens, lps)) <= LOGPROB_TOL
