@@ -2,8 +2,8 @@
 
 data_parallel_size ranks (tensor_parallel_size 1 each); this process is rank 0, the driver. Every rank
 holds the whole attention / router / shared-expert weights, its own KV cache and ModelRunner, and,
-with enable_expert_parallel, only its slots of each MoE layer's routed experts (shard_experts: the
-checkpoint is loaded whole, then each layer keeps the rank's slots). Each MoE's `expert_parallel`
+with enable_expert_parallel, only its slots of each trunk MoE layer's routed experts: it reads its
+range of experts from the checkpoint and nothing of the others' (load_expert_shard). Each MoE's `expert_parallel`
 hook is an ExpertParallel over the whole world, so a forward sends each (token, expert) pair to the
 rank holding its slot. Without enable_expert_parallel the ranks are independent replicas (no collective
 inside a forward).
@@ -56,7 +56,15 @@ from deepinfer.engine.outputs import ModelOutput, SchedulerOutput
 from deepinfer.engine.request import Request
 from deepinfer.engine.scheduler import Scheduler
 from deepinfer.layers.moe import Experts, MoE
-from deepinfer.loader.model_loader import load_model
+from deepinfer.distributed.tensor_parallel import META_MIN_NUMEL, _Cutter, _LargeOnMeta, _materialize
+from deepinfer.loader.checkpoint import CheckpointReader
+from deepinfer.loader.model_config import read_model_config
+from deepinfer.loader.model_loader import _engram_token_map as engram_token_map
+from deepinfer.loader.model_loader import load_model, without_draft
+from deepinfer.loader.names import is_draft_name
+from deepinfer.loader.resolve import resolve_model_dir
+from deepinfer.loader.weights import load_weights
+from deepinfer.models.registry import model_classes
 
 EXPERT_LEAVES = ("w1", "w2", "w3", "w1_scale", "w2_scale", "w3_scale")
 
@@ -101,28 +109,62 @@ def trunk_moes(model: torch.nn.Module) -> list[MoE]:
     return moes
 
 
-def initial_placement(num_layers: int, num_logical: int, ep: int, eplb: EPLBConfig | None) -> Placement:
-    """Contiguous without EPLB; with it, num_logical + redundant_per_rank * ep slots placed for a uniform load."""
-    if eplb is None or eplb.redundant_per_rank == 0:
-        return contiguous_placement(num_layers, num_logical, ep)
-    return rebalance_experts(torch.ones(num_layers, num_logical), num_logical + eplb.redundant_per_rank * ep, ep,
-                             policy="global")
+def initial_placement(num_layers: int, num_logical: int, ep: int, redundant_per_rank: int = 0) -> Placement:
+    """Rank g holds experts g*n .. (g+1)*n - 1 (n = num_logical / ep), then replicas of its first
+    `redundant_per_rank` of them: what it can fill from the checkpoint range it reads (load_expert_shard)."""
+    n = contiguous_placement(1, num_logical, ep).slots_per_gpu  # checks that ep divides num_logical
+    if not 0 <= redundant_per_rank <= n:
+        raise ValueError(f"redundant_per_rank: expected 0 .. {n} (the experts a rank holds), got {redundant_per_rank}")
+    own = torch.arange(num_logical).view(ep, n)
+    slots = torch.cat([own, own[:, :redundant_per_rank]], 1).reshape(1, -1).repeat(num_layers, 1)
+    return placement_from_physical(slots, num_logical, ep)
+
+
+def load_expert_shard(model_dir: str, rank: int, ep: int, *, dtype: torch.dtype, device: str,
+                      quantized: bool = False, redundant_per_rank: int = 0,
+                      min_numel: int | None = None) -> torch.nn.Module:
+    """load_model for one expert-parallel rank: the model is built with its large tensors on the meta
+    device, each trunk MoE's experts cut to this rank's range of `initial_placement`, and only that
+    range is read from the checkpoint (every other tensor whole); then each trunk MoE's `experts`
+    becomes the rank's slots (shard_experts). `model.placement` is the placement. Draft (MTP / DSpark)
+    layers are not run by the engine and keep all their experts."""
+    path = resolve_model_dir(str(model_dir))
+    cfg = read_model_config(path)
+    reader = CheckpointReader(path)
+    if cfg.num_nextn_predict_layers > 0 and not any(is_draft_name(n) for n in reader.names()):
+        cfg = without_draft(cfg)
+    with _LargeOnMeta(torch.device(device), META_MIN_NUMEL if min_numel is None else min_numel):
+        net = model_classes(cfg.model_type)[1](cfg, dtype=dtype, quantized=quantized)
+    moes = trunk_moes(net)
+    placement = initial_placement(len(moes), moes[0].experts.num_experts, ep, redundant_per_rank)
+    n, parts = placement.num_logical // ep, {}
+    for i, moe in enumerate(moes):
+        cut, ex = _Cutter(f"layers.{i}.ffn", parts), moe.experts
+        for leaf in EXPERT_LEAVES:
+            if getattr(ex, leaf, None) is not None:
+                cut.tensor(moe, f"experts.{leaf}", 0, rank * n, (rank + 1) * n)
+        ex.first_expert, ex.num_experts = rank * n, n
+    _materialize(net, torch.device(device))
+    load_weights(net, reader, config=cfg, shard=parts)
+    if getattr(cfg, "engram_layer_ids", None):
+        net.set_engram_vocab(engram_token_map(path))
+    for layer, moe in enumerate(moes):
+        moe.experts = shard_experts(moe.experts, placement, layer, rank, ep)
+    net.placement = placement
+    return net.eval()
 
 
 def _load_dp_rank(args: EngineArgs, info: ps.RankInfo, eplb: EPLBConfig | None) -> torch.nn.Module:
-    """The whole checkpoint, then (expert parallel) each trunk MoE keeps this rank's slots only."""
-    model, _ = load_model(args.model_dir, dtype=getattr(torch, args.dtype), device=str(info.device),
-                          quantized=args.quantized)
+    """The whole checkpoint (replicated experts), or (expert parallel) all but other ranks' experts,
+    each trunk MoE's `expert_parallel` hook set."""
+    dtype, device = getattr(torch, args.dtype), str(info.device)
     if not args.parallel.enable_expert_parallel:
-        return model
-    moes = trunk_moes(model)
-    placement = initial_placement(len(moes), moes[0].experts.num_experts, info.dp_size, eplb)
-    for layer, moe in enumerate(moes):
-        local = shard_experts(moe.experts, placement, layer, info.dp_rank, info.dp_size)
-        moe.experts = local  # the whole layer's experts are dropped
-        moe.expert_parallel = CountingExpertParallel(local, placement.num_logical, placement, layer,
-                                                     max_tokens=args.max_num_seqs)
-    model.placement = placement
+        return load_model(args.model_dir, dtype=dtype, device=device, quantized=args.quantized)[0]
+    model = load_expert_shard(args.model_dir, info.dp_rank, info.dp_size, dtype=dtype, device=device,
+                              quantized=args.quantized, redundant_per_rank=eplb.redundant_per_rank if eplb else 0)
+    for layer, moe in enumerate(trunk_moes(model)):
+        moe.expert_parallel = CountingExpertParallel(moe.experts, model.placement.num_logical, model.placement,
+                                                     layer, max_tokens=args.max_num_seqs)
     return model
 
 

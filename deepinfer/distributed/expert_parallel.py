@@ -108,17 +108,19 @@ def unpack_rows(buf: torch.Tensor, dim: int) -> tuple[torch.Tensor, torch.Tensor
 def shard_experts(whole: Experts, placement: Placement | None, layer: int, rank: int, ep_size: int) -> Experts:
     """Rank `rank`'s local experts: the slots rank*S .. (rank+1)*S - 1 of `placement` (the contiguous
     one, slot = logical expert, when None), each a copy of its logical expert's weights (and scales)
-    from `whole`, which holds all logical experts. num_global = S + 1: local id S is the drop id of
-    `ExpertParallel.forward_fixed`'s padding rows."""
-    if whole.num_experts != whole.num_global:
-        raise ValueError(f"whole: expected all {whole.num_global} experts, it holds {whole.num_experts}")
-    placement = placement or contiguous_placement(1, whole.num_experts, ep_size)
-    if placement.num_logical != whole.num_experts or placement.num_gpus != ep_size:
+    from `whole`, which holds logical experts first_expert .. first_expert + num_experts - 1 of
+    num_global (all of them, or a range loaded alone that covers the rank's slots). num_global = S + 1:
+    local id S is the drop id of `ExpertParallel.forward_fixed`'s padding rows."""
+    placement = placement or contiguous_placement(1, whole.num_global, ep_size)
+    if placement.num_logical != whole.num_global or placement.num_gpus != ep_size:
         raise ValueError(f"placement: {placement.num_logical} logical experts on {placement.num_gpus} ranks, "
-                         f"expected {whole.num_experts} on {ep_size}")
+                         f"expected {whole.num_global} on {ep_size}")
     if not 0 <= rank < ep_size:
         raise ValueError(f"rank: {rank} is outside [0, {ep_size})")
-    experts = placement.gpu_experts(layer, rank).to(whole.w1.device)
+    experts = placement.gpu_experts(layer, rank).to(whole.w1.device) - whole.first_expert
+    if experts.numel() and (experts.min() < 0 or experts.max() >= whole.num_experts):
+        raise ValueError(f"whole: holds experts {whole.first_expert} .. {whole.first_expert + whole.num_experts - 1}; "
+                         f"rank {rank}'s slots of layer {layer} need {placement.gpu_experts(layer, rank).tolist()}")
     S = experts.numel()
     dtype = whole.w1.dtype if not whole.quant.quantized else torch.bfloat16  # quantised storage ignores it
     with torch.device("meta"):

@@ -19,11 +19,13 @@ import torch
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.distributed import parallel_state
-from deepinfer.distributed.dp_engine import DPEngine, EPLBConfig, initial_placement
+from deepinfer.distributed.dp_engine import DPEngine, EPLBConfig, initial_placement, load_expert_shard, trunk_moes
+from deepinfer.distributed.expert_parallel import shard_experts
 from deepinfer.distributed.launch import EngineArgs, TPEngine, TPWorkerError
 from deepinfer.distributed.parallel_state import ParallelConfig
 from deepinfer.engine.request import Request
-from deepinfer.tools.make_checkpoint import write_checkpoint
+from deepinfer.loader.model_loader import load_model
+from deepinfer.tools.make_checkpoint import PRESETS, write_checkpoint
 from test_tensor_parallel import CFG, FORKED, GREEDY, MEMORY, PROMPTS, _assert_same
 
 # a prompt per rank at most: with 4 ranks one is idle for the whole run
@@ -99,9 +101,8 @@ def test_eplb_rebalancing_after_step_two_is_bit_identical_in_batch_invariant_mod
         got = eng.generate(PROMPTS, PARAMS)
         assert eng.rank.rebalances >= 1 and eng.rank.moved_slots > 0 and eng.rank.remote_slots > 0
         placement = eng.model.placement
-        assert not torch.equal(placement.physical_to_logical,
-                               initial_placement(placement.num_layers, CFG["n_routed_experts"], 2,
-                                                 EPLBConfig()).physical_to_logical)
+        start = initial_placement(placement.num_layers, CFG["n_routed_experts"], 2, 1)
+        assert not torch.equal(placement.physical_to_logical, start.physical_to_logical)
     assert _exact(got) == _exact(want)
 
 
@@ -112,6 +113,45 @@ def test_fewer_prompts_than_ranks_do_not_hang(ckpt, want):
         second = eng.generate(PROMPTS[1:2], GREEDY)  # least loaded: rank 0 again
     assert first[0][0].token_ids == want[0][0].token_ids
     _assert_same(second, _one_process(ckpt, PROMPTS[1:2], GREEDY))
+
+
+def test_v41_two_ranks_with_eplb_match_one_process(tmp_path):
+    """V4.1: CSA2 roles, Engram (replicated), the router's image bias; EPLB every 2 steps."""
+    c = PRESETS["tiny41"]
+    ck = write_checkpoint(tmp_path / "ckpt", {**c, "text_config": {**c["text_config"], "index_topk": 64}},
+                          seed=5, dtype="fp8")
+    with DPEngine(_args(ck, 2), eplb=EPLBConfig(interval=2, window=2)) as eng:
+        got = eng.generate(PROMPTS, PARAMS)
+        assert eng.rank.remote_slots > 0
+    _assert_same(got, _one_process(ck, PROMPTS, PARAMS))
+
+
+@pytest.mark.parametrize("model, quantized", [("v4", True), ("v41", False)])
+def test_a_rank_loaded_alone_holds_its_slots_and_everything_else_whole(tmp_path, model, quantized):
+    """load_expert_shard (large tensors on the meta device, only the rank's range of experts read) holds
+    what load_model + shard_experts hold: FP8/FP4 experts with their scales as shipped, replica slots
+    included; every other tensor (draft layers' experts too) whole. min_numel=64: nearly every tensor
+    takes the meta path."""
+    c = PRESETS["tiny41"] if model == "v41" else CFG
+    ck = write_checkpoint(tmp_path / "ckpt", c, seed=4, dtype="fp8")
+    whole, _ = load_model(ck, dtype=torch.float32, quantized=quantized)
+    want = whole.state_dict()
+    for r in range(2):
+        part = load_expert_shard(str(ck), r, 2, dtype=torch.float32, device="cpu", quantized=quantized,
+                                 redundant_per_rank=1, min_numel=64)
+        got = part.state_dict()
+        assert got.keys() == want.keys()
+        sliced = {}
+        for layer, moe in enumerate(trunk_moes(whole)):
+            local = shard_experts(moe.experts, part.placement, layer, r, 2)
+            sliced |= {f"layers.{layer}.ffn.experts.{k}": t for k, t in local.state_dict().items()}
+        assert len(sliced) >= 3 * len(trunk_moes(whole))
+        for k, t in want.items():
+            t = sliced.get(k, t)
+            bits = (lambda x: x.view(torch.uint8)) if t.element_size() == 1 else (lambda x: x)  # noqa: E731
+            assert got[k].shape == t.shape and torch.equal(bits(got[k]), bits(t)), k
+        experts = part.config.n_routed_experts
+        assert all(m.experts.num_experts == experts // 2 + 1 for m in trunk_moes(part))
 
 
 def raise_on_rank1(rank: int, step: int) -> None:
@@ -146,6 +186,21 @@ def test_layouts_not_launched_are_refused_by_name(ckpt):
         DPEngine(_args(ckpt, 2, ep=False), eplb=EPLBConfig())
     with pytest.raises(ValueError, match="interval"):
         EPLBConfig(interval=0)
+    with pytest.raises(ValueError, match="redundant_per_rank: expected 0 .. 4"):
+        initial_placement(2, 8, 2, 5)
+
+
+@pytest.mark.gpu
+def test_two_ranks_sharing_one_gpu_match_one_process_in_bf16(ckpt):
+    """The GPU path (bf16 grouped-GEMM experts, Triton attention) with gloo between two ranks on one GPU
+    (NCCL refuses two ranks on a device), EPLB every 2 steps; greedy tokens of one process (bf16: the
+    ranks' GEMMs see other row counts, logprobs are not compared)."""
+    kw = {"device": "cuda", "dtype": "bfloat16", "kv_cache_dtype": "bfloat16"}
+    one = LLM(str(ckpt), skip_tokenizer_init=True, enforce_eager=True, **{**_engine_kw(), **kw})
+    want = [o.outputs for o in one.generate(PROMPTS, GREEDY, use_tqdm=False)]
+    with DPEngine(_args(ckpt, 2, backend="gloo", **kw), eplb=EPLBConfig(interval=2, window=2)) as eng:
+        got = eng.generate(PROMPTS, GREEDY)
+    assert [[c.token_ids for c in cs] for cs in got] == [[c.token_ids for c in cs] for cs in want]
 
 
 @pytest.mark.parametrize("ep", [True, False])
