@@ -1,34 +1,36 @@
 """Context parallelism (CP) for the prefill of one long prompt: DeepSeek-V4, torch.distributed.
 
-Split. The prompt's T tokens are cut into 2*cp equal chunks; rank r takes chunks r and 2cp-1-r
-(zig-zag). A query at position p attends to O(p) keys (HCA entries, indexer scores over p/m
-entries), and chunk r's positions sum to what chunk 2cp-1-r's fall short of the mean by, so every
-rank gets the same causal work: sum(p + 1) over its tokens is equal on every rank
-(`causal_work`). Constraint: the chunk length T / (2cp) is a multiple of `align` (default: the
-largest compression ratio), so every compressed window lies inside one chunk and its entry closes
-on the rank holding the chunk. `zigzag_split` refuses other lengths with a ValueError;
-`prefill_cp` runs the longest aligned prefix in CP and the rest (< 2cp*align tokens) as an
-ordinary step on every rank.
+Split. The prompt's T tokens are cut into 2*cp equal chunks of c = T / (2cp); rank r takes chunks
+r and 2cp-1-r (zig-zag). A query at position p attends to O(p) keys (HCA entries, indexer scores
+over p/m entries); chunk r lies as far above the first chunk as chunk 2cp-1-r lies below the last,
+so sum(p + 1) over a rank's tokens is c^2 (2cp - 1) + c (c + 1), the same on every rank
+(`causal_work`; a contiguous split gives the last rank ~2cp-1 times the first's). Constraint: c is a
+multiple of `align` (default: the largest compression ratio), so every compressed window lies
+inside one chunk and its entry closes on the rank holding the chunk. `zigzag_split` refuses other
+lengths with a ValueError naming num_tokens; `prefill_cp` runs the longest aligned prefix in CP and
+the rest (< 2cp*align tokens) as one ordinary step on every rank.
 
 Per layer (models/deepseek_v4.py StepContext.gather): each rank computes every projection of its
 own tokens only (queries, the window kv, both compressors' kv and gate scores); the window kv and
 the compressor projections are all-gathered over the CP group into step order; each rank then
-pools every compressed entry and indexer key of the step (cheap: linear in T), writes them, the
-window ring rows and the compressor carry into its own cache at the addresses one process would
-use, and runs the indexer, attention, output projection and MoE for its own queries only (the
-quadratic part). After the prefill every rank's cache is what one process leaves (the carry
-included), so decoding continues on every rank identically with no communication (or on one).
+pools every compressed entry and indexer key of the step (linear in T), writes them, the window
+ring rows and the compressor carry into its own cache at the addresses one process uses, and runs
+the indexer, attention, output projection and MoE for its own queries only (the quadratic part).
+After the prefill every rank's cache is what one process leaves, the carry included, so decoding
+continues on every rank identically with no communication. fp32 on the CPU: bit-identical to one
+process (tests/distributed/test_context_parallel.py).
 
-What a production version would send instead: the window kv of the W tokens before each chunk
-(the sliding window), the compressor projections of the m tokens before each chunk (the CSA
-overlap: the "carry" across the split) and the compressed entries / indexer keys each rank pools
-from its own whole windows, all-gathered once per layer (T/m rows, not T), i.e. point-to-point
-halos plus an entry all-gather, overlapped with the query projections. The all-gather of every
-token's projections here is the correctness-first version: (head_dim + 2*2*head_dim + 2*2*index
-dim) fp32 values per token and layer.
+Sent per token and layer here (correctness first): the window kv (head_dim, activation dtype) and
+the compressors' kv + scores in fp32 (CSA: 4*head_dim + 4*index_head_dim; HCA: 2*head_dim). A
+production version would send instead: the window kv of the W tokens before each chunk (the
+sliding window halo), the compressor projections of the m tokens before each chunk (the CSA
+overlap: the carry across the split), and all-gather only the entries and indexer keys each rank
+pooled from its own whole windows (T/m rows, not T), overlapped with the query projections.
 
-One request per CP step; the chunk of a prompt that starts after earlier chunks (start > 0) works
-too: earlier positions come from the cache as in one process.
+Entry points: prefill_cp (one request's chunk, start > 0 too: earlier positions come from the
+cache), generate_cp (greedy driver), CPRunner (ModelRunner's execute for an engine whose driver
+broadcasts SchedulerOutputs, as launch.py does for TP), run_on_ranks / generate_cp_spawn (gloo
+ranks on the CPU).
 """
 from __future__ import annotations
 
@@ -39,7 +41,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from deepinfer.engine.outputs import PLACEHOLDER, ModelOutput, SchedulerOutput
+from deepinfer.models.deepseek_v4 import DeepseekV4ForCausalLM
 from deepinfer.state.forward_batch import ForwardBatch, SeqChunk, build_forward_batch
+from deepinfer.worker.model_runner import ModelRunner
 
 
 def zigzag_split(num_tokens: int, cp_size: int, align: int = 1) -> list[np.ndarray]:
@@ -175,6 +180,45 @@ def generate_cp(model, cache, prompt: list[int], max_tokens: int, group: dist.Pr
     return tokens, lps, first
 
 
+
+class CPRunner:
+    """The ModelRunner surface (execute) for one rank of a CP group: a step that is one request's
+    prefill chunk of at least one zig-zag unit (2 * cp * align tokens) runs through prefill_cp; every
+    other step (decode, short or batched chunks) runs on the wrapped runner, on every rank alike, as
+    each holds the whole cache. Every rank must be given the same SchedulerOutputs (the driver
+    broadcasts them, as launch.py does for TP). Sampling: the runner's, from the same logits and
+    seed on every rank. V4 only (models/deepseek_v4.py StepContext.gather)."""
+
+    def __init__(self, runner: ModelRunner, group: dist.ProcessGroup, align: int | None = None):
+        if not isinstance(runner.model, DeepseekV4ForCausalLM):
+            raise ValueError(f"context_parallel_size: {type(runner.model).__name__} has no context-parallel path "
+                             "(DeepSeek-V4 only so far)")
+        if runner.replay_keep is not None or runner.model.token_history:
+            raise ValueError("context_parallel_size: bounded replay and token histories are not supported")
+        self.runner, self.group = runner, group
+        self.cp = dist.get_world_size(group)
+        self.align = align or max(runner.model.config.compress_ratios)
+        self.cp_steps = 0
+
+    def _splits(self, so: SchedulerOutput) -> bool:
+        if len(so.chunks) != 1 or so.forks:
+            return False
+        c = so.chunks[0]
+        return (not c.images and PLACEHOLDER not in c.token_ids
+                and aligned_prefix(len(c.token_ids), self.cp, self.align) > 0)
+
+    def execute(self, so: SchedulerOutput) -> ModelOutput:
+        if not self._splits(so):
+            return self.runner.execute(so)
+        c, r = so.chunks[0], self.runner
+        logits = prefill_cp(r.model, r.cache.layers, c.token_ids, c.slot, c.block_tables, r.cache.block_size,
+                            self.group, self.align, start=c.start)
+        self.cp_steps += 1
+        if not c.num_samples:
+            return ModelOutput({})
+        with torch.inference_mode():
+            return r.collect(r._sample(so, logits, [0]))
+
 @dataclasses.dataclass(frozen=True)
 class CPArgs:
     """What every CP rank needs (pickled to the spawned ranks)."""
@@ -190,25 +234,39 @@ class CPArgs:
     quantized: bool = False
 
 
-def _rank_main(rank: int, args: CPArgs, init_method: str, prompt: list[int], max_tokens: int, results) -> None:
+def load_rank(args: CPArgs):
+    """(model, cache with one slot of max_model_len) as every CP rank holds them."""
     from deepinfer.loader.model_loader import load_model
     from deepinfer.worker.kv_cache import allocate_v4_cache
 
+    model, _ = load_model(args.model_dir, dtype=getattr(torch, args.dtype), quantized=args.quantized)
+    blocks = {m: -(-(-(-args.max_model_len // m)) // args.block_size) for m, _ in model.compressed_kinds(model.config)}
+    return model, allocate_v4_cache(model.config, 1, blocks, args.kv_cache_dtype, "cpu", args.block_size)
+
+
+def _generate_rank(rank: int, group, args: CPArgs, prompt: list[int], max_tokens: int):
+    model, cache = load_rank(args)
+    stats: dict = {}
+    tokens, lps, first = generate_cp(model, cache, prompt, max_tokens, group, stats=stats)
+    return tokens, lps, first, stats, [[t.clone() for t in c.per_slot() + c.paged()] for c in cache.layers]
+
+
+def generate_cp_spawn(args: CPArgs, prompt: list[int], max_tokens: int) -> list[tuple]:
+    """generate_cp on `context_parallel_size` spawned gloo ranks (CPU): per rank, in rank order,
+    (tokens, logprobs, first-position log-softmax, stats, its cache tensors per layer)."""
+    return run_on_ranks(args.context_parallel_size, _generate_rank, (args, prompt, max_tokens), args.timeout_s,
+                        args.num_threads)
+
+
+def _rank_main(rank: int, world: int, init_method: str, timeout_s: float, num_threads: int, fn, args, results):
     try:
         from datetime import timedelta
-        torch.set_num_threads(args.num_threads)
-        dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=args.context_parallel_size,
-                                timeout=timedelta(seconds=args.timeout_s))
-        model, _ = load_model(args.model_dir, dtype=getattr(torch, args.dtype), quantized=args.quantized)
-        cfg = model.config
-        blocks = {m: -(-(-(-args.max_model_len // m)) // args.block_size) for m, _ in model.compressed_kinds(cfg)}
-        cache = allocate_v4_cache(cfg, 1, blocks, args.kv_cache_dtype, "cpu", args.block_size)
-        stats: dict = {}
-        tokens, lps, first = generate_cp(model, cache, prompt, max_tokens, dist.group.WORLD, stats=stats)
-        caches = [[t.clone() for t in c.per_slot() + c.paged()] for c in cache.layers]
+        torch.set_num_threads(num_threads)
+        dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world,
+                                timeout=timedelta(seconds=timeout_s))
         # pickled by value: a tensor put on the queue as is would be shared through the rank's
         # memory, gone once it exits
-        results.put((rank, None, pickle.dumps((tokens, lps, first, stats, caches))))
+        results.put((rank, None, pickle.dumps(fn(rank, dist.group.WORLD, *args))))
     except BaseException as e:  # noqa: BLE001 - reported to the driver, which raises it
         import traceback
         results.put((rank, f"{type(e).__name__}: {e}\n{traceback.format_exc()}", None))
@@ -217,10 +275,10 @@ def _rank_main(rank: int, args: CPArgs, init_method: str, prompt: list[int], max
             dist.destroy_process_group()
 
 
-def generate_cp_spawn(args: CPArgs, prompt: list[int], max_tokens: int) -> list[tuple]:
-    """Runs generate_cp on `context_parallel_size` spawned gloo ranks (CPU); returns each rank's
-    (tokens, logprobs, first-position log-softmax, stats, cache tensors), in rank order. A rank
-    that fails ends the run with a RuntimeError naming it."""
+def run_on_ranks(world: int, fn, args: tuple = (), timeout_s: float = 120.0, num_threads: int = 1) -> list:
+    """fn(rank, group, *args) on `world` spawned gloo ranks (CPU; fn and args picklable); returns
+    their results in rank order. A rank that raises or dies ends the run with a RuntimeError naming
+    it; one silent past `timeout_s`, too."""
     import queue
     import tempfile
     import time
@@ -231,12 +289,12 @@ def generate_cp_spawn(args: CPArgs, prompt: list[int], max_tokens: int) -> list[
     results = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         init = f"file://{tmp}/rendezvous"
-        procs = [ctx.Process(target=_rank_main, args=(r, args, init, prompt, max_tokens, results), daemon=True)
-                 for r in range(args.context_parallel_size)]
+        procs = [ctx.Process(target=_rank_main, args=(r, world, init, timeout_s, num_threads, fn, args, results),
+                             daemon=True) for r in range(world)]
         for p in procs:
             p.start()
-        out: dict[int, tuple] = {}
-        deadline = time.monotonic() + args.timeout_s
+        out: dict[int, object] = {}
+        deadline = time.monotonic() + timeout_s
         try:
             while len(out) < len(procs):
                 try:
@@ -245,7 +303,7 @@ def generate_cp_spawn(args: CPArgs, prompt: list[int], max_tokens: int) -> list[
                     missing = sorted(set(range(len(procs))) - set(out))
                     dead = [r for r in missing if procs[r].exitcode not in (None, 0)]
                     if dead or time.monotonic() > deadline:
-                        why = f"exited with {procs[dead[0]].exitcode}" if dead else f"no result in {args.timeout_s} s"
+                        why = f"exited with {procs[dead[0]].exitcode}" if dead else f"no result in {timeout_s} s"
                         raise RuntimeError(f"context parallel: rank {(dead or missing)[0]} {why}") from None
                     continue
                 if err is not None:

@@ -10,16 +10,18 @@ one process's single step within 1e-5 (measured: one ulp of a logprob).
 """
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import torch
 
 from deepinfer import LLM, SamplingParams
-from deepinfer.distributed.context_parallel import (CPArgs, aligned_prefix, causal_work, generate_cp,
-                                                    generate_cp_spawn, zigzag_split)
-from deepinfer.loader.model_loader import load_model
+from deepinfer.distributed.context_parallel import (CPArgs, CPRunner, aligned_prefix, causal_work, generate_cp,
+                                                    generate_cp_spawn, load_rank, run_on_ranks, zigzag_split)
+from deepinfer.engine.outputs import ScheduledChunk, SchedulerOutput
 from deepinfer.tools.make_checkpoint import PRESETS, write_checkpoint
-from deepinfer.worker.kv_cache import allocate_v4_cache
+from deepinfer.worker.model_runner import ModelRunner
 
 CFG = {**PRESETS["tiny"], "index_topk": 64}  # top-k >= entries: scores decide nothing near ties
 ALIGN = 16  # the tiny model's largest compression ratio; sliding window 8
@@ -37,15 +39,12 @@ def ckpt(tmp_path_factory):
 @pytest.fixture(scope="module")
 def one_process(ckpt):
     """prompt -> generate_cp with no group: the plain forward, the whole prompt in one step."""
-    model, _ = load_model(ckpt, dtype=torch.float32)
-    args, memo = CPArgs(str(ckpt), 1), {}
+    memo = {}
 
     def run(prompt: list[int]):
         key = tuple(prompt)
         if key not in memo:
-            blocks = {m: -(-(-(-args.max_model_len // m)) // args.block_size)
-                      for m, _ in model.compressed_kinds(model.config)}
-            cache = allocate_v4_cache(model.config, 1, blocks, "float32", "cpu", args.block_size)
+            model, cache = load_rank(CPArgs(str(ckpt), 1))
             tokens, lps, first = generate_cp(model, cache, prompt, MAX_TOKENS)
             memo[key] = tokens, lps, first, [[t.clone() for t in c.per_slot() + c.paged()] for c in cache.layers]
         return memo[key]
@@ -115,3 +114,53 @@ def test_cp_reference_is_the_llm_engine(ckpt, one_process):
     tokens, lps = one_process(PROMPT)[:2]
     assert got.token_ids == tokens
     assert max(abs(d[t] - lp) for d, t, lp in zip(got.logprobs, tokens, lps)) <= LOGPROB_TOL
+
+
+def _engine_steps(rank: int, group, args: CPArgs) -> tuple:
+    """The engine's runner on one rank (group None: one process, the plain ModelRunner): PROMPT as
+    two prefill chunks of 128 (the second at start 128, reading the first's cache), then greedy
+    decode steps fed by the runner's own samples. -> (sampled tokens, logprob dicts, CP steps)."""
+    model, cache = load_rank(args)
+    runner = ModelRunner(model, cache, "cpu", seed=0, cuda_graphs=False)
+    run = runner if group is None else CPRunner(runner, group)
+    tables = {m: list(range(n)) for m, n in cache.num_blocks.items()}
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=1)
+
+    def step(start, ids, samples):
+        c = ScheduledChunk("a", 0, start, ids, tables, samples, params, num_tokens=start + len(ids))
+        return run.execute(SchedulerOutput([c]))
+
+    assert not step(0, PROMPT[:128], 0).sampled
+    out = step(128, PROMPT[128:], 1)
+    tokens, lps = list(out.sampled["a"]), list(out.logprobs["a"])
+    while len(tokens) < MAX_TOKENS:  # decode: one token, not a CP step
+        out = step(len(PROMPT) + len(tokens) - 1, tokens[-1:], 1)
+        tokens += out.sampled["a"]
+        lps += out.logprobs["a"]
+    return tokens, lps, getattr(run, "cp_steps", 0)
+
+
+def test_engine_runner_prefills_in_cp_and_decodes_like_one_process(ckpt):
+    """CPRunner (ModelRunner's execute) at cp=2: both prefill chunks in CP, bit-identical sampled
+    tokens and logprob dicts to one process's runner on the same SchedulerOutputs."""
+    want = _engine_steps(0, None, CPArgs(str(ckpt), 1))
+    assert want[2] == 0
+    for tokens, lps, cp_steps in run_on_ranks(2, _engine_steps, (CPArgs(str(ckpt), 2),)):
+        assert (tokens, lps) == want[:2] and cp_steps == 2
+
+
+def _fail_on_rank1(rank: int, group) -> int:
+    if rank == 1:
+        raise RuntimeError("injected fault in rank 1")
+    return rank
+
+
+def test_a_failing_rank_ends_the_run_naming_it():
+    with pytest.raises(RuntimeError, match="rank 1 failed: RuntimeError: injected fault in rank 1"):
+        run_on_ranks(2, _fail_on_rank1, timeout_s=60.0)
+
+
+def test_models_without_a_cp_path_are_refused_by_name():
+    runner = SimpleNamespace(model=torch.nn.Linear(1, 1), replay_keep=None)
+    with pytest.raises(ValueError, match="context_parallel_size: Linear has no context-parallel path"):
+        CPRunner(runner, None)
