@@ -29,8 +29,8 @@ Two implementations, chosen per call by `fp8_gemm` (`use_scaled_mm`):
     4), on a device where a trial call succeeded (probed once per device, never during CUDA-graph
     capture). W's scales become fp32 [nb, kb]; A's
     rows are padded by act_quant to a multiple of 16 (their scale stride is the padded row count).
-    1193 TFLOP/s measured on the H200 at 8192 x 4096 x 4096 (spec h200-facts.md). A may have a row
-    stride above K (forward_grouped's column slices): torch hands it to cuBLAS as it is.
+    Why cuBLAS here: benchmarks/NOTES.md (fp8_gemm). A may have a row stride above K
+    (forward_grouped's column slices): torch hands it to cuBLAS as it is.
   * the Triton kernel below for every other block shape (V4.1's 32 x 32): a tile of BLOCK_M x
     BLOCK_N outputs walks K in steps of SK = min(ga, bi) columns; each step's e4m3 x e4m3 tl.dot
     (fp32 result) is scaled by s_a[rows, k // ga] (x) s_w[cols // bo, k // bi] and added to the
