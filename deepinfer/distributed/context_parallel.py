@@ -232,6 +232,7 @@ class CPArgs:
     num_threads: int = 1
     timeout_s: float = 120.0
     quantized: bool = False
+    device: str = "cpu"  # "cuda": every rank on the current GPU, collectives still over gloo
 
 
 def load_rank(args: CPArgs):
@@ -239,16 +240,17 @@ def load_rank(args: CPArgs):
     from deepinfer.loader.model_loader import load_model
     from deepinfer.worker.kv_cache import allocate_v4_cache
 
-    model, _ = load_model(args.model_dir, dtype=getattr(torch, args.dtype), quantized=args.quantized)
+    model, _ = load_model(args.model_dir, dtype=getattr(torch, args.dtype), device=args.device,
+                          quantized=args.quantized)
     blocks = {m: -(-(-(-args.max_model_len // m)) // args.block_size) for m, _ in model.compressed_kinds(model.config)}
-    return model, allocate_v4_cache(model.config, 1, blocks, args.kv_cache_dtype, "cpu", args.block_size)
+    return model, allocate_v4_cache(model.config, 1, blocks, args.kv_cache_dtype, args.device, args.block_size)
 
 
 def _generate_rank(rank: int, group, args: CPArgs, prompt: list[int], max_tokens: int):
     model, cache = load_rank(args)
     stats: dict = {}
     tokens, lps, first = generate_cp(model, cache, prompt, max_tokens, group, stats=stats)
-    return tokens, lps, first, stats, [[t.clone() for t in c.per_slot() + c.paged()] for c in cache.layers]
+    return tokens, lps, first.cpu(), stats, [[t.cpu() for t in c.per_slot() + c.paged()] for c in cache.layers]
 
 
 def generate_cp_spawn(args: CPArgs, prompt: list[int], max_tokens: int) -> list[tuple]:
