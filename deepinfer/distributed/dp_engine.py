@@ -179,8 +179,11 @@ class _DPRank:
         self.load = None
         if eplb is not None and self.eps:
             self.load = ExpertLoad(len(self.eps), self.eps[0].num_logical, eplb.window)
-            for ep in self.eps:
-                ep.counts = torch.zeros(ep.num_logical, dtype=torch.long, device=ep.experts.w1.device)
+            # every layer's counts in one device tensor: one host copy a step
+            self.counts = torch.zeros(len(self.eps), self.eps[0].num_logical, dtype=torch.long,
+                                      device=self.eps[0].experts.w1.device)
+            for layer, ep in enumerate(self.eps):
+                ep.counts = self.counts[layer]
         self.rebalances = 0    # rebalances done
         self.moved_slots = 0   # slots whose expert changed, over all rebalances
         self.remote_slots = 0  # of those, slots filled from another rank (over the process group)
@@ -195,9 +198,9 @@ class _DPRank:
         else:  # replicated experts (no expert parallelism): nothing to join
             out = self._dummy() if self.eps else ModelOutput({})
         if self.load is not None:
-            for layer, ep in enumerate(self.eps):
-                self.load.record(layer, ep.counts)
-                ep.counts.zero_()
+            for layer, counts in enumerate(self.counts.cpu()):
+                self.load.record(layer, counts)
+            self.counts.zero_()
             self.load.next_step()
         outs = ps.all_gather_object(out)
         if rebalance:
@@ -392,13 +395,18 @@ class DPEngine(TPEngine):
             self._outputs = self.rank.step(plans, fixed, rebalance)
         except Exception as e:
             self._failure = self._diagnose(e)
-        finished = []
-        for d in active:
-            finished += self.cores[d].step()  # a failed step aborts its requests in it, with the error
+        finished, errors = [], []
+        for d in active:  # every rank's output is applied, even if one rank's update raises
+            try:
+                finished += self.cores[d].step()  # a failed step aborts its requests in it, with the error
+            except Exception as e:  # noqa: BLE001 (raised below, once every core has its output)
+                errors.append(e)
         if self._failure is not None:
             for c in self.cores:
                 finished += c.abort(list(c.requests), str(self._failure))
             raise self._failure
+        if errors:
+            raise errors[0]
         return finished
 
     def completion(self, req: Request, index: int):

@@ -175,6 +175,18 @@ def test_a_rank_that_raises_ends_the_run_with_its_error(ckpt):
     assert parallel_state.rank_info() is None
 
 
+def test_an_update_that_raises_on_one_rank_still_applies_the_others(ckpt):
+    """The driver applies every rank's output before it raises the first rank's error."""
+    with DPEngine(_args(ckpt, 2)) as eng:
+        reqs = [Request(str(i), PROMPTS[1], GREEDY, 1) for i in range(2)]  # 4 tokens: prefilled in one step
+        for r in reqs:
+            eng.add_request(r)
+        eng.cores[0].step = lambda: (_ for _ in ()).throw(RuntimeError("update failed"))
+        with pytest.raises(RuntimeError, match="update failed"):
+            eng.step()
+        assert len(reqs[1].output_token_ids) == 1 and not reqs[0].output_token_ids
+
+
 def test_layouts_not_launched_are_refused_by_name(ckpt):
     with pytest.raises(ValueError, match="enable_expert_parallel.*needs data_parallel_size > 1"):
         EngineArgs(str(ckpt), ParallelConfig(enable_expert_parallel=True))
