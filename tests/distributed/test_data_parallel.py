@@ -106,6 +106,16 @@ def test_eplb_rebalancing_after_step_two_is_bit_identical_in_batch_invariant_mod
     assert _exact(got) == _exact(want)
 
 
+def test_eplb_moves_experts_kept_as_shipped(ckpt):
+    """quantized=True: packed FP4 experts (int8) and their E8M0 scales move between ranks as bytes."""
+    with DPEngine(_args(ckpt, 2, quantized=True), eplb=EPLBConfig(interval=2, window=2)) as eng:
+        experts = eng.model.layers[2].ffn.experts
+        assert experts.w1.dtype == torch.int8 and experts.w1_scale.dtype == torch.float8_e8m0fnu
+        got = eng.generate(PROMPTS, PARAMS)
+        assert eng.rank.remote_slots > 0
+    _assert_same(got, _one_process(ckpt, PROMPTS, PARAMS, quantization="fp8"))
+
+
 def test_fewer_prompts_than_ranks_do_not_hang(ckpt, want):
     """One prompt on two ranks, then a second generate on the same engine: the idle rank runs dummy steps."""
     with DPEngine(_args(ckpt, 2)) as eng:
