@@ -90,7 +90,7 @@ def test_quantization_and_parallel_flags_are_checked_before_any_weight_is_read(f
     # the model does not exist: the parallel sizes are refused before it is looked for
     nowhere = str(tmp_path / "nowhere")
     _one_line_error(_cli("generate", "--model", nowhere, "--prompt", "hi", "--device", "cpu", "-dp", "2",
-                         "--enable-expert-parallel"), "data_parallel_size=2", "enable_expert_parallel=True")
+                         "-tp", "2"), "data_parallel_size=2", "tensor_parallel_size=2")
     _one_line_error(_cli("generate", "--model", nowhere, "--prompt", "hi", "--device", "cpu",
                          "--context-parallel-size", "0"), "context_parallel_size")
     _one_line_error(_cli("generate", "--model", nowhere, "--prompt", "hi", "--device", "cpu", "--enable-eplb"),
