@@ -73,6 +73,9 @@ class LLM:
         if cfg.tensor_parallel_size > 1:
             self._start_tensor_parallel(ref)
             return
+        if cfg.context_parallel_size > 1:
+            self._start_context_parallel(ref)
+            return
         repack: list[bool] = []  # FP4 experts held as FP8 codes: decided before the weights are read
         self.model, self.model_dir = load_model(ref, dtype=getattr(torch, cfg.dtype), device=cfg.device,
                                                 quantized=cfg.keeps_checkpoint_formats,
@@ -112,6 +115,15 @@ class LLM:
 
         self._start_engine(ref, "tensor_parallel_size", TPEngine)
 
+    def _start_context_parallel(self, ref: str) -> None:
+        """context_parallel_size ranks on this node, each holding the whole model and cache: a step that is
+        one request's prefill chunk of at least 2 * cp compression windows is split over them (zig-zag,
+        deepinfer/distributed/context_parallel.py); every other step runs on every rank alike. DeepSeek-V4
+        only so far. This process is rank 0 (`if __name__ == "__main__":` guard); synchronous and eager."""
+        from deepinfer.distributed.launch import TPEngine
+
+        self._start_engine(ref, "context_parallel_size", TPEngine)
+
     def _start_data_parallel(self, ref: str) -> None:
         """data_parallel_size ranks on this node (deepinfer/distributed/dp_engine.py), each with its own
         requests, scheduler and cache; with enable_expert_parallel the routed experts are spread over
@@ -143,7 +155,8 @@ class LLM:
         keep = _replay_keep(cfg, read_model_config(self.model_dir))
         parallel = ParallelConfig(tensor_parallel_size=cfg.tensor_parallel_size,
                                   data_parallel_size=cfg.data_parallel_size,
-                                  enable_expert_parallel=cfg.enable_expert_parallel)
+                                  enable_expert_parallel=cfg.enable_expert_parallel,
+                                  context_parallel_size=cfg.context_parallel_size)
         args = EngineArgs(str(self.model_dir), parallel, device=cfg.device, dtype=cfg.dtype,
                           quantized=cfg.keeps_checkpoint_formats, kv_cache_dtype=cfg.kv_cache_dtype,
                           kv_cache_memory=cfg.kv_cache_memory, max_model_len=cfg.max_model_len,
@@ -334,9 +347,13 @@ def _require_one_process(cfg: EngineConfig) -> None:
     """The one place that turns down parallel layouts this build cannot launch yet. It runs a
     tensor-parallel group (LLM._start_tensor_parallel), or data-parallel ranks with tensor_parallel_size
     1, their routed experts spread over them with enable_expert_parallel (+ enable_eplb) or replicated
-    (LLM._start_data_parallel); not context parallelism, TP inside DP ranks, or EP without DP."""
+    (LLM._start_data_parallel), or context-parallel ranks alone (LLM._start_context_parallel); not TP
+    inside DP ranks, CP beside TP or DP, or EP without DP."""
     changed = cfg.parallel_changes()
-    refused = {k: v for k, v in changed.items() if k == "context_parallel_size"}
+    refused = {}
+    if cfg.context_parallel_size > 1 and (cfg.tensor_parallel_size > 1 or cfg.data_parallel_size > 1):
+        refused |= {k: changed[k] for k in ("context_parallel_size", "tensor_parallel_size", "data_parallel_size")
+                    if k in changed}
     if cfg.data_parallel_size > 1 and cfg.tensor_parallel_size > 1:
         refused |= {k: changed[k] for k in ("data_parallel_size", "tensor_parallel_size")}
     if cfg.enable_expert_parallel and cfg.data_parallel_size == 1:
@@ -345,7 +362,8 @@ def _require_one_process(cfg: EngineConfig) -> None:
         names = ", ".join(f"{k}={v!r}" for k, v in refused.items())
         raise ValueError(f"{names}: not yet supported in this build: deepinfer runs one process, a "
                          "tensor-parallel group (tensor_parallel_size), or data-parallel ranks (data_parallel_size, "
-                         "tensor_parallel_size=1) with enable_expert_parallel / enable_eplb; no context parallelism")
+                         "tensor_parallel_size=1) with enable_expert_parallel / enable_eplb, or context-parallel "
+                         "ranks alone (context_parallel_size)")
 
 
 def _check_before_load(cfg: EngineConfig, meta: torch.nn.Module) -> bool:

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from deepinfer.distributed import parallel_state as ps
@@ -79,8 +80,9 @@ class EngineArgs:
 
     def __post_init__(self):
         p = self.parallel
-        if p.context_parallel_size != 1:
-            raise ValueError("parallel: context_parallel_size: only 1 is launched so far")
+        if p.context_parallel_size != 1 and (p.tensor_parallel_size != 1 or p.data_parallel_size != 1):
+            raise ValueError("parallel: context parallelism is launched alone so far (tensor_parallel_size and "
+                             "data_parallel_size 1)")
         if p.data_parallel_size != 1 and p.tensor_parallel_size != 1:
             raise ValueError("parallel: tensor parallelism inside data-parallel ranks is not launched yet "
                              "(data_parallel_size > 1 needs tensor_parallel_size=1)")
@@ -104,7 +106,7 @@ class TPWorkerError(RuntimeError):
 class _Rank:
     info: ps.RankInfo
     model: torch.nn.Module
-    runner: ModelRunner
+    runner: ModelRunner  # or a CPRunner around one (context parallelism): the same execute
     num_slots: int
     num_blocks: dict[int, int]
 
@@ -129,6 +131,10 @@ def _build_rank(args: EngineArgs, rank: int, init_method: str,
     cache = allocate_v4_cache(cfg, num_slots, num_blocks, args.kv_cache_dtype, device, args.block_size, scratch=True)
     runner = ModelRunner(model, cache, device, args.seed, args.replay_keep, not args.enforce_eager,
                          args.batch_invariant)
+    if args.parallel.context_parallel_size > 1:  # long prefills split over the ranks, the rest replicated
+        from deepinfer.distributed.context_parallel import CPRunner
+
+        runner = CPRunner(runner, dist.group.WORLD)
     return _Rank(info, model, runner, num_slots, num_blocks)
 
 
@@ -194,6 +200,8 @@ class TPEngine:
         if args.parallel.data_parallel_size != 1:
             raise ValueError("parallel: TPEngine runs one data-parallel rank; data_parallel_size > 1 is "
                              "distributed/dp_engine.py's DPEngine")
+        if args.parallel.context_parallel_size > 1:  # the same driver: every rank runs every step's plan
+            self.kind = "context-parallel"
         init_method = self._start_ranks(args, _worker_main)
         try:
             rank = _build_rank(args, 0, init_method)

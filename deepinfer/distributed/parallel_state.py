@@ -85,12 +85,14 @@ def init_parallel(parallel: ParallelConfig, rank: int, device: torch.device | st
     seconds without its peers (gloo; NCCL with TORCH_NCCL_BLOCKING_WAIT or async error handling).
     `backend` overrides backend_for(device): "gloo" on CUDA lets several ranks share one GPU (NCCL
     refuses two ranks on a device), for testing the GPU path with fewer GPUs than ranks.
-    Context parallelism is not laid out yet: context_parallel_size must be 1."""
+    Context parallelism (context_parallel_size > 1) runs alone (tensor and data parallel sizes 1):
+    its group is the whole world."""
     global _STATE
     if _STATE is not None:
         raise RuntimeError(f"this process already holds rank {_STATE.info.rank} of an engine; call destroy() first")
-    if parallel.context_parallel_size != 1:
-        raise ValueError("context_parallel_size: only 1 is supported so far")
+    cp = parallel.context_parallel_size
+    if cp != 1 and (parallel.tensor_parallel_size != 1 or parallel.data_parallel_size != 1):
+        raise ValueError("context_parallel_size: runs alone so far (tensor_parallel_size and data_parallel_size 1)")
     world = parallel.world_size
     if not 0 <= rank < world:
         raise ValueError(f"rank: {rank} is outside the world of {world} ranks")
@@ -106,6 +108,9 @@ def init_parallel(parallel: ParallelConfig, rank: int, device: torch.device | st
     cpu_group = dist.group.WORLD if backend == "gloo" else dist.new_group(backend="gloo", timeout=timeout)
     tp, dp = parallel.tensor_parallel_size, parallel.data_parallel_size
     tp_group = dp_group = None
+    if cp != 1:  # every rank one CP rank of the one group
+        _STATE = _State(RankInfo(rank, world, 0, 1, 0, 1, device), None, None, cpu_group)
+        return _STATE.info
     # every rank creates every group, in the same order (torch.distributed's rule for new_group)
     for d in range(dp):
         ranks = list(range(d * tp, (d + 1) * tp))

@@ -179,13 +179,14 @@ def test_the_fit_check_counts_the_model_with_its_quantization(ckpt, monkeypatch)
     assert seen == [shipped, dense]  # as shipped: the FP8-code copy of the FP4 experts is optional
 
 
-@pytest.mark.parametrize("kw", [{"context_parallel_size": 2}, {"enable_expert_parallel": True},
+@pytest.mark.parametrize("kw", [{"tensor_parallel_size": 2, "context_parallel_size": 2}, {"enable_expert_parallel": True},
                                 {"enable_expert_parallel": True, "enable_eplb": True},
                                 {"data_parallel_size": 2, "tensor_parallel_size": 2},
                                 {"data_parallel_size": 2, "context_parallel_size": 2}])
 def test_parallel_layouts_not_launched_yet_are_refused(ckpt, monkeypatch, kw):
-    """Context parallelism, expert parallelism without data-parallel ranks, TP inside DP ranks: refused
-    by name before any weight is read (DP, DP + EP (+ EPLB) and TP alone are launched)."""
+    """Context parallelism beside TP or DP, expert parallelism without data-parallel ranks, TP inside DP
+    ranks: refused by name before any weight is read (DP, DP + EP (+ EPLB), TP alone and CP alone are
+    launched)."""
     _no_weight_reads(monkeypatch)
     with pytest.raises(ValueError, match="not yet supported in this build") as e:
         _llm(ckpt, **kw)
