@@ -34,17 +34,24 @@ def _sync(device: str) -> None:
 
 
 def run_deepinfer(ckpt: Path, prompts, out_len: int, args, batch_invariant: bool = False) -> dict:
+    parallel = dict(tensor_parallel_size=args.tensor_parallel_size, data_parallel_size=args.data_parallel_size,
+                    enable_expert_parallel=args.enable_expert_parallel)
     llm = LLM(str(ckpt), device=args.device, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
-              max_num_seqs=max(len(prompts), 1), skip_tokenizer_init=True, batch_invariant=batch_invariant)
-    params = SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True)
-    llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True), use_tqdm=False)
-    _sync(args.device)
-    t0 = time.perf_counter()
-    outs = llm.generate(prompts, params, use_tqdm=False)
-    _sync(args.device)
-    elapsed = time.perf_counter() - t0
-    return _row("deepinfer (batch_invariant)" if batch_invariant else "deepinfer", len(outs),
-                sum(len(o.outputs[0].token_ids) for o in outs), elapsed)
+              max_num_seqs=max(len(prompts), 1), skip_tokenizer_init=True, batch_invariant=batch_invariant,
+              **parallel)
+    try:
+        params = SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True)
+        llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True), use_tqdm=False)
+        _sync(args.device)
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        _sync(args.device)
+        elapsed = time.perf_counter() - t0
+    finally:
+        llm.close()
+    row = _row("deepinfer (batch_invariant)" if batch_invariant else "deepinfer", len(outs),
+               sum(len(o.outputs[0].token_ids) for o in outs), elapsed)
+    return {**row, "parallel": parallel}
 
 
 def run_transformers(ckpt: Path, prompts, out_len: int, args) -> dict:
@@ -79,6 +86,9 @@ def main() -> None:
     ap.add_argument("--input-len", type=int, default=64)
     ap.add_argument("--output-len", type=int, default=32)
     ap.add_argument("--skip-transformers", action="store_true")
+    ap.add_argument("--tensor-parallel-size", type=int, default=1)
+    ap.add_argument("--data-parallel-size", type=int, default=1)
+    ap.add_argument("--enable-expert-parallel", action="store_true")
     ap.add_argument("--batch-invariant-cost", action="store_true",
                     help="also run deepinfer with batch_invariant=True and report the throughput it costs")
     add_commit_arg(ap)

@@ -395,3 +395,15 @@ def test_profile_engine_step_prefill_smoke():
     assert res.returncode == 0, res.stderr[-3000:]
     assert res.stdout.startswith("v41 fp8=False prefill 1 x 32: engine step ")
     assert "aten::" in res.stdout  # the profiler's op table of one prefill step
+
+
+def test_offline_throughput_runs_a_parallel_layout(tmp_path):
+    """The multi-GPU issue's throughput command, on 2 gloo ranks of the tiny model (CPU)."""
+    out = tmp_path / "r.json"
+    res = run([sys.executable, "benchmarks/offline_throughput.py", "--preset", "tiny", "--device", "cpu",
+               "--num-prompts", "3", "--input-len", "12", "--output-len", "3", "--skip-transformers",
+               "--data-parallel-size", "2", "--enable-expert-parallel", "--commit", "abcdef1", "--out", str(out)])
+    assert res.returncode == 0, res.stderr[-3000:]
+    row = json.loads(out.read_text())["rows"][0]
+    assert row["parallel"] == {"tensor_parallel_size": 1, "data_parallel_size": 2, "enable_expert_parallel": True}
+    assert row["output_tokens"] == 9

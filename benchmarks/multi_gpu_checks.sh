@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# The multi-GPU runs of issue 16, in one call on a machine with N >= 2 GPUs (default: all it has):
+#   1. every gpu-marked test of tests/distributed (the 2-GPU NCCL cases skip below 2 GPUs);
+#   2. LLM.generate throughput, one process vs tensor_parallel_size=N vs data_parallel_size=N with
+#      expert parallelism, on the demo model, bf16, the same prompts (benchmarks/offline_throughput.py);
+#   3. start-up of a real checkpoint under DP + EP + EPLB when MODEL=<dir> is given (the fit check,
+#      the weights / cache log, a few tokens).
+# Logs and JSON go to $1 (default benchmarks/results/multi-gpu). COMMIT=<hash> is recorded instead
+# of git's answer (a copied tree's .git may be stale).
+#   COMMIT=<hash> bash benchmarks/multi_gpu_checks.sh "$OUT"
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out="${1:-benchmarks/results/multi-gpu}"
+mkdir -p "$out"
+export PYTHONPATH=. TORCHDYNAMO_DISABLE=1
+n=${GPUS:-$(python3 -c "import torch; print(torch.cuda.device_count())")}
+commit_arg=()
+[ -n "${COMMIT:-}" ] && commit_arg=(--commit "$COMMIT")
+echo "# $n GPUs: $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)" | tee "$out/summary.txt"
+timeout 900 python -m pytest -q -m gpu tests/distributed -rfEs > "$out/pytest-distributed.log" 2>&1
+echo "pytest -m gpu tests/distributed: $(tail -1 "$out/pytest-distributed.log")" | tee -a "$out/summary.txt"
+common=(--preset demo --device cuda --dtype bfloat16 --num-prompts 256 --input-len 256 --output-len 128
+        --skip-transformers "${commit_arg[@]}")
+for layout in "one:" "tp:--tensor-parallel-size $n" "dp-ep:--data-parallel-size $n --enable-expert-parallel"; do
+  name=${layout%%:*}
+  # shellcheck disable=SC2086
+  timeout 900 python benchmarks/offline_throughput.py "${common[@]}" ${layout#*:} --out "$out/throughput-$name.json" \
+    > "$out/throughput-$name.log" 2>&1
+  echo "throughput ($name): $(grep -E '^deepinfer' "$out/throughput-$name.log" | head -1)" | tee -a "$out/summary.txt"
+done
+if [ -n "${MODEL:-}" ]; then
+  DEEPINFER_CONFIGURE_LOGGING=1 timeout 1800 deepinfer generate --model "$MODEL" --prompt "Hello" --max-tokens 8 \
+    --temperature 0 -dp "$n" --enable-expert-parallel --enable-eplb > "$out/real-checkpoint.log" 2>&1
+  echo "real checkpoint, dp=$n + EP + EPLB: exit $? ($(grep -c '"token_ids"' "$out/real-checkpoint.log") outputs)" \
+    | tee -a "$out/summary.txt"
+fi
