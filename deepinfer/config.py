@@ -65,6 +65,9 @@ class EngineConfig:
     enable_expert_parallel: bool = False  # routed experts split over the tp x dp ranks
     enable_eplb: bool = False         # expert-parallel load balancing (redundant, moving expert replicas)
     context_parallel_size: int = 1    # long prefills split over this many ranks
+    # vLLM's EPLB settings: {"window_size", "step_interval", "num_redundant_experts"} (None: deepinfer's
+    # defaults, distributed/dp_engine.py EPLBConfig); needs enable_eplb
+    eplb_config: dict | None = None
 
     def __post_init__(self):
         _check_choice("accelerator", self.accelerator, ACCELERATORS)
@@ -96,6 +99,8 @@ class EngineConfig:
         if self.enable_eplb and not self.enable_expert_parallel:
             raise ValueError("enable_eplb: load balancing moves routed experts between expert-parallel ranks; "
                              "it needs enable_expert_parallel=True")
+        if self.eplb_config is not None:
+            _check_eplb_config(self.eplb_config, self.enable_eplb)
         if self.accelerator == "ascend":
             raise ValueError("accelerator: 'ascend' is not supported in this build of deepinfer")
 
@@ -160,6 +165,23 @@ def _parse_bool(name: str, value: str) -> bool:
     if v in ("0", "false", "no", "off"):
         return False
     raise ValueError(f"{name}: {value!r} is not a boolean (1/0, true/false)")
+
+
+EPLB_KEYS = ("window_size", "step_interval", "num_redundant_experts")
+
+
+def _check_eplb_config(value, enabled: bool) -> None:
+    if not isinstance(value, dict):
+        raise ValueError(f"eplb_config: expected a dict with keys among {EPLB_KEYS}, got {type(value).__name__}")
+    unknown = sorted(set(value) - set(EPLB_KEYS))
+    if unknown:
+        raise ValueError(f"eplb_config: unknown key(s) {unknown}; known: {', '.join(EPLB_KEYS)}")
+    for k, v in value.items():
+        low = 0 if k == "num_redundant_experts" else 1
+        if not isinstance(v, int) or isinstance(v, bool) or v < low:
+            raise ValueError(f"eplb_config.{k}: must be an integer >= {low}, got {v!r}")
+    if not enabled:
+        raise ValueError("eplb_config: given without enable_eplb=True")
 
 
 def _check_positive(name: str, value) -> None:

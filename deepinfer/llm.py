@@ -42,7 +42,7 @@ class LLM:
                  engram_device: str | None = None, enforce_eager: bool = False, async_scheduling: bool = True,
                  batch_invariant: bool | None = None, max_logprobs: int = 20, quantization: str | None = None,
                  tensor_parallel_size: int = 1, data_parallel_size: int = 1, enable_expert_parallel: bool = False,
-                 enable_eplb: bool = False, context_parallel_size: int = 1):
+                 enable_eplb: bool = False, context_parallel_size: int = 1, eplb_config: dict | None = None):
         """`quantization` (vLLM's name): None keeps the checkpoint's FP8/FP4 formats on CUDA and dequantises
         to `dtype` on the CPU; "fp8" keeps them on any device; "none" dequantises. Before any weight is
         read, the model's bytes (built on the meta device) are checked against the GPU's free memory;
@@ -57,7 +57,7 @@ class LLM:
             enforce_eager=enforce_eager, async_scheduling=async_scheduling, batch_invariant=batch_invariant,
             max_logprobs=max_logprobs, quantization=quantization, tensor_parallel_size=tensor_parallel_size,
             data_parallel_size=data_parallel_size, enable_expert_parallel=enable_expert_parallel,
-            enable_eplb=enable_eplb, context_parallel_size=context_parallel_size)
+            enable_eplb=enable_eplb, context_parallel_size=context_parallel_size, eplb_config=eplb_config)
         if cfg.device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError(f"device: {cfg.device!r} needs a CUDA device, and this torch ({torch.__version__}) "
                              "sees none; use device='cpu'")
@@ -127,12 +127,12 @@ class LLM:
     def _start_data_parallel(self, ref: str) -> None:
         """data_parallel_size ranks on this node (deepinfer/distributed/dp_engine.py), each with its own
         requests, scheduler and cache; with enable_expert_parallel the routed experts are spread over
-        them (enable_eplb: rebalanced while serving, EPLBConfig's defaults), else every rank holds them
+        them (enable_eplb: rebalanced while serving, `eplb_config` or EPLBConfig's defaults), else every rank holds them
         all. This process is rank 0 and schedules every rank; the others are spawned (`if __name__ ==
         "__main__":` guard). Steps are synchronous and eager for now."""
         from deepinfer.distributed.dp_engine import DPEngine, EPLBConfig
 
-        eplb = EPLBConfig() if self.config.enable_eplb else None
+        eplb = _eplb_settings(self.config, EPLBConfig) if self.config.enable_eplb else None
         self._start_engine(ref, "data_parallel_size", lambda args, detok: DPEngine(args, detok, eplb))
 
     def _start_engine(self, ref: str, size: str, engine) -> None:
@@ -341,6 +341,23 @@ def _text_of(prompt: PromptType) -> str | None:
     if isinstance(prompt, dict):
         prompt = prompt.get("prompt")
     return prompt if isinstance(prompt, str) else None
+
+
+def _eplb_settings(cfg: EngineConfig, make):
+    """dp_engine.EPLBConfig from vLLM's eplb_config keys: step_interval, window_size, and
+    num_redundant_experts in all (spread evenly: a multiple of data_parallel_size)."""
+    given, kw = cfg.eplb_config or {}, {}
+    if "step_interval" in given:
+        kw["interval"] = given["step_interval"]
+    if "window_size" in given:
+        kw["window"] = given["window_size"]
+    if "num_redundant_experts" in given:
+        n, dp = given["num_redundant_experts"], cfg.data_parallel_size
+        if n % dp:
+            raise ValueError(f"eplb_config.num_redundant_experts: {n} is not a multiple of data_parallel_size={dp} "
+                             "(every rank holds the same number of expert slots)")
+        kw["redundant_per_rank"] = n // dp
+    return make(**kw)
 
 
 def _require_one_process(cfg: EngineConfig) -> None:

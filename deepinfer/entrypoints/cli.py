@@ -26,7 +26,7 @@ def _generate(args: argparse.Namespace) -> None:
               batch_invariant=args.batch_invariant or None, quantization=args.quantization,
               tensor_parallel_size=args.tensor_parallel_size, data_parallel_size=args.data_parallel_size,
               enable_expert_parallel=args.enable_expert_parallel, enable_eplb=args.enable_eplb,
-              context_parallel_size=args.context_parallel_size)
+              context_parallel_size=args.context_parallel_size, eplb_config=args.eplb_config)
     try:
         for out in llm.generate(args.prompt, params, use_tqdm=False):
             for c in out.outputs:
@@ -35,6 +35,16 @@ def _generate(args: argparse.Namespace) -> None:
                                  ensure_ascii=False))
     finally:
         llm.close()  # a tensor-parallel LLM stops its other ranks
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {type(value).__name__}")
+    return value
 
 
 def _json_logprobs(lps):
@@ -58,6 +68,9 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--data-parallel-size", "-dp", type=int, default=1)
     g.add_argument("--enable-expert-parallel", action="store_true", help="split the routed experts over the ranks")
     g.add_argument("--enable-eplb", action="store_true", help="expert-parallel load balancing")
+    g.add_argument("--eplb-config", type=_json_object, default=None,
+                   help='vLLM\'s EPLB settings as JSON, e.g. \'{"step_interval": 3000, "window_size": 1000, '
+                        '"num_redundant_experts": 8}\'')
     g.add_argument("--context-parallel-size", type=int, default=1)
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--seed", type=int, default=None)

@@ -250,3 +250,29 @@ def test_llm_with_two_data_parallel_ranks_matches_one_process(ckpt, want, ep):
         llm.close()
     _assert_same(got, want)  # logprobs within LOGPROB_TOL
     assert parallel_state.rank_info() is None
+
+
+def test_llm_takes_vllms_eplb_config(ckpt, want, monkeypatch):
+    """eplb_config's vLLM keys reach the engine (num_redundant_experts in all, spread over the ranks) and
+    rebalancing every 2 steps keeps one process's tokens; a total that does not divide is refused."""
+    from deepinfer.distributed import dp_engine
+
+    seen = []
+    real = dp_engine.DPEngine.__init__
+
+    def spy(self, args, detokenizer=None, eplb=None):
+        seen.append(eplb)
+        real(self, args, detokenizer, eplb)
+
+    monkeypatch.setattr(dp_engine.DPEngine, "__init__", spy)
+    kw = dict(device="cpu", dtype="float32", skip_tokenizer_init=True, data_parallel_size=2,
+              enable_expert_parallel=True, enable_eplb=True, max_num_seqs=8, **_engine_kw())
+    with pytest.raises(ValueError, match="num_redundant_experts: 3 is not a multiple of data_parallel_size=2"):
+        LLM(str(ckpt), eplb_config={"num_redundant_experts": 3}, **kw)
+    llm = LLM(str(ckpt), eplb_config={"step_interval": 2, "window_size": 3, "num_redundant_experts": 4}, **kw)
+    try:
+        got = [o.outputs for o in llm.generate(PROMPTS, PARAMS, use_tqdm=False)]
+    finally:
+        llm.close()
+    assert seen == [dp_engine.EPLBConfig(interval=2, window=3, redundant_per_rank=2)]
+    _assert_same(got, want)

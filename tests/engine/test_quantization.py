@@ -199,7 +199,14 @@ def test_parallel_layouts_not_launched_yet_are_refused(ckpt, monkeypatch, kw):
                                        ({"context_parallel_size": 1.5}, "context_parallel_size"),
                                        ({"tensor_parallel_size": True}, "tensor_parallel_size"),
                                        ({"enable_expert_parallel": "yes"}, "enable_expert_parallel"),
-                                       ({"enable_eplb": True}, "enable_eplb.*enable_expert_parallel")])
+                                       ({"enable_eplb": True}, "enable_eplb.*enable_expert_parallel"),
+                                       ({"eplb_config": {"window_size": 4}}, "eplb_config: given without enable_eplb"),
+                                       ({"eplb_config": {"step_interval": 0}, "enable_eplb": True,
+                                         "enable_expert_parallel": True}, r"eplb_config\.step_interval"),
+                                       ({"eplb_config": {"log_balancedness": True}, "enable_eplb": True,
+                                         "enable_expert_parallel": True}, r"eplb_config: unknown key"),
+                                       ({"eplb_config": [1], "enable_eplb": True,
+                                         "enable_expert_parallel": True}, "eplb_config: expected a dict")])
 def test_bad_parallel_sizes_name_the_field(ckpt, kw, field):
     with pytest.raises(ValueError, match=field):
         _llm(ckpt, **kw)

@@ -107,3 +107,12 @@ def test_tensor_parallel_flag_runs_two_ranks_with_the_same_greedy_tokens(fp8_ckp
         assert res.returncode == 0, res.stderr[-2000:]
         runs[tp] = json.loads(res.stdout.splitlines()[0])["token_ids"]
     assert runs["2"] == runs["1"] and len(runs["1"]) == 4
+
+
+def test_eplb_config_flag_is_checked_before_the_model_is_looked_for(tmp_path):
+    nowhere = str(tmp_path / "nowhere")
+    common = ("generate", "--model", nowhere, "--prompt", "hi", "--device", "cpu", "-dp", "2",
+              "--enable-expert-parallel", "--enable-eplb")
+    res = _cli(*common, "--eplb-config", "{not json")
+    assert res.returncode == 2 and "--eplb-config" in res.stderr and "not JSON" in res.stderr
+    _one_line_error(_cli(*common, "--eplb-config", '{"bogus": 1}'), "eplb_config", "unknown key", "bogus")
