@@ -151,6 +151,7 @@ class LLM:
             logger.info("%s=%d: steps run synchronously and without CUDA graphs (not yet validated across ranks)",
                         size, getattr(cfg, size))
         self.model_dir = resolve_model_dir(ref, hf_model_dir=cfg.hf_model_dir, offline=cfg.hf_hub_offline)
+        _check_ranks_fit(cfg, self.model_dir)
         self.detokenizer = None if cfg.skip_tokenizer_init else _load_detokenizer(self.model_dir)
         keep = _replay_keep(cfg, read_model_config(self.model_dir))
         parallel = ParallelConfig(tensor_parallel_size=cfg.tensor_parallel_size,
@@ -409,6 +410,25 @@ def _check_before_load(cfg: EngineConfig, meta: torch.nn.Module) -> bool:
         raise ValueError(f"{e}. engram_device='cpu' keeps the {format_bytes(tables)} of Engram tables on the host, "
                          "memory-mapped") from None
     return cfg.dtype == "bfloat16" and repack_fits(weights, free, reserve)
+
+
+def _check_ranks_fit(cfg: EngineConfig, model_dir) -> None:
+    """Before any rank starts or reads a weight: each GPU's share of the model (built on the meta device)
+    against the least free memory among the GPUs the ranks take. The routed experts are split over
+    the data-parallel ranks with expert parallelism, over the tensor-parallel ranks by range; the rest
+    is counted whole on every rank (an upper bound under TP, whose attention heads are split too)."""
+    if not cfg.device.startswith("cuda"):
+        return  # as _check_before_load: host memory is no fixed bound
+    from deepinfer.loader.model_loader import meta_model
+
+    meta = meta_model(model_dir, dtype=getattr(torch, cfg.dtype), quantized=cfg.keeps_checkpoint_formats)
+    ways = cfg.data_parallel_size if cfg.enable_expert_parallel else cfg.tensor_parallel_size
+    world = cfg.tensor_parallel_size * cfg.data_parallel_size * cfg.context_parallel_size
+    gpus = list(range(min(world, torch.cuda.device_count())))
+    free, worst = min((torch.cuda.mem_get_info(i)[0], i) for i in gpus)
+    layout = ", ".join(f"{k}={v!r}" for k, v in cfg.parallel_changes().items())
+    check_fit(weight_bytes(meta), free, _fit_reserve(cfg, meta.config),
+              f"cuda:{worst} ({torch.cuda.get_device_name(worst)}, the least free of {len(gpus)} GPU(s))", ways, layout)
 
 
 def _fit_reserve(cfg: EngineConfig, mcfg) -> int:

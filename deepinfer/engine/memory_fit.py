@@ -69,12 +69,16 @@ def repack_fits(weights: WeightBytes, available: int, reserve: int) -> bool:
     return weights.packed_fp4 > 0 and per_device_bytes(weights.serving(True), 1, reserve) <= available
 
 
-def check_fit(weights: WeightBytes, available: int, reserve: int, where: str) -> None:
+def check_fit(weights: WeightBytes, available: int, reserve: int, where: str, ways: int = 1,
+              layout: str | None = None) -> None:
     """Raises ValueError with needed vs available bytes per device, and the layouts that would fit,
-    when the model and its reserve do not fit one device's `available` bytes."""
-    need = per_device_bytes(weights, 1, reserve)
+    when the model and its reserve do not fit one device's `available` bytes with the routed experts
+    split `ways` ways (`layout` names the parallel sizes that split them)."""
+    need = per_device_bytes(weights, ways, reserve)
     if need <= available:
         return
+    where = where if layout is None else f"{where} as {layout}"
+    split = "" if ways == 1 else f" / {ways}"
     fits = fitting_ep_sizes(weights, available, reserve)
     if fits:
         layouts = ", ".join(f"{n} GPUs ({format_bytes(per_device_bytes(weights, n, reserve))} each)" for n in fits)
@@ -85,7 +89,7 @@ def check_fit(weights: WeightBytes, available: int, reserve: int, where: str) ->
                 f"weights per GPU, which do not fit")
     raise ValueError(
         f"the model does not fit {where}: it needs {format_bytes(need)} per GPU ({format_bytes(weights.other)} non-expert weights "
-        f"+ {format_bytes(weights.experts)} routed experts + {format_bytes(reserve)} cache and workspace reserve) and "
+        f"+ {format_bytes(weights.experts)}{split} routed experts + {format_bytes(reserve)} cache and workspace reserve) and "
         f"{format_bytes(available)} is available; {hint}")
 
 

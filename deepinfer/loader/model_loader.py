@@ -41,14 +41,8 @@ def load_model(model: str | Path | None, *, dtype: torch.dtype = torch.bfloat16,
     without draft layers (`model.mtp is None`, its config says 0 of them) and a warning says so.
     Any other missing tensor, or a draft that is only partly there, is a CheckpointError."""
     path = resolve_model_dir(str(model) if model else None, hf_model_dir=hf_model_dir, offline=offline)
-    cfg = read_model_config(path)
     reader = CheckpointReader(path)
-    declared = cfg.num_nextn_predict_layers
-    trunk_only = declared > 0 and not any(is_draft_name(n) for n in reader.names())
-    if trunk_only:
-        cfg = without_draft(cfg)
-    _, model_cls = model_classes(cfg.model_type)
-    extra = {"engram_device": engram_device} if engram_device and hasattr(cfg, "engram_layer_ids") else {}
+    cfg, model_cls, extra, trunk_only = _model_spec(path, reader, engram_device)
     if check is not None:
         with torch.device("meta"):
             check(model_cls(cfg, dtype=dtype, quantized=quantized, **extra))
@@ -58,7 +52,8 @@ def load_model(model: str | Path | None, *, dtype: torch.dtype = torch.bfloat16,
     if trunk_only:
         logger.warning("%s: config.json declares %d draft layer(s) (num_nextn_predict_layers) but the checkpoint "
                        "has no %s* tensors (transformers' and NeMo's exports leave them out); loaded the trunk "
-                       "without its draft layers", path, declared, DRAFT_PREFIX)
+                       "without its draft layers", path, read_model_config(path).num_nextn_predict_layers,
+                       DRAFT_PREFIX)
     if getattr(cfg, "engram_layer_ids", None):
         net.set_engram_vocab(_engram_token_map(path))
     return net.eval(), path
@@ -87,6 +82,25 @@ def weight_bytes(net: nn.Module, host_engram: bool = False) -> WeightBytes:
             if mod.quant.fp4_experts and t.dtype == torch.int8:  # two e2m1 codes per byte
                 packed += n
     return WeightBytes(experts, other, packed)
+
+
+def _model_spec(path: Path, reader: CheckpointReader, engram_device: str | None):
+    """(config, model class, extra constructor kwargs, trunk only) of the checkpoint at `path`: a
+    checkpoint with no draft tensors at all is built as its trunk."""
+    cfg = read_model_config(path)
+    trunk_only = cfg.num_nextn_predict_layers > 0 and not any(is_draft_name(n) for n in reader.names())
+    if trunk_only:
+        cfg = without_draft(cfg)
+    _, model_cls = model_classes(cfg.model_type)
+    extra = {"engram_device": engram_device} if engram_device and hasattr(cfg, "engram_layer_ids") else {}
+    return cfg, model_cls, extra, trunk_only
+
+
+def meta_model(path: Path, *, dtype: torch.dtype, quantized: bool, engram_device: str | None = None) -> nn.Module:
+    """The model load_model(path) would build, on the meta device (no storage, no weight read)."""
+    cfg, model_cls, extra, _ = _model_spec(path, CheckpointReader(path), engram_device)
+    with torch.device("meta"):
+        return model_cls(cfg, dtype=dtype, quantized=quantized, **extra)
 
 
 def without_draft(cfg: Config) -> Config:

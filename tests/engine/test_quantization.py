@@ -291,3 +291,22 @@ def test_fp4_experts_are_held_as_fp8_codes_only_where_that_fits(ckpt, kept, monk
     assert llm_module._check_before_load(cfg, kept.model) is repacked
     assert llm_module._check_before_load(EngineConfig(device="cuda", dtype="float32", kv_cache_memory=1 << 20),
                                          kept.model) is False  # fp32 activations take the dequantising path
+
+
+@pytest.mark.parametrize("kw, split", [({"data_parallel_size": 2, "enable_expert_parallel": True}, " / 2 routed"),
+                                       ({"tensor_parallel_size": 2}, " / 2 routed"),
+                                       ({"context_parallel_size": 2}, " routed")])
+def test_a_parallel_layout_that_does_not_fit_is_refused_before_any_rank_starts(ckpt, kept, monkeypatch, kw, split):
+    """The ranks' share of the model is checked on the least free GPU they take, before spawning."""
+    from deepinfer.distributed import launch
+
+    def no_spawn(*a, **k):
+        raise AssertionError("a rank was started before the check")
+    monkeypatch.setattr(launch.TPEngine, "_start_ranks", no_spawn)
+    _no_weight_reads(monkeypatch)
+    _fake_gpu(monkeypatch, free=1 << 20)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(ValueError, match="does not fit cuda:0 .*least free of 2 GPU") as e:
+        _llm(ckpt, device="cuda", dtype="bfloat16", kv_cache_dtype="bfloat16", **kw)
+    msg = str(e.value)
+    assert all(f"{k}={v!r}" in msg for k, v in kw.items()) and split in msg and "per GPU" in msg
