@@ -1,4 +1,4 @@
-"""Context parallelism (CP) for the prefill of one long prompt: DeepSeek-V4, torch.distributed.
+"""Context parallelism (CP) for the prefill of one long prompt: DeepSeek-V4 and V4.1, torch.distributed.
 
 Split. The prompt's T tokens are cut into 2*cp equal chunks of c = T / (2cp); rank r takes chunks
 r and 2cp-1-r (zig-zag). A query at position p attends to O(p) keys (HCA entries, indexer scores
@@ -10,19 +10,29 @@ inside one chunk and its entry closes on the rank holding the chunk. `zigzag_spl
 lengths with a ValueError naming num_tokens; `prefill_cp` runs the longest aligned prefix in CP and
 the rest (< 2cp*align tokens) as one ordinary step on every rank.
 
-Per layer (models/deepseek_v4.py StepContext.gather): each rank computes every projection of its
-own tokens only (queries, the window kv, both compressors' kv and gate scores); the window kv and
-the compressor projections are all-gathered over the CP group into step order; each rank then
-pools every compressed entry and indexer key of the step (linear in T), writes them, the window
-ring rows and the compressor carry into its own cache at the addresses one process uses, and runs
-the indexer, attention, output projection and MoE for its own queries only (the quadratic part).
-After the prefill every rank's cache is what one process leaves, the carry included, so decoding
-continues on every rank identically with no communication. fp32 on the CPU: bit-identical to one
-process (tests/distributed/test_context_parallel.py).
+Per layer (models/deepseek_v4.py StepContext.gather, models/block_v41.py StepContext41.gather): each
+rank computes every projection of its own tokens only (queries, the window kv, both compressors' kv
+and gate scores); the window kv and the compressor projections are all-gathered over the CP group
+into step order; each rank then pools every compressed entry and indexer key of the step (linear in
+T), writes them, the window ring rows and the compressor carry into its own cache at the addresses
+one process uses, and runs the indexer, attention, output projection and MoE for its own queries
+only (the quadratic part). V4.1 (CSA2) the same way: a Full layer's PoolCompressor gathers its
+projections (ratio > 1) or its latents (ratio 1, one entry per token) and every rank writes every
+entry and index key of the step; the reindex / reuse layers' indexer and attention run for the
+rank's own queries. Engram's n-gram windows are read from the device token history for the whole
+step (which also stores the step's tokens into it, as one process does) and then cut to the rank's
+rows. Bounded replay (yoco_prefill_truncation_mode "compact") and host-side Engram hashing
+(engram_device="cpu") have no CP path and are refused. After the prefill every rank's cache is what
+one process leaves, the carry included, so decoding continues on every rank identically with no
+communication. fp32 on the CPU: bit-identical to one process
+(tests/distributed/test_context_parallel.py); V4.1 in batch-invariant mode (layers/invariant.py),
+since outside it the CPU GEMM of 1-3 rows (a rank's tokens of one routed expert) is not row-
+independent: there logprobs agree within 1e-5.
 
 Sent per token and layer here (correctness first): the window kv (head_dim, activation dtype) and
-the compressors' kv + scores in fp32 (CSA: 4*head_dim + 4*index_head_dim; HCA: 2*head_dim). A
-production version would send instead: the window kv of the W tokens before each chunk (the
+the compressors' kv + scores in fp32 (CSA: 4*head_dim + 4*index_head_dim; HCA: 2*head_dim; V4.1
+Full layers: 2*head_dim at ratio > 1, the head_dim latent at ratio 1). A production version
+would send instead: the window kv of the W tokens before each chunk (the
 sliding window halo), the compressor projections of the m tokens before each chunk (the CSA
 overlap: the carry across the split), and all-gather only the entries and indexer keys each rank
 pooled from its own whole windows (T/m rows, not T), overlapped with the query projections.
@@ -42,7 +52,10 @@ import torch
 import torch.distributed as dist
 
 from deepinfer.engine.outputs import PLACEHOLDER, ModelOutput, SchedulerOutput
+from deepinfer.layers import invariant
+from deepinfer.layers.engram_hash import history_windows
 from deepinfer.models.deepseek_v4 import DeepseekV4ForCausalLM
+from deepinfer.models.deepseek_v41 import DeepseekV41ForCausalLM
 from deepinfer.state.forward_batch import ForwardBatch, SeqChunk, build_forward_batch
 from deepinfer.worker.model_runner import ModelRunner
 
@@ -92,30 +105,59 @@ class RowGather:
         return out
 
 
-def local_view(full: ForwardBatch, rows: torch.Tensor) -> ForwardBatch:
-    """The batch of one CP rank: per-token fields (ids, positions, window and entry visibility) of
-    `rows` only; write plans (ring rows, compressor sources, carry, entry addresses) of the whole
-    step, read against gathered tensors (StepContext.gather). One request only."""
+def local_view(full: ForwardBatch, rows: torch.Tensor, windows: torch.Tensor | None = None) -> ForwardBatch:
+    """The batch of one CP rank: per-token fields (ids, positions, window and entry visibility,
+    Engram n-gram windows) of `rows` only; write plans (ring rows, compressor sources, carry, entry
+    addresses) of the whole step, read against gathered tensors (StepContext.gather). One request
+    only. `windows`: the whole step's n-gram windows [T, K] where `full` plans a device history
+    (engram_windows); the rank's rows of them replace the history plan."""
     if len(full.req_lens) != 1:
         raise ValueError(f"chunks: context parallelism runs one request per step, got {len(full.req_lens)}")
-    if full.replay is not None or full.history is not None or full.input_embeds is not None:
-        raise ValueError("context parallelism: bounded replay, device history and image inputs are not supported")
+    if full.replay is not None:
+        raise ValueError("context parallelism: bounded replay (yoco_prefill_truncation_mode='compact') is not "
+                         "supported; use yoco_prefill_truncation_mode='none'")
+    if full.input_embeds is not None or full.token_windows is not None:
+        raise ValueError("context parallelism: image inputs and host-side Engram windows are not supported")
+    if (full.history is None) != (windows is None):
+        raise ValueError("windows: give the step's n-gram windows exactly when the batch plans a device history")
+    pick = lambda t: None if t is None else t[rows]  # noqa: E731
     plans = {k: dataclasses.replace(p, visible=p.visible[rows]) for k, p in full.plans.items()}
     return ForwardBatch(full.input_ids[rows], full.positions[rows], full.token_req[rows],
                         full.logits_idx[:0], full.win_new[rows], full.win_ring[rows],
-                        full.ring_src, full.ring_dst, plans, req_lens=(rows.numel(),))
+                        full.ring_src, full.ring_dst, plans, pick(windows), None, pick(full.image_mask),
+                        req_lens=(rows.numel(),))
 
 
-def _forward_step(model, caches, chunk: SeqChunk, window: int, kinds, block_size: int, device, cp_size: int,
+def engram_windows(full: ForwardBatch, token_history: torch.Tensor | None) -> torch.Tensor | None:
+    """The step's Engram n-gram windows [T, K] read from the per-slot device history, which then
+    holds the step's tokens (what one process's step does); None for a batch without a history plan."""
+    if full.history is None:
+        return None
+    if token_history is None:
+        raise ValueError("token_history: a batch planned with a device history needs the cache's token history")
+    return history_windows(full.input_ids, full.image_mask, token_history, full.history)
+
+
+def _plan(model, chunks: list[SeqChunk], block_size: int, device) -> ForwardBatch:
+    """build_forward_batch as the runner plans it for `model` (Engram: windows from the device history)."""
+    if getattr(model, "host_inputs", False):
+        raise ValueError("context parallelism: Engram tables on the host (engram_device='cpu') hash on the host; "
+                         "not supported")
+    cfg = model.config
+    return build_forward_batch(chunks, cfg.sliding_window, set(model.compressed_kinds(cfg)), block_size, device,
+                               device_history=getattr(model, "token_history", 0))
+
+
+def _forward_step(model, caches, chunk: SeqChunk, block_size: int, device, token_history, cp_size: int,
                   rank: int, group, align: int) -> tuple[torch.Tensor, RowGather | None]:
-    """Trunk streams of the step's last token (every rank) for one CP step of `chunk`."""
-    full = build_forward_batch([chunk], window, kinds, block_size, device)
+    """Trunk output (streams or hidden) of the step's last token (every rank) for one CP step of `chunk`."""
+    full = _plan(model, [chunk], block_size, device)
     if cp_size == 1:
-        return model(full, caches)[full.logits_idx], None
+        return model(full, caches, token_history=token_history)[full.logits_idx], None
     split = zigzag_split(len(chunk.token_ids), cp_size, align)
     gather = RowGather(split, group, device)
     rows = torch.from_numpy(split[rank]).to(device)
-    streams = model(local_view(full, rows), caches, gather=gather)
+    streams = model(local_view(full, rows, engram_windows(full, token_history)), caches, gather=gather)
     # zig-zag: the step's last token is the last row of rank 0 (chunk 2cp-1)
     last = streams[-1:].contiguous() if rank == 0 else torch.empty_like(streams[-1:])
     dist.broadcast(last, src=dist.get_global_rank(group, 0) if group is not None else 0, group=group)
@@ -125,18 +167,18 @@ def _forward_step(model, caches, chunk: SeqChunk, window: int, kinds, block_size
 @torch.inference_mode()
 def prefill_cp(model, caches, prompt: list[int], slot: int, block_tables: dict[int, list[int]], block_size: int,
                group: dist.ProcessGroup | None = None, align: int | None = None, start: int = 0,
-               stats: dict | None = None) -> torch.Tensor:
+               stats: dict | None = None, token_history: torch.Tensor | None = None) -> torch.Tensor:
     """Prefill `prompt` (positions start..) of the request in `slot` over the CP group; returns the
     fp32 logits [1, V] of its last position, equal on every rank. Every rank's cache then holds the
     request's state as one process would have written it. The longest prefix of 2*cp*align tokens'
     multiples runs in CP, the rest as one ordinary step on every rank. `stats`, if given, receives
-    the rows per rank, the collectives and the bytes gathered."""
+    the rows per rank, the collectives and the bytes gathered. `token_history`: the cache's per-slot
+    token history (V4.1 Engram), read and updated as one process's step does."""
     cfg = model.config
     cp, rank = (1, 0) if group is None else (dist.get_world_size(group), dist.get_rank(group))
     align = align or max(cfg.compress_ratios)
     device = next(model.parameters()).device
-    kinds = set(model.compressed_kinds(cfg))
-    args = (cfg.sliding_window, kinds, block_size, device)
+    args = (block_size, device, token_history)
     head = aligned_prefix(len(prompt), cp, align) if cp > 1 else 0
     pieces = [(0, head, cp), (head, len(prompt), 1)] if head else [(0, len(prompt), 1)]
     last = None
@@ -162,21 +204,21 @@ def generate_cp(model, cache, prompt: list[int], max_tokens: int, group: dist.Pr
         if n > cache.num_blocks[m]:
             raise ValueError(f"cache: ratio {m} needs {n} blocks for this request, has {cache.num_blocks[m]}")
     tables = {m: list(range(n)) for m, n in cache.num_blocks.items()}
-    logits = prefill_cp(model, cache.layers, prompt, slot, tables, bs, group, align, stats=stats)
+    history = getattr(cache, "token_history", None)
+    logits = prefill_cp(model, cache.layers, prompt, slot, tables, bs, group, align, stats=stats,
+                        token_history=history)
     first = torch.log_softmax(logits[0], -1)
     tokens, lps, lp = [], [], first
-    cfg = model.config
-    kinds = set(model.compressed_kinds(cfg))
     for i in range(max_tokens):
         t = int(lp.argmax())
         tokens.append(t)
         lps.append(float(lp[t]))
         if i + 1 == max_tokens:
             break
-        b = build_forward_batch([SeqChunk(slot, len(prompt) + i, [t], tables)], cfg.sliding_window, kinds, bs,
-                                lp.device)
+        b = _plan(model, [SeqChunk(slot, len(prompt) + i, [t], tables)], bs, lp.device)
         with torch.inference_mode():
-            lp = torch.log_softmax(model.compute_logits(model(b, cache.layers)[b.logits_idx])[0], -1)
+            h = model(b, cache.layers, token_history=history)[b.logits_idx]
+            lp = torch.log_softmax(model.compute_logits(h)[0], -1)
     return tokens, lps, first
 
 
@@ -187,14 +229,19 @@ class CPRunner:
     other step (decode, short or batched chunks) runs on the wrapped runner, on every rank alike, as
     each holds the whole cache. Every rank must be given the same SchedulerOutputs (the driver
     broadcasts them, as launch.py does for TP). Sampling: the runner's, from the same logits and
-    seed on every rank. V4 only (models/deepseek_v4.py StepContext.gather)."""
+    seed on every rank. DeepSeek-V4 and V4.1 (StepContext.gather / StepContext41.gather); V4.1
+    with exact prefill only (no bounded replay) and Engram tables on the device."""
 
     def __init__(self, runner: ModelRunner, group: dist.ProcessGroup, align: int | None = None):
-        if not isinstance(runner.model, DeepseekV4ForCausalLM):
+        if not isinstance(runner.model, (DeepseekV4ForCausalLM, DeepseekV41ForCausalLM)):
             raise ValueError(f"context_parallel_size: {type(runner.model).__name__} has no context-parallel path "
-                             "(DeepSeek-V4 only so far)")
-        if runner.replay_keep is not None or runner.model.token_history:
-            raise ValueError("context_parallel_size: bounded replay and token histories are not supported")
+                             "(DeepSeek-V4 and V4.1 only)")
+        if runner.replay_keep is not None:
+            raise ValueError("context_parallel_size: bounded replay has no context-parallel path; start with "
+                             "yoco_prefill_truncation_mode='none' (exact prefill)")
+        if getattr(runner.model, "host_inputs", False):
+            raise ValueError("context_parallel_size: Engram tables on the host (engram_device='cpu') have no "
+                             "context-parallel path; keep them on the device")
         self.runner, self.group = runner, group
         self.cp = dist.get_world_size(group)
         self.align = align or max(runner.model.config.compress_ratios)
@@ -211,8 +258,9 @@ class CPRunner:
         if not self._splits(so):
             return self.runner.execute(so)
         c, r = so.chunks[0], self.runner
-        logits = prefill_cp(r.model, r.cache.layers, c.token_ids, c.slot, c.block_tables, r.cache.block_size,
-                            self.group, self.align, start=c.start)
+        with invariant.mode(r.batch_invariant):  # as the runner's own steps
+            logits = prefill_cp(r.model, r.cache.layers, c.token_ids, c.slot, c.block_tables, r.cache.block_size,
+                                self.group, self.align, start=c.start, token_history=r.cache.token_history)
         self.cp_steps += 1
         if not c.num_samples:
             return ModelOutput({})

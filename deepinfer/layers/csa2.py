@@ -63,17 +63,24 @@ class PoolCompressor(nn.Module):
             self.wgate = Linear(dim, head_dim, torch.float32)
         self.norm = RMSNorm(head_dim, eps)
 
-    def forward(self, x: torch.Tensor, plan: CompressPlan, carry: CarryState | None) -> torch.Tensor:
-        """-> unrotated normalised latents [N, head_dim] of the entries closing this step (plan order)."""
+    def forward(self, x: torch.Tensor, plan: CompressPlan, carry: CarryState | None, gather=None) -> torch.Tensor:
+        """-> unrotated normalised latents [N, head_dim] of the entries closing this step (plan order).
+        `gather` (context parallelism): x holds some rows of the step, the plan indexes all of them;
+        ratio 1 gathers the rows' latents, ratio > 1 their projections before pooling."""
         if self.ratio == 1:
-            return self.norm(dense_linear(x, self.wkv.dense_weight(x.dtype)))
+            latent = self.norm(dense_linear(x, self.wkv.dense_weight(x.dtype)))
+            return latent if gather is None else gather(latent)
         new, old = plan.src_new, plan.src_carry
         if _kernels(x) and new.shape[0]:
             kv, score = stacked_forward(self, "_wkv_wgate", (self.wkv, self.wgate), x, fp32=True)  # one GEMM on CUDA
+            if gather is not None:
+                kv, score = gather(torch.cat((kv, score), dim=-1)).split(kv.shape[-1], dim=-1)
             pooled = _pool._launch(kv, score, carry.kv, carry.score, new, old, kv.shape[1], False)
         else:
             kv = self.wkv.forward_fp32(x)
             score = self.wgate.forward_fp32(x)
+            if gather is not None:
+                kv, score = gather(torch.cat((kv, score), dim=-1)).split(kv.shape[-1], dim=-1)
             src_kv = torch.where((new >= 0)[..., None], kv[new.clamp(min=0)], carry.kv[old.clamp(min=0)])
             src_score = torch.where((new >= 0)[..., None], score[new.clamp(min=0)], carry.score[old.clamp(min=0)])
             weights = src_score.transpose(1, 2).softmax(dim=-1).transpose(1, 2)  # row-local over the group

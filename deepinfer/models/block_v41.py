@@ -5,6 +5,7 @@ Math only; parameter names follow the released checkpoint.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
@@ -33,6 +34,10 @@ class StepContext41:
     # per Engram layer: [T, hash_heads] table rows, StagedRows (host table) or EngramQuery (device table)
     engram_rows: list | None
     image_mask: torch.Tensor | None = None
+    # context parallelism (distributed/context_parallel.py): this rank's token rows -> the whole
+    # step's rows in step order; `batch` then holds this rank's queries only, its write plans (ring
+    # rows, compressor sources, carry, entry addresses) the whole step. None: one process (identity).
+    gather: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def subset(self, rows: torch.Tensor, batch: ForwardBatch) -> "StepContext41":
         """The same step restricted to `rows` (bounded replay), planned by `batch`."""
@@ -41,7 +46,7 @@ class StepContext41:
                              RopeCache(pick(self.rope_compress.cos), pick(self.rope_compress.sin)),
                              self.inv_freq_compress,
                              None if self.engram_rows is None else [pick(r) for r in self.engram_rows],
-                             pick(self.image_mask))
+                             pick(self.image_mask), self.gather)
 
 
 class Attention41(nn.Module):
@@ -71,7 +76,7 @@ class Attention41(nn.Module):
     def _publish(self, x: torch.Tensor, ctx: StepContext41, cache: LayerCache) -> CSA2State:
         """Full layer: compress, store rotated entries and index keys, start a fresh CSA2 state."""
         plan = ctx.batch.plans[(self.ratio, False)]
-        latent = self.compressor(x, plan, cache.carry.get("main"))
+        latent = self.compressor(x, plan, cache.carry.get("main"), ctx.gather)  # every entry of the step
         rope = RopeCache.at(plan.rope_pos, ctx.inv_freq_compress)
         cache.entries.write(plan.dst, apply_rope(latent, rope))
         cache.index_keys.write(plan.dst, apply_rope(self.indexer.keys(latent), rope, overwrite=True))
@@ -83,6 +88,8 @@ class Attention41(nn.Module):
         rest (queries, indexer, attention, output) only replay.rows; returns those rows."""
         rope = ctx.rope_main if self.role == SWA else ctx.rope_compress
         kv = cache.ring.roundtrip(apply_rope(self.kv_norm(self.wkv(x)), rope, overwrite=True))
+        if ctx.gather is not None:
+            kv = ctx.gather(kv)  # every window key of the step: the queries read them by step row
         if self.role == FULL:
             state = self._publish(x, ctx, cache)
         if replay is not None:

@@ -162,12 +162,13 @@ class DeepseekV41ForCausalLM(nn.Module):
         return image_span_embeddings(self, image)
 
     def forward(self, batch: ForwardBatch, caches: list[LayerCache], draft_features: bool = False,
-                token_history: torch.Tensor | None = None):
+                token_history: torch.Tensor | None = None, gather=None):
         """Runs the stack on a flat varlen batch; returns the final collapsed hidden [T, D] (before norm),
         and with `draft_features` also DSpark's target features [T, len(targets) * D]: the streams
         entering each dspark_target_layer_ids layer, averaged over the streams (zero for rows that
-        bounded replay stopped below the cut)."""
+        bounded replay stopped below the cut). `gather`: context parallelism, see StepContext41.gather."""
         ctx = self.step_context(batch, token_history)
+        ctx.gather = gather
         targets = self.config.dspark_target_layer_ids if draft_features else ()
         feats = {}
         n = self.config.hc_mult

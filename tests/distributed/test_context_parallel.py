@@ -7,6 +7,12 @@ the tiny model's tokens, every logprob and every cache row (window ring, compres
 indexer keys, compressor carry) equal one process's exactly. A prompt whose length is not a
 multiple of 2 * cp * 16 runs its tail as a second, ordinary step: that is chunked prefill, equal to
 one process's single step within 1e-5 (measured: one ulp of a logprob).
+
+DeepSeek-V4.1 (tiny41: CSA2 ratio-2 and ratio-1 KV sources, reindex / reuse layers, candidate
+blocks, Engram windows from the device token history) in batch-invariant mode: bit-identical the
+same way. Outside that mode the CPU's fp32 GEMM is not row-independent for 1-3 rows (another
+kernel), and a rank's routed experts see other row counts than one process's, so tokens are equal
+and logprobs agree within 1e-5.
 """
 from __future__ import annotations
 
@@ -20,6 +26,7 @@ from deepinfer import LLM, SamplingParams
 from deepinfer.distributed.context_parallel import (CPArgs, CPRunner, aligned_prefix, causal_work, generate_cp,
                                                     generate_cp_spawn, load_rank, run_on_ranks, zigzag_split)
 from deepinfer.engine.outputs import ScheduledChunk, SchedulerOutput
+from deepinfer.layers import invariant
 from deepinfer.tools.make_checkpoint import PRESETS, write_checkpoint
 from deepinfer.worker.model_runner import ModelRunner
 
@@ -116,12 +123,12 @@ def test_cp_reference_is_the_llm_engine(ckpt, one_process):
     assert max(abs(d[t] - lp) for d, t, lp in zip(got.logprobs, tokens, lps)) <= LOGPROB_TOL
 
 
-def _engine_steps(rank: int, group, args: CPArgs) -> tuple:
+def _engine_steps(rank: int, group, args: CPArgs, batch_invariant: bool = False) -> tuple:
     """The engine's runner on one rank (group None: one process, the plain ModelRunner): PROMPT as
     two prefill chunks of 128 (the second at start 128, reading the first's cache), then greedy
     decode steps fed by the runner's own samples. -> (sampled tokens, logprob dicts, CP steps)."""
     model, cache = load_rank(args)
-    runner = ModelRunner(model, cache, "cpu", seed=0, cuda_graphs=False)
+    runner = ModelRunner(model, cache, "cpu", seed=0, cuda_graphs=False, batch_invariant=batch_invariant)
     run = runner if group is None else CPRunner(runner, group)
     tables = {m: list(range(n)) for m, n in cache.num_blocks.items()}
     params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, logprobs=1)
@@ -147,6 +154,55 @@ def test_engine_runner_prefills_in_cp_and_decodes_like_one_process(ckpt):
     assert want[2] == 0
     for tokens, lps, cp_steps in run_on_ranks(2, _engine_steps, (CPArgs(str(ckpt), 2),)):
         assert (tokens, lps) == want[:2] and cp_steps == 2
+
+
+@pytest.fixture(scope="module")
+def ckpt41(tmp_path_factory):
+    return write_checkpoint(tmp_path_factory.mktemp("cp41") / "ckpt", PRESETS["tiny41"], seed=3, dtype="fp8")
+
+
+PROMPT41 = PROMPT[:128]  # sliding window 16, ratios 2 and 1; at cp=4 chunks of 16
+
+
+def _v41_rank(rank: int, group, args: CPArgs, batch_invariant: bool) -> tuple:
+    """generate_cp on one rank (group None: one process) -> (tokens, logprobs, first log-softmax,
+    every cache tensor incl. the Engram token history)."""
+    model, cache = load_rank(args)
+    with invariant.mode(batch_invariant):
+        tokens, lps, first = generate_cp(model, cache, PROMPT41, MAX_TOKENS, group)
+    tensors = [t for c in cache.layers for t in c.per_slot() + c.paged()] + [cache.token_history]
+    return tokens, lps, first.cpu(), [t.cpu().clone() for t in tensors]
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_v41_ranks_match_one_process(ckpt41, cp):
+    """Batch-invariant mode: bit for bit (tokens, logprobs, every cache row, the token history).
+    Plain mode (cp=2): tokens equal, logprobs within 1e-5 (see the module docstring)."""
+    for inv in (True, False) if cp == 2 else (True,):
+        want = _v41_rank(0, None, CPArgs(str(ckpt41), 1), inv)
+        for tokens, lps, first, cache in run_on_ranks(cp, _v41_rank, (CPArgs(str(ckpt41), cp), inv)):
+            assert tokens == want[0]
+            if not inv:
+                assert max(abs(a - b) for a, b in zip(lps, want[1])) <= LOGPROB_TOL
+                continue
+            assert lps == want[1] and torch.equal(first, want[2])
+            for i, (g, w) in enumerate(zip(cache, want[3], strict=True)):
+                assert torch.equal(g, w), f"cache tensor {i} differs from one process"
+
+
+def test_v41_engine_runner_prefills_in_cp_like_one_process(ckpt41):
+    """CPRunner over a batch-invariant V4.1 runner at cp=2: both prefill chunks in CP (the second
+    reads the first's cache and token history), then the runner's decode steps: bit-identical."""
+    want = _engine_steps(0, None, CPArgs(str(ckpt41), 1), True)
+    for tokens, lps, cp_steps in run_on_ranks(2, _engine_steps, (CPArgs(str(ckpt41), 2), True)):
+        assert (tokens, lps) == want[:2] and cp_steps == 2
+
+
+def test_v41_bounded_replay_is_refused_naming_the_option(ckpt41):
+    model, cache = load_rank(CPArgs(str(ckpt41), 1))
+    runner = ModelRunner(model, cache, "cpu", cuda_graphs=False, replay_keep=64)
+    with pytest.raises(ValueError, match="yoco_prefill_truncation_mode='none'"):
+        CPRunner(runner, None)
 
 
 def _fail_on_rank1(rank: int, group) -> int:
@@ -179,3 +235,16 @@ def test_two_ranks_sharing_one_gpu_run_the_gpu_path(ckpt):
         for tokens, lps, *_ in generate_cp_spawn(CPArgs(str(ckpt), 2, device="cuda", **kw), PROMPT, n):
             assert tokens == want[0]
             assert max(abs(a - b) for a, b in zip(lps, want[1])) <= tol
+
+
+@pytest.mark.gpu
+def test_v41_two_ranks_sharing_one_gpu_run_the_gpu_path(ckpt41):
+    """V4.1 on one GPU, 2 ranks over gloo: the Triton pooling over gathered projections, the fused
+    indexer and candidate kernels for the rank's queries, Engram from the device history. fp32:
+    greedy tokens equal, logprobs within 1e-4 (cuBLAS row-count dependence, as above; not yet
+    measured on the H200)."""
+    args = dict(device="cuda", dtype="float32", kv_cache_dtype="float32")
+    want = run_on_ranks(1, _v41_rank, (CPArgs(str(ckpt41), 1, **args), False))[0]
+    for tokens, lps, *_ in run_on_ranks(2, _v41_rank, (CPArgs(str(ckpt41), 2, **args), False)):
+        assert tokens == want[0]
+        assert max(abs(a - b) for a, b in zip(lps, want[1])) <= 1e-4

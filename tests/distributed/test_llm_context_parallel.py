@@ -40,10 +40,32 @@ def test_llm_with_two_context_parallel_ranks_matches_one_process(ckpt):
     assert parallel_state.rank_info() is None
 
 
-def test_context_parallel_refuses_a_model_without_its_path(tmp_path):
-    from deepinfer.distributed.launch import TPWorkerError
+@pytest.fixture(scope="module")
+def v41(tmp_path_factory):
     from deepinfer.tools.make_checkpoint import PRESETS
 
-    v41 = write_checkpoint(tmp_path / "v41", PRESETS["tiny41"], seed=3, dtype="fp8")
-    with pytest.raises((TPWorkerError, ValueError), match="context-parallel path|context_parallel_size"):
+    return write_checkpoint(tmp_path_factory.mktemp("llm-cp41") / "v41", PRESETS["tiny41"], seed=3, dtype="fp8")
+
+
+def test_v41_with_exact_prefill_matches_one_process(v41):
+    """V4.1 with yoco_prefill_truncation_mode="none", batch-invariant (bit for bit on the CPU: see
+    test_context_parallel.py): a long prompt's prefill in CP, tokens and logprobs equal one process's."""
+    kw = dict(yoco_prefill_truncation_mode="none", batch_invariant=True)
+    want = _llm(v41, **kw).generate([PROMPT[:128]], GREEDY, use_tqdm=False)[0]
+    llm = _llm(v41, context_parallel_size=2, **kw)
+    try:
+        got = llm.generate([PROMPT[:128]], GREEDY, use_tqdm=False)[0]
+        cp_steps = llm.engine._runner.runner.cp_steps
+    finally:
+        llm.close()
+    assert cp_steps == 1
+    assert got.outputs[0].token_ids == want.outputs[0].token_ids
+    assert got.outputs[0].logprobs == want.outputs[0].logprobs
+
+
+def test_context_parallel_refuses_bounded_replay_by_its_option(v41):
+    """V4.1's default prefill (yoco_prefill_truncation_mode="compact": bounded replay) has no CP path."""
+    from deepinfer.distributed.launch import TPWorkerError
+
+    with pytest.raises((TPWorkerError, ValueError), match="yoco_prefill_truncation_mode"):
         _llm(v41, context_parallel_size=2)
