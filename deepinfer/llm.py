@@ -92,7 +92,8 @@ class LLM:
         num_slots, num_blocks = plan_capacity(memory, spec.slot_bytes, spec.block_bytes, cfg.block_size,
                                               cfg.max_num_seqs, expected)
         kv = KVCacheManager(num_slots, num_blocks, cfg.block_size)
-        self.max_model_len = _max_model_len(cfg.max_model_len, mcfg.max_position_embeddings, kv, memory)
+        self.max_model_len = kv.max_model_len(cfg.max_model_len, mcfg.max_position_embeddings,
+                                               f"{memory} bytes")
         # one slot and one block per ratio beyond the manager's: the padding rows of decode graphs
         cache = allocate_v4_cache(mcfg, num_slots, num_blocks, cfg.kv_cache_dtype, cfg.device, cfg.block_size,
                                   scratch=True)
@@ -480,19 +481,3 @@ def _load_detokenizer(model_dir) -> Detokenizer:
     if not path.is_file():
         raise FileNotFoundError(f"no tokenizer.json in {model_dir} (pass skip_tokenizer_init=True for token-id prompts)")
     return Detokenizer(Tokenizer.from_file(str(path)))
-
-
-def _max_model_len(requested: int | None, model_max: int, kv: KVCacheManager, memory: int) -> int:
-    """The requested length (which must fit one request in the cache), or the model's capped by the cache."""
-    if requested is not None:
-        if not kv.fits_alone(requested):
-            raise ValueError(f"max_model_len: {requested} tokens do not fit in kv_cache_memory={memory} bytes "
-                             f"({kv.num_slots} slots, blocks {kv.num_blocks}); raise kv_cache_memory")
-        return requested
-    lo, hi = 1, model_max
-    while lo < hi:  # largest length a single request can hold
-        mid = (lo + hi + 1) // 2
-        lo, hi = (mid, hi) if kv.fits_alone(mid) else (lo, mid - 1)
-    if not kv.fits_alone(lo):
-        raise ValueError(f"kv_cache_memory: {memory} bytes cannot hold a single request")
-    return lo

@@ -49,7 +49,7 @@ from deepinfer.distributed import parallel_state as ps
 from deepinfer.distributed.eplb import (ExpertLoad, Placement, SlotMove, contiguous_placement, placement_from_physical,
                                         rebalance_experts, rebalance_plan)
 from deepinfer.distributed.expert_parallel import ExpertParallel, all_to_all, shard_experts
-from deepinfer.distributed.launch import EngineArgs, TPEngine, _build_rank, _max_model_len, _Rank, report_failure
+from deepinfer.distributed.launch import EngineArgs, TPEngine, _build_rank, _Rank, report_failure
 from deepinfer.engine.engine_core import EngineCore
 from deepinfer.engine.kv_manager import KVCacheManager
 from deepinfer.engine.outputs import ModelOutput, SchedulerOutput
@@ -58,13 +58,9 @@ from deepinfer.engine.scheduler import Scheduler
 from deepinfer.layers.moe import Experts, MoE
 from deepinfer.distributed.tensor_parallel import META_MIN_NUMEL, _Cutter, _LargeOnMeta, _materialize
 from deepinfer.loader.checkpoint import CheckpointReader
-from deepinfer.loader.model_config import read_model_config
-from deepinfer.loader.model_loader import _engram_token_map as engram_token_map
-from deepinfer.loader.model_loader import load_model, without_draft
-from deepinfer.loader.names import is_draft_name
+from deepinfer.loader.model_loader import engram_token_map, load_model, model_spec
 from deepinfer.loader.resolve import resolve_model_dir
 from deepinfer.loader.weights import load_weights
-from deepinfer.models.registry import model_classes
 
 EXPERT_LEAVES = ("w1", "w2", "w3", "w1_scale", "w2_scale", "w3_scale")
 
@@ -129,12 +125,10 @@ def load_expert_shard(model_dir: str, rank: int, ep: int, *, dtype: torch.dtype,
     becomes the rank's slots (shard_experts). `model.placement` is the placement. Draft (MTP / DSpark)
     layers are not run by the engine and keep all their experts."""
     path = resolve_model_dir(str(model_dir))
-    cfg = read_model_config(path)
     reader = CheckpointReader(path)
-    if cfg.num_nextn_predict_layers > 0 and not any(is_draft_name(n) for n in reader.names()):
-        cfg = without_draft(cfg)
+    cfg, model_cls, _, _ = model_spec(path, reader, None)
     with _LargeOnMeta(torch.device(device), META_MIN_NUMEL if min_numel is None else min_numel):
-        net = model_classes(cfg.model_type)[1](cfg, dtype=dtype, quantized=quantized)
+        net = model_cls(cfg, dtype=dtype, quantized=quantized)
     moes = trunk_moes(net)
     placement = initial_placement(len(moes), moes[0].experts.num_experts, ep, redundant_per_rank)
     n, parts = placement.num_logical // ep, {}
@@ -352,8 +346,8 @@ class DPEngine(TPEngine):
             raise self._diagnose(e) from e
         r = self.rank.r
         self.model, self.rank_info = r.model, r.info
-        self.max_model_len = _max_model_len(args.max_model_len, self.model.config.max_position_embeddings,
-                                            KVCacheManager(r.num_slots, r.num_blocks, args.block_size))
+        self.max_model_len = KVCacheManager(r.num_slots, r.num_blocks, args.block_size).max_model_len(
+            args.max_model_len, self.model.config.max_position_embeddings, "every rank's smallest share")
         self.cores: list[EngineCore] = []
         for d in range(p.data_parallel_size):  # every rank's cache has the driver's size (the smallest)
             kv = KVCacheManager(r.num_slots, r.num_blocks, args.block_size)

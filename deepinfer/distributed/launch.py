@@ -1,8 +1,10 @@
-"""One engine over N processes on one node: tensor parallelism (torch.multiprocessing, spawn).
+"""One engine over N processes on one node: tensor parallelism, and context parallelism through the
+same driver (torch.multiprocessing, spawn).
 
 The calling process is rank 0, the driver: it owns the Scheduler and the EngineCore. It spawns
 ranks 1..N-1; every rank loads its shard of the checkpoint (tensor_parallel.load_shard: only its
-part of each tensor is read and stored), allocates the same cache and builds a ModelRunner. Each step the driver broadcasts the step's
+part of each tensor is read and stored), allocates the same cache and builds a ModelRunner (a
+CPRunner around it under context parallelism). Each step the driver broadcasts the step's
 SchedulerOutput (pickled, over the gloo group) and every rank runs the forward on it; the TP
 all-reduces inside the forward keep the ranks' residuals equal.
 
@@ -18,7 +20,6 @@ then closed: a new one must be built.
 """
 from __future__ import annotations
 
-import bisect
 import itertools
 import logging
 import queue
@@ -209,7 +210,8 @@ class TPEngine:
             raise self._diagnose(e) from e
         self.model, self.rank_info = rank.model, rank.info
         kv = KVCacheManager(rank.num_slots, rank.num_blocks, args.block_size)
-        self.max_model_len = _max_model_len(args.max_model_len, self.model.config.max_position_embeddings, kv)
+        self.max_model_len = kv.max_model_len(args.max_model_len, self.model.config.max_position_embeddings,
+                                              "every rank's smallest share")
         self.scheduler = Scheduler(kv, min(args.max_num_seqs, rank.num_slots), args.max_num_batched_tokens,
                                    self.max_model_len)
         self._runner = _DriverRunner(rank.runner, self._diagnose)
@@ -338,20 +340,6 @@ class TPEngine:
         self._error = TPWorkerError(msg, first, details)
         self.close()
         return self._error
-
-
-def _max_model_len(requested: int | None, model_max: int, kv: KVCacheManager) -> int:
-    """The requested length if one request of it fits the cache, else the longest that fits."""
-    if requested is not None:
-        if not kv.fits_alone(requested):
-            raise ValueError(f"max_model_len: {requested} tokens do not fit in the cache "
-                             f"({kv.num_slots} slots, blocks {kv.num_blocks}); raise kv_cache_memory")
-        return requested
-    longest = bisect.bisect_left(range(1, model_max + 1), True, key=lambda n: not kv.fits_alone(n))
-    if longest == 0:
-        raise ValueError(f"kv_cache_memory: the cache ({kv.num_slots} slots, blocks {kv.num_blocks}) cannot hold "
-                         "a single request")
-    return longest
 
 
 def generate_tp(args: EngineArgs, prompts: list[list[int]],

@@ -30,13 +30,9 @@ from torch.utils._device import _device_constructors
 
 from deepinfer.distributed.parallel_state import tp_all_reduce
 from deepinfer.loader.checkpoint import CheckpointReader
-from deepinfer.loader.model_config import read_model_config
-from deepinfer.loader.model_loader import _engram_token_map as engram_token_map
-from deepinfer.loader.model_loader import without_draft
-from deepinfer.loader.names import is_draft_name
+from deepinfer.loader.model_loader import engram_token_map, model_spec
 from deepinfer.loader.resolve import resolve_model_dir
 from deepinfer.loader.weights import Part, Slice, load_weights
-from deepinfer.models.registry import model_classes
 from deepinfer.layers.moe import MoE
 from deepinfer.models.block_v41 import Attention41
 from deepinfer.models.deepseek_v4 import Attention, DeepseekV4ForCausalLM
@@ -214,13 +210,11 @@ def load_shard(model_dir: str | Path, tp_rank: int, tp_size: int, *, dtype: torc
     checkpoint tensor: device memory holds the shard, never the whole model. (Engram tables, which
     load_model can leave on the host, are loaded onto `device` whole.)"""
     path = resolve_model_dir(str(model_dir))
-    cfg = read_model_config(path)
     reader = CheckpointReader(path)
-    if cfg.num_nextn_predict_layers > 0 and not any(is_draft_name(n) for n in reader.names()):
-        cfg = without_draft(cfg)  # no draft tensors at all: the trunk (load_model says so in a warning)
+    cfg, model_cls, _, _ = model_spec(path, reader, None)
     device = torch.device(device)
     with _LargeOnMeta(device, META_MIN_NUMEL if min_numel is None else min_numel):
-        net = model_classes(cfg.model_type)[1](cfg, dtype=dtype, quantized=quantized)
+        net = model_cls(cfg, dtype=dtype, quantized=quantized)
     shard = shard_model(net, tp_rank, tp_size)
     _materialize(net, device)
     load_weights(net, reader, config=cfg, shard=shard.parts)

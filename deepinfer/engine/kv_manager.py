@@ -24,6 +24,23 @@ class KVCacheManager:
         """Could a single request of this many tokens ever be held (with the cache otherwise empty)?"""
         return self.num_slots > 0 and all(n <= self.num_blocks[m] for m, n in self.blocks_for(num_tokens).items())
 
+    def max_model_len(self, requested: int | None, model_max: int, budget: str) -> int:
+        """The requested length (one request of it must fit), or the longest up to `model_max` that fits.
+        `budget` says what the cache was sized from, for the errors ("16777216 bytes")."""
+        if requested is not None:
+            if not self.fits_alone(requested):
+                raise ValueError(f"max_model_len: {requested} tokens do not fit in a cache of {budget} "
+                                 f"({self.num_slots} slots, blocks {self.num_blocks}); raise kv_cache_memory")
+            return requested
+        lo, hi = 1, model_max
+        while lo < hi:  # fits_alone is monotone in the length
+            mid = (lo + hi + 1) // 2
+            lo, hi = (mid, hi) if self.fits_alone(mid) else (lo, mid - 1)
+        if not self.fits_alone(lo):
+            raise ValueError(f"kv_cache_memory: a cache of {budget} ({self.num_slots} slots, "
+                             f"blocks {self.num_blocks}) cannot hold a single request")
+        return lo
+
     def allocate(self, req: Request, num_tokens: int) -> bool:
         """Grow `req`'s holdings to cover `num_tokens` computed tokens; all or nothing."""
         need = {m: n - len(req.block_tables.get(m, [])) for m, n in self.blocks_for(num_tokens).items()}

@@ -211,9 +211,8 @@ class MoE(nn.Module):
         return routed(x, weights, idx, self.shared_experts(x))
 
 
-def repack_fp4_experts(model: nn.Module) -> int:
-    """Experts.repack_fp4_as_fp8 on every routed-expert module of `model`; -> how many were FP4."""
-    mods = [m for m in model.modules() if isinstance(m, Experts) and m.quant.fp4_experts]
-    for m in mods:
-        m.repack_fp4_as_fp8()
-    return len(mods)
+def repack_fp4_experts(model: nn.Module) -> None:
+    """Experts.repack_fp4_as_fp8 on every routed-expert module of `model` (others are left alone)."""
+    for m in model.modules():
+        if isinstance(m, Experts):
+            m.repack_fp4_as_fp8()

@@ -42,7 +42,7 @@ def load_model(model: str | Path | None, *, dtype: torch.dtype = torch.bfloat16,
     Any other missing tensor, or a draft that is only partly there, is a CheckpointError."""
     path = resolve_model_dir(str(model) if model else None, hf_model_dir=hf_model_dir, offline=offline)
     reader = CheckpointReader(path)
-    cfg, model_cls, extra, trunk_only = _model_spec(path, reader, engram_device)
+    cfg, model_cls, extra, trunk_only = model_spec(path, reader, engram_device)
     if check is not None:
         with torch.device("meta"):
             check(model_cls(cfg, dtype=dtype, quantized=quantized, **extra))
@@ -55,7 +55,7 @@ def load_model(model: str | Path | None, *, dtype: torch.dtype = torch.bfloat16,
                        "without its draft layers", path, read_model_config(path).num_nextn_predict_layers,
                        DRAFT_PREFIX)
     if getattr(cfg, "engram_layer_ids", None):
-        net.set_engram_vocab(_engram_token_map(path))
+        net.set_engram_vocab(engram_token_map(path))
     return net.eval(), path
 
 
@@ -84,7 +84,7 @@ def weight_bytes(net: nn.Module, host_engram: bool = False) -> WeightBytes:
     return WeightBytes(experts, other, packed)
 
 
-def _model_spec(path: Path, reader: CheckpointReader, engram_device: str | None):
+def model_spec(path: Path, reader: CheckpointReader, engram_device: str | None):
     """(config, model class, extra constructor kwargs, trunk only) of the checkpoint at `path`: a
     checkpoint with no draft tensors at all is built as its trunk."""
     cfg = read_model_config(path)
@@ -98,7 +98,7 @@ def _model_spec(path: Path, reader: CheckpointReader, engram_device: str | None)
 
 def meta_model(path: Path, *, dtype: torch.dtype, quantized: bool, engram_device: str | None = None) -> nn.Module:
     """The model load_model(path) would build, on the meta device (no storage, no weight read)."""
-    cfg, model_cls, extra, _ = _model_spec(path, CheckpointReader(path), engram_device)
+    cfg, model_cls, extra, _ = model_spec(path, CheckpointReader(path), engram_device)
     with torch.device("meta"):
         return model_cls(cfg, dtype=dtype, quantized=quantized, **extra)
 
@@ -108,7 +108,7 @@ def without_draft(cfg: Config) -> Config:
     return dataclasses.replace(cfg, num_nextn_predict_layers=0, dspark_block_size=None)
 
 
-def _engram_token_map(path: Path) -> list[int]:
+def engram_token_map(path: Path) -> list[int]:
     """Engram hashes tokenizer-normalised ids: the map comes from the checkpoint's tokenizer.json."""
     from tokenizers import Tokenizer
 
