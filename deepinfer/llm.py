@@ -5,7 +5,8 @@ import gc
 import itertools
 import logging
 import numbers
-from typing import Sequence
+from pathlib import Path
+from typing import Callable, Sequence
 
 import torch
 from tqdm import tqdm
@@ -77,7 +78,8 @@ class LLM:
             self._start_context_parallel(ref)
             return
         repack: list[bool] = []  # FP4 experts held as FP8 codes: decided before the weights are read
-        self.model, self.model_dir = load_model(ref, dtype=getattr(torch, cfg.dtype), device=cfg.device,
+        path, _ = _resolve_checked(cfg, ref, lambda meta: _check_before_load(cfg, meta))
+        self.model, self.model_dir = load_model(path, dtype=getattr(torch, cfg.dtype), device=cfg.device,
                                                 quantized=cfg.keeps_checkpoint_formats,
                                                 hf_model_dir=cfg.hf_model_dir, offline=cfg.hf_hub_offline,
                                                 engram_device=cfg.engram_device,
@@ -142,7 +144,7 @@ class LLM:
         from deepinfer.distributed.launch import EngineArgs
         from deepinfer.distributed.parallel_state import ParallelConfig
         from deepinfer.loader.model_config import read_model_config
-        from deepinfer.loader.resolve import resolve_model_dir
+        from deepinfer.loader.model_loader import meta_model
 
         cfg = self.config
         if cfg.engram_device is not None:
@@ -151,8 +153,10 @@ class LLM:
         if cfg.async_scheduling or not cfg.enforce_eager:
             logger.info("%s=%d: steps run synchronously and without CUDA graphs (not yet validated across ranks)",
                         size, getattr(cfg, size))
-        self.model_dir = resolve_model_dir(ref, hf_model_dir=cfg.hf_model_dir, offline=cfg.hf_hub_offline)
-        _check_ranks_fit(cfg, self.model_dir)
+        self.model_dir, checked = _resolve_checked(cfg, ref, lambda meta: _check_ranks_fit(cfg, meta))
+        if not checked and cfg.device.startswith("cuda"):
+            _check_ranks_fit(cfg, meta_model(self.model_dir, dtype=getattr(torch, cfg.dtype),
+                                             quantized=cfg.keeps_checkpoint_formats))
         self.detokenizer = None if cfg.skip_tokenizer_init else _load_detokenizer(self.model_dir)
         keep = _replay_keep(cfg, read_model_config(self.model_dir))
         parallel = ParallelConfig(tensor_parallel_size=cfg.tensor_parallel_size,
@@ -413,16 +417,35 @@ def _check_before_load(cfg: EngineConfig, meta: torch.nn.Module) -> bool:
     return cfg.dtype == "bfloat16" and repack_fits(weights, free, reserve)
 
 
-def _check_ranks_fit(cfg: EngineConfig, model_dir) -> None:
-    """Before any rank starts or reads a weight: each GPU's share of the model (built on the meta device)
-    against the least free memory among the GPUs the ranks take. The routed experts are split over
+def _resolve_checked(cfg: EngineConfig, ref: str, check: Callable[[torch.nn.Module], object]) -> tuple[Path, bool]:
+    """(the model's directory, whether `check` ran). A hub checkpoint not yet cached whole comes in two
+    parts: its small files (config.json, shard index, tokenizer), then, once `check` passed on the model
+    built from them on the meta device, its weight shards; a model that cannot fit fails before they are
+    downloaded. Other directories are returned as found, unchecked (load_model checks them before any
+    weight is read)."""
+    from types import SimpleNamespace
+
+    from deepinfer.loader.model_loader import model_spec
+    from deepinfer.loader.resolve import fetch_weights, has_weights, resolve_model_dir, weight_index
+
+    path = resolve_model_dir(ref, hf_model_dir=cfg.hf_model_dir, offline=cfg.hf_hub_offline, weights=False)
+    if has_weights(path):
+        return path, False
+    index = weight_index(path)  # without one (a single-file checkpoint) the tensor names need the weights
+    if index is not None:
+        mcfg, model_cls, extra, _ = model_spec(path, SimpleNamespace(names=index.keys), cfg.engram_device)
+        with torch.device("meta"):
+            check(model_cls(mcfg, dtype=getattr(torch, cfg.dtype), quantized=cfg.keeps_checkpoint_formats, **extra))
+    return fetch_weights(ref, path, offline=cfg.hf_hub_offline), index is not None
+
+
+def _check_ranks_fit(cfg: EngineConfig, meta: torch.nn.Module) -> None:
+    """Before any rank starts or reads a weight: each GPU's share of the model (`meta`, built on the meta
+    device) against the least free memory among the GPUs the ranks take. The routed experts are split over
     the data-parallel ranks with expert parallelism, over the tensor-parallel ranks by range; the rest
     is counted whole on every rank (an upper bound under TP, whose attention heads are split too)."""
     if not cfg.device.startswith("cuda"):
         return  # as _check_before_load: host memory is no fixed bound
-    from deepinfer.loader.model_loader import meta_model
-
-    meta = meta_model(model_dir, dtype=getattr(torch, cfg.dtype), quantized=cfg.keeps_checkpoint_formats)
     ways = cfg.data_parallel_size if cfg.enable_expert_parallel else cfg.tensor_parallel_size
     world = cfg.tensor_parallel_size * cfg.data_parallel_size * cfg.context_parallel_size
     gpus = list(range(min(world, torch.cuda.device_count())))
