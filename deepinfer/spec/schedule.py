@@ -9,9 +9,9 @@ the chance that d_{r,j} is accepted at all, so a step with lengths l emits in ex
     tau = sum_r (1 + sum_{j<=l_r} a_{r,j})   tokens, and takes B = sum_r (1 + l_r) verify tokens.
 
 With SPS(B) the target's steps per second at B tokens (`SPSTable`), the expected throughput is
-Theta = tau * SPS(B). The four ways to choose l, all over the same per-request limits `max_len`
-(the most drafts request r may verify: its draft length, and what remains before its max_tokens
-less the bonus token):
+Theta = tau * SPS(B). The four ways to choose l, all under the same per-request limits `max_len`:
+the most drafts request r may verify, min(its draft length, tokens left before max_tokens - 1, as
+a step emits up to l_r + 1 tokens); a limit must not depend on the drafted tokens themselves.
 
 * `allocate` (paper Alg. 1, DEEPINFER_ENABLE_MTP_VARLEN=1 with synchronous scheduling): every
   candidate (r, j) sorted by a_{r,j}, highest first, ties by request then position; admitted in
