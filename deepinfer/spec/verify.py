@@ -44,7 +44,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.state.forward_batch import to_device
@@ -183,7 +182,7 @@ def verify(target_logits: torch.Tensor, offsets: Sequence[int], draft_tokens: to
         pf = p[final_row]
         rejected = (k < lens_t)[:, None]
         if draft_probs is None:
-            qf = F.one_hot(x_rows[final_row], vocab).float()
+            qf = torch.zeros_like(pf).scatter_(-1, x_rows[final_row][:, None], 1.0)  # (F.one_hot syncs)
         elif draft_probs.shape[0] > 0:
             req = torch.arange(num_req, device=device)
             qf = draft_probs.to(device).float()[(final_row - req).clamp(max=draft_probs.shape[0] - 1)]

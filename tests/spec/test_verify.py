@@ -316,3 +316,32 @@ def test_bad_inputs_name_the_field():
                           (dict(target_logits=torch.zeros(5)), "target_logits")]:
         with pytest.raises(ValueError, match=field):
             verify(**{**good, **change})
+
+
+@pytest.mark.gpu
+def test_on_the_gpu_without_a_host_sync():
+    """CUDA: greedy tokens equal the CPU's, draft length 0 equals sampler.sample on the device, seeded
+    requests are independent of their batch, and the call never waits for the device."""
+    reqs, logits, q, drafts = _mixed_batch(1)
+    cpu = verify(*_select(reqs, logits, q, drafts, range(len(reqs)))).token_lists()
+    dev = [t.cuda() if isinstance(t, torch.Tensor) else t for t in _select(reqs, logits, q, drafts, range(len(reqs)))]
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out = verify(*dev, generator=torch.Generator("cuda").manual_seed(0))
+        one_hot = verify(*dev[:4], None, dev[5], generator=torch.Generator("cuda").manual_seed(0))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    together, _ = out.token_lists(), one_hot.token_lists()
+    assert together[3] == cpu[3]  # the greedy request
+    for i, r in enumerate(reqs):
+        if r[2] is not None:
+            alone = [t.cuda() if isinstance(t, torch.Tensor) else t for t in _select(reqs, logits, q, drafts, [i])]
+            assert verify(*alone, generator=torch.Generator("cuda").manual_seed(5)).token_lists()[0] == together[i]
+    params = [r[1] for r in reqs]
+    seeds = [None if p.seq_seed is None else (p.seq_seed, 9, 0) for p in params]
+    rows = torch.randn(len(params), 9, device="cuda")
+    plain = sample(rows, SamplingBatch.build(params, 9, "cuda", seeds), torch.Generator("cuda").manual_seed(3))
+    zero = verify(rows, _offsets([0] * len(params)), torch.zeros(0, dtype=torch.long, device="cuda"), params,
+                  None, seeds, torch.Generator("cuda").manual_seed(3))
+    assert zero.tokens.tolist() == plain.tolist()
