@@ -35,8 +35,9 @@ first mismatch. This is also exact, and the emitted tokens are the ones speculat
 from the same logits; the acceptance rate is P(x == draw), high only when the proposer draws its tokens
 with the same noise (exponential race over q with the same key).
 
-No device sync: offsets are host integers, the outputs stay on the logits' device. The host loops once over
-the rows to build the per-row parameters and once over seeded rows to draw their noise (as the sampler does).
+No device sync: offsets are host integers, the outputs stay on the logits' device. All token work is
+batched over the flattened rows; the host loops only over the seeded rows, to key their generators and
+draw their noise (as `sampler.sample` does).
 """
 from __future__ import annotations
 
@@ -165,7 +166,7 @@ def verify(target_logits: torch.Tensor, offsets: Sequence[int], draft_tokens: to
             use_choice = greedy_rows | seeded
         # rejection test u < p(x) / q(x) with u = exp(-E[x]), written u * q(x) < p(x) (q(x) = 0: accept iff p(x) > 0)
         qx = (torch.ones_like(x, dtype=torch.float32) if draft_probs is None
-              else draft_probs.to(device).float().gather(-1, x[:, None]).squeeze(-1))
+              else draft_probs.to(device).gather(-1, x[:, None]).squeeze(-1).float())
         u = torch.exp(-noise[draft_rows, x])
         accepted = torch.where(use_choice[draft_rows], x == choice[draft_rows], u * qx < p[draft_rows, x])
 
@@ -185,7 +186,7 @@ def verify(target_logits: torch.Tensor, offsets: Sequence[int], draft_tokens: to
             qf = torch.zeros_like(pf).scatter_(-1, x_rows[final_row][:, None], 1.0)  # (F.one_hot syncs)
         elif draft_probs.shape[0] > 0:
             req = torch.arange(num_req, device=device)
-            qf = draft_probs.to(device).float()[(final_row - req).clamp(max=draft_probs.shape[0] - 1)]
+            qf = draft_probs.to(device)[(final_row - req).clamp(max=draft_probs.shape[0] - 1)].float()
         else:  # no draft rows: every request stops at its bonus row
             qf = torch.zeros_like(pf)
         w = torch.where(rejected, (pf - qf).clamp(min=0), pf)

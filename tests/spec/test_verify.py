@@ -303,6 +303,15 @@ def test_match_seeded_emits_the_speculation_off_tokens():
         assert out.token_lists() == [plain[:k + 1]]
 
 
+def test_bf16_inputs_verify_as_their_fp32_values():
+    reqs, logits, q, drafts = _mixed_batch(2)
+    batch = list(_select(reqs, logits, q, drafts, range(len(reqs))))
+    batch[0], batch[4] = batch[0].bfloat16(), batch[4].bfloat16()
+    low = verify(*batch, generator=torch.Generator().manual_seed(1)).token_lists()
+    batch[0], batch[4] = batch[0].float(), batch[4].float()
+    assert low == verify(*batch, generator=torch.Generator().manual_seed(1)).token_lists()
+
+
 def test_bad_inputs_name_the_field():
     logits, drafts = torch.zeros(5, 4), torch.zeros(3, dtype=torch.long)
     good = dict(target_logits=logits, offsets=[0, 4, 5], draft_tokens=drafts, params=[GREEDY, GREEDY])
