@@ -227,7 +227,9 @@ def _mixed_batch(seed=0, vocab=9):
     logits = torch.randn(sum(lens) + len(lens), vocab, generator=g) * 0.7
     q = torch.randn(sum(lens), vocab, generator=g).softmax(-1)
     drafts = torch.multinomial(q, 1, generator=g).flatten()
-    # make some drafts agree with the target's argmax so that acceptance is not all-or-nothing
+    # the greedy request's first draft is the target's argmax: it accepts one token, then rejects or not
+    g_req = next(i for i, r in enumerate(reqs) if r[1].greedy)
+    drafts[sum(lens[:g_req])] = logits[_offsets(lens)[g_req]].argmax()
     return reqs, logits, q, drafts
 
 
