@@ -38,8 +38,10 @@ DECODE_BATCHES = [1, 4, 16, 64, 128]
 DECODE_CONTEXTS = [256, 4096]
 LAYER_RATIOS = [0, 0, 4, 128]
 # deepinfer-invariant: bf16 in batch-invariant mode (DEEPINFER_BATCH_INVARIANT=1), for its cost
-V41_ENGINES = ("deepinfer-v41", "deepinfer-v41-fp8")
-ENGINES = ("deepinfer", "deepinfer-fp8", "deepinfer-invariant", *V41_ENGINES, "transformers")
+V41_ENGINES = ("deepinfer-v41", "deepinfer-v41-fp8", "deepinfer-v41-fp4")
+ENGINES = ("deepinfer", "deepinfer-fp8", "deepinfer-fp4", "deepinfer-invariant", *V41_ENGINES, "transformers")
+# -fp8: the checkpoint's formats as LLM holds them where the copy fits (FP4 experts rewritten as FP8
+# codes); -fp4: FP4 experts kept packed, as shipped (LLM where the FP8 copy does not fit)
 # timed steps of a decode row per --reps: the V4.1 slice's steps are longer (twice the layers, three times
 # the weight bytes), so its rows time half as many and the whole V4 + V4.1 sweep fits a few minutes
 DECODE_STEPS_PER_REP = {"v4": 10, "v41": 5}
@@ -330,27 +332,27 @@ def _fill_random(name: str, t: torch.Tensor, n_experts: int, g: torch.Generator)
         t.copy_(torch.randint(-128, 127, t.shape, device=DEVICE, generator=g).to(t.dtype))
 
 
-def deepinfer_model(fp8: bool):
+def deepinfer_model(fp8: bool, repack: bool = True):
     from deepinfer.models import DeepseekV4Config, DeepseekV4ForCausalLM
 
     cfg = DeepseekV4Config.from_dict(slice_config())
     with torch.device(DEVICE):
         model = DeepseekV4ForCausalLM(cfg, dtype=torch.bfloat16, quantized=fp8).eval()
     _init_random(model)
-    return _as_llm_holds(model)
+    return _as_llm_holds(model, repack)
 
 
-def _as_llm_holds(model):
+def _as_llm_holds(model, repack: bool = True):
     """FP4 routed experts as LLM holds them on a GPU where the copy fits (the slices fit an H200): FP8
     codes, the faster kernel (engine/memory_fit.py repack_fits; layers/moe.py repack_fp4_as_fp8)."""
     from deepinfer.layers.moe import repack_fp4_experts
 
-    if DEVICE == "cuda":
+    if DEVICE == "cuda" and repack:
         repack_fp4_experts(model)
     return model
 
 
-def deepinfer_model_v41(fp8: bool):
+def deepinfer_model_v41(fp8: bool, repack: bool = True):
     """The V4.1 slice (SLICES["v41"]): DeepseekV41ForCausalLM as LLM builds it (bf16 activations; with
     `fp8` the weights stay FP8 / FP4 as shipped), its layers' routed experts one shared set, and the
     Engram hash constants from a synthetic compressed token map of the config's size."""
@@ -378,7 +380,7 @@ def deepinfer_model_v41(fp8: bool):
     _init_random(model)
     n = cfg.engram_compressed_vocab_size
     model.set_engram_vocab([i % n for i in range(cfg.vocab_size)])  # synthetic: every compressed id used
-    return _as_llm_holds(model)
+    return _as_llm_holds(model, repack)
 
 
 def engine_cache(cfg, num_slots: int, max_len: int, kv_dtype: str, device: str | None = None):
@@ -544,13 +546,13 @@ def _failed_row(name: str, phase: str, B: int, S: int, C: int, err: Exception) -
 def deepinfer_rows(fp8: bool, invariant: bool, ceil: dict, args, name: str, arch: str = "v4") -> list[dict]:
     """Rows of one deepinfer engine on the V4 slice (`arch` "v4") or the V4.1 slice ("v41")."""
     if arch == "v41":
-        model, kv = deepinfer_model_v41(fp8), getattr(args, "v41_kv_cache_dtype", "auto")
+        model, kv = deepinfer_model_v41(fp8, not name.endswith("-fp4")), getattr(args, "v41_kv_cache_dtype", "auto")
         keep = default_replay_keep(model.config)
 
         def roofline(tokens, B, C, decode):
             return roofline41_ms(model.config, tokens, B, C, decode, ceil, fp8, kv, keep)
     else:
-        model, kv = deepinfer_model(fp8), ("fp8" if fp8 else "bfloat16")
+        model, kv = deepinfer_model(fp8, not name.endswith("-fp4")), ("fp8" if fp8 else "bfloat16")
 
         def roofline(tokens, B, C, decode):
             return roofline_ms(slice_config(), tokens, B, C, decode, ceil, fp8)
@@ -732,8 +734,8 @@ def engine_rows(eng: str, ceil: dict, args) -> list[dict]:
     if eng == "transformers":
         return transformers_rows(ceil, args)
     if eng in V41_ENGINES:
-        return deepinfer_rows(eng == "deepinfer-v41-fp8", False, ceil, args, eng, arch="v41")
-    return deepinfer_rows(eng == "deepinfer-fp8", eng == "deepinfer-invariant", ceil, args, eng)
+        return deepinfer_rows(eng != "deepinfer-v41", False, ceil, args, eng, arch="v41")
+    return deepinfer_rows(eng in ("deepinfer-fp8", "deepinfer-fp4"), eng == "deepinfer-invariant", ceil, args, eng)
 
 
 def run_engine_process(eng: str, ceil: dict, args) -> tuple[list[dict], str | None]:

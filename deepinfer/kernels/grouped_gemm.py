@@ -30,10 +30,10 @@ Dequantisation in the K loop:
     (acc += dot(a, w) * s[n]); otherwise each weight element is scaled before the dot, with the
     tile's [BLOCK_N, BLOCK_K / bi] scales loaded once and broadcast when bi divides BLOCK_K (the
     (1, 32) blocks of FP4 experts repacked to FP8), gathered per element otherwise.
-  * FP4: the packed bytes [BLOCK_N, BLOCK_K/2] are split into low / high nibbles; each code times its
-    E8M0 scale is built directly as fp32 bits (the scale byte added to the exponent field: no
-    multiply, exact for scale bytes 2..252, which bounds |value| to fp32's normal range), with the
-    tile's BLOCK_K / 32 scale bytes per row loaded once and broadcast. The even / odd columns of A
+  * FP4: the packed bytes [BLOCK_N, BLOCK_K/2] are split into low / high nibbles; each code is widened
+    by placing its bits in an fp16 (e2m1_fp32: shifts, no value arithmetic) and multiplied by its
+    E8M0 scale (exact for scale bytes 2..252, which keeps every product in fp32's normal range), with
+    the tile's BLOCK_K / 32 scale bytes per row loaded once and broadcast. The even / odd columns of A
     are loaded separately so each nibble plane goes to its own dot (no register shuffle).
   * E8M0 bytes are decoded by placing the byte in an fp32 exponent field (byte 0 -> 2^-127).
 Under TRITON_INTERPRET=1 (CPU tensors) the dot operands are rounded to bf16 and then widened to
@@ -142,17 +142,34 @@ if triton is not None:
         return tl.where(b == 0, 5.877471754111438e-39, (b << 23).to(tl.float32, bitcast=True))
 
     @triton.jit
-    def _e2m1_scaled(code, sbyte):
-        """4-bit e2m1 codes times E8M0 scales 2^(sbyte - 127) -> fp32, built as bits: no multiply.
-        e2m1 is 0.5 m (exponent 0) or (1 + m/2) 2^(ex-1); times 2^(sbyte-127) its fp32 exponent field is
-        sbyte - 1 (ex 0) or ex + sbyte - 1, its mantissa's top bit m (ex > 0). Exact for scale bytes in
-        [2, 252] (every field a normal fp32 exponent); ±0 codes give ±0 whatever the scale."""
-        m = code & 1
-        ex = (code >> 1) & 3
-        field = tl.minimum(tl.maximum(tl.where(ex == 0, sbyte - 1, ex + sbyte - 1), 0), 254)
-        bits = (field << 23) | tl.where(ex == 0, 0, m << 22)
-        bits = tl.where((code & 7) == 0, 0, bits) | ((code & 8) << 28)
-        return bits.to(tl.float32, bitcast=True)
+    def e2m1_fp32(code):
+        """4-bit e2m1 codes -> their fp32 values. The 3 magnitude bits are placed at the top of an fp16's
+        exponent (2 bits) and mantissa (1 bit), the sign at bit 15: that fp16 is the e2m1 value times
+        2^-14 for every code, subnormal (0, 0.5) or not; widened, then times 2^14 (exact)."""
+        bits = ((code & 8) << 12) | ((code & 7) << 9)
+        return bits.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32) * 16384.0
+
+    @triton.jit
+    def group_tile(pid_m, offs_ptr, M, E, w_ptr, s_ptr, s_we, s_se, ONE_GROUP: tl.constexpr,
+                   E_PAD: tl.constexpr, BLOCK_M: tl.constexpr):
+        """Row tile pid_m of the expert-sorted rows -> (live, row0, row_end, w_base, s_base): live 0 for
+        tiles past the last real one; else the tile's first row, its group's row end and the group's
+        weight / scale bases. One group: tiles of BLOCK_M rows over M. Several (offs: cumulative row
+        ends of E groups): group e with c rows owns cdiv(c, BLOCK_M) consecutive tiles."""
+        if ONE_GROUP:
+            return 1, pid_m * BLOCK_M, M, w_ptr, s_ptr
+        ids = tl.arange(0, E_PAD)
+        ends = tl.load(offs_ptr + ids, mask=ids < E, other=0)
+        starts = tl.load(offs_ptr + ids - 1, mask=(ids > 0) & (ids < E), other=0)
+        tiles = (tl.maximum(ends - starts, 0) + BLOCK_M - 1) // BLOCK_M
+        tile_end = tl.cumsum(tiles, 0)                       # one past each group's last tile
+        live = (pid_m < tl.max(tile_end, 0)).to(tl.int32)
+        e = tl.sum((tile_end <= pid_m).to(tl.int32), 0)      # groups entirely before this tile
+        here = ids == e
+        first = tl.sum(tl.where(here, tile_end - tiles, 0), 0)
+        row0 = tl.sum(tl.where(here, starts, 0), 0) + (pid_m - first) * BLOCK_M
+        row_end = tl.sum(tl.where(here, ends, 0), 0)
+        return live, row0, row_end, w_ptr + e.to(tl.int64) * s_we, s_ptr + e.to(tl.int64) * s_se
 
     @triton.jit
     def _grouped_gemm_kernel(a_ptr, w_ptr, s_ptr, offs_ptr, out_ptr, M, N, E,
@@ -168,26 +185,10 @@ if triton is not None:
             k_lo = 0                                  # constexpr loop bounds, as without split-K
         else:
             k_lo = tl.program_id(2) * K_PART
-        if ONE_GROUP:
-            row0 = pid_m * BLOCK_M
-            row_end = M
-            w_base = w_ptr
-            s_base = s_ptr
-        else:
-            ids = tl.arange(0, E_PAD)
-            ends = tl.load(offs_ptr + ids, mask=ids < E, other=0)
-            starts = tl.load(offs_ptr + ids - 1, mask=(ids > 0) & (ids < E), other=0)
-            tiles = (tl.maximum(ends - starts, 0) + BLOCK_M - 1) // BLOCK_M
-            tile_end = tl.cumsum(tiles, 0)                       # one past each group's last tile
-            if pid_m >= tl.max(tile_end, 0):
-                return
-            e = tl.sum((tile_end <= pid_m).to(tl.int32), 0)      # groups entirely before this tile
-            here = ids == e
-            first = tl.sum(tl.where(here, tile_end - tiles, 0), 0)
-            row0 = tl.sum(tl.where(here, starts, 0), 0) + (pid_m - first) * BLOCK_M
-            row_end = tl.sum(tl.where(here, ends, 0), 0)
-            w_base = w_ptr + e.to(tl.int64) * s_we
-            s_base = s_ptr + e.to(tl.int64) * s_se
+        live, row0, row_end, w_base, s_base = group_tile(pid_m, offs_ptr, M, E, w_ptr, s_ptr, s_we, s_se,
+                                                          ONE_GROUP, E_PAD, BLOCK_M)
+        if live == 0:
+            return
 
         rows = row0 + tl.arange(0, BLOCK_M)
         rmask = (rows < row_end) & (rows < M)
@@ -212,9 +213,9 @@ if triton is not None:
                 sk = k0 // 32 + tl.arange(0, NS)
                 sb = tl.load(s_base + cols[:, None] * s_sn + sk[None, :] * s_sk,
                              mask=nmask[:, None] & (sk < K // 32)[None, :], other=127).to(tl.int32) & 0xFF
-                sb = tl.reshape(tl.broadcast_to(sb[:, :, None], (BLOCK_N, NS, 16)), (BLOCK_N, HALF))
-                lo = _e2m1_scaled(byte & 0xF, sb).to(tl.bfloat16).to(OP)
-                hi = _e2m1_scaled(byte >> 4, sb).to(tl.bfloat16).to(OP)
+                sc = tl.reshape(tl.broadcast_to(_e8m0(sb)[:, :, None], (BLOCK_N, NS, 16)), (BLOCK_N, HALF))
+                lo = (e2m1_fp32(byte & 0xF) * sc).to(tl.bfloat16).to(OP)
+                hi = (e2m1_fp32(byte >> 4) * sc).to(tl.bfloat16).to(OP)
                 acc = tl.dot(a_even.to(tl.bfloat16).to(OP), tl.trans(lo), acc)
                 acc = tl.dot(a_odd.to(tl.bfloat16).to(OP), tl.trans(hi), acc)
             else:
