@@ -60,15 +60,7 @@ def expert_case(E: int, N: int, K: int, fmt: str, device: str, g: torch.Generato
 
 def cases(smoke: bool, device: str):
     """(kind, slice, name, fmt, a, w, offs, scale, block, dense, bytes) for every benchmarked GEMM."""
-    g = torch.Generator().manual_seed(0)
-    for sl, (block, shapes) in SHAPES.items():
-        for name, N, K, _ in (shapes[:2] if smoke else shapes):
-            N, K = (min(N, 256), min(K, 256)) if smoke else (N, K)
-            w, s = make_weight(N, K, block, device)
-            dense = dequant_fp8_blocks(w, s, block, torch.bfloat16)
-            for M in LINEAR_M[:2] if smoke else LINEAR_M:
-                a = torch.randn(M, K, device=device).to(torch.bfloat16)
-                yield ("linear", sl, name, "fp8", a, w, None, s, block, dense, N * K + 2 * M * (K + N))
+    g = torch.Generator().manual_seed(0)  # experts first: a --sweep budget reaches them before the linears
     for sl, (E, D, F_, k) in EXPERTS.items():
         if smoke:
             E, D, F_ = 8, 128, 64
@@ -83,6 +75,14 @@ def cases(smoke: bool, device: str):
                     wbytes = hit * N * K // (2 if fmt == "fp4" else 1) + hit * N * K // 32
                     yield ("experts", sl, f"{name} T={T}", fmt, a, w, offs, s, block, dense,
                            wbytes + 2 * ids.numel() * (K + N))
+    for sl, (block, shapes) in SHAPES.items():
+        for name, N, K, _ in (shapes[:2] if smoke else shapes):
+            N, K = (min(N, 256), min(K, 256)) if smoke else (N, K)
+            w, s = make_weight(N, K, block, device)
+            dense = dequant_fp8_blocks(w, s, block, torch.bfloat16)
+            for M in LINEAR_M[:2] if smoke else LINEAR_M:
+                a = torch.randn(M, K, device=device).to(torch.bfloat16)
+                yield ("linear", sl, name, "fp8", a, w, None, s, block, dense, N * K + 2 * M * (K + N))
 
 
 def bf16_path(a, dense, offs):
