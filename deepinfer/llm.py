@@ -15,7 +15,8 @@ from deepinfer.config import EngineConfig
 from deepinfer.engine.detokenizer import Detokenizer
 from deepinfer.engine.engine_core import EngineCore
 from deepinfer.engine.kv_manager import KVCacheManager, plan_capacity
-from deepinfer.engine.memory_fit import WORKSPACE_BYTES, check_fit, format_bytes, repack_fits, requests_at_length
+from deepinfer.engine.memory_fit import (WORKSPACE_BYTES, WeightBytes, check_fit, format_bytes, repack_fits,
+                                         requests_at_length)
 from deepinfer.engine.outputs import CompletionOutput, RequestOutput
 from deepinfer.engine.request import Request, Status
 from deepinfer.engine.scheduler import Scheduler
@@ -172,6 +173,8 @@ class LLM:
         self.engine = engine(args, self.detokenizer)
         self.model, self.scheduler = self.engine.model, self.engine.scheduler
         self.max_model_len = self.engine.max_model_len
+        _log_capacity(self.model, self.engine.cache, self.scheduler.kv, self.max_model_len, cfg,
+                      self.engine.rank_weights)
 
     def close(self) -> None:
         """Stop the other ranks of a multi-process engine (a no-op for one process)."""
@@ -466,10 +469,12 @@ def _fit_reserve(cfg: EngineConfig, mcfg) -> int:
     return int(spec.slot_bytes + expected * per_token) + WORKSPACE_BYTES
 
 
-def _log_capacity(model: torch.nn.Module, cache, kv: KVCacheManager, max_model_len: int, cfg: EngineConfig) -> None:
+def _log_capacity(model: torch.nn.Module, cache, kv: KVCacheManager, max_model_len: int, cfg: EngineConfig,
+                  ranks: list[WeightBytes] | None = None) -> None:
     """Start-up figures: the weights as held on the device, the cache, and how many requests of
-    max_model_len tokens fit in it at once."""
-    weights = weight_bytes(model, cfg.engram_device == "cpu")
+    max_model_len tokens fit in it at once. `ranks`: a multi-process engine's weights on each rank (one
+    line each; `model`, `cache` and `kv` are the driver's, the same formats and cache sizes as every rank's)."""
+    weights = ranks or [weight_bytes(model, cfg.engram_device == "cpu")]
     cache_bytes = sum(c.nbytes() for c in cache.layers + cache.mtp)
     if cache.token_history is not None:
         cache_bytes += cache.token_history.numel() * cache.token_history.element_size()
@@ -478,10 +483,13 @@ def _log_capacity(model: torch.nn.Module, cache, kv: KVCacheManager, max_model_l
     if any(getattr(m, "w1", None) is not None and m.w1.dtype == torch.float8_e4m3fn and m.quant.fp4_experts
            for m in model.modules() if isinstance(m, Experts)):
         formats += "; FP4 routed experts held as FP8 codes (twice their bytes, faster kernels: they fit)"
-    logger.info("weights: %s on %s (%s; routed experts %s)", format_bytes(weights.total), cfg.device, formats,
-                format_bytes(weights.experts))
-    logger.info("cache: %s (%d request slots); %d request(s) of max_model_len=%d tokens fit at once",
-                format_bytes(cache_bytes), kv.num_slots, fit, max_model_len)
+    for rank, w in enumerate(weights):
+        logger.info("%sweights: %s on %s (%s; routed experts %s)", f"rank {rank} " if ranks else "",
+                    format_bytes(w.total), cfg.device, formats, format_bytes(w.experts))
+    dp = cfg.data_parallel_size  # each data-parallel rank serves its own requests
+    logger.info("cache: %s%s (%d request slots); %d request(s) of max_model_len=%d tokens fit at once%s",
+                format_bytes(cache_bytes), " on each rank" if ranks else "", kv.num_slots, fit, max_model_len,
+                f" on each of the {dp} data-parallel ranks" if dp > 1 else "")
 
 
 def _replay_keep(cfg: EngineConfig, mcfg) -> int | None:

@@ -33,9 +33,10 @@ from a replica on its own rank when there is one, else through one all_to_all_si
 weight tensor), then routes by the new placement (ExpertParallel.set_placement). Requests in flight
 are untouched: the move happens between steps, and every replica of an expert holds the same weights.
 
-Failure: as TPEngine (launch.py): a rank that raises reports its traceback and exits; the driver's
-pending collective fails or times out, and `step` raises TPWorkerError naming the rank, after
-aborting every request. The engine is then closed.
+Failure: as TPEngine (launch.py): a rank that raises reports its traceback and exits; the driver
+watches every rank's process, so a rank that dies (raising or killed) ends the step promptly under
+gloo or NCCL, and `step` raises TPWorkerError naming the rank and its exit code, after aborting every
+request. The engine is then closed.
 """
 from __future__ import annotations
 
@@ -346,6 +347,7 @@ class DPEngine(TPEngine):
             raise self._diagnose(e) from e
         r = self.rank.r
         self.model, self.rank_info = r.model, r.info
+        self.cache, self.rank_weights = r.cache, r.weights  # for the start-up capacity log
         self.max_model_len = KVCacheManager(r.num_slots, r.num_blocks, args.block_size).max_model_len(
             args.max_model_len, self.model.config.max_position_embeddings, "every rank's smallest share")
         self.cores: list[EngineCore] = []
@@ -385,8 +387,10 @@ class DPEngine(TPEngine):
         self.fixed_steps += fixed and any(p is not None for p in plans)
         rebalance = self.eplb is not None and self._steps % self.eplb.interval == 0
         try:
+            self._watch.check()
             ps.broadcast_object((plans, fixed, rebalance))
             self._outputs = self.rank.step(plans, fixed, rebalance)
+            self._watch.check()  # a rank that died mid-step: the gathered outputs may be incomplete
         except Exception as e:
             self._failure = self._diagnose(e)
         finished, errors = [], []

@@ -13,18 +13,27 @@ inputs), so the next SchedulerOutput carries every token the other ranks need: n
 sent back, and a rank's own sampling (same seed, same logits) is computed and dropped. Chosen
 over broadcasting tokens because it adds no collective to a step.
 
-Failure: any rank that raises ends the engine. A worker puts its traceback on a queue and exits;
-the driver's pending collective then fails (the peer's connection closes) or times out after
-`timeout_s`; `TPEngine.step` raises TPWorkerError naming the rank and its error. The engine is
-then closed: a new one must be built.
+Failure: any rank that raises or dies ends the engine. A worker that raises puts its traceback on a
+queue and exits with code 1. A driver thread (_RankWatch) waits on the spawned ranks' process
+sentinels: the first rank to exit while the engine is open is recorded with its exit code, the other
+spawned ranks are terminated (under NCCL they would block in a collective until `timeout_s`), and the
+driver's NCCL communicators are aborted so that its own pending collective returns. The driver's
+step checks that record before and after the step, so its collective failing (a peer's connection
+closed), timing out, or returning from an abort all end the same way: `TPEngine.step` raises
+TPWorkerError naming the rank, its exit code and its error. The engine is then closed: a new one
+must be built.
 """
 from __future__ import annotations
 
 import itertools
 import logging
+import multiprocessing
+import multiprocessing.connection
 import queue
 import shutil
+import signal
 import tempfile
+import threading
 import time
 import traceback
 from dataclasses import dataclass
@@ -40,17 +49,21 @@ from deepinfer.distributed.parallel_state import ParallelConfig
 from deepinfer.distributed.tensor_parallel import load_shard
 from deepinfer.engine.engine_core import EngineCore
 from deepinfer.engine.kv_manager import KVCacheManager, plan_capacity
+from deepinfer.engine.memory_fit import WeightBytes
 from deepinfer.engine.outputs import CompletionOutput, ModelOutput, SchedulerOutput
 from deepinfer.engine.request import Request, Status
 from deepinfer.engine.scheduler import Scheduler
+from deepinfer.loader.model_loader import weight_bytes
 from deepinfer.sampling_params import SamplingParams
-from deepinfer.worker.kv_cache import allocate_v4_cache, cache_spec, default_cache_memory
+from deepinfer.worker.kv_cache import V4Cache, allocate_v4_cache, cache_spec, default_cache_memory
 from deepinfer.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
 # seconds the driver waits, once a collective failed, for the failing rank's report or exit
 REPORT_WAIT_S = 10.0
+# exit code of a spawned rank that raised (report_failure)
+FAILED_EXIT_CODE = 1
 
 
 @dataclass(frozen=True)
@@ -110,12 +123,15 @@ class _Rank:
     runner: ModelRunner  # or a CPRunner around one (context parallelism): the same execute
     num_slots: int
     num_blocks: dict[int, int]
+    cache: V4Cache         # the same size on every rank
+    weights: list[WeightBytes]  # every rank's, in rank order (its shard / its expert slots)
 
 
 def _build_rank(args: EngineArgs, rank: int, init_method: str,
                 load: Callable[[EngineArgs, ps.RankInfo], torch.nn.Module] | None = None) -> _Rank:
     """Join the groups, load this rank's part of the model (`load`; default: its tensor-parallel
-    shard), agree on the cache size (the smallest any rank can hold), allocate the cache and the runner."""
+    shard), agree on the cache size (the smallest any rank can hold) and share the weights' bytes, allocate
+    the cache and the runner."""
     info = ps.init_parallel(args.parallel, rank, args.device, init_method, args.timeout_s, args.backend)
     if args.num_threads:
         torch.set_num_threads(args.num_threads)
@@ -125,8 +141,9 @@ def _build_rank(args: EngineArgs, rank: int, init_method: str,
     spec = cache_spec(cfg, args.kv_cache_dtype, args.block_size)
     memory = args.kv_cache_memory or default_cache_memory(device)
     expected = args.max_model_len or min(cfg.max_position_embeddings, 4096)
-    plans = ps.all_gather_object(plan_capacity(memory, spec.slot_bytes, spec.block_bytes, args.block_size,
-                                               args.max_num_seqs, expected))
+    gathered = ps.all_gather_object((plan_capacity(memory, spec.slot_bytes, spec.block_bytes, args.block_size,
+                                                   args.max_num_seqs, expected), weight_bytes(model)))
+    plans = [plan for plan, _ in gathered]
     num_slots = min(s for s, _ in plans)
     num_blocks = {m: min(b[m] for _, b in plans) for m in plans[0][1]}
     cache = allocate_v4_cache(cfg, num_slots, num_blocks, args.kv_cache_dtype, device, args.block_size, scratch=True)
@@ -136,7 +153,7 @@ def _build_rank(args: EngineArgs, rank: int, init_method: str,
         from deepinfer.distributed.context_parallel import CPRunner
 
         runner = CPRunner(runner, dist.group.WORLD)
-    return _Rank(info, model, runner, num_slots, num_blocks)
+    return _Rank(info, model, runner, num_slots, num_blocks, cache, [w for _, w in gathered])
 
 
 def _load_tp_shard(args: EngineArgs, info: ps.RankInfo) -> torch.nn.Module:
@@ -165,7 +182,90 @@ def report_failure(rank: int, err: BaseException, reports) -> None:
     reports.put((rank, f"{type(err).__name__}: {err}", traceback.format_exc()))
     reports.close()
     reports.join_thread()
-    raise SystemExit(1)
+    raise SystemExit(FAILED_EXIT_CODE)
+
+
+class RankDied(RuntimeError):
+    """The driver's view of a spawned rank that exited while the engine was open."""
+
+
+class _RankWatch:
+    """A driver thread waiting (multiprocessing.connection.wait) on the spawned ranks' sentinels and a
+    wake-up pipe. The first rank to exit before `stop()` is `dead` = (rank, exit code); then the other
+    spawned ranks are terminated and `on_death` runs (the driver aborts its NCCL communicators)."""
+
+    def __init__(self, procs: dict, on_death: Callable[[], None]):
+        self.procs, self.on_death = dict(procs), on_death
+        self.dead: tuple[int, int | None] | None = None
+        self.terminated: set[int] = set()  # ranks this watch ended
+        self._wake_r, self._wake_w = multiprocessing.Pipe(duplex=False)
+        self._thread = threading.Thread(target=self._run, name="deepinfer-rank-watch", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        by_sentinel = {p.sentinel: r for r, p in self.procs.items()}
+        ready = multiprocessing.connection.wait([self._wake_r, *by_sentinel])
+        if self._wake_r in ready:  # an orderly shutdown: exits from now on are expected
+            return
+        rank = min(by_sentinel[s] for s in ready)
+        self.dead = (rank, _exit_code(self.procs[rank]))
+        for r, p in self.procs.items():
+            if r != rank and p.is_alive():
+                self.terminated.add(r)
+                p.terminate()
+        try:
+            self.on_death()
+        except Exception:  # the driver's pending collective then ends by its timeout instead
+            logger.exception("could not abort the driver's communicators after rank %d died", rank)
+
+    def check(self) -> None:
+        """Raises RankDied if a spawned rank has exited."""
+        if self.dead is not None:
+            rank, code = self.dead
+            raise RankDied(f"rank {rank} exited ({describe_exit(code)})")
+
+    def stop(self) -> None:
+        """Stop watching (before the ranks are told to exit, or once they are gone)."""
+        if self._thread.is_alive():
+            self._wake_w.send(None)
+            self._thread.join()
+        self._wake_r.close()
+        self._wake_w.close()
+
+
+def _exit_code(proc, wait_s: float = 1.0) -> int | None:
+    """The exit code of a process that is ending (None if it has not within `wait_s`). Polled: the
+    driver's threads may both reap it, and the one that loses sees no code for a moment."""
+    deadline = time.monotonic() + wait_s
+    proc.join(timeout=wait_s)
+    while proc.exitcode is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return proc.exitcode
+
+
+def describe_exit(code: int | None) -> str:
+    if code is None:
+        return "exit code unknown"
+    if code < 0:
+        try:
+            return f"exit code {code}, killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"exit code {code}, killed by signal {-code}"
+    return f"exit code {code}"
+
+
+def _abort_nccl() -> None:
+    """Abort this process's NCCL communicators (from the watch thread): a collective or a stream sync
+    waiting on a dead peer returns instead of blocking until the timeout. No-op under gloo, where the
+    peers' closed connections end the driver's collective."""
+    if not dist.is_initialized() or dist.get_backend() != "nccl":
+        return
+    for pg in list(dist.distributed_c10d._world.pg_map):
+        try:
+            backend = pg._get_backend(torch.device("cuda"))
+        except RuntimeError:  # a gloo group (the object channel)
+            continue
+        backend.abort()
 
 
 class _DriverRunner:
@@ -176,15 +276,19 @@ class _DriverRunner:
 
     supports_placeholders = False  # synchronous steps: the next plan carries the sampled tokens
 
-    def __init__(self, runner: ModelRunner, diagnose: Callable[[BaseException], TPWorkerError]):
-        self.runner, self.diagnose, self.failure = runner, diagnose, None
+    def __init__(self, runner: ModelRunner, diagnose: Callable[[BaseException], TPWorkerError],
+                 check: Callable[[], None]):
+        self.runner, self.diagnose, self.check, self.failure = runner, diagnose, check, None
 
     def execute(self, so: SchedulerOutput) -> ModelOutput:
         if self.failure is not None:
             raise self.failure
         try:
+            self.check()
             ps.broadcast_object(so)
-            return self.runner.execute(so)
+            out = self.runner.execute(so)
+            self.check()  # a rank that died mid-step: its peers' results may come from aborted collectives
+            return out
         except Exception as e:
             self.failure = self.diagnose(e)
             raise self.failure from e
@@ -209,12 +313,13 @@ class TPEngine:
         except Exception as e:
             raise self._diagnose(e) from e
         self.model, self.rank_info = rank.model, rank.info
+        self.cache, self.rank_weights = rank.cache, rank.weights  # for the start-up capacity log
         kv = KVCacheManager(rank.num_slots, rank.num_blocks, args.block_size)
         self.max_model_len = kv.max_model_len(args.max_model_len, self.model.config.max_position_embeddings,
                                               "every rank's smallest share")
         self.scheduler = Scheduler(kv, min(args.max_num_seqs, rank.num_slots), args.max_num_batched_tokens,
                                    self.max_model_len)
-        self._runner = _DriverRunner(rank.runner, self._diagnose)
+        self._runner = _DriverRunner(rank.runner, self._diagnose, self._watch.check)
         self.engine = EngineCore(self.scheduler, self._runner, detokenizer, async_scheduling=False)
         self._ids = itertools.count()
 
@@ -232,6 +337,7 @@ class TPEngine:
                                       name=f"deepinfer-rank{r}") for r in range(1, args.parallel.world_size)}
         for p in self._procs.values():
             p.start()
+        self._watch = _RankWatch(self._procs, _abort_nccl)
         return init_method
 
     # EngineCore's surface
@@ -279,7 +385,8 @@ class TPEngine:
 
     def close(self) -> None:
         """Stop the other ranks (a clean goodbye when the group is healthy) and leave the group."""
-        if self._procs and self._error is None and ps.rank_info() is not None:
+        self._watch.stop()
+        if self._procs and self._error is None and self._watch.dead is None and ps.rank_info() is not None:
             try:
                 ps.broadcast_object(None)
             except Exception:  # a rank already gone: it is stopped below
@@ -302,8 +409,13 @@ class TPEngine:
         self.close()
 
     def _check_open(self) -> None:
+        """Raises the engine's failure: kept, or found now (a rank that died since the last step)."""
         if self._error is not None:
             raise self._error
+        try:
+            self._watch.check()
+        except RankDied as e:
+            raise self._diagnose(e) from e
 
     def _diagnose(self, err: BaseException) -> TPWorkerError:
         """Collect the ranks' reports (waiting a little for a failing rank to report or exit), close
@@ -311,7 +423,9 @@ class TPEngine:
         if self._error is not None:
             return self._error
         reports: dict[int, str] = {}
-        deadline = time.monotonic() + REPORT_WAIT_S
+        dead = self._watch.dead
+        # a rank that died otherwise than by raising sends no report
+        deadline = time.monotonic() + (REPORT_WAIT_S if dead is None or dead[1] == FAILED_EXIT_CODE else 0.0)
         while not reports and time.monotonic() < deadline:
             try:
                 rank, msg, tb = self._reports.get(timeout=0.2)
@@ -325,13 +439,19 @@ class TPEngine:
                 reports.setdefault(rank, f"{msg}\n{tb}")
             except queue.Empty:
                 break
+        self._watch.stop()
+        dead = self._watch.dead  # the watch may have seen the exit while the reports were read
         for rank, p in self._procs.items():
-            if p.exitcode not in (None, 0) and rank not in reports:
-                reports[rank] = f"exited with code {p.exitcode} without a report\n"
+            if rank in self._watch.terminated:
+                reports.setdefault(rank, f"terminated by the driver after rank {dead[0]} died\n")
+            elif p.exitcode not in (None, 0) and rank not in reports:
+                reports[rank] = "exited without a report\n"
         driver = f"{type(err).__name__}: {err}"
-        if reports:
-            first = min(reports)
-            msg = f"{self.kind} rank {first} failed: {reports[first].splitlines()[0]}"
+        if dead is not None or reports:
+            first = dead[0] if dead is not None else min(reports)
+            code = dead[1] if dead is not None else _exit_code(self._procs[first])
+            reason = reports.get(first, "exited without a report\n").splitlines()[0]
+            msg = f"{self.kind} rank {first} failed: {reason} ({describe_exit(code)})"
         else:
             first = None
             msg = (f"a {self.kind} collective failed on the driver and no other rank reported an error within "
