@@ -397,7 +397,12 @@ class TPEngine:
                 p.terminate()
                 p.join(timeout=REPORT_WAIT_S)
         self._procs = {}
-        ps.destroy()
+        try:
+            ps.destroy()
+        except Exception:  # after a death its communicators may be aborted: the rank's error is what matters
+            if self._watch.dead is None:
+                raise
+            logger.exception("could not leave the process group cleanly after rank %d died", self._watch.dead[0])
         if self._tmp is not None:
             shutil.rmtree(self._tmp, ignore_errors=True)
             self._tmp = None
