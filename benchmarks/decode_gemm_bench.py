@@ -99,6 +99,8 @@ def run(args) -> dict:
     time_us, gbps = timer(device), copy_gbps(device)
     rows, t_end = [], time.monotonic() + args.budget_s
     for kind, sl, name, fmt, a, w, offs, s, block, dense, nbytes in cases(args.smoke, device):
+        if args.only and kind != args.only:
+            continue
         paths = {"bf16": bf16_path(a, dense, offs),
                  "grouped": lambda: grouped_gemm(a, w, offs, s, block),
                  "decode": lambda: dg.decode_gemm(a, w, offs, s, block)}
@@ -143,6 +145,7 @@ def main():
     p.add_argument("--out", type=Path)
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--sweep", action="store_true")
+    p.add_argument("--only", choices=("linear", "experts"), help="one kind of case")
     p.add_argument("--budget-s", type=float, default=300.0, help="stop sweeping after this many seconds")
     add_commit_arg(p)
     args = p.parse_args()

@@ -20,9 +20,9 @@ tiles, so the total is at most (M + min(E, M) * (BLOCK_M - 1)) // BLOCK_M. Every
 the tile -> expert map from `offs` in registers (per-expert tile counts, cumsum, count of the
 experts that end at or before its tile), so no auxiliary launch is needed; programs past the real
 tile count return at once. A tile never spans two experts; its rows outside the expert are masked.
-One group (a dense Linear) with few output tiles: K is split over a third grid axis into fp32
-partials [S, M, N] that a second launch sums in split order (deterministic; S from the shapes
-only, and never when tiles are passed explicitly, as batch-invariant mode does).
+Few output tiles (decode: a dense Linear, or the experts of a few tokens): K is split over a third
+grid axis into fp32 partials [S, M, N] that a second launch sums in split order (deterministic; S
+from the shapes only, and never when tiles are passed explicitly, as batch-invariant mode does).
 
 Dequantisation in the K loop:
   * FP8: e4m3 -> bf16; when the scale block covers the whole K tile (bi % BLOCK_K == 0) the scale
@@ -156,20 +156,27 @@ if triton is not None:
         tiles past the last real one; else the tile's first row, its group's row end and the group's
         weight / scale bases. One group: tiles of BLOCK_M rows over M. Several (offs: cumulative row
         ends of E groups): group e with c rows owns cdiv(c, BLOCK_M) consecutive tiles."""
-        if ONE_GROUP:
-            return 1, pid_m * BLOCK_M, M, w_ptr, s_ptr
-        ids = tl.arange(0, E_PAD)
-        ends = tl.load(offs_ptr + ids, mask=ids < E, other=0)
-        starts = tl.load(offs_ptr + ids - 1, mask=(ids > 0) & (ids < E), other=0)
-        tiles = (tl.maximum(ends - starts, 0) + BLOCK_M - 1) // BLOCK_M
-        tile_end = tl.cumsum(tiles, 0)                       # one past each group's last tile
-        live = (pid_m < tl.max(tile_end, 0)).to(tl.int32)
-        e = tl.sum((tile_end <= pid_m).to(tl.int32), 0)      # groups entirely before this tile
-        here = ids == e
-        first = tl.sum(tl.where(here, tile_end - tiles, 0), 0)
-        row0 = tl.sum(tl.where(here, starts, 0), 0) + (pid_m - first) * BLOCK_M
-        row_end = tl.sum(tl.where(here, ends, 0), 0)
-        return live, row0, row_end, w_ptr + e.to(tl.int64) * s_we, s_ptr + e.to(tl.int64) * s_se
+        if ONE_GROUP:  # offs_ptr is a placeholder then: this branch alone is compiled
+            live = 1
+            row0 = pid_m * BLOCK_M
+            row_end = M
+            w_base = w_ptr
+            s_base = s_ptr
+        else:
+            ids = tl.arange(0, E_PAD)
+            ends = tl.load(offs_ptr + ids, mask=ids < E, other=0)
+            starts = tl.load(offs_ptr + ids - 1, mask=(ids > 0) & (ids < E), other=0)
+            tiles = (tl.maximum(ends - starts, 0) + BLOCK_M - 1) // BLOCK_M
+            tile_end = tl.cumsum(tiles, 0)                       # one past each group's last tile
+            live = (pid_m < tl.max(tile_end, 0)).to(tl.int32)
+            e = tl.sum((tile_end <= pid_m).to(tl.int32), 0)      # groups entirely before this tile
+            here = ids == e
+            first = tl.sum(tl.where(here, tile_end - tiles, 0), 0)
+            row0 = tl.sum(tl.where(here, starts, 0), 0) + (pid_m - first) * BLOCK_M
+            row_end = tl.sum(tl.where(here, ends, 0), 0)
+            w_base = w_ptr + e.to(tl.int64) * s_we
+            s_base = s_ptr + e.to(tl.int64) * s_se
+        return live, row0, row_end, w_base, s_base
 
     @triton.jit
     def _grouped_gemm_kernel(a_ptr, w_ptr, s_ptr, offs_ptr, out_ptr, M, N, E,
@@ -251,11 +258,11 @@ if triton is not None:
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=rmask[:, None] & nmask[None, :])
 
 
-def split_k_for(M: int, N: int, K: int, cfg: dict, sms: int) -> int:
-    """Splits of K for one group (a dense Linear) when its output tiles leave most SMs idle (small
-    M, small N: the FP8 projections at decode): a power of two up to 16 that brings the programs
-    to ~2 per SM, keeping >= 4 K tiles per split and the splits a whole number of K tiles."""
-    programs = _cdiv(M, cfg["BLOCK_M"]) * _cdiv(N, cfg["BLOCK_N"])
+def split_k_for(m_tiles: int, N: int, K: int, cfg: dict, sms: int) -> int:
+    """Splits of K when the output tiles (m_tiles row tiles x N / BLOCK_N) leave most SMs idle (decode:
+    the FP8 projections, the experts of a few tokens): a power of two up to 16 that brings the
+    programs to ~2 per SM, keeping >= 4 K tiles per split and the splits a whole number of K tiles."""
+    programs = m_tiles * _cdiv(N, cfg["BLOCK_N"])
     k_tiles = K // cfg["BLOCK_K"] if K % cfg["BLOCK_K"] == 0 else 1
     s = 1
     while s < 16 and programs * s < 2 * sms and k_tiles % (2 * s) == 0 and k_tiles // (2 * s) >= 4:
@@ -310,8 +317,8 @@ def _launch(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor | None, scale: 
     if K == 0:
         return out.zero_()
     one_group = offs is None
-    if split_k > 1 and (not one_group or K % (split_k * cfg["BLOCK_K"])):
-        raise ValueError(f"grouped_gemm: split_k {split_k} needs one group and K % (split_k * BLOCK_K) == 0")
+    if split_k > 1 and K % (split_k * cfg["BLOCK_K"]):
+        raise ValueError(f"grouped_gemm: split_k {split_k} needs K % (split_k * BLOCK_K) == 0")
     dst = out if split_k == 1 else torch.empty(split_k, M, N, dtype=torch.float32, device=a.device)
     grid = (max_m_tiles(M, E, cfg["BLOCK_M"], one_group), triton.cdiv(N, cfg["BLOCK_N"]), split_k)
     _grouped_gemm_kernel[grid](
@@ -339,13 +346,13 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor | None, sc
     if a.dtype != torch.bfloat16:
         raise TypeError(f"grouped_gemm: activations must be bf16, got {a.dtype}")
     split_k = 1
-    if offs is None and w.dim() == 2 and all(v is None for v in (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)):
-        # one group with the default tiles (explicit tiles, as batch-invariant mode passes, never split)
-        fmt = _format(w)
-        K = w.shape[1] * 2 if fmt == FP4 else w.shape[1]
+    if all(v is None for v in (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)):
+        # default tiles (explicit tiles, as batch-invariant mode passes, never split)
+        fmt, (E, N, Kw) = _format(w), (w.shape if w.dim() == 3 else (1, *w.shape))
+        K = Kw * 2 if fmt == FP4 else Kw
         sms = sm_count(a.device)
-        cfg = default_config(a.shape[0], 1, fmt, w.shape[0], sms)
-        split_k = split_k_for(a.shape[0], w.shape[0], K, cfg, sms)
+        cfg = default_config(a.shape[0], E, fmt, N, sms)
+        split_k = split_k_for(max_m_tiles(a.shape[0], E, cfg["BLOCK_M"], offs is None), N, K, cfg, sms)
     return _launch(a, w, offs, scale, block_size, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
                    num_warps=num_warps, num_stages=num_stages, split_k=split_k)
 

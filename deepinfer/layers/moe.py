@@ -7,7 +7,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from deepinfer.kernels import router as _router
-from deepinfer.kernels.decode_gemm import decode_gemm, decode_rows
 from deepinfer.kernels.grouped_gemm import FP4_GROUP, grouped_gemm, triton_available
 from deepinfer.kernels.moe_align import moe_align
 from deepinfer.kernels.moe_combine import moe_combine
@@ -119,8 +118,6 @@ class Experts(nn.Module):
                 return grouped_gemm(xs, w, offs, **tiles)
             return torch._grouped_mm(xs, w.transpose(1, 2), offs=offs)
         block = (1, FP4_GROUP) if self.quant.fp4_experts else self.quant.block_size  # FP4: as shipped or as FP8
-        if not tiles and decode_rows(xs.shape[0], self.num_experts):  # few rows per expert: stream the weights
-            return decode_gemm(xs, w, offs, scale, block)
         return grouped_gemm(xs, w, offs, scale, block, **tiles)
 
     @torch.no_grad()

@@ -223,7 +223,10 @@ def test_split_k_choice():
     dec = default_config(1, 1, 1)  # FP8 decode tiles: 16 x 64 x 128
     assert split_k_for(1, 1024, 4096, dec, 132) == 8        # 16 output tiles: split to 128 programs
     assert split_k_for(1, 32768, 1024, dec, 132) == 1       # 512 tiles keep every SM busy
-    assert split_k_for(64, 1024, 4096, default_config(64, 1, 1), 132) == 16
+    assert split_k_for(1, 1024, 4096, default_config(64, 1, 1), 132) == 16  # 64 rows: one 64-row tile
+    assert split_k_for(6, 2048, 4096, dec, 132) == 2        # 6 experts x 32 tiles: 192 -> 384 programs
+    assert split_k_for(2, 2048, 4096, dec, 132) == 8        # 2 row tiles (e.g. 2 experts): 64 -> 512
+    assert split_k_for(9, 2048, 4096, dec, 132) == 1        # 288 programs: >= 2 per SM already
     assert split_k_for(1, 1024, 4096 + 64, dec, 132) == 1   # K not a whole number of tiles
 
 
@@ -235,6 +238,9 @@ def test_split_k_one_group_on_gpu(M, fmt):
     want = reference(a, w, offs, s)
     got = grouped_gemm(a, w[0], None, None if s is None else s[0])  # the default: split over K
     torch.testing.assert_close(got.float(), want.float(), atol=3e-2, rtol=2e-2)
+    a, w, offs, s = make_case([0, M, 0, 1], 1024, 4096, fmt, (128, 128), "e8m0", device="cuda")
+    torch.testing.assert_close(grouped_gemm(a, w, offs, s).float(), reference(a, w, offs, s).float(),
+                               atol=3e-2, rtol=2e-2)  # several groups, few rows: split too
 
 
 # ---------------------------------------------------------------- Triton interpreter (CPU)
@@ -269,6 +275,9 @@ def test_kernel_matches_reference_in_the_triton_interpreter():
         "    want = reference(a, w, offs, s, block)\n"
         "    g = _launch(a, w[0], None, None if s is None else s[0], block, split_k=split, **dict(tile, BLOCK_K=32))\n"
         "    torch.testing.assert_close(g.float(), want.float(), atol=2e-2, rtol=1.6e-2)\n"
+        "    a, w, offs, s = make_case([0, 3, 1, 0], 24, K, fmt, block, sd)\n"  # split-K over several groups
+        "    g = _launch(a, w, offs, s, block, split_k=split, **dict(tile, BLOCK_K=32))\n"
+        "    torch.testing.assert_close(g.float(), reference(a, w, offs, s, block).float(), atol=2e-2, rtol=1.6e-2)\n"
         "print('ok')\n")
     run_interpreted(code)
 
