@@ -8,10 +8,9 @@ On CUDA with bf16 activations a quantised Linear picks its GEMM by the row count
     input quantised per 1 x ACT_GROUP group to e4m3 with power-of-two scales (kernels/act_quant.py)
     and an FP8 x FP8 tensor-core GEMM with block scales on both operands (kernels/fp8_gemm.py:
     torch._scaled_mm blockwise for 128 x 128 weight blocks, Triton otherwise);
-  * fewer rows (weight-bandwidth-bound): W8A16, FP8 weight tiles widened in registers, activations
-    staying bf16 (closer to exact than the reference, which quantises activations at every size):
-    up to decode_gemm.MAX_ROWS rows the CUDA-core kernel with K split over many programs
-    (kernels/decode_gemm.py), above that the Triton grouped GEMM with one group (kernels/grouped_gemm.py).
+  * fewer rows (decode; weight-bandwidth-bound): W8A16, the Triton grouped GEMM with one group
+    (kernels/grouped_gemm.py: FP8 weight tiles widened in registers, activations stay bf16, so the
+    result is closer to exact than the reference's, which quantises activations at every size).
 Batch-invariant mode runs W8A16 with invariant.GEMM_TILES at every M (one path whatever the batch).
 Weights whose blocks are not powers of two >= ACT_GROUP wide along K stay on W8A16 (V4.1's 32 x 32:
 measured slower as W8A8, see FP8_GEMM_ROWS). Elsewhere (CPU, fp32
@@ -26,7 +25,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from deepinfer.kernels.act_quant import act_quant
-from deepinfer.kernels.decode_gemm import decode_gemm, decode_rows
 from deepinfer.kernels.fp8_gemm import ROW_PAD, fp8_gemm, use_scaled_mm
 from deepinfer.kernels.grouped_gemm import grouped_gemm, triton_available
 from deepinfer.layers import invariant
@@ -87,8 +85,6 @@ class Linear(nn.Module):
             a = x.reshape(-1, self.in_features)
             if fp8_gemm_rows(a.shape[0], self.block_size):  # W8A8: compute-bound row counts
                 y = fp8_linear(a, self.weight, self.scale, self.block_size)
-            elif decode_rows(a.shape[0], 1) and not invariant.enabled():  # W8A16 on CUDA cores, K split
-                y = decode_gemm(a, self.weight, None, self.scale, self.block_size)
             else:  # W8A16: one group, the FP8 tiles dequantised in the GEMM's registers
                 y = grouped_gemm(a, self.weight, None, self.scale, self.block_size, **invariant.gemm_tiles())
             return y.view(*x.shape[:-1], self.out_features)
@@ -111,8 +107,8 @@ class Linear(nn.Module):
                 and 0 < T < GROUPED_GEMM_ROWS and O % self.block_size[0] == 0 and not invariant.enabled()):
             a = x.transpose(0, 1).reshape(G * T, I)
             offs = torch.arange(T, G * T + 1, T, dtype=torch.int32, device=x.device)  # group g: rows gT .. (g+1)T-1
-            gemm = decode_gemm if decode_rows(G * T, G) else grouped_gemm
-            y = gemm(a, self.weight.view(G, O, I), offs, self.scale.view(G, -1, self.scale.shape[-1]), self.block_size)
+            y = grouped_gemm(a, self.weight.view(G, O, I), offs, self.scale.view(G, -1, self.scale.shape[-1]),
+                             self.block_size)
             return y.view(G, T, O).transpose(0, 1).reshape(T, G * O)
         return grouped_linear(x, self.dense_weight(x.dtype).view(G, O, I))
 

@@ -11,7 +11,7 @@ triton = pytest.importorskip("triton")
 
 from sm90 import compile_sm90, record  # noqa: E402
 
-from deepinfer.kernels import (compress_pool, copy_rows, decode_gemm, grouped_gemm, index_scores, index_topk,  # noqa: E402
+from deepinfer.kernels import (compress_pool, copy_rows, grouped_gemm, index_scores, index_topk,  # noqa: E402
                                invariant_matmul, mhc_coeffs, mhc_collapse, mhc_expand, mhc_mix, moe_align,
                                moe_combine, rms_norm, rope, router, sparse_attention, split_sum, swiglu)
 from deepinfer.layers import invariant  # noqa: E402
@@ -54,15 +54,8 @@ def moe_launches():
                              _i(E, 2048, 128, dtype=torch.uint8).view(torch.float8_e8m0fnu), (1, 32))
         grouped_gemm._launch(a, _i(E, 2048, 2048, dtype=torch.int8), offs,  # FP4 experts as shipped
                              _i(E, 2048, 128, dtype=torch.uint8).view(torch.float8_e8m0fnu), (1, 32))
-    for M, E in ((6, 256), (384, 256)):  # decode: FP4 experts as shipped, FP8 (1, 32) repacked
-        a, offs, s = _e(M, 4096), _i(E, dtype=torch.int32), _i(E, 2048, 128, dtype=torch.uint8)
-        decode_gemm._launch(a, _i(E, 2048, 2048, dtype=torch.int8), offs, s, (1, 32))
-        decode_gemm._launch(a, _e(E, 2048, 4096, dtype=torch.float8_e4m3fn), offs, s, (1, 32))
-    for M in (1, 8):  # FP8 linears at decode: V4's 128 x 128 blocks, V4.1's 32 x 32
-        decode_gemm._launch(_e(M, 4096), _e(1536, 4096, dtype=torch.float8_e4m3fn), None,
-                            _i(12, 32, dtype=torch.uint8), (128, 128))
-        decode_gemm._launch(_e(M, 5120), _e(1792, 5120, dtype=torch.float8_e4m3fn), None,
-                            _i(56, 160, dtype=torch.uint8), (32, 32))
+    grouped_gemm._launch(_e(6, 4096), _i(256, 2048, 2048, dtype=torch.int8), _i(256, dtype=torch.int32),
+                         _i(256, 2048, 128, dtype=torch.uint8), (1, 32), split_k=2)  # experts of one token, K split
     grouped_gemm._launch(_e(1, 4096), _e(1024, 4096, dtype=torch.float8_e4m3fn), None,
                          _i(8, 32, dtype=torch.uint8).view(torch.float8_e8m0fnu), (128, 128), split_k=8)
     grouped_gemm._launch(_e(6, 4096), _e(4, 2048, 4096), _i(4, dtype=torch.int32), None, (128, 128),
