@@ -2,9 +2,10 @@
 hash, hash, hash, top-k MoE; 256 experts), and a V4.1-Flash slice at full width with one layer of
 every CSA2 role (SLICES says what each slice is), random weights, on one GPU.
 
-Engines: deepinfer bf16, deepinfer FP8/FP4 (weights kept as the hub ships them), deepinfer bf16 in
-batch-invariant mode, transformers bf16 (DeepseekV4ForCausalLM) on the V4 slice; deepinfer-v41 bf16
-and deepinfer-v41-fp8 (FP8 32x32 blocks + FP4 experts, as shipped) on the V4.1 slice, its cache in
+Engines: deepinfer bf16, deepinfer-fp8 (the checkpoint's formats as LLM holds them where the copy
+fits: FP8 blocks, FP4 experts rewritten as FP8 codes), deepinfer-fp4 (FP4 experts kept packed),
+deepinfer bf16 in batch-invariant mode, transformers bf16 (DeepseekV4ForCausalLM) on the V4 slice;
+deepinfer-v41 bf16, deepinfer-v41-fp8 / -fp4 (FP8 32x32 blocks + FP4 experts) on the V4.1 slice, its cache in
 the reference formats (kv_cache_dtype "auto": FP8 window, NVFP4 entries, MXFP4 index keys). Rows:
 prefill (batch x length) and decode steps (batch at a context), each with the roofline of that
 work on this GPU: max(bytes moved / measured copy bandwidth, FLOPs / measured bf16 matmul rate),
@@ -40,8 +41,6 @@ LAYER_RATIOS = [0, 0, 4, 128]
 # deepinfer-invariant: bf16 in batch-invariant mode (DEEPINFER_BATCH_INVARIANT=1), for its cost
 V41_ENGINES = ("deepinfer-v41", "deepinfer-v41-fp8", "deepinfer-v41-fp4")
 ENGINES = ("deepinfer", "deepinfer-fp8", "deepinfer-fp4", "deepinfer-invariant", *V41_ENGINES, "transformers")
-# -fp8: the checkpoint's formats as LLM holds them where the copy fits (FP4 experts rewritten as FP8
-# codes); -fp4: FP4 experts kept packed, as shipped (LLM where the FP8 copy does not fit)
 # timed steps of a decode row per --reps: the V4.1 slice's steps are longer (twice the layers, three times
 # the weight bytes), so its rows time half as many and the whole V4 + V4.1 sweep fits a few minutes
 DECODE_STEPS_PER_REP = {"v4": 10, "v41": 5}

@@ -124,10 +124,10 @@ class Experts(nn.Module):
     def repack_fp4_as_fp8(self) -> None:
         """FP4 experts -> FP8 e4m3 codes with the same E8M0 scale per 32 inputs (block (1, 32)). Exact:
         every e2m1 value is an e4m3 value. Twice the bytes, but the GPU kernel decodes e4m3 in
-        hardware, where e2m1 costs ALU work: on the H200 the V4 Flash slice's FP8 engine took 3.03 ms
-        per decode step at batch 1 and 340 ms per 4 x 2048 prefill with packed FP4 experts
-        (benchmarks/results/2026-12-01-NVIDIA-H200-cffa476.json), 2.19 / 124 ms repacked (e1ceeea).
-        The engine repacks where the repacked model fits (LLM: engine/memory_fit.py repack_fits)."""
+        hardware, where e2m1 costs ALU work: on the H200, V4 Flash slice, one run, packed FP4 experts
+        took 13.6 ms per decode step at batch 64 and 320 ms per 4 x 2048 prefill, repacked 9.19 / 101 ms
+        (benchmarks/results/2026-12-01-NVIDIA-H200-14a04f6.json). The engine repacks where the
+        repacked model fits (LLM: engine/memory_fit.py repack_fits)."""
         if not self.quant.fp4_experts:
             return
         for name in ("w1", "w2", "w3"):
