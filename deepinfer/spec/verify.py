@@ -12,7 +12,7 @@ Each request emits its accepted draft prefix (k tokens) and one token from the t
 * sampled requests: speculative rejection sampling (Leviathan et al. 2023, Chen et al. 2023), which leaves the
   target's distribution unchanged. p is the row's distribution exactly as `sampler.sample` builds it
   (temperature, then top-k / top-p / min-p); q is the distribution the draft token was drawn from (the
-  proposer builds it with `filtered_probs` on its own logits and the same rows' parameters). Draft token x
+  proposer builds it with `sampler.filtered_probs` on its own logits and the same rows' parameters). Draft token x
   is accepted with probability min(1, p(x) / q(x)); at the first rejection the token is drawn from
   normalize(max(0, p - q)); after a full accept the bonus token is drawn from p. Exactness needs x ~ q with
   randomness independent of the verify step's (a seeded proposer keys its draws apart from the target's).
@@ -48,7 +48,7 @@ import torch
 
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.state.forward_batch import to_device
-from deepinfer.worker.sampler import SamplingBatch, _filter, seed_key
+from deepinfer.worker.sampler import SamplingBatch, filtered_probs, race, race_noise, seed_key
 
 Seed = tuple[int, int, int]  # (seq_seed, position sampled by the request's first verify row, sample_index)
 
@@ -64,21 +64,6 @@ class VerifyOutput:
         """Each request's emitted tokens on the host (one sync)."""
         toks, acc = self.tokens.tolist(), self.num_accepted.tolist()
         return [toks[o:o + a + 1] for o, a in zip(self.offsets, acc)]
-
-
-def filtered_probs(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
-    """logits [R, V] fp32 -> the distribution `sampler.sample` draws each sampled row from: temperature, then
-    top-k / top-p / min-p. The proposer builds its q with this so that both sides filter alike."""
-    return _filter(logits / sb.temperature.clamp(min=1e-5)[:, None], sb).softmax(-1)
-
-
-def _noise(probs: torch.Tensor, sb: SamplingBatch, generator: torch.Generator | None) -> torch.Tensor:
-    """E ~ Exp(1) per row and token, drawn exactly as `sampler.sample` draws its race noise."""
-    noise = torch.empty_like(probs).exponential_(generator=generator)
-    for r, key in enumerate(sb.seed_keys):
-        if key is not None:
-            noise[r].exponential_(generator=torch.Generator(device=probs.device).manual_seed(key))
-    return noise
 
 
 def _check_inputs(logits, offsets, draft_tokens, params, draft_probs, seeds) -> None:
@@ -156,8 +141,8 @@ def verify(target_logits: torch.Tensor, offsets: Sequence[int], draft_tokens: to
                            top_p=per_req.top_p[row_req], min_p=per_req.min_p[row_req],
                            needs_sort=per_req.needs_sort, max_logprobs=per_req.max_logprobs, seed_keys=keys)
         p = filtered_probs(logits, sb)
-        noise = _noise(p, sb, generator)
-        plain_draw = (p / noise).argmax(-1)  # sampler.sample's token for each row
+        noise = race_noise(p, sb, generator)
+        plain_draw = race(p, noise)  # sampler.sample's token for each row
         greedy_rows = sb.temperature == 0
         choice = torch.where(greedy_rows, greedy_choice, plain_draw)
         use_choice = greedy_rows
@@ -191,7 +176,7 @@ def verify(target_logits: torch.Tensor, offsets: Sequence[int], draft_tokens: to
             qf = torch.zeros_like(pf)
         w = torch.where(rejected, (pf - qf).clamp(min=0), pf)
         w = torch.where(w.sum(-1, keepdim=True) > 0, w, pf)
-        drawn = (w / noise[final_row]).argmax(-1)
+        drawn = race(w, noise[final_row])
         final = torch.where(use_choice[final_row], choice[final_row], drawn)
 
     tokens = torch.where(row_j < k[row_req], x_rows, torch.full_like(x_rows, -1))

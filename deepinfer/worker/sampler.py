@@ -69,18 +69,36 @@ def _filter(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
     return logits.masked_fill(probs < floor, float("-inf"))
 
 
-def sample(logits: torch.Tensor, sb: SamplingBatch, generator: torch.Generator | None = None) -> torch.Tensor:
-    """logits [R, V] fp32 -> token ids [R]. Random rows use the exponential race
-    argmax(p / E), E ~ Exp(1), which draws from p without a cumulative-sum search."""
-    greedy = logits.argmax(-1)
-    scaled = logits / sb.temperature.clamp(min=1e-5)[:, None]
-    probs = _filter(scaled, sb).softmax(-1)
-    noise = torch.empty_like(probs).exponential_(generator=generator)
+def filtered_probs(logits: torch.Tensor, sb: SamplingBatch) -> torch.Tensor:
+    """logits [R, V] fp32 -> [R, V] the distribution each sampled row draws from: temperature, then
+    top-k / top-p / min-p, renormalised (greedy rows: a temperature-1e-5 distribution, unused). Speculative
+    verification's p, and a proposer's q, so that both sides filter alike."""
+    return _filter(logits / sb.temperature.clamp(min=1e-5)[:, None], sb).softmax(-1)
+
+
+def race_noise(like: torch.Tensor, sb: SamplingBatch, generator: torch.Generator | None = None) -> torch.Tensor:
+    """E ~ Exp(1), shaped and placed like `like` [R, V]: seeded rows (sb.seed_keys[r] set) from a generator
+    keyed by that row's key, so a row's numbers are the same alone or in any batch; the rest from `generator`
+    (the global one when None), consumed for all R rows in one draw."""
+    noise = torch.empty_like(like).exponential_(generator=generator)
     for r, key in enumerate(sb.seed_keys):
-        if key is not None:  # this row's own stream: the same numbers alone or in any batch
-            noise[r].exponential_(generator=torch.Generator(device=probs.device).manual_seed(key))
-    drawn = (probs / noise).argmax(-1)
-    return torch.where(sb.temperature == 0, greedy, drawn)
+        if key is not None:
+            noise[r].exponential_(generator=torch.Generator(device=like.device).manual_seed(key))
+    return noise
+
+
+def race(weights: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """The exponential race argmax(w / E) per row [R, V] -> [R]: a draw from normalize(w) when E ~ Exp(1),
+    with no cumulative-sum search (w need not be normalised; zero-weight tokens are never drawn
+    unless the whole row is zero)."""
+    return (weights / noise).argmax(-1)
+
+
+def sample(logits: torch.Tensor, sb: SamplingBatch, generator: torch.Generator | None = None) -> torch.Tensor:
+    """logits [R, V] fp32 -> token ids [R]: argmax on greedy rows, race(filtered_probs, race_noise) on the others."""
+    probs = filtered_probs(logits, sb)
+    drawn = race(probs, race_noise(probs, sb, generator))
+    return torch.where(sb.temperature == 0, logits.argmax(-1), drawn)
 
 
 def top_logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor,

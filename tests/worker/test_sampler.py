@@ -1,7 +1,7 @@
 import torch
 
 from deepinfer.sampling_params import SamplingParams
-from deepinfer.worker.sampler import SamplingBatch, sample
+from deepinfer.worker.sampler import SamplingBatch, filtered_probs, race, race_noise, sample
 
 PROBS = torch.tensor([0.5, 0.3, 0.15, 0.05])
 
@@ -31,3 +31,15 @@ def test_greedy_rows_and_mixed_batches():
     params = [SamplingParams(temperature=0), SamplingParams(temperature=0.5, top_k=1), SamplingParams(top_p=0.5)]
     sb = SamplingBatch.build(params, 3, "cpu")
     assert sample(logits, sb).tolist() == [1, 0, 2]
+
+
+def test_sample_is_the_race_over_filtered_probs_and_race_noise():
+    logits = torch.randn(6, 40, generator=torch.Generator().manual_seed(3)) * 2
+    params = [SamplingParams(temperature=0.8, top_k=7), SamplingParams(top_p=0.7), SamplingParams(min_p=0.2)] * 2
+    sb = SamplingBatch.build(params, 40, "cpu", seeds=[None, (1, 5, 0), None, (2, 9, 0), None, None])
+    probs = filtered_probs(logits, sb)
+    noise = race_noise(probs, sb, torch.Generator().manual_seed(4))
+    assert sample(logits, sb, torch.Generator().manual_seed(4)).tolist() == race(probs, noise).tolist()
+    alone = SamplingBatch.build(params[1:2], 40, "cpu", seeds=[(1, 5, 0)])  # a seeded row's noise is its own
+    assert torch.equal(race_noise(probs[1:2], alone, torch.Generator().manual_seed(99))[0], noise[1])
+    assert race(torch.tensor([[0.0, 2.0, 0.0]]), torch.rand(1, 3) + 0.1).tolist() == [1]  # unnormalised weights
