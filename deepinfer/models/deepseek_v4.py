@@ -232,23 +232,24 @@ class DeepseekV4ForCausalLM(nn.Module):
 
     @staticmethod
     def cache_layout(cfg: DeepseekV4Config, num_slots: int, num_blocks: dict[int, int], block_size: int,
-                     kv_cache_dtype: str, device) -> tuple[list[LayerCache], list[LayerCache]]:
+                     kv_cache_dtype: str, device, ring_slack: int = 0) -> tuple[list[LayerCache], list[LayerCache]]:
         """(trunk layers' caches, draft layers' caches): every layer a window ring; CSA / HCA layers their
-        compressed entries (paged per ratio) and compressor carry; CSA also indexer keys and carry."""
+        compressed entries (paged per ratio) and compressor carry; CSA also indexer keys and carry. Every
+        per-slot ring (window: W, carry: S = 2m / m) has ring_slack rows more per slot."""
         entry_fmt, key_fmt = KV_FORMATS[resolve_kv_cache_dtype(kv_cache_dtype)]
-        W, r = cfg.sliding_window, cfg.qk_rope_head_dim
+        W, r = cfg.sliding_window + ring_slack, cfg.qk_rope_head_dim
         ring = lambda: EntryStore(num_slots * W, cfg.head_dim, r, entry_fmt, device)  # noqa: E731
         layers = []
         for kind, m in zip(cfg.layer_kinds, cfg.compress_ratios):
             cache = LayerCache(ring(), ratio=m)
             if kind != SLIDING:
                 overlap, rows = kind == CSA, num_blocks[m] * block_size
-                span = 2 * m if overlap else m
+                carry_rows = num_slots * ((2 * m if overlap else m) + ring_slack)
                 cache.entries = EntryStore(rows, cfg.head_dim, r, entry_fmt, device)
-                cache.carry["main"] = CarryState.empty(num_slots * span, (2 if overlap else 1) * cfg.head_dim, device)
-            if kind == CSA:
+                cache.carry["main"] = CarryState.empty(carry_rows, (2 if overlap else 1) * cfg.head_dim, device)
+            if kind == CSA:  # the indexer's compressor overlaps too: the same 2m + slack rows
                 cache.index_keys = IndexKeyStore(num_blocks[m] * block_size, cfg.index_head_dim, key_fmt, device)
-                cache.carry["indexer"] = CarryState.empty(num_slots * 2 * m, 2 * cfg.index_head_dim, device)
+                cache.carry["indexer"] = CarryState.empty(carry_rows, 2 * cfg.index_head_dim, device)
             layers.append(cache)
         return layers, [LayerCache(ring()) for _ in range(cfg.num_nextn_predict_layers)]
 

@@ -74,12 +74,14 @@ class DeepseekV41ForCausalLM(nn.Module):
 
     @staticmethod
     def cache_layout(cfg: DeepseekV41Config, num_slots: int, num_blocks: dict[int, int], block_size: int,
-                     kv_cache_dtype: str, device) -> tuple[list[LayerCache], list[LayerCache]]:
+                     kv_cache_dtype: str, device, ring_slack: int = 0) -> tuple[list[LayerCache], list[LayerCache]]:
         """(trunk layers' caches, DSpark stages' caches): every layer a window ring; Full layers the
         compressed entries and index keys the layers below the next Full layer read, and for ratio > 1
-        the open group's fp32 projections."""
+        the open group's fp32 projections. Every per-slot ring (window: W, carry: m) has ring_slack rows
+        more per slot."""
         win_fmt, entry_fmt, key_fmt = KV_FORMATS[resolve_kv_cache_dtype(kv_cache_dtype)]
-        ring = lambda: FormatStore(num_slots * cfg.sliding_window, cfg.head_dim, win_fmt, device)  # noqa: E731
+        W = cfg.sliding_window + ring_slack
+        ring = lambda: FormatStore(num_slots * W, cfg.head_dim, win_fmt, device)  # noqa: E731
         layers = []
         for i, m in enumerate(cfg.compress_ratios):
             cache = LayerCache(ring(), ratio=m)
@@ -88,7 +90,7 @@ class DeepseekV41ForCausalLM(nn.Module):
                 cache.entries = FormatStore(rows, cfg.head_dim, entry_fmt, device)
                 cache.index_keys = FormatStore(rows, cfg.index_head_dim, key_fmt, device)
                 if m > 1:
-                    cache.carry["main"] = CarryState.empty(num_slots * m, cfg.head_dim, device)
+                    cache.carry["main"] = CarryState.empty(num_slots * (m + ring_slack), cfg.head_dim, device)
             layers.append(cache)
         return layers, [LayerCache(ring()) for _ in range(cfg.num_nextn_predict_layers if cfg.has_dspark else 0)]
 

@@ -42,8 +42,11 @@ class CausalLM(Protocol):
 
     @staticmethod
     def cache_layout(cfg, num_slots: int, num_blocks: dict[int, int], block_size: int, kv_cache_dtype: str,
-                     device) -> tuple[list[LayerCache], list[LayerCache]]:
-        """(trunk layers' caches, draft layers' caches) in the stores and formats kv_cache_dtype names."""
+                     device, ring_slack: int = 0) -> tuple[list[LayerCache], list[LayerCache]]:
+        """(trunk layers' caches, draft layers' caches) in the stores and formats kv_cache_dtype names.
+        Every per-slot ring (window keys, compressor carries; the draft layers' too) has `ring_slack`
+        rows per slot more than its reads need, addressed as state/forward_batch.py plans with the same
+        ring_slack (row slot * size + pos % size); paged stores do not change."""
 
     def forward(self, batch: ForwardBatch, caches: list[LayerCache],
                 token_history: torch.Tensor | None = None) -> torch.Tensor:

@@ -4,6 +4,21 @@ Tokens of all requests are concatenated (request b owns flat tokens cu[b]..cu[b+
 positions start_b..start_b+n_b-1). Every index the model needs to read or write the
 decode-time state is planned here, on the host, once per step, so the forward has no
 per-request loop and no host sync. Index -1 means "no such key" (masked).
+
+Per-slot rings (window keys, compressor carries, the Engram token history) are addressed by
+position: a ring of `size` rows per slot keeps position pos in row slot * size + pos % size, with
+size = what the reads need (W window keys, S = 2m / m carry sources, K history tokens) plus
+`ring_slack`. A step writes its positions >= end - size (the last `size`: distinct rows) and reads
+positions >= pos - (need - 1). Slack lets a step's positions be taken back (speculative decoding:
+a verify chunk [t, d1..dk] keeps only p..p+a): the rows its rejected positions p+a+1..p+k wrote
+are those of positions p+a+1-size..p+k-size, which no later step reads as long as
+ring_slack >= k - 1 (a later step at q > p+a reads positions >= q - need + 1 >= p+a+2-need, and
+each rejected position is rewritten, by the step that recomputes it, before anything reads it).
+Compressed entries and indexer keys need no slack: they are paged by entry index, and entry w is
+first read by the token at its closing position (w+1)m-1, in the layer that has just written it
+(compress plan `dst` is written before attention / the indexer reads `addr`); tokens before that
+position do not see it (`visible` = (pos+1) // m). So an entry written at a rejected position is
+rewritten by the step that recomputes that position before any read.
 """
 from __future__ import annotations
 
@@ -50,11 +65,11 @@ class CompressPlan:
 
 @dataclass
 class HistoryPlan:
-    """Engram's n-gram windows from a per-slot device history: a ring of K rows per slot, position p
-    of the slot's request in row p % K (image tokens stored as -1). `ext` = cat(this step's
-    input ids with image tokens as -1, history.view(-1)); win_src [T, K] indexes `ext` (-1 = before the
-    sequence start): column k of token t = the token k positions back. After the windows are read,
-    history.view(-1)[hist_dst] = ids[hist_src] stores the step's tokens at positions >= end - K.
+    """Engram's n-gram windows from a per-slot device history: a ring of R = K + ring_slack rows per
+    slot, position p of the slot's request in row p % R (image tokens stored as -1). `ext` = cat(this
+    step's input ids with image tokens as -1, history.view(-1)); win_src [T, K] indexes `ext` (-1 =
+    before the sequence start): column k of token t = the token k positions back. After the windows
+    are read, history.view(-1)[hist_dst] = ids[hist_src] stores the step's tokens at positions >= end - R.
     Rows are addressed by position, so running a step twice (graph warm-up, then replay) stores the
     same values; token values never come from the host, so placeholder inputs work."""
 
@@ -163,13 +178,13 @@ class FixedShape:
 
 
 def _compress_plan(m: int, overlap: bool, chunks: list[SeqChunk], tok, pos, req, start, end, slot,
-                   req_end, block_size: int, to, fixed: FixedShape | None = None) -> CompressPlan:
+                   req_end, block_size: int, to, fixed: FixedShape | None = None, slack: int = 0) -> CompressPlan:
     span = 2 * m if overlap else m
     closing = (pos + 1) % m == 0
     rows = np.ones_like(closing) if fixed else closing
     w = pos[rows] // m
-    src_new, src_carry = _gather_plan(tok[rows], pos[rows], start[rows], slot[rows], span, span)
-    carry_src, carry_dst = _keep_last(tok, pos, end, slot, span)
+    src_new, src_carry = _gather_plan(tok[rows], pos[rows], start[rows], slot[rows], span, span + slack)
+    carry_src, carry_dst = _keep_last(tok, pos, end, slot, span + slack)
     max_vis = int((req_end // m).max()) if req_end.size else 0
     if fixed:
         if max_vis > fixed.visible[m]:
@@ -214,27 +229,32 @@ def _token_windows(chunks: list[SeqChunk], width: int) -> torch.Tensor:
     return torch.from_numpy(np.concatenate(rows))
 
 
-def _history_plan(width: int, tok, pos, start, end, slot) -> tuple:
-    """(win_src [T, K], hist_src [N], hist_dst [N]) of HistoryPlan, numpy. The history is a ring of K
-    rows per slot: position p lives in row slot * K + p % K, so the K positions a window spans have
-    distinct rows. Positions below 0 have no token; positions below the chunk's start are read from the
-    ring (the request's previous steps wrote them); the step writes its tokens at positions >= end - K."""
-    T = tok.shape[0]
+def _history_plan(width: int, tok, pos, start, end, slot, slack: int = 0) -> tuple:
+    """(win_src [T, K], hist_src [N], hist_dst [N]) of HistoryPlan, numpy. The history is a ring of
+    R = K + slack rows per slot: position p lives in row slot * R + p % R, so the K positions a window
+    spans have distinct rows. Positions below 0 have no token; positions below the chunk's start are read
+    from the ring (the request's previous steps wrote them); the step writes its tokens at positions
+    >= end - R."""
+    T, size = tok.shape[0], width + slack
     back = pos[:, None] - np.arange(width)                        # [T, K] position of each column
-    from_ring = T + slot[:, None] * width + back.clip(min=0) % width
+    from_ring = T + _ring_rows(slot[:, None], back.clip(min=0), size)
     win_src = np.where(back < 0, -1, np.where(back >= start[:, None], tok[:, None] - np.arange(width), from_ring))
-    kept = pos >= end - width
-    return win_src, tok[kept], slot[kept] * width + pos[kept] % width
+    hist_src, hist_dst = _keep_last(tok, pos, end, slot, size)
+    return win_src, hist_src, hist_dst
 
 
 def build_forward_batch(chunks: list[SeqChunk], window: int, compress_kinds: set[tuple[int, bool]],
                         block_size: int, device: torch.device | str, history: int = 0,
-                        fixed: FixedShape | None = None, device_history: int = 0) -> ForwardBatch:
+                        fixed: FixedShape | None = None, device_history: int = 0,
+                        ring_slack: int = 0) -> ForwardBatch:
     """Plan one step. `compress_kinds` = {(ratio, overlapped)} used by the model's layers;
     compressed entries are paged in blocks of `block_size` entries (see SeqChunk); `history` > 0
     also gives each token the `history` - 1 tokens before it on the host (SeqChunk.prev_tokens must
     hold them); `device_history` > 0 plans the same windows from a per-slot device history instead
-    (HistoryPlan: no host token values needed)."""
+    (HistoryPlan: no host token values needed). `ring_slack`: the extra rows per slot of every ring
+    of the cache the step runs on (V4Cache.ring_slack; see the module docstring)."""
+    if not isinstance(ring_slack, int) or ring_slack < 0:
+        raise ValueError(f"ring_slack must be an int >= 0, got {ring_slack!r}")
     lens = np.array([len(c.token_ids) for c in chunks], dtype=np.int64)
     if (lens <= 0).any():
         raise ValueError("every SeqChunk needs at least one token")
@@ -249,12 +269,14 @@ def build_forward_batch(chunks: list[SeqChunk], window: int, compress_kinds: set
     to = lambda a: to_device(torch.from_numpy(np.ascontiguousarray(a)), device)  # noqa: E731
     on_host = torch.device(device).type == "cpu"
     d_pos = to(pos)
+    ring = window + ring_slack  # window ring rows per slot
     if on_host:
-        win_new, win_ring = map(to, _gather_plan(tok, pos, start, slot, window, window))
+        win_new, win_ring = map(to, _gather_plan(tok, pos, start, slot, window, ring))
     else:  # the [T, window] tables are expanded where they are read: only [T] vectors cross to a GPU
-        win_new, win_ring = _gather_plan(to(tok), d_pos, to(start), to(slot), window, window)
-    ring_src, ring_dst = _keep_last(tok, pos, end, slot, window)
-    plans = {(m, ov): _compress_plan(m, ov, chunks, tok, pos, req, start, end, slot, req_end, block_size, to, fixed)
+        win_new, win_ring = _gather_plan(to(tok), d_pos, to(start), to(slot), window, ring)
+    ring_src, ring_dst = _keep_last(tok, pos, end, slot, ring)
+    plans = {(m, ov): _compress_plan(m, ov, chunks, tok, pos, req, start, end, slot, req_end, block_size, to, fixed,
+                                     ring_slack)
              for m, ov in sorted(compress_kinds)}
     ids = np.array([t for c in chunks for t in c.token_ids], dtype=np.int64)
     windows = _token_windows(chunks, history) if history else None
@@ -263,17 +285,18 @@ def build_forward_batch(chunks: list[SeqChunk], window: int, compress_kinds: set
                          to(ring_src), to(ring_dst), plans, windows, window_mask,
                          None if image_mask is None else to(image_mask), req_lens=tuple(lens.tolist()))
     if device_history:
-        batch.history = HistoryPlan(*map(to, _history_plan(device_history, tok, pos, start, end, slot)))
+        batch.history = HistoryPlan(*map(to, _history_plan(device_history, tok, pos, start, end, slot, ring_slack)))
     replay_from = np.array([c.replay_from for c in chunks], dtype=np.int64)[req]
     keep = pos >= replay_from
     # replay applies if rows are dropped, or a kept row's window reaches below its request's replay_from
     # (replay_from 0: nothing lies below it, whatever the window)
     if not keep.all() or ((replay_from > 0) & (pos - window + 1 < replay_from)).any():
-        batch.replay = _replay_plan(batch, keep, pos, start, end, slot, replay_from, window, to)
+        batch.replay = _replay_plan(batch, keep, pos, start, end, slot, replay_from, window, to, ring)
     return batch
 
 
-def _replay_plan(full: ForwardBatch, keep, pos, start, end, slot, lo, window: int, to) -> ReplayPlan:
+def _replay_plan(full: ForwardBatch, keep, pos, start, end, slot, lo, window: int, to, ring: int) -> ReplayPlan:
+    """`ring`: window ring rows per slot (window + ring_slack)."""
     rows = np.flatnonzero(keep)
     dev_rows = to(rows)
     sub = lambda t: t[dev_rows]  # noqa: E731
@@ -287,8 +310,8 @@ def _replay_plan(full: ForwardBatch, keep, pos, start, end, slot, lo, window: in
                             sub(full.win_new), sub(full.win_ring), full.ring_src, full.ring_dst, plans())
     k_tok = np.arange(len(rows))
     k_pos, k_slot, k_lo = pos[rows], slot[rows], lo[rows]
-    win_new, win_ring = _gather_plan(k_tok, k_pos, np.maximum(start[rows], k_lo), k_slot, window, window, k_lo)
-    ring_src, ring_dst = _keep_last(k_tok, k_pos, end[rows], k_slot, window)
+    win_new, win_ring = _gather_plan(k_tok, k_pos, np.maximum(start[rows], k_lo), k_slot, window, ring, k_lo)
+    ring_src, ring_dst = _keep_last(k_tok, k_pos, end[rows], k_slot, ring)
     upper = ForwardBatch(sub(full.input_ids), sub(full.positions), sub(full.token_req), full.logits_idx,
                          to(win_new), to(win_ring), to(ring_src), to(ring_dst), plans())
     return ReplayPlan(dev_rows, at_layer, upper)

@@ -83,7 +83,8 @@ class DecodeGraphs:
         fixed = FixedShape(self.scratch_addr, visible)
         cfg = self.model.config
         batch = build_forward_batch(chunks, cfg.sliding_window, self.cache.compress_kinds, self.cache.block_size,
-                                    "cpu", fixed=fixed, device_history=self.model.token_history)
+                                    "cpu", fixed=fixed, device_history=self.model.token_history,
+                                    ring_slack=self.cache.ring_slack)
         # the input layout (which tensors, their shapes) is part of the key: a graph reads exactly those
         layout = tuple((name, tuple(t.shape)) for name, t in _tensors(batch))
         return (padded, tuple(sorted(visible.items())), layout), batch

@@ -106,7 +106,8 @@ class ModelRunner:
                            [(s0, img.num_tokens) for s0, img in c.images]) for c in so.chunks]
         host_w, dev_w = self._history()
         batch = build_forward_batch(chunks, self.model.config.sliding_window, self.cache.compress_kinds,
-                                    self.cache.block_size, self.device, host_w, device_history=dev_w)
+                                    self.cache.block_size, self.device, host_w, device_history=dev_w,
+                                    ring_slack=self.cache.ring_slack)
         batch.input_embeds = self._image_embeds(so)
         if fill is not None:
             batch.input_ids[fill[0]] = fill[1]
