@@ -1,11 +1,13 @@
 """Decode-time state tensors of one attention layer, and the formats they are stored in.
 
 Rows are addressed by flat indices computed by the ForwardBatch planner:
-  window ring   row = slot * W + pos % W          (last W raw tokens' kv, per request)
+  window ring   row = slot * W' + pos % W'        (last W raw tokens' kv, per request)
   entries       row = entry address (per-request region of the pool)
   index keys    same addresses as the layer's entries
-  carry         row = slot * S + pos % S          (compressor projections of the open
+  carry         row = slot * S' + pos % S'        (compressor projections of the open
                                                    window(s); S = 2m with overlap, else m)
+with W' = W + ring_slack, S' = S + ring_slack (V4Cache.ring_slack: spare rows so a step's
+last positions can be taken back, see state/forward_batch.py).
 A row is only ever read after it was written for the same request, so slots need no reset.
 """
 from __future__ import annotations
