@@ -134,6 +134,23 @@ def test_rings_with_less_slack_are_clobbered_by_rejected_drafts(slack):
     assert wrong["entries"] == 0, wrong
 
 
+def test_window_tables_with_slack_are_the_same_on_the_host_and_on_the_device_path():
+    """_gather_plan expands in numpy (CPU steps) or in torch (where a GPU reads it), ring size != span."""
+    from deepinfer.state.forward_batch import _gather_plan
+
+    g = torch.Generator().manual_seed(0)
+    pos = torch.randint(0, 300, (40,), generator=g)
+    start, tok, slot = pos - torch.randint(0, 20, (40,), generator=g), torch.arange(40), torch.randint(0, 8, (40,))
+    for span, slack in ((16, 3), (4, 1), (128, 5)):
+        host = _gather_plan(tok.numpy(), pos.numpy(), start.numpy(), slot.numpy(), span, span + slack)
+        dev = _gather_plan(tok, pos, start, slot, span, span + slack)
+        assert all(torch.equal(torch.from_numpy(h), d) for h, d in zip(host, dev))
+        q = pos[:, None] - span + 1 + torch.arange(span)
+        ring = host[1]
+        old = (q >= 0) & (q < start[:, None])
+        assert torch.equal(torch.from_numpy(ring)[old], (slot[:, None] * (span + slack) + q % (span + slack))[old])
+
+
 def test_slack_zero_plans_todays_layout_bit_for_bit():
     chunks = [SeqChunk(1, 7, [5, 6, 7, 8], {4: [0, 1, 2], 2: [3, 4, 5]}, replay_from=9),
               SeqChunk(0, 0, [1, 2, 3], {4: [6], 2: [7]})]
@@ -202,15 +219,16 @@ def model(request, tmp_path_factory):
     return load_model(str(path), dtype=torch.float32)[0]
 
 
-def _run(model, ids: list[int], nb: list[int], prompt: int, a: int, steps: int, slack: int, drafts: bool):
+def _run(model, ids: list[int], nb: list[int], prompt: int, a: int, steps: int, slack: int, drafts: bool,
+         kv: str = "float32"):
     """Request A (slot 1): prefill ids[:prompt]; at p = prompt a verify chunk [t, d1..dK] whose drafts
     after the a-th are wrong (`drafts`), rolled back to p+a, or (not `drafts`) the run that never computes
     the rejected drafts: ids[p..p+a] in that step; then `steps` one-token decode steps. Request B (slot 0)
     decodes `nb` beside it, one token per step. -> {(request, position): logits} of committed positions."""
-    cfg = model.config
+    cfg, device = model.config, model.embed.weight.device
     kinds = set(model.compressed_kinds(cfg))
     bs, per = 16, 4
-    cache = allocate_v4_cache(cfg, 2, {m: 2 * per for m, _ in kinds}, "float32", "cpu", bs, ring_slack=slack)
+    cache = allocate_v4_cache(cfg, 2, {m: 2 * per for m, _ in kinds}, kv, device, bs, ring_slack=slack)
     tables = lambda s: {m: list(range(s * per, (s + 1) * per)) for m, _ in kinds}  # noqa: E731
     wrong = [(ids[prompt + j] + 7) % cfg.vocab_size for j in range(a + 1, K + 1)] if drafts else []
     a_steps = [(0, ids[:prompt]), (prompt, ids[prompt:prompt + a + 1] + wrong)]
@@ -218,10 +236,10 @@ def _run(model, ids: list[int], nb: list[int], prompt: int, a: int, steps: int, 
     out = {}
     for q, (start, toks) in enumerate(a_steps):
         chunks = [SeqChunk(1, start, toks, tables(1)), SeqChunk(0, q, [nb[q]], tables(0))]
-        b = build_forward_batch(chunks, cfg.sliding_window, cache.compress_kinds, bs, "cpu",
+        b = build_forward_batch(chunks, cfg.sliding_window, cache.compress_kinds, bs, device,
                                 device_history=model.token_history, ring_slack=cache.ring_slack)
         with torch.inference_mode(), invariant.mode(True):
-            logits = model.compute_logits(model(b, cache.layers, token_history=cache.token_history))
+            logits = model.compute_logits(model(b, cache.layers, token_history=cache.token_history)).cpu()
         for i in range(len(toks) - len(wrong) if start == prompt else len(toks)):
             out[("A", start + i)] = logits[i]
         out[("B", q)] = logits[len(toks)]
@@ -232,18 +250,34 @@ def _run(model, ids: list[int], nb: list[int], prompt: int, a: int, steps: int, 
 def test_rollback_after_rejected_drafts_gives_the_logits_of_a_run_without_them(model, a):
     """Exact (torch.equal): batch-invariant mode makes a row's logits independent of the step's other
     rows, so the verify chunk's extra rows change nothing but, without slack, the rings."""
+    _check_rollback(model, a)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("preset, dtype, kv", [("tiny", torch.bfloat16, "bfloat16"), ("tiny", torch.float32, "float32"),
+                                               ("tiny41", torch.bfloat16, "auto")])
+def test_rollback_on_cuda(tmp_path, preset, dtype, kv):
+    """The same on the GPU path (torch-side window tables, compress_pool / copy_rows / sparse attention
+    kernels over the bigger rings), in the batch-invariant CUDA mode, in the cache formats as served."""
+    path = write_checkpoint(tmp_path / "ckpt", PRESETS[preset], seed=1, dtype="fp8")
+    gpu = load_model(str(path), dtype=dtype, device="cuda")[0]
+    for a in (0, 1):
+        _check_rollback(gpu, a, kv)
+
+
+def _check_rollback(model, a: int, kv: str = "float32"):
     W = model.config.sliding_window
     prompt, steps = W + 4, W + 6  # decode past a window length and across compressor boundaries
     g = torch.Generator().manual_seed(10 + a)
     ids = torch.randint(3, 1000, (prompt + K + steps + 1,), generator=g).tolist()
     nb = torch.randint(3, 1000, (steps + 2,), generator=g).tolist()
-    want = _run(model, ids, nb, prompt, a, steps, 0, drafts=False)
+    want = _run(model, ids, nb, prompt, a, steps, 0, drafts=False, kv=kv)
     for slack in (K - 1, K):
-        got = _run(model, ids, nb, prompt, a, steps, slack, drafts=True)
+        got = _run(model, ids, nb, prompt, a, steps, slack, drafts=True, kv=kv)
         assert got.keys() == want.keys()
         assert [k for k in want if not torch.equal(got[k], want[k])] == [], f"ring_slack {slack}"
     # without slack the rejected drafts clobber rows the continuation reads: request A's logits after the
     # rollback differ (its neighbour's do not)
-    got = _run(model, ids, nb, prompt, a, steps, 0, drafts=True)
+    got = _run(model, ids, nb, prompt, a, steps, 0, drafts=True, kv=kv)
     bad = [k for k in want if not torch.equal(got[k], want[k])]
     assert bad and {r for r, _ in bad} == {"A"} and min(p for _, p in bad) == prompt + a + 1, bad
