@@ -68,6 +68,9 @@ class EngineConfig:
     # vLLM's EPLB settings: {"window_size", "step_interval", "num_redundant_experts"} (None: deepinfer's
     # defaults, distributed/dp_engine.py EPLBConfig); needs enable_eplb
     eplb_config: dict | None = None
+    # vLLM's speculative decoding settings: {"method": "ngram", "num_speculative_tokens": k,
+    # "prompt_lookup_max": 4, "prompt_lookup_min": 1} (prompt-lookup drafts, spec/ngram.py); None: off
+    speculative_config: dict | None = None
 
     def __post_init__(self):
         _check_choice("accelerator", self.accelerator, ACCELERATORS)
@@ -101,6 +104,8 @@ class EngineConfig:
                              "it needs enable_expert_parallel=True")
         if self.eplb_config is not None:
             _check_eplb_config(self.eplb_config, self.enable_eplb)
+        if self.speculative_config is not None:
+            _check_speculative_config(self.speculative_config)
         if self.accelerator == "ascend":
             raise ValueError("accelerator: 'ascend' is not supported in this build of deepinfer")
 
@@ -192,3 +197,21 @@ def _check_positive(name: str, value) -> None:
 def _check_choice(name: str, value: str, choices: tuple[str, ...]):
     if value not in choices:
         raise ValueError(f"{name}: {value!r} is not one of {', '.join(choices)}")
+
+
+SPECULATIVE_METHODS = ("ngram",)
+
+
+def _check_speculative_config(sc) -> None:
+    """The keys deepinfer reads (vLLM's names); the proposer checks their values."""
+    if not isinstance(sc, dict):
+        raise ValueError(f"speculative_config: expected a dict, got {type(sc).__name__}")
+    known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"}
+    unknown = sorted(set(sc) - known)
+    if unknown:
+        raise ValueError(f"speculative_config: unknown key {unknown[0]!r} (known: {', '.join(sorted(known))})")
+    if sc.get("method") not in SPECULATIVE_METHODS:
+        raise ValueError(f"speculative_config.method: {sc.get('method')!r} is not supported (supported: "
+                         f"{', '.join(SPECULATIVE_METHODS)}; the MTP / DSpark draft stages are not wired yet)")
+    if "num_speculative_tokens" not in sc:
+        raise ValueError("speculative_config.num_speculative_tokens: required")

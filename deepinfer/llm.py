@@ -44,11 +44,15 @@ class LLM:
                  engram_device: str | None = None, enforce_eager: bool = False, async_scheduling: bool = True,
                  batch_invariant: bool | None = None, max_logprobs: int = 20, quantization: str | None = None,
                  tensor_parallel_size: int = 1, data_parallel_size: int = 1, enable_expert_parallel: bool = False,
-                 enable_eplb: bool = False, context_parallel_size: int = 1, eplb_config: dict | None = None):
+                 enable_eplb: bool = False, context_parallel_size: int = 1, eplb_config: dict | None = None,
+                 speculative_config: dict | None = None):
         """`quantization` (vLLM's name): None keeps the checkpoint's FP8/FP4 formats on CUDA and dequantises
         to `dtype` on the CPU; "fp8" keeps them on any device; "none" dequantises. Before any weight is
         read, the model's bytes (built on the meta device) are checked against the GPU's free memory;
-        a model that does not fit raises ValueError with the layouts that would."""
+        a model that does not fit raises ValueError with the layouts that would. `speculative_config`
+        (vLLM's name): {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max",
+        "prompt_lookup_min"} drafts up to k tokens by prompt lookup and verifies them in the next step
+        (greedy output unchanged, sampled output distributed as without it); one process only."""
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         cfg = EngineConfig.from_env(
             model=model, device=device, dtype=dtype, kv_cache_dtype=kv_cache_dtype, max_model_len=max_model_len,
@@ -59,7 +63,8 @@ class LLM:
             enforce_eager=enforce_eager, async_scheduling=async_scheduling, batch_invariant=batch_invariant,
             max_logprobs=max_logprobs, quantization=quantization, tensor_parallel_size=tensor_parallel_size,
             data_parallel_size=data_parallel_size, enable_expert_parallel=enable_expert_parallel,
-            enable_eplb=enable_eplb, context_parallel_size=context_parallel_size, eplb_config=eplb_config)
+            enable_eplb=enable_eplb, context_parallel_size=context_parallel_size, eplb_config=eplb_config,
+            speculative_config=speculative_config)
         if cfg.device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError(f"device: {cfg.device!r} needs a CUDA device, and this torch ({torch.__version__}) "
                              "sees none; use device='cpu'")
@@ -89,7 +94,10 @@ class LLM:
             repack_fp4_experts(self.model)
         mcfg = self.model.config
         self.detokenizer = None if cfg.skip_tokenizer_init else _load_detokenizer(self.model_dir)
-        spec = cache_spec(mcfg, cfg.kv_cache_dtype, cfg.block_size)
+        proposer = _proposer(cfg)
+        # ring rows for rejected draft positions (k - 1 suffice, tests/state/test_ring_slack.py; k keeps one spare)
+        slack = proposer.num_speculative_tokens if proposer else 0
+        spec = cache_spec(mcfg, cfg.kv_cache_dtype, cfg.block_size, ring_slack=slack)
         memory = cfg.kv_cache_memory or default_cache_memory(cfg.device)
         expected = cfg.max_model_len or min(mcfg.max_position_embeddings, 4096)
         num_slots, num_blocks = plan_capacity(memory, spec.slot_bytes, spec.block_bytes, cfg.block_size,
@@ -99,9 +107,9 @@ class LLM:
                                                f"{memory} bytes")
         # one slot and one block per ratio beyond the manager's: the padding rows of decode graphs
         cache = allocate_v4_cache(mcfg, num_slots, num_blocks, cfg.kv_cache_dtype, cfg.device, cfg.block_size,
-                                  scratch=True)
+                                  scratch=True, ring_slack=slack)
         self.scheduler = Scheduler(kv, min(cfg.max_num_seqs, num_slots), cfg.max_num_batched_tokens,
-                                   self.max_model_len)
+                                   self.max_model_len, proposer)
         _log_capacity(self.model, cache, kv, self.max_model_len, cfg)
         runner = ModelRunner(self.model, cache, cfg.device, cfg.seed, _replay_keep(cfg, mcfg), not cfg.enforce_eager,
                              cfg.batch_invariant)
@@ -175,6 +183,16 @@ class LLM:
         self.max_model_len = self.engine.max_model_len
         _log_capacity(self.model, self.engine.cache, self.scheduler.kv, self.max_model_len, cfg,
                       self.engine.rank_weights)
+
+    def get_metrics(self) -> dict:
+        """Counters since start-up: speculative decoding's (vLLM's names: num_drafts, num_draft_tokens,
+        num_accepted_tokens, accepted_per_position, mean_acceptance_length, which counts the target's
+        own token) and num_preemptions."""
+        from deepinfer.spec.ngram import SpecStats
+
+        sched = self.scheduler
+        return {**getattr(sched, "spec_stats", SpecStats()).as_dict(),
+                "num_preemptions": getattr(sched, "num_preemptions", 0)}
 
     def close(self) -> None:
         """Stop the other ranks of a multi-process engine (a no-op for one process)."""
@@ -369,6 +387,16 @@ def _eplb_settings(cfg: EngineConfig, make):
     return make(**kw)
 
 
+def _proposer(cfg: EngineConfig):
+    """The draft proposer `speculative_config` names, or None."""
+    from deepinfer.spec.ngram import NgramProposer
+
+    sc = cfg.speculative_config
+    if sc is None:
+        return None
+    return NgramProposer(sc["num_speculative_tokens"], sc.get("prompt_lookup_max", 4), sc.get("prompt_lookup_min", 1))
+
+
 def _require_one_process(cfg: EngineConfig) -> None:
     """The one place that turns down parallel layouts this build cannot launch yet. It runs a
     tensor-parallel group (LLM._start_tensor_parallel), or data-parallel ranks with tensor_parallel_size
@@ -384,6 +412,8 @@ def _require_one_process(cfg: EngineConfig) -> None:
         refused |= {k: changed[k] for k in ("data_parallel_size", "tensor_parallel_size")}
     if cfg.enable_expert_parallel and cfg.data_parallel_size == 1:
         refused |= {k: v for k, v in changed.items() if k in ("enable_expert_parallel", "enable_eplb")}
+    if cfg.speculative_config is not None and changed:
+        refused |= dict(changed, speculative_config=cfg.speculative_config)
     if refused:
         names = ", ".join(f"{k}={v!r}" for k, v in refused.items())
         raise ValueError(f"{names}: not yet supported in this build: deepinfer runs one process, a "

@@ -23,6 +23,9 @@ class ScheduledChunk:
     num_tokens: int = 0  # the request's length when scheduled (prompt + outputs so far)
     images: list[tuple[int, Any]] = field(default_factory=list)  # image spans near this chunk
     sample_index: int = 0  # which of the prompt's n samples the request is (keys seeded sampling)
+    # speculative decoding: the last num_draft token_ids are draft tokens; the last num_draft + 1 positions
+    # are verified (spec/verify.py) and the request receives its accepted drafts plus one target token
+    num_draft: int = 0
 
 
 # input token of a chunk scheduled ahead (async scheduling): the token its request samples in the step
@@ -55,7 +58,8 @@ class SchedulerOutput:
 
 @dataclass
 class ModelOutput:
-    """Per sampled request: its sampled tokens and, when asked, one logprob dict per token."""
+    """Per sampled request: its sampled tokens and, when asked, one logprob dict per token. A verify
+    chunk's request gets its accepted draft tokens and the target's token (accepted = len - 1)."""
 
     sampled: dict[str, list[int]]
     logprobs: dict[str, list[dict[int, float]]] = field(default_factory=dict)

@@ -5,6 +5,12 @@ prefill chunk), then waiting requests while the token budget, max_num_seqs and t
 allow. When a running request cannot grow, the most recently admitted running request is
 preempted: its slot and blocks are freed and it re-enters the queue front with its outputs
 kept, to be recomputed. A request is never dropped.
+
+Speculative decoding (a `proposer`): a decoding request's chunk carries draft tokens after its pending
+token, as many as the token budget, max_tokens and max_model_len leave room for; the runner verifies
+them and the request keeps its accepted drafts plus one target token. Its computed-token count then
+covers the pending token and the accepted drafts only: the rejected positions are recomputed later
+(the cache's rings have room for them: worker/kv_cache.py ring_slack).
 """
 from __future__ import annotations
 
@@ -14,16 +20,20 @@ from deepinfer.engine.kv_manager import KVCacheManager
 from deepinfer.engine.outputs import (CONTEXT_TOKENS, PLACEHOLDER, ForkOp, ModelOutput, ScheduledChunk,
                                      SchedulerOutput)
 from deepinfer.engine.request import Request, Status
+from deepinfer.spec.ngram import NgramProposer, SpecStats
 
 
 class Scheduler:
-    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int):
+    def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
+                 proposer: NgramProposer | None = None):
         self.kv = kv
         self.max_num_seqs, self.budget, self.max_model_len = max_num_seqs, max_num_batched_tokens, max_model_len
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.pending_forks: list[ForkOp] = []
         self.num_preemptions = 0
+        self.proposer = proposer
+        self.spec_stats = SpecStats()
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -39,16 +49,26 @@ class Scheduler:
         self.waiting.appendleft(req)
         self.num_preemptions += 1
 
-    def _chunk(self, req: Request, n: int) -> ScheduledChunk:
+    def _chunk(self, req: Request, n: int, drafts: list[int] = ()) -> ScheduledChunk:
         start = req.num_computed_tokens
         at_end = start + n == req.num_tokens
         samples = (1 + len(req.siblings)) if at_end else 0
         ids = req.all_token_ids
         lo = start - CONTEXT_TOKENS
         images = [(s0, img) for s0, img in req.images if s0 < start + n and s0 + img.num_tokens > lo]
-        return ScheduledChunk(req.request_id, req.slot, start, ids[start:start + n],
+        return ScheduledChunk(req.request_id, req.slot, start, ids[start:start + n] + list(drafts),
                               {m: list(t) for m, t in req.block_tables.items()}, samples, req.params,
-                              ids[max(0, lo):start], req.num_tokens, images, req.sample_index)
+                              ids[max(0, lo):start], req.num_tokens, images, req.sample_index, len(drafts))
+
+    def _drafts(self, req: Request, budget: int) -> list[int]:
+        """Draft tokens for a decoding request (one pending token): at most what the step's token budget
+        (after the pending token), max_tokens and max_model_len leave room for, so verification can
+        never emit past them."""
+        if self.proposer is None or req.num_pending != 1 or req.siblings:
+            return []
+        room = min(budget - 1, req.params.max_tokens - len(req.output_token_ids) - 1,
+                   self.max_model_len - req.num_tokens - 1)
+        return self.proposer.propose(req.all_token_ids, room) if room > 0 else []
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput(forks=self.pending_forks)
@@ -59,14 +79,18 @@ class Scheduler:
             if req.status is not Status.RUNNING or budget == 0:
                 continue
             n = min(req.num_pending, budget)
-            while not self.kv.allocate(req, req.num_computed_tokens + n):
+            drafts = self._drafts(req, budget)
+            while not self.kv.allocate(req, req.num_computed_tokens + n + len(drafts)):
+                if drafts:  # speculation never preempts another request: verify without drafts
+                    drafts = []
+                    continue
                 preempted = True
                 self._preempt(self.running[-1])
                 if req.status is not Status.RUNNING:
                     break
             if req.status is Status.RUNNING:
-                out.chunks.append(self._chunk(req, n))
-                budget -= n
+                out.chunks.append(self._chunk(req, n, drafts))
+                budget -= n + len(drafts)
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
             req = self.waiting[0]
             n = min(req.num_pending, budget)
@@ -87,9 +111,9 @@ class Scheduler:
         n > 1 forks, partial prefill chunks, requests waiting that could be admitted, or a cache
         that cannot grow every such request without preempting. A request that finishes in
         `inflight` by a stop token computes one wasted token here; `update` drops it."""
-        if self.pending_forks or not inflight.chunks or \
+        if self.pending_forks or not inflight.chunks or self.proposer is not None or \
                 (self.waiting and len(self.running) < self.max_num_seqs):
-            return None
+            return None  # (speculation: the next step's drafts need this step's accepted tokens)
         by_id = {r.request_id: r for r in self.running}
         if any(c.num_samples != 1 or c.request_id not in by_id for c in inflight.chunks):
             return None
@@ -116,11 +140,21 @@ class Scheduler:
             req = by_id.get(c.request_id)
             if req is None:
                 continue
-            req.num_computed_tokens += len(c.token_ids)
+            req.num_computed_tokens += len(c.token_ids) - c.num_draft
             if c.num_samples == 0:
                 continue
             toks = mo.sampled[c.request_id]
             lps = mo.logprobs.get(c.request_id) or [None] * len(toks)
+            if c.num_draft:  # accepted drafts, then the target's token: appended until the request stops
+                accepted = len(toks) - 1
+                req.num_computed_tokens += accepted
+                self.spec_stats.record(c.num_draft, accepted)
+                for tok, lp in zip(toks, lps):
+                    self._append(req, tok, lp)
+                    if req.finished:
+                        break
+                touched.append(req)
+                continue
             for sib, tok, lp in zip(req.siblings, toks[1:], lps[1:]):
                 self._start_sibling(req, sib, tok, lp)
                 touched.append(sib)

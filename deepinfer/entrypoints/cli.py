@@ -26,7 +26,8 @@ def _generate(args: argparse.Namespace) -> None:
               batch_invariant=args.batch_invariant or None, quantization=args.quantization,
               tensor_parallel_size=args.tensor_parallel_size, data_parallel_size=args.data_parallel_size,
               enable_expert_parallel=args.enable_expert_parallel, enable_eplb=args.enable_eplb,
-              context_parallel_size=args.context_parallel_size, eplb_config=args.eplb_config)
+              context_parallel_size=args.context_parallel_size, eplb_config=args.eplb_config,
+              speculative_config=args.speculative_config)
     try:
         for out in llm.generate(args.prompt, params, use_tqdm=False):
             for c in out.outputs:
@@ -72,6 +73,9 @@ def _parser() -> argparse.ArgumentParser:
                    help='vLLM\'s EPLB settings as JSON, e.g. \'{"step_interval": 3000, "window_size": 1000, '
                         '"num_redundant_experts": 8}\'')
     g.add_argument("--context-parallel-size", type=int, default=1)
+    g.add_argument("--speculative-config", type=_json_object, default=None,
+                   help='vLLM\'s speculative decoding settings as JSON, e.g. \'{"method": "ngram", '
+                        '"num_speculative_tokens": 4, "prompt_lookup_max": 4}\'')
     g.add_argument("--max-model-len", type=int, default=None)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")

@@ -7,6 +7,7 @@ samples in the step before", filled on the device from that step's sampled token
 """
 from __future__ import annotations
 
+import itertools
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -15,6 +16,7 @@ import torch
 from deepinfer.engine.outputs import PLACEHOLDER, ModelOutput, SchedulerOutput
 from deepinfer.layers import invariant
 from deepinfer.models.interface import CausalLM
+from deepinfer.spec.verify import verify
 from deepinfer.state.forward_batch import SeqChunk, build_forward_batch, to_device
 from deepinfer.worker.kv_cache import V4Cache
 from deepinfer.worker.sampler import SamplingBatch, sample, top_logprobs
@@ -33,6 +35,11 @@ class StepHandle:
     logprobs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     params: list | None = None
     max_logprobs: int = -1
+    # a verify step (spec/verify.py): tokens hold each verify group's emitted tokens at offsets[g] ..;
+    # groups[request id] its groups (a verify chunk: one; an n > 1 fork: n of one row); num_accepted [G]
+    offsets: list[int] | None = None
+    groups: dict[str, list[int]] | None = None
+    num_accepted: torch.Tensor | None = None
 
 
 # images whose embeddings are kept between the chunks of a prompt (most recent first out)
@@ -118,6 +125,8 @@ class ModelRunner:
         rows = [i for i, c in enumerate(so.chunks) if c.num_samples]
         if not rows:
             return StepHandle({})
+        if any(so.chunks[i].num_draft for i in rows):
+            return self._verify(so, streams, rows)
         last = batch.logits_idx[torch.tensor(rows, device=self.device)]
         return self._sample(so, self.model.compute_logits(streams[last]), rows)
 
@@ -156,6 +165,56 @@ class ModelRunner:
             h.host_tokens = tokens
         return h
 
+    def _verify(self, so: SchedulerOutput, streams: torch.Tensor, rows: list[int]) -> StepHandle:
+        """A step with draft tokens: the logits of every verified position, one spec/verify.py call over
+        all sampled chunks (a chunk without drafts is a group of one row, which verify samples exactly as
+        `sample` would; an n > 1 fork is n such groups of its last row), the copy to the host started."""
+        flat, offsets, drafts, params, seeds, groups = [], [0], [], [], [], {}
+        ends = list(itertools.accumulate(len(c.token_ids) for c in so.chunks))
+        for i in rows:
+            c = so.chunks[i]
+            k, last = c.num_draft, ends[i] - 1
+            pos = c.start + len(c.token_ids) - k  # the position the first verified row samples
+            for j in range(1 if k else c.num_samples):
+                groups.setdefault(c.request_id, []).append(len(offsets) - 1)
+                flat += range(last - k, last + 1)
+                offsets.append(offsets[-1] + k + 1)
+                drafts += c.token_ids[len(c.token_ids) - k:]
+                params.append(c.params)
+                seeds.append(None if c.params.seq_seed is None else (c.params.seq_seed, pos, c.sample_index + j))
+        logits = self.model.compute_logits(streams[to_device(torch.tensor(flat), self.device)])
+        # drafts are deterministic (prompt lookup: q one-hot), so a seeded request verifies by matching the
+        # target's own draw at each position (as likely to accept as rejection sampling, and its tokens
+        # are speculation-off's); unseeded requests take rejection sampling
+        out = verify(logits, offsets, to_device(torch.tensor(drafts, dtype=torch.long), self.device), params,
+                     seeds=seeds, generator=self.generator, match_seeded=True)
+        row_params = [p for g, p in enumerate(params) for _ in range(offsets[g + 1] - offsets[g])]
+        max_lp = max((p.logprobs for p in params if p.logprobs is not None), default=-1)
+        h = StepHandle({}, out.tokens, params=row_params, max_logprobs=max_lp, offsets=offsets, groups=groups,
+                       num_accepted=out.num_accepted,
+                       logprobs=top_logprobs(logits, out.tokens.clamp(min=0), max_lp) if max_lp >= 0 else None)
+        both = torch.cat((out.tokens, out.num_accepted))
+        if both.is_cuda:
+            h.host_tokens = torch.empty(both.shape, dtype=both.dtype, pin_memory=True)
+            h.host_tokens.copy_(both, non_blocking=True)
+            h.done = torch.cuda.Event()
+            h.done.record()
+        else:
+            h.host_tokens = both
+        return h
+
+    def _collect_verified(self, h: StepHandle) -> ModelOutput:
+        out = ModelOutput({})
+        values = h.host_tokens.tolist()
+        token_list, accepted = values[:h.offsets[-1]], values[h.offsets[-1]:]
+        lp = self._logprobs(h.logprobs, [max(t, 0) for t in token_list], h.params) if h.logprobs is not None else None
+        for rid, gs in h.groups.items():
+            take = [r for g in gs for r in range(h.offsets[g], h.offsets[g] + accepted[g] + 1)]
+            out.sampled[rid] = [token_list[r] for r in take]
+            if lp is not None and h.params[take[0]].logprobs is not None:
+                out.logprobs[rid] = [lp[r] for r in take]
+        return out
+
     @torch.inference_mode()
     def collect(self, h: StepHandle) -> ModelOutput:
         """Waits for the step's sampled tokens; the one host sync of a step."""
@@ -164,6 +223,8 @@ class ModelRunner:
             return out
         if h.done is not None:
             h.done.synchronize()
+        if h.offsets is not None:
+            return self._collect_verified(h)
         token_list = h.host_tokens.tolist()
         lp = None
         if h.logprobs is not None:
