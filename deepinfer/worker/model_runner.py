@@ -156,14 +156,7 @@ class ModelRunner:
             i += c.num_samples
         h = StepHandle(row_of, tokens, params=params, max_logprobs=sb.max_logprobs,
                        logprobs=top_logprobs(logits, tokens, sb.max_logprobs) if sb.max_logprobs >= 0 else None)
-        if tokens.is_cuda:
-            h.host_tokens = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-            h.host_tokens.copy_(tokens, non_blocking=True)
-            h.done = torch.cuda.Event()
-            h.done.record()
-        else:
-            h.host_tokens = tokens
-        return h
+        return _copy_to_host(h, tokens)
 
     def _verify(self, so: SchedulerOutput, streams: torch.Tensor, rows: list[int]) -> StepHandle:
         """A step with draft tokens: the logits of every verified position, one spec/verify.py call over
@@ -193,15 +186,7 @@ class ModelRunner:
         h = StepHandle({}, out.tokens, params=row_params, max_logprobs=max_lp, offsets=offsets, groups=groups,
                        num_accepted=out.num_accepted,
                        logprobs=top_logprobs(logits, out.tokens.clamp(min=0), max_lp) if max_lp >= 0 else None)
-        both = torch.cat((out.tokens, out.num_accepted))
-        if both.is_cuda:
-            h.host_tokens = torch.empty(both.shape, dtype=both.dtype, pin_memory=True)
-            h.host_tokens.copy_(both, non_blocking=True)
-            h.done = torch.cuda.Event()
-            h.done.record()
-        else:
-            h.host_tokens = both
-        return h
+        return _copy_to_host(h, torch.cat((out.tokens, out.num_accepted)))
 
     def _collect_verified(self, h: StepHandle) -> ModelOutput:
         out = ModelOutput({})
@@ -270,6 +255,18 @@ class ModelRunner:
             d[token_list[r]] = chosen[r]
             out.append(d)
         return out
+
+
+def _copy_to_host(h: StepHandle, values: torch.Tensor) -> StepHandle:
+    """Starts the copy of a step's results to pinned host memory (`collect` waits on h.done)."""
+    if values.is_cuda:
+        h.host_tokens = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+        h.host_tokens.copy_(values, non_blocking=True)
+        h.done = torch.cuda.Event()
+        h.done.record()
+    else:
+        h.host_tokens = values
+    return h
 
 
 def _graphs_for(model: CausalLM, cache: V4Cache, device: torch.device):

@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from deepinfer import LLM, SamplingParams
-from deepinfer.tools.make_checkpoint import PRESETS, write_checkpoint
 from deepinfer.worker.cuda_graph import DecodeGraphs
 from deepinfer.worker.kv_cache import cache_spec
 from deepinfer.loader.model_config import read_model_config
@@ -19,19 +18,8 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests" / "models"))
 from oracle import transformers_model  # noqa: E402
 
-CFG = {**PRESETS["tiny"], "index_topk": 64}  # top-k >= entries: no indexer near-ties across chunkings
+from conftest import CFG  # noqa: E402  (tests/engine/conftest.py: the ckpt / ckpt41 fixtures)
 GREEDY = SamplingParams(temperature=0, max_tokens=12)
-
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    return write_checkpoint(tmp_path_factory.mktemp("tiny") / "ckpt", CFG, seed=11, dtype="fp8")
-
-
-@pytest.fixture(scope="module")
-def ckpt41(tmp_path_factory):
-    """DeepSeek-V4.1 (Engram, CSA2 roles, DSpark stages): its windows come from the device history."""
-    return write_checkpoint(tmp_path_factory.mktemp("tiny41") / "ckpt", PRESETS["tiny41"], seed=5, dtype="fp8")
 
 
 @pytest.fixture(scope="module")

@@ -8,19 +8,7 @@ import torch
 from deepinfer import LLM, SamplingParams
 from deepinfer.loader.model_config import read_model_config
 from deepinfer.spec.ngram import NgramProposer, SpecStats
-from deepinfer.tools.make_checkpoint import PRESETS, write_checkpoint
-
-CFG = {**PRESETS["tiny"], "index_topk": 64}
-
-
-@pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    return write_checkpoint(tmp_path_factory.mktemp("tiny") / "ckpt", CFG, seed=11, dtype="fp8")
-
-
-@pytest.fixture(scope="module")
-def ckpt41(tmp_path_factory):
-    return write_checkpoint(tmp_path_factory.mktemp("tiny41") / "ckpt", PRESETS["tiny41"], seed=5, dtype="fp8")
+from conftest import CFG  # tests/engine/conftest.py: the ckpt / ckpt41 fixtures
 
 
 def _prompts(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
