@@ -116,13 +116,14 @@ def _snapshot(model: str, looked: list[str], offline: bool, ignore: list[str] | 
         raise _not_found(model, looked) from e
 
 
-def _announce_download(model: str, cache: str, ignore: list[str] | None, revision: str | None) -> None:
-    """Log how much of `model` the hub download will fetch (files not in the cache yet), before it starts."""
+def _announce_download(model: str, cache: str, ignore: list[str] | None = None, revision: str | None = None) -> None:
+    """Log how much of `model` the hub download will fetch (files not in the cache yet, less `ignore`d
+    patterns, at `revision` or the default branch), before it starts."""
     from huggingface_hub import HfApi, try_to_load_from_cache
     from huggingface_hub.utils import filter_repo_objects
 
     try:
-        info = HfApi().model_info(model, revision=revision, files_metadata=True)
+        info = HfApi().model_info(model, files_metadata=True, **({"revision": revision} if revision else {}))
     except Exception as e:  # the download itself reports what is wrong with the hub or the id
         logger.info("%s: could not read its file list from the hub (%s)", model, _short(e))
         return
