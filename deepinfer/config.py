@@ -69,7 +69,8 @@ class EngineConfig:
     # defaults, distributed/dp_engine.py EPLBConfig); needs enable_eplb
     eplb_config: dict | None = None
     # vLLM's speculative decoding settings: {"method": "ngram", "num_speculative_tokens": k,
-    # "prompt_lookup_max": 4, "prompt_lookup_min": 1} (prompt-lookup drafts, spec/ngram.py); None: off
+    # "prompt_lookup_max": 4, "prompt_lookup_min": 1} (prompt-lookup drafts, spec/ngram.py) or
+    # {"method": "dspark", "num_speculative_tokens": k} (V4.1's draft stages, worker/drafter.py); None: off
     speculative_config: dict | None = None
 
     def __post_init__(self):
@@ -199,7 +200,7 @@ def _check_choice(name: str, value: str, choices: tuple[str, ...]):
         raise ValueError(f"{name}: {value!r} is not one of {', '.join(choices)}")
 
 
-SPECULATIVE_METHODS = ("ngram",)
+SPECULATIVE_METHODS = ("ngram", "dspark")
 
 
 def _check_speculative_config(sc) -> None:
@@ -212,6 +213,9 @@ def _check_speculative_config(sc) -> None:
         raise ValueError(f"speculative_config: unknown key {unknown[0]!r} (known: {', '.join(sorted(known))})")
     if sc.get("method") not in SPECULATIVE_METHODS:
         raise ValueError(f"speculative_config.method: {sc.get('method')!r} is not supported (supported: "
-                         f"{', '.join(SPECULATIVE_METHODS)}; the MTP / DSpark draft stages are not wired yet)")
+                         f"{', '.join(SPECULATIVE_METHODS)}; V4's MTP layer is not wired yet)")
+    lookup = sorted(k for k in sc if k.startswith("prompt_lookup"))
+    if sc["method"] != "ngram" and lookup:
+        raise ValueError(f"speculative_config.{lookup[0]}: only the 'ngram' method reads it")
     if "num_speculative_tokens" not in sc:
         raise ValueError("speculative_config.num_speculative_tokens: required")

@@ -24,6 +24,7 @@ from deepinfer.layers.moe import Experts, repack_fp4_experts
 from deepinfer.loader.model_loader import load_model, weight_bytes
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.tools.demo import DEMO_NAME, demo_checkpoint
+from deepinfer.worker.drafter import DSparkDrafter
 from deepinfer.worker.kv_cache import allocate_v4_cache, cache_spec, default_cache_memory
 from deepinfer.worker.model_runner import ModelRunner
 
@@ -51,7 +52,8 @@ class LLM:
         read, the model's bytes (built on the meta device) are checked against the GPU's free memory;
         a model that does not fit raises ValueError with the layouts that would. `speculative_config`
         (vLLM's name): {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max",
-        "prompt_lookup_min"} drafts up to k tokens by prompt lookup and verifies them in the next step
+        "prompt_lookup_min"} drafts up to k tokens by prompt lookup, {"method": "dspark",
+        "num_speculative_tokens": k} by V4.1's own draft stages, and verifies them in the next step
         (greedy output unchanged, sampled output distributed as without it); one process only."""
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         cfg = EngineConfig.from_env(
@@ -111,8 +113,9 @@ class LLM:
         self.scheduler = Scheduler(kv, min(cfg.max_num_seqs, num_slots), cfg.max_num_batched_tokens,
                                    self.max_model_len, proposer)
         _log_capacity(self.model, cache, kv, self.max_model_len, cfg)
+        drafter = DSparkDrafter(self.model, cache, slack) if getattr(proposer, "method", None) == "dspark" else None
         runner = ModelRunner(self.model, cache, cfg.device, cfg.seed, _replay_keep(cfg, mcfg), not cfg.enforce_eager,
-                             cfg.batch_invariant)
+                             cfg.batch_invariant, drafter)
         self.engine = EngineCore(self.scheduler, runner, self.detokenizer, cfg.async_scheduling)
         # the start-up heap (weights' Python objects, tokenizer, configs) is never garbage: moving it out
         # of the collector's generations keeps full collections from pausing steps
@@ -389,12 +392,18 @@ def _eplb_settings(cfg: EngineConfig, make):
 
 def _proposer(cfg: EngineConfig):
     """The draft proposer `speculative_config` names, or None."""
-    from deepinfer.spec.ngram import NgramProposer
+    from deepinfer.spec.ngram import ModelDrafts, NgramProposer
 
     sc = cfg.speculative_config
     if sc is None:
         return None
-    return NgramProposer(sc["num_speculative_tokens"], sc.get("prompt_lookup_max", 4), sc.get("prompt_lookup_min", 1))
+    if sc["method"] == "ngram":
+        return NgramProposer(sc["num_speculative_tokens"], sc.get("prompt_lookup_max", 4),
+                             sc.get("prompt_lookup_min", 1))
+    k = sc["num_speculative_tokens"]
+    if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+        raise ValueError(f"speculative_config.num_speculative_tokens: must be a positive integer, got {k!r}")
+    return ModelDrafts(sc["method"], k)
 
 
 def _require_one_process(cfg: EngineConfig) -> None:

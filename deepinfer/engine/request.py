@@ -33,6 +33,8 @@ class Request:
     siblings: list["Request"] = field(default_factory=list)  # n > 1: forks waiting on this leader
     images: list[tuple[int, Any]] = field(default_factory=list)  # (span start, preprocessed image)
     sample_index: int = 0  # j of the prompt's n samples (0 = the leader)
+    # the model's drafts for the tokens after the pending one (a model-based proposer; verified next step)
+    spec_token_ids: list[int] = field(default_factory=list)
 
     @property
     def all_token_ids(self) -> list[int]:

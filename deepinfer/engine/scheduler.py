@@ -20,12 +20,12 @@ from deepinfer.engine.kv_manager import KVCacheManager
 from deepinfer.engine.outputs import (CONTEXT_TOKENS, PLACEHOLDER, ForkOp, ModelOutput, ScheduledChunk,
                                      SchedulerOutput)
 from deepinfer.engine.request import Request, Status
-from deepinfer.spec.ngram import NgramProposer, SpecStats
+from deepinfer.spec.ngram import ModelDrafts, NgramProposer, SpecStats
 
 
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
-                 proposer: NgramProposer | None = None):
+                 proposer: NgramProposer | ModelDrafts | None = None):
         self.kv = kv
         self.max_num_seqs, self.budget, self.max_model_len = max_num_seqs, max_num_batched_tokens, max_model_len
         self.waiting: deque[Request] = deque()
@@ -45,6 +45,7 @@ class Scheduler:
         self.running.remove(req)
         self.kv.free(req)
         req.num_computed_tokens = 0
+        req.spec_token_ids = []
         req.status = Status.WAITING
         self.waiting.appendleft(req)
         self.num_preemptions += 1
@@ -68,7 +69,11 @@ class Scheduler:
             return []
         room = min(budget - 1, req.params.max_tokens - len(req.output_token_ids) - 1,
                    self.max_model_len - req.num_tokens - 1)
-        return self.proposer.propose(req.all_token_ids, room) if room > 0 else []
+        if room <= 0:
+            return []
+        if isinstance(self.proposer, ModelDrafts):  # drafted by the model in the step that emitted the pending token
+            return req.spec_token_ids[:min(room, self.proposer.num_speculative_tokens)]
+        return self.proposer.propose(req.all_token_ids, room)
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput(forks=self.pending_forks)
@@ -145,6 +150,7 @@ class Scheduler:
                 continue
             toks = mo.sampled[c.request_id]
             lps = mo.logprobs.get(c.request_id) or [None] * len(toks)
+            req.spec_token_ids = mo.drafts.get(c.request_id, [])
             if c.num_draft:  # accepted drafts, then the target's token: appended until the request stops
                 accepted = len(toks) - 1
                 req.num_computed_tokens += accepted

@@ -24,7 +24,8 @@ from deepinfer.layers.rotary import RopeCache, rope_inv_freq
 from deepinfer.models.block_v41 import Block41, StepContext41
 from deepinfer.models.config_v41 import FULL, DeepseekV41Config
 from deepinfer.models.deepseek_v4 import quant_spec
-from deepinfer.models.dspark_v41 import DSparkStage41
+from deepinfer.models.dspark_v41 import DSparkStage41, draft_from_cache, write_draft_context
+from deepinfer.models.interface import DraftBlock
 from deepinfer.models.vision_v41 import VISION_DEFAULTS, VisionAligner, VisionTransformer, image_span_embeddings
 
 
@@ -202,6 +203,14 @@ class DeepseekV41ForCausalLM(nn.Module):
             return h
         d = self.config.hidden_size
         return h[:, :d].to(self.dtype), h[:, d:]
+
+    def store_draft_context(self, features: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor,
+                            rings: list) -> None:
+        write_draft_context(self, features, positions, rows, rings)
+
+    def draft_from_cache(self, rings: list, ctx_rows: torch.Tensor, ctx_valid: torch.Tensor,
+                         anchor_tokens: torch.Tensor, anchor_pos: torch.Tensor) -> DraftBlock:
+        return draft_from_cache(self, rings, ctx_rows, ctx_valid, anchor_tokens, anchor_pos)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, D] -> fp32 logits (the head is kept in fp32)."""

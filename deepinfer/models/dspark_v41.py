@@ -11,7 +11,7 @@ the normalised hidden instead).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 
@@ -22,13 +22,7 @@ from deepinfer.layers.rotary import RopeCache, apply_rope
 from deepinfer.models.block_v41 import Block41
 from deepinfer.models.config_v41 import DeepseekV41Config
 from deepinfer.models.deepseek_v4 import add_dspark_heads
-
-
-@dataclass
-class DraftBlock:
-    tokens: torch.Tensor       # [B, block] greedy drafts for positions p+1 .. p+block
-    logits: torch.Tensor       # [B, block, V] base + Markov logits each draft was picked from
-    confidence: torch.Tensor   # [B, block] P(draft i accepted | drafts < i accepted)
+from deepinfer.models.interface import DraftBlock
 
 
 class DSparkStage41(Block41):
@@ -44,13 +38,19 @@ class DSparkStage41(Block41):
                          cfg.dspark_num_experts_per_tok)
         add_dspark_heads(self, cfg, stage, dtype, quant)
 
-    def _attend(self, u: torch.Tensor, ctx_h: torch.Tensor, ctx_rope: RopeCache, ctx_valid: torch.Tensor,
-                rope: RopeCache, kv_fmt: FormatStore) -> torch.Tensor:
-        """u [B, S, D] draft rows, ctx_h [B, C, D] projected features -> [B, S, D]."""
+    def context_keys(self, ctx_h: torch.Tensor, rope: RopeCache) -> torch.Tensor:
+        """This stage's context KV [N, head_dim] of projected target features ctx_h [N, D] (rotated at
+        their positions; not yet rounded through the window format)."""
+        a = self.attn
+        return apply_rope(a.kv_norm(a.wkv(ctx_h)), rope)
+
+    def _attend(self, u: torch.Tensor, ctx_keys: torch.Tensor, ctx_valid: torch.Tensor, rope: RopeCache,
+                kv_fmt: FormatStore) -> torch.Tensor:
+        """u [B, S, D] draft rows, ctx_keys [B, C, head_dim] this stage's context KV as stored -> [B, S, D]."""
         a, (B, S, _) = self.attn, u.shape
-        kv_of = lambda h, r: kv_fmt.roundtrip(apply_rope(a.kv_norm(a.wkv(h)).flatten(0, 1), r))  # noqa: E731
         q = apply_rope(a.wq_b(a.q_norm(a.wq_a(u))).flatten(0, 1).view(B * S, a.n_heads, a.head_dim), rope)
-        keys = torch.cat((kv_of(ctx_h, ctx_rope).view(B, -1, a.head_dim), kv_of(u, rope).view(B, S, a.head_dim)), 1)
+        own = kv_fmt.roundtrip(apply_rope(a.kv_norm(a.wkv(u)).flatten(0, 1), rope)).view(B, S, a.head_dim)
+        keys = torch.cat((ctx_keys.to(u.dtype), own), 1)
         valid = torch.cat((ctx_valid, torch.ones(B, S, dtype=torch.bool, device=u.device)), dim=1)
         logits = torch.einsum("bshd,bkd->bhsk", q.view(B, S, a.n_heads, -1).float(), keys.float()) * a.head_dim ** -0.5
         logits = logits.masked_fill(~valid[:, None, None, :], float("-inf"))
@@ -60,17 +60,29 @@ class DSparkStage41(Block41):
         o = apply_rope(o, rope, inverse=True).view(B * S, a.o_groups, -1)
         return a.wo_b(a.wo_a.forward_grouped(o)).view(B, S, -1)
 
-    def draft_forward(self, x, pre, ctx_h, ctx_rope, ctx_valid, rope, kv_fmt, ids):
-        """x [B, S, n, D], pre [B, S, n] -> (x, pre) after this stage."""
+    def draft_forward(self, x, pre, ctx_keys, ctx_valid, rope, kv_fmt, ids):
+        """x [B, S, n, D], pre [B, S, n] -> (x, pre) after this stage (ctx_keys: see _attend)."""
         flat = lambda t: t.flatten(0, 1)  # noqa: E731
         B, S = x.shape[:2]
         xs = flat(x)
         pre_a, post, comb = self.hc.weights(xs, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale)
         u = self.attn_norm(collapse(xs, flat(pre))).view(B, S, -1)
-        xs = expand(xs, flat(self._attend(u, ctx_h, ctx_rope, ctx_valid, rope, kv_fmt)), post, comb)
+        xs = expand(xs, flat(self._attend(u, ctx_keys, ctx_valid, rope, kv_fmt)), post, comb)
         pre_f, post, comb = self.hc.weights(xs, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale)
         xs = expand(xs, self.ffn(self.ffn_norm(collapse(xs, pre_a)), flat(ids)), post, comb)
         return xs.view(x.shape), pre_f.view(B, S, -1)
+
+
+def _stages(model):
+    if model.mtp is None:
+        raise RuntimeError("this model has no DSpark draft stages (num_nextn_predict_layers is 0)")
+    return model.mtp
+
+
+def project_features(model, features: torch.Tensor) -> torch.Tensor:
+    """Target features [..., len(targets) * D] -> the draft's context input main_norm(main_proj(.)) [..., D]."""
+    first = _stages(model)[0]
+    return first.main_norm(first.main_proj(features.to(model.dtype)))
 
 
 @torch.inference_mode()
@@ -80,23 +92,52 @@ def draft_block(model, features: torch.Tensor, feature_pos: torch.Tensor, featur
     positions feature_pos [B, C] (the window before the anchor; feature_valid masks padding);
     anchor_tokens / anchor_pos [B]: the newest accepted token and its position. The draft's KV is
     rounded through `window_format`, the storage format of the cache's window rings."""
-    cfg, stages = model.config, model.mtp
-    if stages is None:
-        raise RuntimeError("this model has no DSpark draft stages (num_nextn_predict_layers is 0)")
+    stages = _stages(model)
+    kv_fmt = FormatStore(0, model.config.head_dim, window_format, "meta")
+    B, C = feature_pos.shape
+    ctx_h = project_features(model, features).flatten(0, 1)
+    ctx_rope = RopeCache.at(feature_pos.flatten(), model.inv_freq_main)
+    keys = [kv_fmt.roundtrip(st.context_keys(ctx_h, ctx_rope)).view(B, C, -1) for st in stages]
+    return _draft(model, keys, feature_valid, anchor_tokens, anchor_pos, kv_fmt)
+
+
+def write_draft_context(model, features: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor, rings) -> None:
+    """Store each stage's context KV of target features [N, len(targets) * D] at `positions` [N] into its
+    window ring (`rings`: the cache's draft-stage stores) at `rows` [N]: the state draft_from_cache reads."""
+    ctx_h = project_features(model, features)
+    rope = RopeCache.at(positions, model.inv_freq_main)
+    for st, ring in zip(_stages(model), rings):
+        ring.write(rows, st.context_keys(ctx_h, rope))
+
+
+@torch.inference_mode()
+def draft_from_cache(model, rings, ctx_rows: torch.Tensor, ctx_valid: torch.Tensor, anchor_tokens: torch.Tensor,
+                     anchor_pos: torch.Tensor) -> DraftBlock:
+    """draft_block with the context KV read from the stages' rings (write_draft_context) at ctx_rows
+    [B, C] (masked where ctx_valid is False) instead of projected from features: no recompute per call."""
+    B, C = ctx_rows.shape
+    flat = ctx_rows.clamp(min=0).flatten()
+    keys = [ring.read(flat, model.dtype).view(B, C, -1) for ring in rings]
+    fmt = getattr(rings[0], "fmt", "float32")
+    return _draft(model, keys, ctx_valid, anchor_tokens, anchor_pos, FormatStore(0, model.config.head_dim, fmt, "meta"))
+
+
+def _draft(model, stage_keys: list[torch.Tensor], ctx_valid: torch.Tensor, anchor_tokens: torch.Tensor,
+           anchor_pos: torch.Tensor, kv_fmt: FormatStore) -> DraftBlock:
+    """The block from each stage's context keys [B, C, head_dim] (as stored): the stages over
+    [anchor, noise x (block-1)], then the target head, the Markov head and the confidence head."""
+    cfg, stages = model.config, _stages(model)
     blk, n = cfg.dspark_block_size, cfg.hc_mult
     B = anchor_tokens.shape[0]
-    kv_fmt = FormatStore(0, cfg.head_dim, window_format, "meta")
     ids = torch.full((B, blk), cfg.dspark_noise_token_id, dtype=torch.long, device=anchor_tokens.device)
     ids[:, 0] = anchor_tokens
     pos = anchor_pos[:, None] + torch.arange(blk, device=anchor_pos.device)
     rope = RopeCache.at(pos.flatten(), model.inv_freq_main)
-    ctx_rope = RopeCache.at(feature_pos.flatten(), model.inv_freq_main)
     x = model.embed(ids).unsqueeze(2).repeat(1, 1, n, 1)
     pre = torch.zeros(B, blk, n, dtype=torch.float32, device=x.device)
     pre[..., 0] = 1
-    ctx_h = stages[0].main_norm(stages[0].main_proj(features.to(x.dtype)))
-    for stage in stages:
-        x, pre = stage.draft_forward(x, pre, ctx_h, ctx_rope, feature_valid, rope, kv_fmt, ids)
+    for stage, keys in zip(stages, stage_keys):
+        x, pre = stage.draft_forward(x, pre, keys, ctx_valid, rope, kv_fmt, ids)
     last = stages[-1]
     hidden = collapse(x.flatten(0, 1), pre.flatten(0, 1)).view(B, blk, -1)
     base = model.head(last.norm(hidden).float()).float()  # the target's head on the draft's own norm

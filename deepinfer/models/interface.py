@@ -5,6 +5,7 @@ Adding a model means a model file and a config file that provide these members; 
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -57,3 +58,25 @@ class CausalLM(Protocol):
 
     def image_embeddings(self, image) -> torch.Tensor:
         """Embeddings of one image's whole token span (ValueError for a model without vision)."""
+
+
+@dataclass
+class DraftBlock:
+    tokens: torch.Tensor       # [B, block] greedy drafts for positions p+1 .. p+block
+    logits: torch.Tensor       # [B, block, V] the logits each draft was picked from
+    confidence: torch.Tensor   # [B, block] P(draft i accepted | drafts < i accepted)
+
+
+@runtime_checkable
+class SelfDrafting(Protocol):
+    """A model whose own draft stages the engine can run as its proposer (V4.1's DSpark): the
+    forward's `draft_features=True` also returns the target features, whose context KV the model
+    stores into its draft stages' rings and drafts from."""
+
+    def store_draft_context(self, features: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor,
+                            rings: list) -> None:
+        """features [N, F] at positions [N] -> each draft stage's context KV in its ring (rings[s]) at rows [N]."""
+
+    def draft_from_cache(self, rings: list, ctx_rows: torch.Tensor, ctx_valid: torch.Tensor,
+                         anchor_tokens: torch.Tensor, anchor_pos: torch.Tensor) -> DraftBlock:
+        """One draft block per anchor (the newest token and its position), its context read at ctx_rows [B, C]."""

@@ -3,7 +3,8 @@ occurrence of the sequence's last n tokens, for the largest n in [prompt_lookup_
 that occurs earlier. Host-only (numpy); the drafts are deterministic, so verification treats the draft
 distribution as one-hot at each draft token (spec/verify.py, draft_probs=None).
 
-Also the speculation counters the engine reports (vLLM's metric names).
+Also the host-side stand-in for the model's own draft stages (ModelDrafts) and the speculation counters
+the engine reports (vLLM's metric names).
 """
 from __future__ import annotations
 
@@ -44,6 +45,15 @@ class NgramProposer:
                 start = int(hits[-1]) + n
                 return ids[start:start + k].tolist()
         return []
+
+
+@dataclass(frozen=True)
+class ModelDrafts:
+    """A proposer that runs on the device inside the model step (the checkpoint's own draft stages,
+    worker/drafter.py): the engine core only carries each request's drafts from one step to the next."""
+
+    method: str
+    num_speculative_tokens: int
 
 
 @dataclass

@@ -18,6 +18,7 @@ from deepinfer.layers import invariant
 from deepinfer.models.interface import CausalLM
 from deepinfer.spec.verify import verify
 from deepinfer.state.forward_batch import SeqChunk, build_forward_batch, to_device
+from deepinfer.worker.drafter import DSparkDrafter
 from deepinfer.worker.kv_cache import V4Cache
 from deepinfer.worker.sampler import SamplingBatch, sample, top_logprobs
 
@@ -40,6 +41,8 @@ class StepHandle:
     offsets: list[int] | None = None
     groups: dict[str, list[int]] | None = None
     num_accepted: torch.Tensor | None = None
+    drafts: dict[str, int] | None = None  # request id -> its row of the next step's drafts (a drafter's)
+    draft_width: int = 0
 
 
 # images whose embeddings are kept between the chunks of a prompt (most recent first out)
@@ -48,16 +51,20 @@ IMAGE_CACHE_SIZE = 32
 
 class ModelRunner:
     def __init__(self, model: CausalLM, cache: V4Cache, device: torch.device | str, seed: int | None = None,
-                 replay_keep: int | None = None, cuda_graphs: bool = True, batch_invariant: bool = False):
+                 replay_keep: int | None = None, cuda_graphs: bool = True, batch_invariant: bool = False,
+                 drafter: DSparkDrafter | None = None):
         """`replay_keep`: SWA bounded replay keeps each request's last `replay_keep` rows above the
         model's replay layer (None = exact prefill, or a model without one). `cuda_graphs`: replay
-        pure-decode steps as CUDA graphs where the model allows it (see _graphs_for)."""
+        pure-decode steps as CUDA graphs where the model allows it (see _graphs_for). `drafter`: the
+        model's own draft stages propose the next step's tokens after every sampling step (steps then
+        run eagerly: the graphs capture the trunk alone)."""
         self.model, self.cache, self.device = model, cache, torch.device(device)
         self.batch_invariant = batch_invariant
         if not isinstance(model, CausalLM):
             raise TypeError(f"{type(model).__name__} does not implement models/interface.py CausalLM")
         self.replay_keep = replay_keep if model.replay_layer >= 0 else None
-        self.graphs = _graphs_for(model, cache, self.device) if cuda_graphs else None
+        self.drafter = drafter
+        self.graphs = _graphs_for(model, cache, self.device) if cuda_graphs and drafter is None else None
         # (request id, span start) -> the span's embeddings, kept until the span's last token is computed
         self.image_cache: OrderedDict[tuple[str, int], torch.Tensor] = OrderedDict()
         self.generator = torch.Generator(device=self.device)
@@ -121,11 +128,16 @@ class ModelRunner:
             if batch.replay is not None:  # its sub-batches hold copies of the kept rows' ids
                 for sub in (batch.replay.at_layer, batch.replay.upper):
                     sub.input_ids = batch.input_ids[batch.replay.rows]
-        streams = self.model(batch, self.cache.layers, token_history=self.cache.token_history)
+        if self.drafter is None:
+            streams = self.model(batch, self.cache.layers, token_history=self.cache.token_history)
+        else:
+            streams, features = self.model(batch, self.cache.layers, draft_features=True,
+                                           token_history=self.cache.token_history)
+            self.drafter.store_context(batch, features)
         rows = [i for i, c in enumerate(so.chunks) if c.num_samples]
         if not rows:
             return StepHandle({})
-        if any(so.chunks[i].num_draft for i in rows):
+        if self.drafter is not None or any(so.chunks[i].num_draft for i in rows):
             return self._verify(so, streams, rows)
         last = batch.logits_idx[torch.tensor(rows, device=self.device)]
         return self._sample(so, self.model.compute_logits(streams[last]), rows)
@@ -186,12 +198,33 @@ class ModelRunner:
         h = StepHandle({}, out.tokens, params=row_params, max_logprobs=max_lp, offsets=offsets, groups=groups,
                        num_accepted=out.num_accepted,
                        logprobs=top_logprobs(logits, out.tokens.clamp(min=0), max_lp) if max_lp >= 0 else None)
-        return _copy_to_host(h, torch.cat((out.tokens, out.num_accepted)))
+        values = [out.tokens, out.num_accepted]
+        if self.drafter is not None:
+            values.append(self._draft(so, rows, out, h))
+        return _copy_to_host(h, torch.cat(values))
+
+    def _draft(self, so: SchedulerOutput, rows: list[int], out, h: StepHandle) -> torch.Tensor:
+        """The next step's drafts [G * k] of the requests this step sampled one token for, from their
+        anchors on the device (the last emitted token and its position): no host sync."""
+        anchors = [(so.chunks[i], h.groups[so.chunks[i].request_id][0]) for i in rows
+                   if so.chunks[i].num_samples == 1]
+        h.drafts = {c.request_id: j for j, (c, _) in enumerate(anchors)}
+        h.draft_width = self.drafter.num_tokens
+        if not anchors:
+            return out.tokens[:0]
+        host = torch.tensor([[h.offsets[g], c.start + len(c.token_ids) - c.num_draft, c.slot] for c, g in anchors])
+        first, pos, slots = to_device(host, self.device).unbind(1)
+        acc = out.num_accepted[torch.tensor([g for _, g in anchors], device=self.device)]
+        block = self.drafter.draft(out.tokens[first + acc], pos + acc, slots)
+        return block.tokens[:, :self.drafter.num_tokens].flatten()
 
     def _collect_verified(self, h: StepHandle) -> ModelOutput:
         out = ModelOutput({})
         values = h.host_tokens.tolist()
-        token_list, accepted = values[:h.offsets[-1]], values[h.offsets[-1]:]
+        T, G = h.offsets[-1], len(h.offsets) - 1
+        token_list, accepted, drafts = values[:T], values[T:T + G], values[T + G:]
+        for rid, j in (h.drafts or {}).items():
+            out.drafts[rid] = drafts[j * h.draft_width:(j + 1) * h.draft_width]
         lp = self._logprobs(h.logprobs, [max(t, 0) for t in token_list], h.params) if h.logprobs is not None else None
         for rid, gs in h.groups.items():
             take = [r for g in gs for r in range(h.offsets[g], h.offsets[g] + accepted[g] + 1)]

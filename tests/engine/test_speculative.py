@@ -7,7 +7,11 @@ import torch
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.loader.model_config import read_model_config
-from deepinfer.spec.ngram import NgramProposer, SpecStats
+from deepinfer.engine.kv_manager import KVCacheManager
+from deepinfer.engine.outputs import ModelOutput
+from deepinfer.engine.request import Request
+from deepinfer.engine.scheduler import Scheduler
+from deepinfer.spec.ngram import ModelDrafts, NgramProposer, SpecStats
 from conftest import CFG  # tests/engine/conftest.py: the ckpt / ckpt41 fixtures
 
 
@@ -23,9 +27,11 @@ def _prompts(n: int, vocab: int, seed: int = 0) -> list[list[int]]:
 
 
 def _llm(ckpt, spec: int | None, **kw) -> LLM:
+    """spec: k prompt-lookup drafts (None: off, or a speculative_config in kw)."""
     sc = None if spec is None else {"method": "ngram", "num_speculative_tokens": spec, "prompt_lookup_max": 3}
-    base = dict(device="cpu", dtype="float32", kv_cache_dtype="float32", kv_cache_memory=64 << 20)
-    return LLM(str(ckpt), speculative_config=sc, **{**base, **kw})
+    base = dict(device="cpu", dtype="float32", kv_cache_dtype="float32", kv_cache_memory=64 << 20,
+                speculative_config=sc)
+    return LLM(str(ckpt), **{**base, **kw})
 
 
 @pytest.mark.parametrize("k", [1, 3, 5])
@@ -52,17 +58,17 @@ def test_greedy_tokens_equal_speculation_off_v41(ckpt41):
     assert llm.get_metrics()["num_drafts"] > 0
 
 
-def test_chunked_prefill_and_preemption(ckpt):
-    """A small token budget chunks prompts and caps drafts; a small cache preempts running requests
-    (recomputed from their tokens, drafts dropped); outputs still equal speculation off."""
-    prompts = _prompts(6, CFG["vocab_size"], seed=2)
+def test_chunked_prefill_and_a_small_token_budget(ckpt):
+    """A small token budget chunks prompts and caps the drafts; outputs still equal speculation off
+    (preemption under speculation: the scheduler tests below)."""
+    prompts = _prompts(6, CFG["vocab_size"])
     greedy = SamplingParams(temperature=0, max_tokens=30)
     want = [o.outputs[0].token_ids for o in _llm(ckpt, None).generate(prompts, greedy, use_tqdm=False)]
-    small = _llm(ckpt, 4, block_size=4, kv_cache_memory=3 << 20, max_num_seqs=3, max_num_batched_tokens=16,
-                 max_model_len=120)
+    small = _llm(ckpt, 4, block_size=4, max_num_seqs=3, max_num_batched_tokens=6, max_model_len=120)
     got = [o.outputs[0].token_ids for o in small.generate(prompts, greedy, use_tqdm=False)]
     assert got == want
-    assert small.get_metrics()["num_drafts"] > 0
+    m = small.get_metrics()
+    assert m["num_drafts"] > 0 and m["num_accepted_tokens"] > 0
     assert small.scheduler.kv.all_free()
 
 
@@ -133,3 +139,111 @@ def test_spec_stats():
     s.record(0, 0)  # a step without drafts is not a draft
     assert s.as_dict() == dict(num_drafts=2, num_draft_tokens=8, num_accepted_tokens=2,
                                accepted_per_position=[1, 1, 0, 0, 0], mean_acceptance_length=2.0)
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_dspark_drafts_keep_greedy_tokens_v41(ckpt41, k):
+    """V4.1's own draft stages propose (context KV kept in the stages' rings): greedy outputs equal
+    speculation off (random stages: their drafts are rejected)."""
+    prompts = _prompts(4, read_model_config(ckpt41).vocab_size, seed=6)
+    greedy = SamplingParams(temperature=0, max_tokens=20)
+    want = [o.outputs[0].token_ids for o in _llm(ckpt41, None).generate(prompts, greedy, use_tqdm=False)]
+    llm = _llm(ckpt41, None, speculative_config={"method": "dspark", "num_speculative_tokens": k})
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)] == want
+    m = llm.get_metrics()
+    assert m["num_drafts"] > 0 and m["num_draft_tokens"] >= m["num_drafts"]
+    assert llm.scheduler.kv.all_free()
+
+
+def test_dspark_partial_acceptance_with_chunking_v41(ckpt41, monkeypatch):
+    """The drafter's blocks replaced by the true continuation with one wrong token at a position that
+    varies (0 .. k: all rejected .. all accepted), so every acceptance length occurs, with a small cache
+    and a small budget that chunks prompts. Greedy outputs still equal speculation off."""
+    from deepinfer.worker.drafter import DSparkDrafter
+    from deepinfer.worker.kv_cache import cache_spec
+
+    k = 4
+    prompts = _prompts(6, read_model_config(ckpt41).vocab_size, seed=7)
+    greedy = SamplingParams(temperature=0, max_tokens=20)
+    want = [o.outputs[0].token_ids for o in _llm(ckpt41, None).generate(prompts, greedy, use_tqdm=False)]
+    truth = {}  # (position, token) -> the tokens after it
+    for p, w in zip(prompts, want):
+        seq = p + w
+        for i in range(len(seq)):
+            truth[(i, seq[i])] = seq[i + 1:]
+    real = DSparkDrafter.draft
+
+    def oracle(self, anchor_tokens, anchor_pos, slots):
+        block = real(self, anchor_tokens, anchor_pos, slots)
+        for b, (t, q) in enumerate(zip(anchor_tokens.tolist(), anchor_pos.tolist())):
+            nxt = (truth.get((q, t), []) + [0] * k)[:k]
+            bad = q % (k + 1)  # the first wrong draft (k: none)
+            if bad < k:
+                nxt[bad] = (nxt[bad] + 1) % 1000 + 3
+            block.tokens[b, :k] = torch.tensor(nxt)
+        return block
+
+    monkeypatch.setattr(DSparkDrafter, "draft", oracle)
+    spec = cache_spec(read_model_config(ckpt41), "float32", 4, ring_slack=k)
+    per_token = sum(b / (4 * m) for m, b in spec.block_bytes.items())
+    llm = _llm(ckpt41, None, block_size=4, kv_cache_memory=int(3 * spec.slot_bytes + 110 * per_token),
+               max_num_seqs=3, max_num_batched_tokens=16, max_model_len=100,
+               speculative_config={"method": "dspark", "num_speculative_tokens": k})
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)] == want
+    m = llm.get_metrics()
+    assert all(n > 0 for n in m["accepted_per_position"]) and m["num_accepted_tokens"] < m["num_draft_tokens"]
+    assert llm.scheduler.kv.all_free()
+
+
+def _spec_execute(so):
+    """A fake target that always emits token 7 and a fake drafter: drafts are accepted while they are 7;
+    each request's next drafts are 7s with an 8 at a position that moves with its length."""
+    out = ModelOutput({})
+    for c in so.chunks:
+        if not c.num_samples:
+            continue
+        drafts = c.token_ids[len(c.token_ids) - c.num_draft:]
+        a = next((i for i, t in enumerate(drafts) if t != 7), len(drafts))
+        out.sampled[c.request_id] = [7] * (a + 1)
+        n = c.start + len(c.token_ids) - c.num_draft + a
+        out.drafts[c.request_id] = [8 if i == n % 5 else 7 for i in range(4)]
+    return out
+
+
+def test_scheduler_preempts_under_speculation_and_loses_nothing():
+    kv = KVCacheManager(num_slots=4, num_blocks={4: 6}, block_size=4)  # 96 tokens of state for all
+    sched = Scheduler(kv, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=96,
+                      proposer=ModelDrafts("dspark", 4))
+    reqs = [Request(str(i), list(range(1, 21)), SamplingParams(max_tokens=30, ignore_eos=True)) for i in range(4)]
+    for r in reqs:
+        sched.add(r)
+    steps = 0
+    while sched.has_unfinished():
+        so = sched.schedule()
+        assert so.chunks and steps < 1000
+        for c in so.chunks:  # a chunk's drafts always fit its cache and its max_tokens
+            req = next(r for r in reqs if r.request_id == c.request_id)
+            assert len(req.output_token_ids) + c.num_draft + 1 <= 30
+            assert len(c.block_tables[4]) * 4 >= (c.start + len(c.token_ids)) // 4  # entries held
+        sched.update(so, _spec_execute(so))
+        steps += 1
+    assert sched.num_preemptions > 0 and sched.spec_stats.num_accepted_tokens > 0
+    assert all(r.output_token_ids == [7] * 30 and r.finish_reason == "length" for r in reqs)
+    assert kv.all_free()
+
+
+def test_drafts_are_dropped_rather_than_preempting():
+    kv = KVCacheManager(num_slots=2, num_blocks={4: 2}, block_size=4)  # 32 tokens of state
+    sched = Scheduler(kv, max_num_seqs=2, max_num_batched_tokens=64, max_model_len=64,
+                      proposer=ModelDrafts("dspark", 4))
+    a, b = (Request(i, list(range(1, 16)), SamplingParams(max_tokens=20, ignore_eos=True)) for i in "ab")
+    sched.add(a)
+    sched.add(b)
+    sched.update(sched.schedule(), ModelOutput({"a": [7], "b": [7]}, drafts={"a": [7] * 4, "b": [7] * 4}))
+    so = sched.schedule()  # 16 tokens each: their blocks are full, 4 drafts need a block neither can get
+    assert [c.num_draft for c in so.chunks] == [0, 0] and sched.num_preemptions == 0
+
+
+def test_dspark_on_a_model_whose_stages_are_not_wired_is_refused(ckpt):
+    with pytest.raises(ValueError, match="do not run as a proposer"):
+        _llm(ckpt, None, speculative_config={"method": "dspark", "num_speculative_tokens": 2})

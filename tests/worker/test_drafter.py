@@ -1,0 +1,56 @@
+"""worker/drafter.py: DSpark drafts from the context KV kept in the stages' rings equal draft_block's
+from the target features (the NeMo-matched reference, tests/models/test_deepseek_v41.py)."""
+import pytest
+import torch
+
+from deepinfer.loader.model_loader import load_model
+from deepinfer.models.dspark_v41 import draft_block
+from deepinfer.state.forward_batch import SeqChunk, build_forward_batch
+from deepinfer.tools.make_checkpoint import PRESETS, write_checkpoint
+from deepinfer.worker.drafter import DSparkDrafter
+from deepinfer.worker.kv_cache import allocate_v4_cache
+
+
+@pytest.fixture(scope="module")
+def model41(tmp_path_factory):
+    ckpt = write_checkpoint(tmp_path_factory.mktemp("tiny41") / "ckpt", PRESETS["tiny41"], seed=5, dtype="fp8")
+    return load_model(str(ckpt), dtype=torch.float32)[0]
+
+
+@pytest.mark.parametrize("chunks", [[40], [13, 27], [30, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1]], ids=["one", "two", "decode"])
+def test_drafts_from_the_rings_equal_drafts_from_the_features(model41, chunks):
+    cfg = model41.config
+    W, n = cfg.sliding_window, sum(chunks)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, cfg.vocab_size, (n + 1,), generator=g).tolist()
+    cache = allocate_v4_cache(cfg, 1, {m: 16 for m in (1, 2, 4, 8, 16, 32, 64, 128)
+                                        if any(r == m for r in cfg.compress_ratios)}, "float32", "cpu", 4,
+                              ring_slack=3)
+    drafter = DSparkDrafter(model41, cache, 3)
+    tables = {m: list(range(16)) for m in cache.num_blocks}
+    feats, start = [], 0
+    with torch.inference_mode():
+        for size in chunks:  # prefill in chunks (then one-token decode steps), storing the context each step
+            batch = build_forward_batch([SeqChunk(0, start, ids[start:start + size], tables)], W, cache.compress_kinds,
+                                        cache.block_size, "cpu", device_history=model41.token_history, ring_slack=3)
+            _, f = model41(batch, cache.layers, draft_features=True, token_history=cache.token_history)
+            drafter.store_context(batch, f)
+            feats.append(f)
+            start += size
+        feats = torch.cat(feats)
+        anchor = torch.tensor([n])
+        got = drafter.draft(torch.tensor([ids[n]]), anchor, torch.tensor([0]))
+        lo = max(0, n - W)
+        pos = torch.arange(lo, n)[None]
+        want = draft_block(model41, feats[lo:n][None], pos, torch.ones_like(pos, dtype=torch.bool),
+                           torch.tensor([ids[n]]), anchor, "float32")
+    assert torch.equal(got.tokens, want.tokens)
+    torch.testing.assert_close(got.logits, want.logits, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got.confidence, want.confidence, atol=1e-6, rtol=1e-6)
+
+
+def test_a_checkpoint_without_draft_stages_or_a_block_too_short_is_refused(model41):
+    cache = allocate_v4_cache(model41.config, 1, {m: 1 for m in set(model41.config.compress_ratios) if m}, "float32",
+                              "cpu", 4)
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        DSparkDrafter(model41, cache, model41.config.dspark_block_size + 1)
