@@ -24,6 +24,8 @@ ENV_FIELDS = {
     "DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE": "yoco_prefill_truncation_mode",
     "DEEPINFER_YOCO_PREFILL_KEEP_TOKENS": "yoco_prefill_keep_tokens",
     "DEEPINFER_BATCH_INVARIANT": "batch_invariant",
+    "DEEPINFER_USE_NEXTN_DECODE": "num_speculative_tokens",
+    "DEEPINFER_ENABLE_MTP_VARLEN": "enable_mtp_varlen",
 }
 REPLAY_MODES = ("compact", "none")
 LOGGING_ENV_FIELDS = {"DEEPINFER_CONFIGURE_LOGGING": "configure", "DEEPINFER_LOGGING_LEVEL": "level"}
@@ -72,6 +74,12 @@ class EngineConfig:
     # "prompt_lookup_max": 4, "prompt_lookup_min": 1} (prompt-lookup drafts, spec/ngram.py) or
     # {"method": "dspark", "num_speculative_tokens": k} (V4.1's draft stages, worker/drafter.py); None: off
     speculative_config: dict | None = None
+    # draft tokens of the checkpoint's own draft stages (DeepInfer's DEEPINFER_USE_NEXTN_DECODE; 0 or None: off,
+    # or what speculative_config says); the same as speculative_config={"method": "dspark", ...}
+    num_speculative_tokens: int | None = None
+    # DEEPINFER_ENABLE_MTP_VARLEN: verify lengths per step from the drafts' confidences (spec/schedule.py
+    # allocate over a steps-per-second table profiled at start-up) instead of every draft token; model drafts only
+    enable_mtp_varlen: bool = False
 
     def __post_init__(self):
         _check_choice("accelerator", self.accelerator, ACCELERATORS)
@@ -105,10 +113,31 @@ class EngineConfig:
                              "it needs enable_expert_parallel=True")
         if self.eplb_config is not None:
             _check_eplb_config(self.eplb_config, self.enable_eplb)
+        if isinstance(self.num_speculative_tokens, str):  # from the environment
+            object.__setattr__(self, "num_speculative_tokens",
+                               _parse_int("num_speculative_tokens", self.num_speculative_tokens))
+        if isinstance(self.enable_mtp_varlen, str):
+            object.__setattr__(self, "enable_mtp_varlen", _parse_bool("enable_mtp_varlen", self.enable_mtp_varlen))
+        if self.num_speculative_tokens is not None and (
+                not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens < 0):
+            raise ValueError(f"num_speculative_tokens: must be an integer >= 0, got {self.num_speculative_tokens!r}")
+        if self.num_speculative_tokens and self.speculative_config is not None:
+            raise ValueError("num_speculative_tokens: give it or speculative_config, not both")
         if self.speculative_config is not None:
             _check_speculative_config(self.speculative_config)
+        if self.enable_mtp_varlen and self.batch_invariant:
+            # DeepInfer: deterministic sampling forces fixed-length verification (a step's lengths would
+            # depend on the other requests' confidences)
+            object.__setattr__(self, "enable_mtp_varlen", False)
         if self.accelerator == "ascend":
             raise ValueError("accelerator: 'ascend' is not supported in this build of deepinfer")
+
+    @property
+    def speculation(self) -> dict | None:
+        """The speculative decoding asked for, as a speculative_config (None: off)."""
+        if self.num_speculative_tokens:
+            return {"method": "dspark", "num_speculative_tokens": self.num_speculative_tokens}
+        return self.speculative_config
 
     @property
     def keeps_checkpoint_formats(self) -> bool:

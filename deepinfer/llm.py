@@ -19,7 +19,7 @@ from deepinfer.engine.memory_fit import (WORKSPACE_BYTES, WeightBytes, check_fit
                                          requests_at_length)
 from deepinfer.engine.outputs import CompletionOutput, RequestOutput
 from deepinfer.engine.request import Request, Status
-from deepinfer.engine.scheduler import Scheduler
+from deepinfer.engine.scheduler import Scheduler, VarlenPolicy
 from deepinfer.layers.moe import Experts, repack_fp4_experts
 from deepinfer.loader.model_loader import load_model, weight_bytes
 from deepinfer.sampling_params import SamplingParams
@@ -27,6 +27,7 @@ from deepinfer.tools.demo import DEMO_NAME, demo_checkpoint
 from deepinfer.worker.drafter import DSparkDrafter
 from deepinfer.worker.kv_cache import allocate_v4_cache, cache_spec, default_cache_memory
 from deepinfer.worker.model_runner import ModelRunner
+from deepinfer.worker.sps_profile import profile_sps
 
 DEFAULT_MODEL = "deepseek-ai/DeepSeek-V4.1-Flash-1017"
 logger = logging.getLogger(__name__)
@@ -46,15 +47,19 @@ class LLM:
                  batch_invariant: bool | None = None, max_logprobs: int = 20, quantization: str | None = None,
                  tensor_parallel_size: int = 1, data_parallel_size: int = 1, enable_expert_parallel: bool = False,
                  enable_eplb: bool = False, context_parallel_size: int = 1, eplb_config: dict | None = None,
-                 speculative_config: dict | None = None):
+                 speculative_config: dict | None = None, num_speculative_tokens: int | None = None,
+                 enable_mtp_varlen: bool | None = None):
         """`quantization` (vLLM's name): None keeps the checkpoint's FP8/FP4 formats on CUDA and dequantises
         to `dtype` on the CPU; "fp8" keeps them on any device; "none" dequantises. Before any weight is
         read, the model's bytes (built on the meta device) are checked against the GPU's free memory;
         a model that does not fit raises ValueError with the layouts that would. `speculative_config`
         (vLLM's name): {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max",
         "prompt_lookup_min"} drafts up to k tokens by prompt lookup, {"method": "dspark",
-        "num_speculative_tokens": k} by V4.1's own draft stages, and verifies them in the next step
-        (greedy output unchanged, sampled output distributed as without it); one process only."""
+        "num_speculative_tokens": k} by V4.1's own draft stages (also `num_speculative_tokens=k`, or
+        DEEPINFER_USE_NEXTN_DECODE=k), and verifies them in the next step (greedy output unchanged,
+        sampled output distributed as without it); one process only. `enable_mtp_varlen`
+        (DEEPINFER_ENABLE_MTP_VARLEN): each step verifies as many of each request's drafts as its
+        confidences make worth it (DSpark's scheduler over a steps-per-second table measured at start-up)."""
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         cfg = EngineConfig.from_env(
             model=model, device=device, dtype=dtype, kv_cache_dtype=kv_cache_dtype, max_model_len=max_model_len,
@@ -66,7 +71,8 @@ class LLM:
             max_logprobs=max_logprobs, quantization=quantization, tensor_parallel_size=tensor_parallel_size,
             data_parallel_size=data_parallel_size, enable_expert_parallel=enable_expert_parallel,
             enable_eplb=enable_eplb, context_parallel_size=context_parallel_size, eplb_config=eplb_config,
-            speculative_config=speculative_config)
+            speculative_config=speculative_config, num_speculative_tokens=num_speculative_tokens,
+            enable_mtp_varlen=enable_mtp_varlen)
         if cfg.device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError(f"device: {cfg.device!r} needs a CUDA device, and this torch ({torch.__version__}) "
                              "sees none; use device='cpu'")
@@ -116,6 +122,13 @@ class LLM:
         drafter = DSparkDrafter(self.model, cache, slack) if getattr(proposer, "method", None) == "dspark" else None
         runner = ModelRunner(self.model, cache, cfg.device, cfg.seed, _replay_keep(cfg, mcfg), not cfg.enforce_eager,
                              cfg.batch_invariant, drafter)
+        if cfg.enable_mtp_varlen:
+            if drafter is None:
+                raise ValueError("enable_mtp_varlen: confidence-scheduled verification needs the model's own draft "
+                                 "stages (speculative_config method 'dspark' or num_speculative_tokens)")
+            most = min(cfg.max_num_seqs, num_slots) * (slack + 1)  # every request verifying all its drafts
+            self.scheduler.varlen = VarlenPolicy(profile_sps(runner, kv, cfg.max_num_batched_tokens, most),
+                                                 _calibration(self.model_dir))
         self.engine = EngineCore(self.scheduler, runner, self.detokenizer, cfg.async_scheduling)
         # the start-up heap (weights' Python objects, tokenizer, configs) is never garbage: moving it out
         # of the collector's generations keeps full collections from pausing steps
@@ -390,11 +403,19 @@ def _eplb_settings(cfg: EngineConfig, make):
     return make(**kw)
 
 
+def _calibration(model_dir):
+    """The draft's confidence temperatures (dspark_calibration.json in the checkpoint), or None."""
+    from deepinfer.spec.calibration import CALIBRATION_FILE, Calibration
+
+    path = Path(model_dir) / CALIBRATION_FILE
+    return Calibration.load(path).temperatures if path.exists() else None
+
+
 def _proposer(cfg: EngineConfig):
     """The draft proposer `speculative_config` names, or None."""
     from deepinfer.spec.ngram import ModelDrafts, NgramProposer
 
-    sc = cfg.speculative_config
+    sc = cfg.speculation
     if sc is None:
         return None
     if sc["method"] == "ngram":
@@ -421,8 +442,8 @@ def _require_one_process(cfg: EngineConfig) -> None:
         refused |= {k: changed[k] for k in ("data_parallel_size", "tensor_parallel_size")}
     if cfg.enable_expert_parallel and cfg.data_parallel_size == 1:
         refused |= {k: v for k, v in changed.items() if k in ("enable_expert_parallel", "enable_eplb")}
-    if cfg.speculative_config is not None and changed:
-        refused |= dict(changed, speculative_config=cfg.speculative_config)
+    if cfg.speculation is not None and changed:
+        refused |= dict(changed, speculative_config=cfg.speculation)
     if refused:
         names = ", ".join(f"{k}={v!r}" for k, v in refused.items())
         raise ValueError(f"{names}: not yet supported in this build: deepinfer runs one process, a "

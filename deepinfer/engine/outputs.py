@@ -64,6 +64,7 @@ class ModelOutput:
     sampled: dict[str, list[int]]
     logprobs: dict[str, list[dict[int, float]]] = field(default_factory=dict)
     drafts: dict[str, list[int]] = field(default_factory=dict)  # the model's drafts for the next step
+    draft_confidence: dict[str, list[float]] = field(default_factory=dict)  # and their confidences
 
 
 @dataclass

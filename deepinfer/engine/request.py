@@ -35,6 +35,7 @@ class Request:
     sample_index: int = 0  # j of the prompt's n samples (0 = the leader)
     # the model's drafts for the tokens after the pending one (a model-based proposer; verified next step)
     spec_token_ids: list[int] = field(default_factory=list)
+    spec_confidence: list[float] = field(default_factory=list)  # each draft's P(accepted | earlier accepted)
 
     @property
     def all_token_ids(self) -> list[int]:

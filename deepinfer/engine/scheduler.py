@@ -15,12 +15,34 @@ covers the pending token and the accepted drafts only: the rejected positions ar
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
 
 from deepinfer.engine.kv_manager import KVCacheManager
 from deepinfer.engine.outputs import (CONTEXT_TOKENS, PLACEHOLDER, ForkOp, ModelOutput, ScheduledChunk,
                                      SchedulerOutput)
 from deepinfer.engine.request import Request, Status
 from deepinfer.spec.ngram import ModelDrafts, NgramProposer, SpecStats
+from deepinfer.spec.schedule import SPSTable, allocate
+
+
+@dataclass(frozen=True)
+class VarlenPolicy:
+    """Confidence-scheduled verification (DEEPINFER_ENABLE_MTP_VARLEN): the steps-per-second table and
+    the draft confidences' per-position temperatures (None: as the draft gives them)."""
+
+    sps: SPSTable
+    temperatures: tuple[float, ...] | None = None
+
+    def confidences(self, conf: np.ndarray) -> np.ndarray:
+        if not self.temperatures:
+            return conf
+        c = np.clip(conf, 1e-7, 1 - 1e-7)
+        t = np.ones(conf.shape[1])
+        n = min(len(self.temperatures), conf.shape[1])
+        t[:n] = self.temperatures[:n]
+        return 1 / (1 + np.exp(-(np.log(c) - np.log1p(-c)) / t))
 
 
 class Scheduler:
@@ -34,6 +56,8 @@ class Scheduler:
         self.num_preemptions = 0
         self.proposer = proposer
         self.spec_stats = SpecStats()
+        self.varlen: VarlenPolicy | None = None  # model drafts only: per-step lengths from their confidences
+        self._lengths: dict[str, int] = {}
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -45,7 +69,7 @@ class Scheduler:
         self.running.remove(req)
         self.kv.free(req)
         req.num_computed_tokens = 0
-        req.spec_token_ids = []
+        req.spec_token_ids, req.spec_confidence = [], []
         req.status = Status.WAITING
         self.waiting.appendleft(req)
         self.num_preemptions += 1
@@ -72,13 +96,35 @@ class Scheduler:
         if room <= 0:
             return []
         if isinstance(self.proposer, ModelDrafts):  # drafted by the model in the step that emitted the pending token
-            return req.spec_token_ids[:min(room, self.proposer.num_speculative_tokens)]
+            n = self._lengths.get(req.request_id, self.proposer.num_speculative_tokens)
+            return req.spec_token_ids[:min(room, n)]
         return self.proposer.propose(req.all_token_ids, room)
+
+    def _varlen_lengths(self) -> dict[str, int]:
+        """Each decoding request's verify length this step: DSpark's Alg. 1 (spec/schedule.py allocate) over
+        the drafts' confidences, every request limited to its drafts, max_tokens and max_model_len. The
+        lengths count the decoding requests' verify tokens only (a prefill chunk in the same step is not
+        in B)."""
+        reqs = [r for r in self.running if r.status is Status.RUNNING and r.num_pending == 1 and r.spec_token_ids
+                and not r.siblings]
+        if not reqs:
+            return {}
+        k = self.proposer.num_speculative_tokens
+        conf = np.zeros((len(reqs), k))
+        limit = np.zeros(len(reqs), dtype=np.int64)
+        for i, r in enumerate(reqs):
+            c = r.spec_confidence[:k]
+            conf[i, :len(c)] = c
+            limit[i] = max(0, min(len(r.spec_token_ids), len(c), k, r.params.max_tokens - len(r.output_token_ids) - 1,
+                                  self.max_model_len - r.num_tokens - 1))
+        lengths = allocate(self.varlen.confidences(conf), self.varlen.sps, max_len=limit)
+        return {r.request_id: int(n) for r, n in zip(reqs, lengths)}
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput(forks=self.pending_forks)
         self.pending_forks = []
         budget = self.budget
+        self._lengths = self._varlen_lengths() if self.varlen is not None else {}
         preempted = False
         for req in list(self.running):
             if req.status is not Status.RUNNING or budget == 0:
@@ -151,6 +197,7 @@ class Scheduler:
             toks = mo.sampled[c.request_id]
             lps = mo.logprobs.get(c.request_id) or [None] * len(toks)
             req.spec_token_ids = mo.drafts.get(c.request_id, [])
+            req.spec_confidence = mo.draft_confidence.get(c.request_id, [])
             if c.num_draft:  # accepted drafts, then the target's token: appended until the request stops
                 accepted = len(toks) - 1
                 req.num_computed_tokens += accepted

@@ -11,6 +11,7 @@ import itertools
 from collections import OrderedDict
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from deepinfer.engine.outputs import PLACEHOLDER, ModelOutput, SchedulerOutput
@@ -216,15 +217,22 @@ class ModelRunner:
         first, pos, slots = to_device(host, self.device).unbind(1)
         acc = out.num_accepted[torch.tensor([g for _, g in anchors], device=self.device)]
         block = self.drafter.draft(out.tokens[first + acc], pos + acc, slots)
-        return block.tokens[:, :self.drafter.num_tokens].flatten()
+        k = self.drafter.num_tokens
+        # the confidences ride in the same int64 copy as the tokens: their fp32 bits
+        conf_bits = block.confidence[:, :k].float().contiguous().view(torch.int32).long()
+        return torch.cat((block.tokens[:, :k].flatten(), conf_bits.flatten()))
 
     def _collect_verified(self, h: StepHandle) -> ModelOutput:
         out = ModelOutput({})
         values = h.host_tokens.tolist()
         T, G = h.offsets[-1], len(h.offsets) - 1
-        token_list, accepted, drafts = values[:T], values[T:T + G], values[T + G:]
-        for rid, j in (h.drafts or {}).items():
-            out.drafts[rid] = drafts[j * h.draft_width:(j + 1) * h.draft_width]
+        token_list, accepted, drafted = values[:T], values[T:T + G], values[T + G:]
+        if h.drafts:
+            w, n = h.draft_width, len(h.drafts) * h.draft_width
+            conf = np.asarray(drafted[n:], dtype=np.int64).astype(np.int32).view(np.float32).tolist()
+            for rid, j in h.drafts.items():
+                out.drafts[rid] = drafted[j * w:(j + 1) * w]
+                out.draft_confidence[rid] = conf[j * w:(j + 1) * w]
         lp = self._logprobs(h.logprobs, [max(t, 0) for t in token_list], h.params) if h.logprobs is not None else None
         for rid, gs in h.groups.items():
             take = [r for g in gs for r in range(h.offsets[g], h.offsets[g] + accepted[g] + 1)]

@@ -247,3 +247,62 @@ def test_drafts_are_dropped_rather_than_preempting():
 def test_dspark_on_a_model_whose_stages_are_not_wired_is_refused(ckpt):
     with pytest.raises(ValueError, match="do not run as a proposer"):
         _llm(ckpt, None, speculative_config={"method": "dspark", "num_speculative_tokens": 2})
+
+
+def test_varlen_verification_keeps_greedy_tokens_and_varies_lengths(ckpt41, monkeypatch):
+    """DEEPINFER_ENABLE_MTP_VARLEN: lengths from the drafts' confidences (oracle confidences: high where
+    the oracle's draft is right, low after its wrong token) over the start-up steps-per-second table.
+    Greedy outputs equal speculation off; steps verify fewer drafts than k where confidence is low."""
+    from deepinfer.worker.drafter import DSparkDrafter
+
+    k = 4
+    prompts = _prompts(4, read_model_config(ckpt41).vocab_size, seed=8)
+    greedy = SamplingParams(temperature=0, max_tokens=20)
+    want = [o.outputs[0].token_ids for o in _llm(ckpt41, None).generate(prompts, greedy, use_tqdm=False)]
+    truth = {(i, t): (p + w)[i + 1:] for p, w in zip(prompts, want) for i, t in enumerate(p + w)}
+    real = DSparkDrafter.draft
+
+    def oracle(self, anchor_tokens, anchor_pos, slots):
+        block = real(self, anchor_tokens, anchor_pos, slots)
+        for b, (t, q) in enumerate(zip(anchor_tokens.tolist(), anchor_pos.tolist())):
+            nxt = (truth.get((q, t), []) + [0] * k)[:k]
+            bad = q % (k + 1)
+            if bad < k:
+                nxt[bad] = (nxt[bad] + 1) % 1000 + 3
+            block.tokens[b, :k] = torch.tensor(nxt)
+            block.confidence[b, :k] = torch.tensor([0.95 if j < bad else 0.02 for j in range(k)])
+        return block
+
+    monkeypatch.setattr(DSparkDrafter, "draft", oracle)
+    llm = _llm(ckpt41, None, num_speculative_tokens=k, enable_mtp_varlen=True, max_num_seqs=8)
+    assert llm.scheduler.varlen is not None and llm.scheduler.varlen.sps.max_batch >= k + 1
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+    assert got == want
+    m = llm.get_metrics()
+    assert m["num_drafts"] > 0 and m["num_draft_tokens"] < k * m["num_drafts"]  # some steps verify fewer
+    assert m["num_accepted_tokens"] / m["num_draft_tokens"] > 0.6  # low-confidence (wrong) drafts left out
+    fixed = _llm(ckpt41, None, num_speculative_tokens=k)
+    assert [o.outputs[0].token_ids for o in fixed.generate(prompts, greedy, use_tqdm=False)] == want
+    mf = fixed.get_metrics()
+    assert mf["num_accepted_tokens"] / mf["num_draft_tokens"] < m["num_accepted_tokens"] / m["num_draft_tokens"]
+
+
+def test_varlen_needs_model_drafts_and_batch_invariance_turns_it_off(ckpt, ckpt41):
+    with pytest.raises(ValueError, match="enable_mtp_varlen"):
+        _llm(ckpt, 3, enable_mtp_varlen=True)
+    assert _llm(ckpt41, None, num_speculative_tokens=2, enable_mtp_varlen=True, max_num_seqs=4,
+                batch_invariant=True).scheduler.varlen is None
+
+
+def test_deepinfer_env_names():
+    from deepinfer.config import EngineConfig
+
+    cfg = EngineConfig.from_env({"DEEPINFER_USE_NEXTN_DECODE": "3", "DEEPINFER_ENABLE_MTP_VARLEN": "1"})
+    assert cfg.speculation == {"method": "dspark", "num_speculative_tokens": 3} and cfg.enable_mtp_varlen
+    assert EngineConfig.from_env({"DEEPINFER_USE_NEXTN_DECODE": "0"}).speculation is None
+    with pytest.raises(ValueError, match="num_speculative_tokens"):
+        EngineConfig.from_env({"DEEPINFER_USE_NEXTN_DECODE": "five"})
+    with pytest.raises(ValueError, match="enable_mtp_varlen"):
+        EngineConfig.from_env({"DEEPINFER_ENABLE_MTP_VARLEN": "maybe"})
+    with pytest.raises(ValueError, match="not both"):
+        EngineConfig(num_speculative_tokens=2, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
