@@ -53,6 +53,6 @@ def profile_sps(runner, kv: KVCacheManager, max_tokens: int, max_batch: int, rep
         raise ValueError("enable_mtp_varlen: the cache cannot hold a one-token step to profile")
     # a bigger step is never taken as cheaper than a smaller one (timing noise would make the scheduler
     # admit drafts of no confidence for the "faster" bigger step)
-    slowest = itertools.accumulate(t for _, t in points, max)
+    slowest = itertools.accumulate((t for _, t in points), max)
     points = [(b, t) for (b, _), t in zip(points, slowest)]
     return SPSTable.from_points(points, max(max_batch, points[-1][0]))
