@@ -58,6 +58,10 @@ class Scheduler:
         self.spec_stats = SpecStats()
         self.varlen: VarlenPolicy | None = None  # model drafts only: per-step lengths from their confidences
         self._lengths: dict[str, int] = {}
+        # a list: every verified block of model drafts is logged as (confidences, drafted, accepted)
+        # (tools/calibrate_dspark.py fits the confidence temperatures from it)
+        self.spec_log: list[tuple[list[float], int, int]] | None = None
+        self._verifying: dict[str, list[float]] = {}  # request id -> the confidences of the drafts it verifies
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -96,8 +100,10 @@ class Scheduler:
         if room <= 0:
             return []
         if isinstance(self.proposer, ModelDrafts):  # drafted by the model in the step that emitted the pending token
-            n = self._lengths.get(req.request_id, self.proposer.num_speculative_tokens)
-            return req.spec_token_ids[:min(room, n)]
+            n = min(room, self._lengths.get(req.request_id, self.proposer.num_speculative_tokens))
+            if self.spec_log is not None:
+                self._verifying[req.request_id] = req.spec_confidence[:n]
+            return req.spec_token_ids[:n]
         return self.proposer.propose(req.all_token_ids, room)
 
     def _varlen_lengths(self) -> dict[str, int]:
@@ -202,6 +208,8 @@ class Scheduler:
                 accepted = len(toks) - 1
                 req.num_computed_tokens += accepted
                 self.spec_stats.record(c.num_draft, accepted)
+                if self.spec_log is not None and c.request_id in self._verifying:
+                    self.spec_log.append((self._verifying.pop(c.request_id), c.num_draft, accepted))
                 for tok, lp in zip(toks, lps):
                     self._append(req, tok, lp)
                     if req.finished:
