@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU checks of a device session in one call: every gpu-marked test (kernels first; a failure
 # does not stop the rest), then the batch-invariance "1000 completions" run. Logs go to $1 (default benchmarks/results/gpu-checks);
-# $2 picks a part (tests | identical | probes | all, default all: together they pass a 600 s call limit);
+# $2 picks a part (tests | identical | probes | spec | all, default all: together they pass a 600 s call limit;
+# spec, the speculative decoding runs of benchmarks/spec_decode.py, only when named);
 # probes = the decode-size kernel sweep, the GEMM tile probe (benchmarks/mma_rows_probe.py) and a decode
 # batch 1 profile with GEMM shapes.
 #   COMMIT=<hash> bash benchmarks/gpu_checks.sh "$OUT" tests
@@ -23,13 +24,22 @@ echo "# commit $commit, $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/d
 python3 -c "import nemo_automodel" 2>/dev/null \
   || echo "nemo_automodel not importable: the NeMo-backed GPU tests will error" | tee -a "$out/summary.txt"
 if [ "$what" = tests ] || [ "$what" = all ]; then
-  for part in tests/kernels "tests/models tests/layers" tests/engine; do
+  for part in tests/kernels "tests/models tests/layers" tests/engine "tests/state tests/spec tests/worker"; do
     # shellcheck disable=SC2086
     timeout 400 python -m pytest -q -m gpu $part -rfE > "$out/pytest-$(echo $part | tr ' /' '__').log" 2>&1
     echo "pytest -m gpu $part: $(tail -1 "$out/pytest-$(echo $part | tr ' /' '__').log")" | tee -a "$out/summary.txt"
   done
 fi
 [ "$what" = tests ] && exit 0
+if [ "$what" = spec ]; then  # speculative decoding on the V4.1 demo: greedy equality in bf16, then speed
+  timeout 250 python benchmarks/spec_decode.py --model demo --ks 5 --oracle-rates 0.8 --methods oracle \
+    --concurrency 1,16,128 --reps 1 --batch-invariant --out-dir "$out" "${commit_arg[@]}" > "$out/spec-equal.log" 2>&1
+  echo "spec decode, batch-invariant bf16: $(tail -2 "$out/spec-equal.log" | head -1)" | tee -a "$out/summary.txt"
+  timeout 300 python benchmarks/spec_decode.py --model demo --ks 5 --oracle-rates 0,0.5,0.8,0.95 \
+    --out-dir "$out" "${commit_arg[@]}" > "$out/spec-speed.log" 2>&1
+  echo "spec decode, speed: $(tail -2 "$out/spec-speed.log" | head -1)" | tee -a "$out/summary.txt"
+  exit 0
+fi
 if [ "$what" = probes ]; then
   (cd benchmarks && PYTHONPATH=.. timeout 300 python kernel_sweep.py --only decode-small \
      --out "$out/decode-small.json" "${commit_arg[@]}" > "$out/decode-small.log" 2>&1
