@@ -72,10 +72,12 @@ class EngineConfig:
     eplb_config: dict | None = None
     # vLLM's speculative decoding settings: {"method": "ngram", "num_speculative_tokens": k,
     # "prompt_lookup_max": 4, "prompt_lookup_min": 1} (prompt-lookup drafts, spec/ngram.py) or
-    # {"method": "dspark", "num_speculative_tokens": k} (V4.1's draft stages, worker/drafter.py); None: off
+    # {"method": "dspark", "num_speculative_tokens": k} (V4.1's draft stages, worker/drafter.py) or
+    # {"method": "mtp", "num_speculative_tokens": 1} (V4's MTP layer, one token per step); None: off
     speculative_config: dict | None = None
     # draft tokens of the checkpoint's own draft stages (DeepInfer's DEEPINFER_USE_NEXTN_DECODE; 0 or None: off,
-    # or what speculative_config says); the same as speculative_config={"method": "dspark", ...}
+    # or what speculative_config says); the checkpoint's draft layers pick the method (DSpark stages: "dspark",
+    # an MTP layer: "mtp"; LLM decides once the model is read: `speculation` says "dspark")
     num_speculative_tokens: int | None = None
     # DEEPINFER_ENABLE_MTP_VARLEN: verify lengths per step from the drafts' confidences (spec/schedule.py
     # allocate over a steps-per-second table profiled at start-up) instead of every draft token; model drafts only
@@ -229,7 +231,8 @@ def _check_choice(name: str, value: str, choices: tuple[str, ...]):
         raise ValueError(f"{name}: {value!r} is not one of {', '.join(choices)}")
 
 
-SPECULATIVE_METHODS = ("ngram", "dspark")
+# "mtp" (vLLM's other name for it: "deepseek_mtp"): V4's MTP layer, one draft token per step (worker/drafter.py)
+SPECULATIVE_METHODS = ("ngram", "dspark", "mtp", "deepseek_mtp")
 
 
 def _check_speculative_config(sc) -> None:
@@ -242,9 +245,13 @@ def _check_speculative_config(sc) -> None:
         raise ValueError(f"speculative_config: unknown key {unknown[0]!r} (known: {', '.join(sorted(known))})")
     if sc.get("method") not in SPECULATIVE_METHODS:
         raise ValueError(f"speculative_config.method: {sc.get('method')!r} is not supported (supported: "
-                         f"{', '.join(SPECULATIVE_METHODS)}; V4's MTP layer is not wired yet)")
+                         f"{', '.join(SPECULATIVE_METHODS)})")
     lookup = sorted(k for k in sc if k.startswith("prompt_lookup"))
     if sc["method"] != "ngram" and lookup:
         raise ValueError(f"speculative_config.{lookup[0]}: only the 'ngram' method reads it")
     if "num_speculative_tokens" not in sc:
         raise ValueError("speculative_config.num_speculative_tokens: required")
+    if sc["method"] in ("mtp", "deepseek_mtp") and sc["num_speculative_tokens"] != 1:
+        raise ValueError(f"speculative_config.num_speculative_tokens: the 'mtp' method drafts 1 token per step, got "
+                         f"{sc['num_speculative_tokens']!r} (chaining V4's MTP layer needs each chained position "
+                         "planned on the device; not built)")

@@ -24,7 +24,7 @@ from deepinfer.layers.moe import Experts, repack_fp4_experts
 from deepinfer.loader.model_loader import load_model, weight_bytes
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.tools.demo import DEMO_NAME, demo_checkpoint
-from deepinfer.worker.drafter import DSparkDrafter
+from deepinfer.worker.drafter import DSparkDrafter, MTPDrafter
 from deepinfer.worker.kv_cache import allocate_v4_cache, cache_spec, default_cache_memory
 from deepinfer.worker.model_runner import ModelRunner
 from deepinfer.worker.sps_profile import profile_sps
@@ -55,8 +55,9 @@ class LLM:
         a model that does not fit raises ValueError with the layouts that would. `speculative_config`
         (vLLM's name): {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max",
         "prompt_lookup_min"} drafts up to k tokens by prompt lookup, {"method": "dspark",
-        "num_speculative_tokens": k} by V4.1's own draft stages (also `num_speculative_tokens=k`, or
-        DEEPINFER_USE_NEXTN_DECODE=k), and verifies them in the next step (greedy output unchanged,
+        "num_speculative_tokens": k} by V4.1's own draft stages, {"method": "mtp", "num_speculative_tokens": 1}
+        one token by V4's MTP layer (also `num_speculative_tokens=k`, or DEEPINFER_USE_NEXTN_DECODE=k: the
+        checkpoint's draft layers pick the method), and verifies them in the next step (greedy output unchanged,
         sampled output distributed as without it); one process only. `enable_mtp_varlen`
         (DEEPINFER_ENABLE_MTP_VARLEN): each step verifies as many of each request's drafts as its
         confidences make worth it (DSpark's scheduler over a steps-per-second table measured at start-up)."""
@@ -102,7 +103,7 @@ class LLM:
             repack_fp4_experts(self.model)
         mcfg = self.model.config
         self.detokenizer = None if cfg.skip_tokenizer_init else _load_detokenizer(self.model_dir)
-        proposer = _proposer(cfg)
+        proposer = _proposer(cfg, mcfg)
         # ring rows for rejected draft positions (k - 1 suffice, tests/state/test_ring_slack.py; k keeps one spare)
         slack = proposer.num_speculative_tokens if proposer else 0
         spec = cache_spec(mcfg, cfg.kv_cache_dtype, cfg.block_size, ring_slack=slack)
@@ -119,7 +120,8 @@ class LLM:
         self.scheduler = Scheduler(kv, min(cfg.max_num_seqs, num_slots), cfg.max_num_batched_tokens,
                                    self.max_model_len, proposer)
         _log_capacity(self.model, cache, kv, self.max_model_len, cfg)
-        drafter = DSparkDrafter(self.model, cache, slack) if getattr(proposer, "method", None) == "dspark" else None
+        drafter = {"dspark": DSparkDrafter, "mtp": MTPDrafter}.get(getattr(proposer, "method", None))
+        drafter = drafter and drafter(self.model, cache, slack)
         runner = ModelRunner(self.model, cache, cfg.device, cfg.seed, _replay_keep(cfg, mcfg), not cfg.enforce_eager,
                              cfg.batch_invariant, drafter)
         if cfg.enable_mtp_varlen:
@@ -411,8 +413,10 @@ def _calibration(model_dir):
     return Calibration.load(path).temperatures if path.exists() else None
 
 
-def _proposer(cfg: EngineConfig):
-    """The draft proposer `speculative_config` names, or None."""
+def _proposer(cfg: EngineConfig, mcfg):
+    """The draft proposer `speculative_config` names, or None. `num_speculative_tokens` (no
+    speculative_config) takes the checkpoint's own draft layers: DSpark stages ("dspark") or V4's MTP
+    layer ("mtp")."""
     from deepinfer.spec.ngram import ModelDrafts, NgramProposer
 
     sc = cfg.speculation
@@ -424,7 +428,10 @@ def _proposer(cfg: EngineConfig):
     k = sc["num_speculative_tokens"]
     if not isinstance(k, int) or isinstance(k, bool) or k < 1:
         raise ValueError(f"speculative_config.num_speculative_tokens: must be a positive integer, got {k!r}")
-    return ModelDrafts(sc["method"], k)
+    method = "mtp" if sc["method"] == "deepseek_mtp" else sc["method"]
+    if cfg.speculative_config is None and mcfg.num_nextn_predict_layers and not mcfg.has_dspark:
+        method = "mtp"
+    return ModelDrafts(method, k)
 
 
 def _require_one_process(cfg: EngineConfig) -> None:

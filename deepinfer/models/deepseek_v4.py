@@ -21,6 +21,7 @@ from deepinfer.layers.moe import MoE
 from deepinfer.layers.norm import RMSNorm
 from deepinfer.layers.rotary import RopeCache, apply_rope, norm_rope, rope_inv_freq
 from deepinfer.models.config import CSA, HCA, SLIDING, DeepseekV4Config
+from deepinfer.models.interface import DraftBlock
 
 
 @dataclass
@@ -286,6 +287,20 @@ class DeepseekV4ForCausalLM(nn.Module):
             raise RuntimeError("this model has no MTP draft layer (num_nextn_predict_layers is 0)")
         hidden = self.mtp[0].draft(streams, self.embed(next_ids), next_ids, ctx, cache)
         return self.head(hidden).float()
+
+    def mtp_draft(self, batch: ForwardBatch, streams: torch.Tensor, next_ids: torch.Tensor,
+                  anchor_rows: torch.Tensor, cache: LayerCache) -> DraftBlock:
+        """The MTP layer over every row of `batch` (models/interface.py MTPDrafting): row t reads the trunk
+        streams [T, n, D] at t and next_ids[t] (the token at t + 1) and writes its window key at the batch's
+        ring rows, as the trunk's layers do. One draft per anchor row [G]: the argmax of the MTP logits there
+        (for position t + 2), confidence = that token's softmax probability."""
+        if self.mtp is None or self.config.has_dspark:
+            raise RuntimeError("this model has no MTP draft layer (num_nextn_predict_layers is 0 or its draft "
+                               "layers are DSpark stages)")
+        hidden = self.mtp[0].draft(streams, self.embed(next_ids), next_ids, self.step_context(batch), cache)
+        logits = self.head(hidden[anchor_rows]).float()
+        prob, tokens = logits.softmax(-1).max(-1)
+        return DraftBlock(tokens[:, None], logits[:, None], prob[:, None])
 
 
 def _fp32(*shape: int) -> nn.Parameter:

@@ -80,3 +80,14 @@ class SelfDrafting(Protocol):
     def draft_from_cache(self, rings: list, ctx_rows: torch.Tensor, ctx_valid: torch.Tensor,
                          anchor_tokens: torch.Tensor, anchor_pos: torch.Tensor) -> DraftBlock:
         """One draft block per anchor (the newest token and its position), its context read at ctx_rows [B, C]."""
+
+
+@runtime_checkable
+class MTPDrafting(Protocol):
+    """A model whose multi-token-prediction layer (V4's `mtp.0`) the engine can run as its proposer, one
+    draft token per step: after verification, over every row of the step's batch with the trunk's plan."""
+
+    def mtp_draft(self, batch: ForwardBatch, streams: torch.Tensor, next_ids: torch.Tensor,
+                  anchor_rows: torch.Tensor, cache: LayerCache) -> DraftBlock:
+        """The MTP layer over all rows of `batch` (trunk streams [T, ...] at t, next_ids [T] the token at
+        t + 1), writing its window ring in `cache`; a one-token DraftBlock for each of anchor_rows [G]."""

@@ -1,5 +1,11 @@
-"""DSpark as the engine's proposer (DeepSeek-V4.1's draft stages `mtp.0..2`, through the model's
-SelfDrafting interface: models/interface.py).
+"""The model's own draft layers as the engine's proposer: DSpark (DeepSeek-V4.1's draft stages `mtp.0..2`,
+through the model's SelfDrafting interface: models/interface.py) and V4's MTP layer (`mtp.0`, MTPDrafting).
+
+The runner drives both through one hook pair: `observe(chunks, batch, streams, features)` after the trunk
+forward (before verification) and `propose(anchors)` after it, on the device (no host sync); `propose`
+returns the next step's DraftBlock of the anchors, or None when there are none.
+
+DSpark:
 
 State: each stage's context KV lives in that stage's window ring of the cache (V4Cache.mtp[s].ring), at
 the trunk's ring geometry (row = slot * (W + ring_slack) + pos % (W + ring_slack)). Every step stores the
@@ -14,14 +20,30 @@ reads them as one-hot, exact for every sampling setting).
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from deepinfer.models.interface import DraftBlock, SelfDrafting
-from deepinfer.state.forward_batch import ForwardBatch
+from deepinfer.engine.outputs import ScheduledChunk
+from deepinfer.models.interface import DraftBlock, MTPDrafting, SelfDrafting
+from deepinfer.state.forward_batch import ForwardBatch, SeqChunk, build_forward_batch
 from deepinfer.worker.kv_cache import V4Cache
 
 
+@dataclass
+class Anchors:
+    """Each drafting request's anchor after verification, on the device ([G] each): the last token the step
+    emitted for it, that token's position, its slot, and the step's flat row that computed it (the row of
+    its last accepted position, one before `pos`)."""
+
+    tokens: torch.Tensor
+    pos: torch.Tensor
+    slots: torch.Tensor
+    rows: torch.Tensor
+
+
 class DSparkDrafter:
+    needs_features = True  # the trunk forward also returns the target features (draft_features=True)
     def __init__(self, model, cache: V4Cache, num_tokens: int):
         block = getattr(model.config, "dspark_block_size", None)
         if not isinstance(model, SelfDrafting):
@@ -44,9 +66,88 @@ class DSparkDrafter:
         if src.numel():
             self.model.store_draft_context(features[src], batch.positions[src], batch.ring_dst, self.rings)
 
+    def observe(self, chunks: list[ScheduledChunk], batch: ForwardBatch, streams: torch.Tensor,
+                features: torch.Tensor) -> None:
+        self.store_context(batch, features)
+
+    def propose(self, anchors: Anchors) -> DraftBlock | None:
+        return self.draft(anchors.tokens, anchors.pos, anchors.slots) if anchors.tokens.numel() else None
+
     def draft(self, anchor_tokens: torch.Tensor, anchor_pos: torch.Tensor, slots: torch.Tensor) -> DraftBlock:
         """One block per anchor ([G] tokens, positions and slots, on the device): context = the W positions
         before the anchor (masked below 0)."""
         pos = anchor_pos[:, None] - self.window + torch.arange(self.window, device=anchor_pos.device)
         rows = slots[:, None] * self.size + pos.clamp(min=0) % self.size
         return self.model.draft_from_cache(self.rings, rows, pos >= 0, anchor_tokens, anchor_pos)
+
+
+class MTPDrafter:
+    """V4's MTP layer (`mtp.0`: trunk streams at t + the embedding of token t + 1 -> logits for t + 2), one
+    draft token per step.
+
+    State: the MTP layer's own window ring (V4Cache.mtp[0].ring, the trunk's ring geometry). Every position
+    goes through the MTP layer once with its true next token, so the ring holds the layer's own keys for
+    the window: each step runs it over all rows of the step's batch (the trunk's plan) after verification,
+    with next_ids = the step's input ids shifted by one within each chunk, where
+      - a sampling chunk's anchor row (its last accepted position) takes the token the step emitted there
+        (a device scatter); rows past it are rejected positions, whose ring writes land in slack rows and
+        are recomputed with the positions;
+      - a prefill chunk that does not reach the end of its request has no next token yet (it arrives with
+        the request's next chunk): its last row's trunk streams are kept per slot and that row goes through
+        the MTP layer again, alone, at the start of the request's next chunk (its ring row rewritten with
+        the true next token before any read);
+      - an n > 1 fork's last prompt row takes the next chunk's first row (its siblings' tokens differ:
+        their drafts are less likely accepted there; verification keeps outputs exact regardless).
+    The draft of each anchor is the argmax of the MTP logits at its row (greedy, deterministic:
+    verification reads it as one-hot); its confidence is that token's softmax probability.
+    """
+
+    needs_features = False
+
+    def __init__(self, model, cache: V4Cache, num_tokens: int):
+        if not isinstance(model, MTPDrafting) or getattr(model, "mtp", None) is None \
+                or getattr(model.config, "has_dspark", False):
+            raise ValueError("speculative_config.method 'mtp': this checkpoint has no MTP layer (V4's mtp.0; "
+                             "DSpark draft stages use method 'dspark')")
+        if num_tokens != 1:
+            raise ValueError(f"speculative_config.num_speculative_tokens: V4's MTP layer drafts 1 token per step, "
+                             f"got {num_tokens} (chaining it for more needs each chained position planned on the "
+                             "device: its rope, ring rows and window; not built)")
+        self.model, self.num_tokens = model, 1
+        self.cache, self.block_size, self.ring_slack = cache.mtp[0], cache.block_size, cache.ring_slack
+        self.window = model.config.sliding_window
+        # slot -> (request id, position, trunk streams [n, D]) of a prefill chunk's last row, waiting for the
+        # request's next chunk (its first token is that row's next token)
+        self.pending: dict[int, tuple[str, int, torch.Tensor]] = {}
+        self._step: tuple[ForwardBatch, torch.Tensor, torch.Tensor] | None = None
+
+    def observe(self, chunks: list[ScheduledChunk], batch: ForwardBatch, streams: torch.Tensor,
+                features: torch.Tensor | None) -> None:
+        """Completes the rows that waited for this step's chunks, keeps this step's unfinished prefill rows,
+        and holds the batch for `propose`."""
+        late, off = [], 0
+        for c in chunks:
+            n = len(c.token_ids)
+            held = self.pending.pop(c.slot, None)
+            if held is not None and held[0] == c.request_id and held[1] == c.start - 1:
+                late.append((c.slot, held[1], held[2], off))
+            if not c.num_samples:
+                self.pending[c.slot] = (c.request_id, c.start + n - 1, streams[off + n - 1].clone())
+            off += n
+        if late:
+            self._complete(late, batch.input_ids)
+        self._step = (batch, streams, torch.roll(batch.input_ids, -1))
+
+    def _complete(self, late: list, input_ids: torch.Tensor) -> None:
+        """The held rows [(slot, position, streams, row of their next token)] through the MTP layer."""
+        plan = build_forward_batch([SeqChunk(slot, pos, [0]) for slot, pos, _, _ in late], self.window, set(),
+                                   self.block_size, input_ids.device, ring_slack=self.ring_slack)
+        rows = torch.tensor([r for *_, r in late], device=input_ids.device)
+        self.model.mtp_draft(plan, torch.stack([s for _, _, s, _ in late]), input_ids[rows], rows[:0], self.cache)
+
+    def propose(self, anchors: Anchors) -> DraftBlock | None:
+        batch, streams, next_ids = self._step
+        self._step = None
+        next_ids[anchors.rows] = anchors.tokens
+        block = self.model.mtp_draft(batch, streams, next_ids, anchors.rows, self.cache)
+        return block if anchors.rows.numel() else None

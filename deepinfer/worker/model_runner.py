@@ -19,7 +19,7 @@ from deepinfer.layers import invariant
 from deepinfer.models.interface import CausalLM
 from deepinfer.spec.verify import verify
 from deepinfer.state.forward_batch import SeqChunk, build_forward_batch, to_device
-from deepinfer.worker.drafter import DSparkDrafter
+from deepinfer.worker.drafter import Anchors, DSparkDrafter, MTPDrafter
 from deepinfer.worker.kv_cache import V4Cache
 from deepinfer.worker.sampler import SamplingBatch, sample, top_logprobs
 
@@ -53,12 +53,12 @@ IMAGE_CACHE_SIZE = 32
 class ModelRunner:
     def __init__(self, model: CausalLM, cache: V4Cache, device: torch.device | str, seed: int | None = None,
                  replay_keep: int | None = None, cuda_graphs: bool = True, batch_invariant: bool = False,
-                 drafter: DSparkDrafter | None = None):
+                 drafter: DSparkDrafter | MTPDrafter | None = None):
         """`replay_keep`: SWA bounded replay keeps each request's last `replay_keep` rows above the
         model's replay layer (None = exact prefill, or a model without one). `cuda_graphs`: replay
         pure-decode steps as CUDA graphs where the model allows it (see _graphs_for). `drafter`: the
-        model's own draft stages propose the next step's tokens after every sampling step (steps then
-        run eagerly: the graphs capture the trunk alone)."""
+        model's own draft layers (worker/drafter.py) propose the next step's tokens after every step's
+        verification (steps then run eagerly: the graphs capture the trunk alone)."""
         self.model, self.cache, self.device = model, cache, torch.device(device)
         self.batch_invariant = batch_invariant
         if not isinstance(model, CausalLM):
@@ -129,14 +129,19 @@ class ModelRunner:
             if batch.replay is not None:  # its sub-batches hold copies of the kept rows' ids
                 for sub in (batch.replay.at_layer, batch.replay.upper):
                     sub.input_ids = batch.input_ids[batch.replay.rows]
-        if self.drafter is None:
-            streams = self.model(batch, self.cache.layers, token_history=self.cache.token_history)
-        else:
+        features = None
+        if self.drafter is not None and self.drafter.needs_features:
             streams, features = self.model(batch, self.cache.layers, draft_features=True,
                                            token_history=self.cache.token_history)
-            self.drafter.store_context(batch, features)
+        else:
+            streams = self.model(batch, self.cache.layers, token_history=self.cache.token_history)
+        if self.drafter is not None:
+            self.drafter.observe(so.chunks, batch, streams, features)
         rows = [i for i, c in enumerate(so.chunks) if c.num_samples]
         if not rows:
+            if self.drafter is not None:  # (the MTP layer still runs over the step's rows)
+                empty = torch.zeros(0, dtype=torch.long, device=self.device)
+                self.drafter.propose(Anchors(empty, empty, empty, empty))
             return StepHandle({})
         if self.drafter is not None or any(so.chunks[i].num_draft for i in rows):
             return self._verify(so, streams, rows)
@@ -206,17 +211,19 @@ class ModelRunner:
 
     def _draft(self, so: SchedulerOutput, rows: list[int], out, h: StepHandle) -> torch.Tensor:
         """The next step's drafts [G * k] of the requests this step sampled one token for, from their
-        anchors on the device (the last emitted token and its position): no host sync."""
-        anchors = [(so.chunks[i], h.groups[so.chunks[i].request_id][0]) for i in rows
-                   if so.chunks[i].num_samples == 1]
-        h.drafts = {c.request_id: j for j, (c, _) in enumerate(anchors)}
+        anchors on the device (the last emitted token, its position and the row that computed it): no host sync."""
+        ends = list(itertools.accumulate(len(c.token_ids) for c in so.chunks))
+        anchors = [(so.chunks[i], h.groups[so.chunks[i].request_id][0], ends[i] - 1 - so.chunks[i].num_draft)
+                   for i in rows if so.chunks[i].num_samples == 1]
+        h.drafts = {c.request_id: j for j, (c, _, _) in enumerate(anchors)}
         h.draft_width = self.drafter.num_tokens
-        if not anchors:
+        host = torch.tensor([[h.offsets[g], c.start + len(c.token_ids) - c.num_draft, c.slot, r]
+                             for c, g, r in anchors], dtype=torch.long).view(-1, 4)
+        first, pos, slots, row = to_device(host, self.device).unbind(1)
+        acc = out.num_accepted[torch.tensor([g for _, g, _ in anchors], dtype=torch.long, device=self.device)]
+        block = self.drafter.propose(Anchors(out.tokens[first + acc], pos + acc, slots, row + acc))
+        if block is None:
             return out.tokens[:0]
-        host = torch.tensor([[h.offsets[g], c.start + len(c.token_ids) - c.num_draft, c.slot] for c, g in anchors])
-        first, pos, slots = to_device(host, self.device).unbind(1)
-        acc = out.num_accepted[torch.tensor([g for _, g in anchors], device=self.device)]
-        block = self.drafter.draft(out.tokens[first + acc], pos + acc, slots)
         k = self.drafter.num_tokens
         # the confidences ride in the same int64 copy as the tokens: their fp32 bits
         conf_bits = block.confidence[:, :k].float().contiguous().view(torch.int32).long()

@@ -306,3 +306,105 @@ def test_deepinfer_env_names():
         EngineConfig.from_env({"DEEPINFER_ENABLE_MTP_VARLEN": "maybe"})
     with pytest.raises(ValueError, match="not both"):
         EngineConfig(num_speculative_tokens=2, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+
+
+MTP = {"method": "mtp", "num_speculative_tokens": 1}
+
+
+def _mtp_oracle(monkeypatch, truth: dict):
+    """MTPDrafter's drafts replaced by the true next token at anchors of even position, a wrong one at odd
+    positions (the MTP layer still runs: its ring is written as without the oracle)."""
+    from deepinfer.worker.drafter import MTPDrafter
+
+    real = MTPDrafter.propose
+
+    def oracle(self, anchors):
+        block = real(self, anchors)
+        for b, (t, q) in enumerate(zip(anchors.tokens.tolist(), anchors.pos.tolist())):
+            nxt = (truth.get((q, t), []) + [0])[0]
+            block.tokens[b, 0] = nxt if q % 2 == 0 else (nxt + 1) % 1000 + 3
+        return block
+
+    monkeypatch.setattr(MTPDrafter, "propose", oracle)
+
+
+def test_mtp_drafts_keep_greedy_tokens_v4(ckpt):
+    """V4's MTP layer proposes one token per step (random weights: its drafts are rejected); with a
+    small budget that chunks prompts too. num_speculative_tokens=1 on this checkpoint picks it."""
+    from deepinfer.worker.drafter import MTPDrafter
+
+    assert read_model_config(ckpt).num_nextn_predict_layers == 1
+    prompts = _prompts(5, CFG["vocab_size"], seed=9)
+    greedy = SamplingParams(temperature=0, max_tokens=16)
+    want = [o.outputs[0].token_ids for o in _llm(ckpt, None).generate(prompts, greedy, use_tqdm=False)]
+    for kw in (dict(speculative_config=MTP), dict(num_speculative_tokens=1, max_num_batched_tokens=6, max_num_seqs=3)):
+        llm = _llm(ckpt, None, **kw)
+        assert isinstance(llm.engine.runner.drafter, MTPDrafter)
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)] == want
+        m = llm.get_metrics()
+        assert m["num_drafts"] > 0 and m["num_draft_tokens"] == m["num_drafts"]
+        assert llm.scheduler.kv.all_free()
+
+
+def test_mtp_oracle_accepts_and_rejects_with_chunking_v4(ckpt, monkeypatch):
+    prompts = _prompts(5, CFG["vocab_size"], seed=10)
+    greedy = SamplingParams(temperature=0, max_tokens=20)
+    want = [o.outputs[0].token_ids for o in _llm(ckpt, None).generate(prompts, greedy, use_tqdm=False)]
+    _mtp_oracle(monkeypatch, {(i, t): (p + w)[i + 1:] for p, w in zip(prompts, want) for i, t in enumerate(p + w)})
+    llm = _llm(ckpt, None, speculative_config={"method": "deepseek_mtp", "num_speculative_tokens": 1},
+               block_size=4, max_num_seqs=3, max_num_batched_tokens=7, max_model_len=120)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)] == want
+    m = llm.get_metrics()
+    assert 0 < m["num_accepted_tokens"] < m["num_draft_tokens"] and m["accepted_per_position"] == [m["num_accepted_tokens"]]
+    assert llm.scheduler.kv.all_free()
+
+
+@pytest.mark.parametrize("max_tokens", [3, 14])
+def test_mtp_ring_holds_each_position_with_its_true_next_token(ckpt, monkeypatch, max_tokens):
+    """After a run with MTP speculation (oracle drafts: accepted and rejected; chunked prefill), the MTP
+    layer's ring holds, for the last W computed positions, the keys of one pass of the MTP layer over the
+    whole sequence with next tokens = the sequence shifted by one (to fp32 rounding). max_tokens=3 keeps
+    prefill chunk boundaries in the window (their rows complete with the next chunk), 14 verify anchors.
+    Negative control: the same pass with the last row's next token wrong differs there."""
+    from deepinfer.state.forward_batch import SeqChunk, build_forward_batch
+    from deepinfer.tools.static_cache import static_v4_cache
+
+    prompt = _prompts(1, CFG["vocab_size"], seed=11)[0]
+    greedy = SamplingParams(temperature=0, max_tokens=max_tokens)
+    out = _llm(ckpt, None).generate([prompt], greedy, use_tqdm=False)[0].outputs[0].token_ids
+    seq = prompt + out
+    _mtp_oracle(monkeypatch, {(i, t): seq[i + 1:] for i, t in enumerate(seq)})
+    llm = _llm(ckpt, None, speculative_config=MTP, max_num_seqs=1, max_num_batched_tokens=6)
+    assert llm.generate([prompt], greedy, use_tqdm=False)[0].outputs[0].token_ids == out
+    if max_tokens > 3:
+        assert llm.get_metrics()["num_accepted_tokens"] > 0
+    model, cache = llm.model, llm.engine.runner.cache
+    W, size = model.config.sliding_window, model.config.sliding_window + cache.ring_slack
+    positions = torch.arange(len(seq) - 1 - W, len(seq) - 1)  # the last computed position: len(seq) - 2
+    got = cache.mtp[0].ring.read(positions % size, torch.float32)  # slot 0: the only request
+
+    def reference(next_ids):
+        ref = static_v4_cache(model.config, 1, 256, "float32", "cpu")
+        with torch.inference_mode():
+            b = build_forward_batch([SeqChunk(0, 0, seq[:-1], ref.static_tables(0))], W, ref.compress_kinds,
+                                    ref.block_size, "cpu")
+            model.mtp_draft(b, model(b, ref.layers), torch.tensor(next_ids), torch.zeros(0, dtype=torch.long),
+                            ref.mtp[0])
+        return ref.mtp[0].ring.read(positions % W, torch.float32)
+
+    want = reference(seq[1:])
+    assert torch.allclose(got, want, atol=1e-4, rtol=1e-4), (got - want).abs().amax(-1)
+    wrong = reference(seq[1:-1] + [(seq[-1] + 1) % CFG["vocab_size"]])
+    assert not torch.allclose(got[-1], wrong[-1], atol=1e-4, rtol=1e-4)
+
+
+def test_mtp_refuses_more_than_one_token_and_dspark_checkpoints(ckpt, tmp_path):
+    from deepinfer.tools.make_checkpoint import PRESETS, write_checkpoint
+
+    with pytest.raises(ValueError, match="num_speculative_tokens.*chain"):
+        _llm(ckpt, None, speculative_config={"method": "mtp", "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match="num_speculative_tokens.*chain"):
+        _llm(ckpt, None, num_speculative_tokens=3)  # this checkpoint's draft layer is an MTP layer
+    dspark = write_checkpoint(tmp_path / "dspark", PRESETS["tiny-dspark"], seed=1, dtype="fp8")
+    with pytest.raises(ValueError, match="no MTP layer"):
+        _llm(dspark, None, speculative_config=MTP)
