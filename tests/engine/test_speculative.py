@@ -312,8 +312,8 @@ MTP = {"method": "mtp", "num_speculative_tokens": 1}
 
 
 def _mtp_oracle(monkeypatch, truth: dict):
-    """MTPDrafter's drafts replaced by the true next token at anchors of even position, a wrong one at odd
-    positions (the MTP layer still runs: its ring is written as without the oracle)."""
+    """MTPDrafter's drafts replaced by the true next token at anchors of even position (confidence 0.95), a
+    wrong one at odd positions (0.02); the MTP layer still runs: its ring is written as without the oracle."""
     from deepinfer.worker.drafter import MTPDrafter
 
     real = MTPDrafter.propose
@@ -323,6 +323,7 @@ def _mtp_oracle(monkeypatch, truth: dict):
         for b, (t, q) in enumerate(zip(anchors.tokens.tolist(), anchors.pos.tolist())):
             nxt = (truth.get((q, t), []) + [0])[0]
             block.tokens[b, 0] = nxt if q % 2 == 0 else (nxt + 1) % 1000 + 3
+            block.confidence[b, 0] = 0.95 if q % 2 == 0 else 0.02
         return block
 
     monkeypatch.setattr(MTPDrafter, "propose", oracle)
@@ -408,3 +409,20 @@ def test_mtp_refuses_more_than_one_token_and_dspark_checkpoints(ckpt, tmp_path):
     dspark = write_checkpoint(tmp_path / "dspark", PRESETS["tiny-dspark"], seed=1, dtype="fp8")
     with pytest.raises(ValueError, match="no MTP layer"):
         _llm(dspark, None, speculative_config=MTP)
+
+
+def test_mtp_with_forks_and_varlen_v4(ckpt, monkeypatch):
+    """n = 2 forks sharing a prompt (their last prompt row's next token is one sibling's) and
+    confidence-scheduled lengths (0 or 1 draft per step): greedy outputs equal speculation off."""
+    prompts = _prompts(4, CFG["vocab_size"], seed=12)
+    greedy = SamplingParams(temperature=0, max_tokens=16)
+    want = [o.outputs[0].token_ids for o in _llm(ckpt, None).generate(prompts, greedy, use_tqdm=False)]
+    _mtp_oracle(monkeypatch, {(i, t): (p + w)[i + 1:] for p, w in zip(prompts, want) for i, t in enumerate(p + w)})
+    llm = _llm(ckpt, None, speculative_config=MTP, max_num_batched_tokens=16)
+    two = llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=12, n=2), use_tqdm=False)
+    assert [[c.token_ids for c in o.outputs] for o in two] == [[w[:12]] * 2 for w in want[:2]]
+    assert llm.get_metrics()["num_accepted_tokens"] > 0
+    varlen = _llm(ckpt, None, num_speculative_tokens=1, enable_mtp_varlen=True, max_num_seqs=4)
+    assert [o.outputs[0].token_ids for o in varlen.generate(prompts, greedy, use_tqdm=False)] == want
+    m = varlen.get_metrics()
+    assert m["num_drafts"] > 0 and m["num_accepted_tokens"] / m["num_draft_tokens"] > 0.6  # wrong ones left out
