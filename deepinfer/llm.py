@@ -127,7 +127,7 @@ class LLM:
         if cfg.enable_mtp_varlen:
             if drafter is None:
                 raise ValueError("enable_mtp_varlen: confidence-scheduled verification needs the model's own draft "
-                                 "stages (speculative_config method 'dspark' or num_speculative_tokens)")
+                                 "layers (speculative_config method 'dspark' or 'mtp', or num_speculative_tokens)")
             most = min(cfg.max_num_seqs, num_slots) * (slack + 1)  # every request verifying all its drafts
             self.scheduler.varlen = VarlenPolicy(profile_sps(runner, kv, cfg.max_num_batched_tokens, most),
                                                  _calibration(self.model_dir))
