@@ -65,6 +65,9 @@ class SpecStats:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
+    # drafts that reached position i (verified that far): accepted_per_position[i] / drafted_per_position[i]
+    # is position i's acceptance rate, whatever the drafts' lengths
+    drafted_per_position: list[int] = field(default_factory=list)
 
     def record(self, drafted: int, accepted: int) -> None:
         if drafted <= 0:
@@ -72,14 +75,17 @@ class SpecStats:
         self.num_drafts += 1
         self.num_draft_tokens += drafted
         self.num_accepted_tokens += accepted
-        if len(self.accepted_per_position) < drafted:
-            self.accepted_per_position += [0] * (drafted - len(self.accepted_per_position))
-        for i in range(accepted):
-            self.accepted_per_position[i] += 1
+        for counts in (self.accepted_per_position, self.drafted_per_position):
+            if len(counts) < drafted:
+                counts += [0] * (drafted - len(counts))
+        for i in range(drafted):
+            self.drafted_per_position[i] += 1
+            self.accepted_per_position[i] += i < accepted
 
     def as_dict(self) -> dict:
         """vLLM's names; mean_acceptance_length counts the target's own token too (1 + accepted per draft)."""
         mean = 1 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else None
         return dict(num_drafts=self.num_drafts, num_draft_tokens=self.num_draft_tokens,
                     num_accepted_tokens=self.num_accepted_tokens,
-                    accepted_per_position=list(self.accepted_per_position), mean_acceptance_length=mean)
+                    accepted_per_position=list(self.accepted_per_position),
+                    drafted_per_position=list(self.drafted_per_position), mean_acceptance_length=mean)

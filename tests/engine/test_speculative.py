@@ -138,7 +138,8 @@ def test_spec_stats():
     s.record(5, 0)
     s.record(0, 0)  # a step without drafts is not a draft
     assert s.as_dict() == dict(num_drafts=2, num_draft_tokens=8, num_accepted_tokens=2,
-                               accepted_per_position=[1, 1, 0, 0, 0], mean_acceptance_length=2.0)
+                               accepted_per_position=[1, 1, 0, 0, 0], drafted_per_position=[2, 2, 2, 1, 1],
+                               mean_acceptance_length=2.0)
 
 
 @pytest.mark.parametrize("k", [1, 3, 5])
