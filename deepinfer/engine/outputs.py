@@ -26,6 +26,9 @@ class ScheduledChunk:
     # speculative decoding: the last num_draft token_ids are draft tokens; the last num_draft + 1 positions
     # are verified (spec/verify.py) and the request receives its accepted drafts plus one target token
     num_draft: int = 0
+    # the token after the chunk's last one when the chunk stops short of the request's end (a prompt's
+    # next chunk starts with it; -1 otherwise): V4's MTP layer reads each position's next token
+    next_token: int = -1
 
 
 # input token of a chunk scheduled ahead (async scheduling): the token its request samples in the step

@@ -87,7 +87,8 @@ class Scheduler:
         images = [(s0, img) for s0, img in req.images if s0 < start + n and s0 + img.num_tokens > lo]
         return ScheduledChunk(req.request_id, req.slot, start, ids[start:start + n] + list(drafts),
                               {m: list(t) for m, t in req.block_tables.items()}, samples, req.params,
-                              ids[max(0, lo):start], req.num_tokens, images, req.sample_index, len(drafts))
+                              ids[max(0, lo):start], req.num_tokens, images, req.sample_index, len(drafts),
+                              -1 if at_end else ids[start + n])
 
     def _drafts(self, req: Request, budget: int) -> list[int]:
         """Draft tokens for a decoding request (one pending token): at most what the step's token budget

@@ -26,7 +26,7 @@ import torch
 
 from deepinfer.engine.outputs import ScheduledChunk
 from deepinfer.models.interface import DraftBlock, MTPDrafting, SelfDrafting
-from deepinfer.state.forward_batch import ForwardBatch, SeqChunk, build_forward_batch
+from deepinfer.state.forward_batch import ForwardBatch, to_device
 from deepinfer.worker.kv_cache import V4Cache
 
 
@@ -44,6 +44,7 @@ class Anchors:
 
 class DSparkDrafter:
     needs_features = True  # the trunk forward also returns the target features (draft_features=True)
+
     def __init__(self, model, cache: V4Cache, num_tokens: int):
         block = getattr(model.config, "dspark_block_size", None)
         if not isinstance(model, SelfDrafting):
@@ -92,10 +93,8 @@ class MTPDrafter:
       - a sampling chunk's anchor row (its last accepted position) takes the token the step emitted there
         (a device scatter); rows past it are rejected positions, whose ring writes land in slack rows and
         are recomputed with the positions;
-      - a prefill chunk that does not reach the end of its request has no next token yet (it arrives with
-        the request's next chunk): its last row's trunk streams are kept per slot and that row goes through
-        the MTP layer again, alone, at the start of the request's next chunk (its ring row rewritten with
-        the true next token before any read);
+      - a prefill chunk that does not reach the end of its request takes the chunk's `next_token` (the
+        first token of the request's next chunk, known to the scheduler);
       - an n > 1 fork's last prompt row takes the next chunk's first row (its siblings' tokens differ:
         their drafts are less likely accepted there; verification keeps outputs exact regardless).
     The draft of each anchor is the argmax of the MTP logits at its row (greedy, deterministic:
@@ -114,36 +113,24 @@ class MTPDrafter:
                              f"got {num_tokens} (chaining it for more needs each chained position planned on the "
                              "device: its rope, ring rows and window; not built)")
         self.model, self.num_tokens = model, 1
-        self.cache, self.block_size, self.ring_slack = cache.mtp[0], cache.block_size, cache.ring_slack
-        self.window = model.config.sliding_window
-        # slot -> (request id, position, trunk streams [n, D]) of a prefill chunk's last row, waiting for the
-        # request's next chunk (its first token is that row's next token)
-        self.pending: dict[int, tuple[str, int, torch.Tensor]] = {}
+        self.cache = cache.mtp[0]
         self._step: tuple[ForwardBatch, torch.Tensor, torch.Tensor] | None = None
 
     def observe(self, chunks: list[ScheduledChunk], batch: ForwardBatch, streams: torch.Tensor,
                 features: torch.Tensor | None) -> None:
-        """Completes the rows that waited for this step's chunks, keeps this step's unfinished prefill rows,
-        and holds the batch for `propose`."""
-        late, off = [], 0
-        for c in chunks:
-            n = len(c.token_ids)
-            held = self.pending.pop(c.slot, None)
-            if held is not None and held[0] == c.request_id and held[1] == c.start - 1:
-                late.append((c.slot, held[1], held[2], off))
-            if not c.num_samples:
-                self.pending[c.slot] = (c.request_id, c.start + n - 1, streams[off + n - 1].clone())
-            off += n
-        if late:
-            self._complete(late, batch.input_ids)
-        self._step = (batch, streams, torch.roll(batch.input_ids, -1))
-
-    def _complete(self, late: list, input_ids: torch.Tensor) -> None:
-        """The held rows [(slot, position, streams, row of their next token)] through the MTP layer."""
-        plan = build_forward_batch([SeqChunk(slot, pos, [0]) for slot, pos, _, _ in late], self.window, set(),
-                                   self.block_size, input_ids.device, ring_slack=self.ring_slack)
-        rows = torch.tensor([r for *_, r in late], device=input_ids.device)
-        self.model.mtp_draft(plan, torch.stack([s for _, _, s, _ in late]), input_ids[rows], rows[:0], self.cache)
+        """Holds the batch and each row's next token (as far as the host knows it) for `propose`."""
+        next_ids = torch.roll(batch.input_ids, -1)
+        ends = [c.next_token for c in chunks if c.next_token >= 0]
+        if ends:
+            rows, off = [], 0
+            for c in chunks:
+                off += len(c.token_ids)
+                if c.next_token >= 0:
+                    rows.append(off - 1)
+            host = torch.tensor([rows, ends], dtype=torch.long)
+            rows_d, ends_d = to_device(host, next_ids.device)
+            next_ids[rows_d] = ends_d
+        self._step = (batch, streams, next_ids)
 
     def propose(self, anchors: Anchors) -> DraftBlock | None:
         batch, streams, next_ids = self._step
