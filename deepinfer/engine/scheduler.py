@@ -96,8 +96,7 @@ class Scheduler:
         never emit past them."""
         if self.proposer is None or req.num_pending != 1 or req.siblings:
             return []
-        room = min(budget - 1, req.params.max_tokens - len(req.output_token_ids) - 1,
-                   self.max_model_len - req.num_tokens - 1)
+        room = min(budget - 1, self._room(req))
         if room <= 0:
             return []
         if isinstance(self.proposer, ModelDrafts):  # drafted by the model in the step that emitted the pending token
@@ -106,6 +105,11 @@ class Scheduler:
                 self._verifying[req.request_id] = req.spec_confidence[:n]
             return req.spec_token_ids[:n]
         return self.proposer.propose(req.all_token_ids, room)
+
+    def _room(self, req: Request) -> int:
+        """Draft tokens a decoding request can verify before max_tokens or max_model_len (a step emits its
+        accepted drafts plus one token)."""
+        return min(req.params.max_tokens - len(req.output_token_ids), self.max_model_len - req.num_tokens) - 1
 
     def _varlen_lengths(self) -> dict[str, int]:
         """Each decoding request's verify length this step: DSpark's Alg. 1 (spec/schedule.py allocate) over
@@ -122,8 +126,7 @@ class Scheduler:
         for i, r in enumerate(reqs):
             c = r.spec_confidence[:k]
             conf[i, :len(c)] = c
-            limit[i] = max(0, min(len(r.spec_token_ids), len(c), k, r.params.max_tokens - len(r.output_token_ids) - 1,
-                                  self.max_model_len - r.num_tokens - 1))
+            limit[i] = max(0, min(len(r.spec_token_ids), len(c), k, self._room(r)))
         lengths = allocate(self.varlen.confidences(conf), self.varlen.sps, max_len=limit)
         return {r.request_id: int(n) for r, n in zip(reqs, lengths)}
 

@@ -38,10 +38,10 @@ class StepHandle:
     params: list | None = None
     max_logprobs: int = -1
     # a verify step (spec/verify.py): tokens hold each verify group's emitted tokens at offsets[g] ..;
-    # groups[request id] its groups (a verify chunk: one; an n > 1 fork: n of one row); num_accepted [G]
+    # groups[request id] its groups (a verify chunk: one; an n > 1 fork: n of one row); the host copy
+    # holds the tokens, then each group's accepted count, then the drafts and their confidences
     offsets: list[int] | None = None
     groups: dict[str, list[int]] | None = None
-    num_accepted: torch.Tensor | None = None
     drafts: dict[str, int] | None = None  # request id -> its row of the next step's drafts (a drafter's)
     draft_width: int = 0
 
@@ -194,25 +194,24 @@ class ModelRunner:
                 params.append(c.params)
                 seeds.append(None if c.params.seq_seed is None else (c.params.seq_seed, pos, c.sample_index + j))
         logits = self.model.compute_logits(streams[to_device(torch.tensor(flat), self.device)])
-        # drafts are deterministic (prompt lookup: q one-hot), so a seeded request verifies by matching the
-        # target's own draw at each position (as likely to accept as rejection sampling, and its tokens
-        # are speculation-off's); unseeded requests take rejection sampling
+        # every proposer's drafts are deterministic (prompt lookup, greedy DSpark / MTP: q one-hot), so a
+        # seeded request verifies by matching the target's own draw at each position (as likely to accept
+        # as rejection sampling, and its tokens are speculation-off's); unseeded ones take rejection sampling
         out = verify(logits, offsets, to_device(torch.tensor(drafts, dtype=torch.long), self.device), params,
                      seeds=seeds, generator=self.generator, match_seeded=True)
         row_params = [p for g, p in enumerate(params) for _ in range(offsets[g + 1] - offsets[g])]
         max_lp = max((p.logprobs for p in params if p.logprobs is not None), default=-1)
         h = StepHandle({}, out.tokens, params=row_params, max_logprobs=max_lp, offsets=offsets, groups=groups,
-                       num_accepted=out.num_accepted,
                        logprobs=top_logprobs(logits, out.tokens.clamp(min=0), max_lp) if max_lp >= 0 else None)
         values = [out.tokens, out.num_accepted]
         if self.drafter is not None:
-            values.append(self._draft(so, rows, out, h))
+            values.append(self._draft(so, rows, ends, out, h))
         return _copy_to_host(h, torch.cat(values))
 
-    def _draft(self, so: SchedulerOutput, rows: list[int], out, h: StepHandle) -> torch.Tensor:
+    def _draft(self, so: SchedulerOutput, rows: list[int], ends: list[int], out, h: StepHandle) -> torch.Tensor:
         """The next step's drafts [G * k] of the requests this step sampled one token for, from their
-        anchors on the device (the last emitted token, its position and the row that computed it): no host sync."""
-        ends = list(itertools.accumulate(len(c.token_ids) for c in so.chunks))
+        anchors on the device (the last emitted token, its position and the row that computed it): no host sync.
+        `ends`: one past each chunk's last flat row."""
         anchors = [(so.chunks[i], h.groups[so.chunks[i].request_id][0], ends[i] - 1 - so.chunks[i].num_draft)
                    for i in rows if so.chunks[i].num_samples == 1]
         h.drafts = {c.request_id: j for j, (c, _, _) in enumerate(anchors)}
