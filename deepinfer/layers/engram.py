@@ -115,8 +115,9 @@ class Engram(nn.Module):
         key, value = self.wkv(emb).split((self.n * self.dim, self.dim), dim=-1)
         key, h = key.float().unflatten(-1, (self.n, self.dim)), x.float()
         w = self.q_weight.float() * self.k_weight.float()
-        rstd = torch.rsqrt(h.square().mean(-1) + self.eps) * torch.rsqrt(key.square().mean(-1) + self.eps)
-        dot = (h * w * key).sum(-1) * rstd * self.dim ** -0.5
+        rstd = (torch.rsqrt(invariant.reduce_mean(h.square(), -1) + self.eps)
+                * torch.rsqrt(invariant.reduce_mean(key.square(), -1) + self.eps))
+        dot = invariant.reduce_sum(h * w * key, -1) * rstd * self.dim ** -0.5
         gate = invariant.pointwise(torch.sigmoid, torch.copysign(dot.abs().clamp_min(1e-6).sqrt(), dot))
         if token_mask is not None:
             gate = gate.masked_fill(~token_mask[:, None], 0)

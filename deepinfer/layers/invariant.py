@@ -109,6 +109,14 @@ def reduce_sum(x: torch.Tensor, dim: int) -> torch.Tensor:
     return _imm.matmul(xt.reshape(-1, xt.shape[-1]), ones).view(xt.shape[:-1])
 
 
+def reduce_mean(x: torch.Tensor, dim: int) -> torch.Tensor:
+    """x.mean(dim); in invariant mode on CUDA `reduce_sum` times 1 / n (torch's CUDA reductions split
+    a row by the tensor's shape, so a row's mean depends on how many rows there are)."""
+    if not (enabled() and x.is_cuda):
+        return x.mean(dim)
+    return reduce_sum(x, dim) * (1.0 / x.shape[dim])
+
+
 def pointwise(fn, x: torch.Tensor) -> torch.Tensor:
     """fn(x) for an elementwise fn; in invariant mode on the CPU every element is computed by the
     same (vectorised) code whatever x's size (see the module docstring)."""
