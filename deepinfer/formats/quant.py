@@ -66,6 +66,46 @@ def float_to_e8m0(scale: torch.Tensor) -> torch.Tensor:
     return exp.clamp(0, 254).to(torch.uint8).view(torch.float8_e8m0fnu)
 
 
+def fold_e8m0_groups(w: torch.Tensor, scale: torch.Tensor, group: int = 32,
+                     factor: int = 4) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """E4M3 codes w [..., K] with one E8M0 scale per `group` inputs (scale [..., K / group]) -> the same
+    values with one scale per group * factor inputs: (codes [..., K] e4m3, scale [..., K / (group * factor)]
+    in scale's dtype), or None when that cannot be exact.
+
+    Each fold block of `factor` groups (exponent bytes e_i) takes one exponent S, and group i's codes
+    become c * 2^(e_i - S). S is the smallest exponent keeping every re-scaled code <= 448: the
+    largest e_i when every group uses e4m3's full range (FP8 quantised by amax), up to 6 lower for
+    codes of FP4 origin (|c| <= 6), which moves the small groups' codes up instead of into e4m3's
+    subnormals. Exact means every re-scaled code is an e4m3 value (2^-9 is the smallest step, 448 the
+    largest value): checked as codes' == c * 2^(e_i - S) in fp32 (both sides exact), which is
+    dequant(codes', S) == dequant(c, e_i) bit for bit. One block that would lose a bit (e.g. a group
+    9 or more binades below a full-range neighbour holding 2^-9), a NaN scale byte (255) or
+    K % (group * factor) != 0 -> None: the caller keeps the per-`group` copy."""
+    if w.dtype != torch.float8_e4m3fn:
+        raise TypeError(f"fold_e8m0_groups: w must be float8_e4m3fn, got {w.dtype}")
+    if scale.dtype not in (torch.float8_e8m0fnu, torch.uint8):
+        raise TypeError(f"fold_e8m0_groups: scale must be E8M0 (float8_e8m0fnu / uint8), got {scale.dtype}")
+    K = w.shape[-1]
+    if tuple(scale.shape) != (*w.shape[:-1], K // group) or K % group:
+        raise ValueError(f"fold_e8m0_groups: scale {tuple(scale.shape)} for w {tuple(w.shape)} with group {group}")
+    if K % (group * factor):
+        return None
+    e = scale.view(torch.uint8).to(torch.int32).unflatten(-1, (-1, factor))        # [..., G, F]
+    if bool((e == 255).any()):
+        return None
+    v = w.float().unflatten(-1, (-1, factor, group))                                 # [..., G, F, g]
+    mant, ex = torch.frexp(v.abs().amax(-1))                                         # amax = mant * 2^ex
+    headroom = torch.where(mant <= 0.875, 9 - ex, 8 - ex)                            # 448 = 0.875 * 2^9
+    headroom = torch.where(mant > 0, headroom, 512)                                  # all-zero groups: any S
+    shared = (e - headroom).amax(-1).clamp(0, 254)                                   # [..., G]
+    shift = (e - shared.unsqueeze(-1)).clamp(-40, 40)                                # |shift| > 40 loses anyway
+    want = v * torch.exp2(shift.float()).unsqueeze(-1)                               # exact in fp32
+    codes = want.to(torch.float8_e4m3fn)
+    if not torch.equal(codes.float(), want):
+        return None
+    return codes.flatten(-3), shared.to(torch.uint8).view(scale.dtype)
+
+
 @functools.lru_cache(maxsize=None)
 def fp4_table(device: torch.device) -> torch.Tensor:
     """E2M1 code -> value, made once per device (no host copies inside captured CUDA graphs)."""

@@ -7,14 +7,25 @@ import torch.nn.functional as F
 from torch import nn
 
 from deepinfer.kernels import router as _router
+from deepinfer.kernels.act_quant import act_quant
 from deepinfer.kernels.grouped_gemm import FP4_GROUP, grouped_gemm, triton_available
+from deepinfer.kernels.grouped_gemm_fp8 import grouped_gemm_fp8
 from deepinfer.kernels.moe_align import moe_align
 from deepinfer.kernels.moe_combine import moe_combine
 from deepinfer.kernels.swiglu import swiglu
 from deepinfer.layers import invariant
-from deepinfer.layers.linear import (DENSE, Linear, QuantSpec, dense_linear, dequant_expert, expert_tensors,
-                                    matmul_fp32, stacked_forward)
-from deepinfer.formats.quant import unpack_fp4
+from deepinfer.layers.linear import (ACT_GROUP, DENSE, Linear, QuantSpec, dense_linear, dequant_expert,
+                                    expert_tensors, matmul_fp32, stacked_forward)
+from deepinfer.formats.quant import dequant_fp8_blocks, fold_e8m0_groups, unpack_fp4
+
+# Quantised routed experts run W8A8 (activations quantised per 1 x ACT_GROUP with power-of-two scales,
+# kernels/act_quant.py, then an FP8 x FP8 grouped GEMM, kernels/grouped_gemm_fp8.py) from this many
+# routed rows per expert on average (M >= W8A8_ROWS_PER_EXPERT * num_experts), outside batch-invariant
+# mode; fewer rows run W8A16 (kernels/grouped_gemm.py), where the weight bytes, not the multiplies,
+# set the time. 64 is where grouped_gemm's tiles turn compute-bound (64-row tiles), not a measured
+# crossover: V4-Flash's 256 experts x top-6 reach it at ~2.7k tokens a step (the 4 x 2048 prefill
+# has 192 rows an expert); benchmarks/fp8_gemm_bench.py --experts times both paths per row count.
+W8A8_ROWS_PER_EXPERT = 64
 
 
 def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
@@ -94,8 +105,27 @@ class Experts(nn.Module):
                 self.register_buffer(f"{name}_scale", s)
 
     def _w(self, name: str, e: int, dtype: torch.dtype) -> torch.Tensor:
-        scale = getattr(self, f"{name}_scale", None)
-        return dequant_expert(getattr(self, name)[e], None if scale is None else scale[e], self.quant, dtype)
+        w, scale = getattr(self, name), getattr(self, f"{name}_scale", None)
+        if scale is not None and self.quant.fp4_experts and w.dtype == torch.float8_e4m3fn:  # repacked / folded
+            return dequant_fp8_blocks(w[e], scale[e], self._block(name), dtype)
+        return dequant_expert(w[e], None if scale is None else scale[e], self.quant, dtype)
+
+    def _block(self, name: str) -> tuple[int, int]:
+        """The FP8 scale block of projection `name`: FP4 experts held as FP8 codes have one scale per row
+        and (1, 32) inputs as repacked or (1, 128) once folded (fold_scales); others the checkpoint's."""
+        if not self.quant.fp4_experts:
+            return self.quant.block_size
+        w, scale = getattr(self, name), getattr(self, f"{name}_scale")
+        return (1, w.shape[-1] // scale.shape[-1]) if w.dtype == torch.float8_e4m3fn else (1, FP4_GROUP)
+
+    def _w8a8(self, name: str, rows: int) -> bool:
+        """Whether `rows` expert-sorted rows through projection `name` run W8A8: FP8 codes whose scale
+        blocks span whole activation groups along K, W8A8_ROWS_PER_EXPERT rows an expert on average,
+        outside batch-invariant mode (one path at every batch there)."""
+        w = getattr(self, name)
+        if w.dtype != torch.float8_e4m3fn or invariant.enabled():
+            return False
+        return self._block(name)[1] % ACT_GROUP == 0 and rows >= W8A8_ROWS_PER_EXPERT * self.num_experts
 
     def _sorted(self, weights: torch.Tensor, idx: torch.Tensor):
         """(weights, order, tok, offs, inv): the (token, slot) pairs sorted by expert, each one's token
@@ -110,15 +140,26 @@ class Experts(nn.Module):
         order, tok, offs, inv = moe_align(torch.where(held, local, self.num_experts), self.num_experts + 1)
         return torch.where(held, weights, 0.0), order, tok, offs[:self.num_experts], inv
 
-    def _grouped_mm(self, xs: torch.Tensor, name: str, offs: torch.Tensor) -> torch.Tensor:
+    def _grouped_mm(self, xs: torch.Tensor, name: str, offs: torch.Tensor,
+                    qx: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """xs [M, K] bf16 through projection `name`'s experts. `qx`: act_quant(xs, ACT_GROUP), given when
+        W8A8 applies to this projection (`_w8a8`), which then multiplies it instead of xs."""
         w, scale = getattr(self, name), getattr(self, f"{name}_scale", None)
+        if qx is not None and self._w8a8(name, xs.shape[0]):
+            return grouped_gemm_fp8(*qx, w, scale, offs, ACT_GROUP, self._block(name))
         tiles = invariant.gemm_tiles()  # batch-invariant mode: one tiling for every row count
         if scale is None:
             if xs.shape[0] <= 16 * self.num_experts or tiles:  # decode: the Triton kernel streams weights faster
                 return grouped_gemm(xs, w, offs, **tiles)
             return torch._grouped_mm(xs, w.transpose(1, 2), offs=offs)
-        block = (1, FP4_GROUP) if self.quant.fp4_experts else self.quant.block_size  # FP4: as shipped or as FP8
-        return grouped_gemm(xs, w, offs, scale, block, **tiles)
+        return grouped_gemm(xs, w, offs, scale, self._block(name), **tiles)
+
+    def _quantised(self, xs: torch.Tensor, *names: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """act_quant(xs) (1 x ACT_GROUP, power-of-two scales) once for the projections `names` that read
+        xs, when any of them runs W8A8; None otherwise."""
+        if any(self._w8a8(n, xs.shape[0]) for n in names):
+            return act_quant(xs, ACT_GROUP)
+        return None
 
     @torch.no_grad()
     def repack_fp4_as_fp8(self) -> None:
@@ -127,7 +168,8 @@ class Experts(nn.Module):
         hardware, where e2m1 costs ALU work: on the H200, V4 Flash slice, one run, packed FP4 experts
         took 13.6 ms per decode step at batch 64 and 320 ms per 4 x 2048 prefill, repacked 9.19 / 101 ms
         (benchmarks/results/2026-12-01-NVIDIA-H200-14a04f6.json). The engine repacks where the
-        repacked model fits (LLM: engine/memory_fit.py repack_fits)."""
+        repacked model fits (LLM: engine/memory_fit.py repack_fits). The scales are then folded to one per
+        (1, 128) where exact (fold_scales: fewer scale bytes, and the W8A8 prefill path)."""
         if not self.quant.fp4_experts:
             return
         for name in ("w1", "w2", "w3"):
@@ -139,22 +181,51 @@ class Experts(nn.Module):
             for e in range(packed.shape[0]):  # one expert at a time bounds the fp32 temporary
                 fp8[e] = unpack_fp4(packed[e]).to(torch.float8_e4m3fn)
             setattr(self, name, fp8)
+        self.fold_scales()
+
+    @torch.no_grad()
+    def fold_scales(self) -> dict[str, bool]:
+        """FP4 experts held as FP8 codes: each projection's E8M0 scales per (1, 32) -> per (1, 128) where
+        that is exact for every expert (formats/quant.py fold_e8m0_groups), in place: the folded codes
+        and scales are the only copy. -> {projection: folded}; a projection that would lose a bit keeps
+        its (1, 32) scales (W8A16 at every size). Both forms feed the W8A16 kernel (a (1, 128) scale
+        covers its K tiles, which divide 128, and scales the tile's product instead of each weight); the
+        (1, 128) form also feeds W8A8 (one scale per activation group). One expert at a time bounds the
+        temporaries: every expert is checked before any is rewritten."""
+        done = {}
+        if not self.quant.fp4_experts:
+            return done
+        for name in ("w1", "w2", "w3"):
+            w, scale = getattr(self, name), getattr(self, f"{name}_scale")
+            if w.dtype != torch.float8_e4m3fn or self._block(name) != (1, FP4_GROUP):
+                done[name] = w.dtype == torch.float8_e4m3fn and self._block(name)[1] % ACT_GROUP == 0
+                continue
+            done[name] = all(fold_e8m0_groups(w[e], scale[e]) is not None for e in range(w.shape[0]))
+            if not done[name]:
+                continue
+            folded = torch.empty(*scale.shape[:-1], scale.shape[-1] // 4, dtype=scale.dtype, device=scale.device)
+            for e in range(w.shape[0]):
+                w[e], folded[e] = fold_e8m0_groups(w[e], scale[e])
+            setattr(self, f"{name}_scale", folded)
+        return done
 
     def grouped(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor,
                 shared: torch.Tensor | None = None) -> torch.Tensor:
         """GPU path: one grouped GEMM per projection over the tokens sorted by expert, offsets kept on
         the device: no host sync, no Python loop. Dense bf16 experts use torch._grouped_mm, quantised
         (FP8, FP4 packed or repacked as FP8) ones the Triton kernel that dequantises while loading
-        (bf16 activations).
+        (bf16 activations), or at prefill sizes (`_w8a8`) the FP8 x FP8 kernel on activations
+        quantised per 1 x 128.
         -> fp32 [T, D]; with `shared` (the shared expert's output) the layer's result
         (sum + float(shared)).to(x.dtype), added inside the combine kernel."""
         weights, order, tok, offs, inv = self._sorted(weights, idx)
         xs = x[tok]
-        gate = self._grouped_mm(xs, "w1", offs)
-        up = self._grouped_mm(xs, "w3", offs)
+        qx = self._quantised(xs, "w1", "w3")  # W8A8 (prefill sizes): w1 and w3 read one quantised copy
+        gate = self._grouped_mm(xs, "w1", offs, qx)
+        up = self._grouped_mm(xs, "w3", offs, qx)
         fused = x.is_cuda and triton_available()  # one pass each, k slots summed in slot order (batch-invariant)
-        y = self._grouped_mm(swiglu(gate, up, self.limit, x.dtype) if fused else
-                             clamped_swiglu(gate, up, self.limit).to(x.dtype), "w2", offs)
+        h = swiglu(gate, up, self.limit, x.dtype) if fused else clamped_swiglu(gate, up, self.limit).to(x.dtype)
+        y = self._grouped_mm(h, "w2", offs, self._quantised(h, "w2"))
         if self.num_experts != self.num_global:  # rows past offs[-1] (other experts' pairs) are unwritten
             y = y.masked_fill((torch.arange(y.shape[0], device=y.device) >= offs[-1])[:, None], 0)
         if fused:

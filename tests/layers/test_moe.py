@@ -41,3 +41,147 @@ def test_fp4_experts_repacked_as_fp8_keep_every_value():
     assert ex.w1.dtype == torch.float8_e4m3fn and ex.w1.shape == (4, 32, 64)
     assert all(torch.equal(ex._w("w1", e, torch.float32), dense[e]) for e in range(4))
     assert torch.equal(ex(x, weights, idx), before)
+
+
+# ---------------------------------------------------------------- FP4 experts: (1, 128) fold and W8A8 prefill
+
+def _fp4_experts(dim=256, inter=128, E=4, spread=(-3, 3), seed=0, dtype=torch.float32):
+    """FP4 experts quantised (formats/quant.py quant_fp4) from weights whose 32-groups differ in size
+    by up to `spread` binades within a row (rows of different sizes too), as real checkpoints do."""
+    from deepinfer.formats.quant import quant_fp4
+    from deepinfer.layers.linear import QuantSpec
+
+    g = torch.Generator().manual_seed(seed)
+    ex = Experts(dim=dim, inter=inter, num_experts=E, limit=10.0, dtype=dtype,
+                 quant=QuantSpec(block_size=(128, 128), fp4_experts=True))
+    for name in ("w1", "w2", "w3"):
+        E_, O, I2 = getattr(ex, name).shape
+        size = (torch.randint(-2, 3, (E_, O, 1), generator=g) + torch.randint(*spread, (E_, O, 2 * I2 // 32),
+                                                                              generator=g)).float()
+        w = torch.randn(E_, O, 2 * I2, generator=g) * torch.exp2(size - 8).repeat_interleave(32, -1)
+        packed, s = quant_fp4(w)
+        getattr(ex, name).copy_(packed)
+        getattr(ex, f"{name}_scale").copy_(s)
+    return ex
+
+
+def test_repacked_fp4_experts_fold_to_one_scale_per_128_inputs():
+    """Repacking folds every projection's scales to (1, 128) in place, the only copy kept: the dequantised
+    experts are bit for bit the ones before, and the reference loop gives the same output."""
+    ex = _fp4_experts()
+    x, weights = torch.randn(9, 256), torch.rand(9, 2)
+    idx = torch.stack([torch.randperm(4)[:2] for _ in range(9)])
+    before = ex(x, weights, idx)
+    dense = {n: [ex._w(n, e, torch.float32) for e in range(4)] for n in ("w1", "w2", "w3")}
+    ex.repack_fp4_as_fp8()
+    for name, (O, I) in (("w1", (128, 256)), ("w2", (256, 128)), ("w3", (128, 256))):
+        assert getattr(ex, name).dtype == torch.float8_e4m3fn and getattr(ex, name).shape == (4, O, I)
+        assert getattr(ex, f"{name}_scale").shape == (4, O, I // 128) and ex._block(name) == (1, 128)
+        assert all(torch.equal(ex._w(name, e, torch.float32).view(torch.int32), dense[name][e].view(torch.int32))
+                   for e in range(4))
+    assert torch.equal(ex(x, weights, idx), before)
+    assert ex.fold_scales() == {"w1": True, "w2": True, "w3": True}  # folded already: nothing to do
+
+
+def test_a_projection_that_cannot_fold_keeps_its_per_32_scales():
+    """One block of one expert's w2 whose groups hold 6.0 and 0.5 under exponents 15 binades apart would
+    lose bits (no shared exponent keeps 6 * 2^k <= 448 and 0.5 * 2^(k - 15) >= 2^-9): w2 keeps (1, 32)
+    scales (W8A16 at every size), w1 and w3 fold."""
+    ex = _fp4_experts()
+    ex.w2_scale.view(torch.uint8)[3, 7, :4] = torch.tensor([127, 112, 127, 127], dtype=torch.uint8)
+    ex.w2.view(torch.uint8)[3, 7, :16] = 0x77   # e2m1 code 7 (6.0) in both nibbles
+    ex.w2.view(torch.uint8)[3, 7, 16:32] = 0x11  # code 1 (0.5)
+    dense = [ex._w("w2", e, torch.float32) for e in range(4)]
+    ex.repack_fp4_as_fp8()
+    assert ex._block("w2") == (1, 32) and ex.w2_scale.shape == (4, 256, 4)
+    assert ex._block("w1") == ex._block("w3") == (1, 128)
+    assert all(torch.equal(ex._w("w2", e, torch.float32), dense[e]) for e in range(4))
+    assert not ex._w8a8("w2", 10 ** 6) and ex._w8a8("w1", 10 ** 6)
+
+
+def test_w8a8_is_chosen_by_rows_per_expert_outside_invariant_mode():
+    from deepinfer.layers import invariant
+    from deepinfer.layers.moe import W8A8_ROWS_PER_EXPERT
+
+    ex = _fp4_experts()
+    assert not ex._w8a8("w1", 10 ** 6)  # packed FP4: W8A16 (W4A16) only
+    ex.repack_fp4_as_fp8()
+    rows = W8A8_ROWS_PER_EXPERT * 4
+    assert ex._w8a8("w1", rows) and not ex._w8a8("w1", rows - 1)
+    with invariant.mode(True):
+        assert not ex._w8a8("w1", rows)
+    dense = Experts(dim=256, inter=128, num_experts=4, limit=10.0, dtype=torch.bfloat16)
+    assert not dense._w8a8("w1", 10 ** 6)
+
+
+def _w8a8_math(ex, x, weights, idx):
+    """The routed experts as DeepSeek's reference computes them at prefill: every expert input quantised
+    per 1 x 128 (act_quant, power-of-two scales) and multiplied by the dequantised weight in fp32,
+    one (token, slot) pair at a time."""
+    from deepinfer.kernels.act_quant import dequant, reference as act_quant
+    from deepinfer.layers.moe import clamped_swiglu
+
+    def fp8_linear(a, w):
+        return (dequant(*act_quant(a)) @ w.T).to(torch.bfloat16)
+
+    out = torch.zeros(x.shape[0], x.shape[1])
+    for t in range(x.shape[0]):
+        for j in range(idx.shape[1]):
+            e = int(idx[t, j])
+            xe = x[t:t + 1]
+            h = clamped_swiglu(fp8_linear(xe, ex._w("w1", e, torch.float32)),
+                               fp8_linear(xe, ex._w("w3", e, torch.float32)), ex.limit).to(torch.bfloat16)
+            out[t] += fp8_linear(h, ex._w("w2", e, torch.float32))[0].float() * weights[t, j]
+    return out
+
+
+def test_prefill_rows_take_w8a8_on_the_dequantised_activations():
+    """The grouped path (its CPU references) at W8A8_ROWS_PER_EXPERT rows an expert: the same as the
+    reference's FP8-activation math (to bf16 rounding, the quantised inputs being the same), and away
+    from W8A16's by FP8 activation rounding; below the threshold it is W8A16's."""
+    from deepinfer.layers import moe
+
+    torch.manual_seed(0)
+    ex = _fp4_experts()
+    ex.repack_fp4_as_fp8()
+    T = moe.W8A8_ROWS_PER_EXPERT * 4 // 2 + 3  # top-2 of 4 experts
+    x = torch.randn(T, 256).to(torch.bfloat16)
+    weights, idx = torch.rand(T, 2), torch.stack([torch.randperm(4)[:2] for _ in range(T)])
+    got = ex.grouped(x, weights, idx)
+    want = _w8a8_math(ex, x, weights, idx)
+    w16 = ex(x.float(), weights, idx)  # the reference loop: fp32 activations, no activation rounding
+
+    def rel(a, b):
+        return float((a - b).norm() / b.norm())
+    assert rel(got, want) < 4e-3
+    assert rel(got, w16) > 2 * rel(got, want) and rel(got, w16) < 0.1
+    few = ex.grouped(x[:50], weights[:50], idx[:50])  # 100 rows < 4 x 64: W8A16 on the bf16 activations
+    assert rel(few, w16[:50]) < 4e-3 and rel(few, want[:50]) > 2 * rel(few, w16[:50])
+
+
+@pytest.mark.gpu
+def test_w8a8_prefill_is_close_to_w8a16_on_gpu():
+    """Prefill-sized routing on the GPU: the W8A8 path against the W8A16 one (threshold raised) on the
+    same folded weights; they differ by FP8 activation rounding only (e4m3: ~2^-5 relative per input)."""
+    from deepinfer.layers import moe
+
+    torch.manual_seed(0)
+    ex = _fp4_experts(dim=512, inter=256, E=16, dtype=torch.bfloat16)
+    ex.repack_fp4_as_fp8()
+    ex.cuda()
+    T = 2048
+    x = torch.randn(T, 512, dtype=torch.bfloat16, device="cuda")
+    idx = torch.stack([torch.randperm(16)[:4] for _ in range(T)]).cuda()
+    weights = torch.rand(T, 4, device="cuda")
+    assert ex._w8a8("w1", T * 4)
+    fast = ex(x, weights, idx)
+    saved = moe.W8A8_ROWS_PER_EXPERT
+    moe.W8A8_ROWS_PER_EXPERT = 10 ** 9
+    try:
+        w16 = ex(x, weights, idx)
+    finally:
+        moe.W8A8_ROWS_PER_EXPERT = saved
+    rel = float((fast - w16).norm() / w16.norm())
+    assert 0 < rel < 0.05, rel
+    want = _w8a8_math(ex.cpu(), x[:64].cpu(), weights[:64].cpu(), idx[:64].cpu())
+    assert float((fast[:64].cpu() - want).norm() / want.norm()) < 1e-2

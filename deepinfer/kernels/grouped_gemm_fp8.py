@@ -1,0 +1,170 @@
+"""Grouped FP8 x FP8 GEMM over expert-sorted rows (W8A8: the routed experts at prefill sizes).
+
+    out[r, n] = sum_k (q_a[r, k] * s_a[r, k // ga]) * (q_w[e(r), n, k] * s_w[e(r), n // bo, k // bi])  -> bf16
+
+A [M, K] e4m3 with per-row group scales s_a [M, ceil(K/ga)] fp32 (kernels/act_quant.py's output, any
+strides: its column-major layout included); W [E, N, K] e4m3 with block scales s_w [E, ceil(N/bo),
+ceil(K/bi)] (E8M0 or fp32). Rows sorted by expert with `offs` [E] int32 the cumulative row ends
+(kernels/grouped_gemm.py's convention: rows past offs[-1] are left unwritten).
+
+The recipe is DeepSeek's for FP8 weights (spec deepseek-v4.md 3.14; kernels/fp8_gemm.py for one
+weight): each BLOCK_K-wide K step is one e4m3 x e4m3 tl.dot (fp32 result on the tensor cores),
+multiplied by s_a[rows, k // ga] (x) s_w[cols // bo, k // bi] and added to an fp32 accumulator.
+BLOCK_K divides min(ga, bi), so one scale of each operand covers a step. V4's FP4 routed experts
+reach this kernel as FP8 codes whose (1, 32) E8M0 scales were folded to (1, 128)
+(formats/quant.py fold_e8m0_groups): ga = bi = 128, bo = 1.
+
+Schedule (no host sync, CUDA-graph capturable): kernels/grouped_gemm.py's tile -> expert map
+(`group_tile`: an upper bound of row tiles from the shapes, programs past the real count return).
+The grid is one axis, output column tiles fastest: the programs running at once share a few row
+tiles (each A tile read from memory once) and walk their experts' weights, which the row tiles of
+the same expert read back from L2.
+
+Products of two e4m3 values are exact in fp32; only summation order differs from `reference`
+(both operands dequantised in fp32, fp32 matmul, bf16). Under TRITON_INTERPRET=1 the operands are
+widened to fp32 before the dot (the interpreter's tl.dot cannot multiply fp8 bit patterns).
+"""
+from __future__ import annotations
+
+import torch
+
+from deepinfer.formats.quant import dequant_fp8_blocks
+from deepinfer.kernels.act_quant import dequant as act_dequant
+from deepinfer.kernels.fp8_gemm import _interpreted
+from deepinfer.kernels.grouped_gemm import max_m_tiles
+
+try:
+    import triton
+    import triton.language as tl
+
+    from deepinfer.kernels.grouped_gemm import _e8m0, group_tile
+except ImportError:  # CPU-only installs: the torch reference is used
+    triton = None
+
+
+E8M0_DTYPES = (torch.float8_e8m0fnu, torch.uint8)  # weight scales as exponent bytes
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _check(a, a_scale, w, w_scale, offs, group, block) -> None:
+    if a.dim() != 2 or w.dim() != 3 or a.shape[1] != w.shape[2]:
+        raise ValueError(f"grouped_gemm_fp8: A {tuple(a.shape)} and weight {tuple(w.shape)} are not [M, K] and "
+                         "[E, N, K]")
+    if a.dtype != torch.float8_e4m3fn or w.dtype != torch.float8_e4m3fn:
+        raise TypeError(f"grouped_gemm_fp8: A and weight must be float8_e4m3fn, got {a.dtype} and {w.dtype}")
+    M, K = a.shape
+    E, N = w.shape[0], w.shape[1]
+    if tuple(a_scale.shape) != (M, _cdiv(K, group)):
+        raise ValueError(f"grouped_gemm_fp8: a_scale {tuple(a_scale.shape)}, expected {(M, _cdiv(K, group))}")
+    want = (E, _cdiv(N, block[0]), _cdiv(K, block[1]))
+    if tuple(w_scale.shape) != want:
+        raise ValueError(f"grouped_gemm_fp8: w_scale {tuple(w_scale.shape)} for weight {tuple(w.shape)} "
+                         f"with block {tuple(block)}, expected {want}")
+    if w_scale.dtype not in E8M0_DTYPES and not w_scale.is_floating_point():
+        raise TypeError(f"grouped_gemm_fp8: w_scale dtype {w_scale.dtype} is neither E8M0 nor floating point")
+    if offs is None or offs.dim() != 1 or offs.shape[0] != E:
+        raise ValueError(f"grouped_gemm_fp8: offs {None if offs is None else tuple(offs.shape)} for {E} groups")
+
+
+def reference(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
+              offs: torch.Tensor, group: int = 128, block: tuple[int, int] = (1, 128)) -> torch.Tensor:
+    """Plain torch: A and each group's W dequantised to fp32, one fp32 matmul per group, cast to bf16.
+    Rows past offs[-1] are zero here (the kernel leaves them unwritten)."""
+    _check(a, a_scale, w, w_scale, offs, group, block)
+    x = act_dequant(a, a_scale, group)
+    bounds = [0] + offs.tolist()
+    out = torch.zeros(a.shape[0], w.shape[1], dtype=torch.bfloat16, device=a.device)
+    for e in range(w.shape[0]):
+        lo, hi = bounds[e], bounds[e + 1]
+        if hi > lo:
+            out[lo:hi] = (x[lo:hi] @ dequant_fp8_blocks(w[e], w_scale[e], block).T).to(torch.bfloat16)
+    return out
+
+
+def default_config(M: int, E: int) -> dict:
+    """Compute-bound tiles from the mean rows per expert (this path runs at prefill sizes, see
+    layers/moe.py W8A8_ROWS_PER_EXPERT): 128-row tiles from 128 rows an expert, 64 below."""
+    if M < 128 * max(E, 1):
+        return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=4)
+    return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=4)
+
+
+if triton is not None:
+    @triton.jit
+    def _grouped_gemm_fp8_kernel(a_ptr, as_ptr, w_ptr, ws_ptr, offs_ptr, out_ptr, M, N, E, n_tiles,
+                                 s_am, s_asm, s_asg, s_we, s_wn, s_wse, s_wsn, s_wsk, s_om,
+                                 K: tl.constexpr, GA: tl.constexpr, BO: tl.constexpr, BI: tl.constexpr,
+                                 E8M0: tl.constexpr, E_PAD: tl.constexpr, OP: tl.constexpr,
+                                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        pid = tl.program_id(0)
+        pid_m = pid // n_tiles
+        pid_n = pid % n_tiles
+        live, row0, row_end, w_base, ws_base = group_tile(pid_m, offs_ptr, M, E, w_ptr, ws_ptr, s_we, s_wse,
+                                                           False, E_PAD, BLOCK_M)
+        if live == 0:
+            return
+        rows, cols = row0 + tl.arange(0, BLOCK_M), pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        rmask, nmask = (rows < row_end) & (rows < M), cols < N
+        ks = tl.arange(0, BLOCK_K)
+        a_ptrs = a_ptr + rows.to(tl.int64)[:, None] * s_am + ks[None, :]
+        w_ptrs = w_base + cols.to(tl.int64)[:, None] * s_wn + ks[None, :]
+        as_ptrs = as_ptr + rows.to(tl.int64) * s_asm
+        ws_ptrs = ws_base + (cols // BO) * s_wsn
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for t in range(0, tl.cdiv(K, BLOCK_K)):  # K step t: one scale of each operand (BLOCK_K | GA, BI)
+            left = K - t * BLOCK_K
+            a_t = tl.load(a_ptrs, mask=rmask[:, None] & (ks < left)[None, :], other=0.0).to(OP)
+            w_t = tl.load(w_ptrs, mask=nmask[:, None] & (ks < left)[None, :], other=0.0).to(OP)
+            a_s = tl.load(as_ptrs + (t * BLOCK_K // GA) * s_asg, mask=rmask, other=0.0)
+            w_s = tl.load(ws_ptrs + (t * BLOCK_K // BI) * s_wsk, mask=nmask, other=0)
+            w_s = _e8m0(w_s) if E8M0 else w_s.to(tl.float32)
+            # e4m3 x e4m3 -> fp32 on the tensor cores, promoted to the fp32 accumulator with both scales
+            acc += tl.dot(a_t, tl.trans(w_t)) * (a_s[:, None] * w_s[None, :])
+            a_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
+        tl.store(out_ptr + rows.to(tl.int64)[:, None] * s_om + cols[None, :], acc.to(out_ptr.dtype.element_ty),
+                 mask=rmask[:, None] & nmask[None, :])
+
+
+def _launch(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, offs: torch.Tensor,
+            group: int = 128, block: tuple[int, int] = (1, 128), **tiles) -> torch.Tensor:
+    """The Triton launch on whatever device the tensors are on (CPU only under TRITON_INTERPRET=1).
+    `tiles`: BLOCK_M / BLOCK_N / BLOCK_K / num_warps / num_stages over default_config's."""
+    _check(a, a_scale, w, w_scale, offs, group, block)
+    M, K = a.shape
+    E, N = w.shape[0], w.shape[1]
+    cfg = default_config(M, E)
+    cfg.update({k: v for k, v in tiles.items() if v is not None})
+    bk = cfg["BLOCK_K"]
+    if bk < 32 or min(group, block[1]) % bk:
+        raise ValueError(f"grouped_gemm_fp8: BLOCK_K {bk} must be >= 32 and divide min(group, block[1]) = "
+                         f"{min(group, block[1])} (one scale of each operand per K step)")
+    if a.stride(1) != 1 or w.stride(2) != 1:
+        raise ValueError("grouped_gemm_fp8: A and weight need unit stride along K")
+    out = torch.empty(M, N, dtype=torch.bfloat16, device=a.device)
+    if M == 0 or N == 0:
+        return out
+    e8m0 = w_scale.dtype in E8M0_DTYPES
+    ws = w_scale.view(torch.uint8) if e8m0 else w_scale
+    n_tiles = triton.cdiv(N, cfg["BLOCK_N"])
+    grid = (max_m_tiles(M, E, cfg["BLOCK_M"]) * n_tiles,)
+    _grouped_gemm_fp8_kernel[grid](
+        a, a_scale, w, ws, offs, out, M, N, E, n_tiles,
+        a.stride(0), a_scale.stride(0), a_scale.stride(1), w.stride(0), w.stride(1),
+        ws.stride(0), ws.stride(1), ws.stride(2), out.stride(0),
+        K=K, GA=group, BO=block[0], BI=block[1], E8M0=e8m0, E_PAD=max(16, triton.next_power_of_2(E)),
+        OP=tl.float32 if _interpreted() else tl.float8e4nv, **cfg)
+    return out
+
+
+def grouped_gemm_fp8(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
+                     offs: torch.Tensor, group: int = 128, block: tuple[int, int] = (1, 128), **tiles) -> torch.Tensor:
+    """out [M, N] bf16 for act_quant's (A, s_a) and block-scaled FP8 weights [E, N, K], rows grouped by
+    `offs`. Triton on CUDA, `reference` elsewhere. `tiles` (BLOCK_M/N/K, num_warps, num_stages)
+    override default_config. No host sync (CUDA-graph capturable)."""
+    if triton is None or not a.is_cuda:
+        return reference(a, a_scale, w, w_scale, offs, group, block)
+    return _launch(a, a_scale, w, w_scale, offs, group, block, **tiles)
