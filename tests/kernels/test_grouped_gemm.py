@@ -132,7 +132,7 @@ def test_kernel_matches_reference_on_gpu(fmt, shape, cfg):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("block,scale_dtype", [((128, 128), "fp32"), ((64, 96), "e8m0"), ((16, 48), "fp32"),
-                                              ((1, 32), "e8m0")])
+                                              ((1, 32), "e8m0"), ((1, 128), "e8m0")])
 @pytest.mark.parametrize("cfg", [1, 2, 4])
 def test_fp8_other_blocks_and_fp32_scales_on_gpu(block, scale_dtype, cfg):
     a, w, offs, s = make_case([3, 0, 150, 1], 200, 480, "fp8", block=block, scale_dtype=scale_dtype, device="cuda")
@@ -302,3 +302,37 @@ FP4_EXACT = (
     "print('ok')\n")
 test_fp4_bits_exact_in_the_triton_interpreter, test_fp4_bits_exact_on_gpu = interpreted_and_gpu(
     FP4_EXACT, "DEV = 'cpu'\n", "DEV = 'cuda'\n")
+
+
+def test_folded_fp4_experts_keep_decode_on_the_scaled_product(tmp_path):
+    """FP4 experts repacked as FP8 with scales folded to (1, 128) (layers/moe.py fold_scales) run W8A16
+    below the W8A8 threshold: every FP8 tile choice (default_config at any row count, batch-invariant
+    GEMM_TILES) has a K tile dividing 128, so one scale spans the tile and multiplies its product (the
+    kernel's cheapest FP8 branch) instead of each weight. In the interpreter the folded weights give the
+    (1, 32) original's result."""
+    from deepinfer.formats.quant import fold_e8m0_groups
+    from deepinfer.kernels.grouped_gemm import FP8, default_config
+    from deepinfer.layers.invariant import GEMM_TILES
+
+    for M in (1, 6, 64, 384, 2048, 49152):
+        assert 128 % default_config(M, 256, FP8, 2048, 132)["BLOCK_K"] == 0, M
+    assert 128 % GEMM_TILES["BLOCK_K"] == 0
+    a, w, offs, s = make_case([0, 3, 9], 48, 256, "fp8", block=(1, 32), exps=(118, 124))
+    fw, fs = zip(*(fold_e8m0_groups(w[e], s[e]) for e in range(3)))
+    fw, fs = torch.stack(fw), torch.stack(fs)
+    assert fs.shape == (3, 48, 2)
+    want = reference(a, w, offs, s, (1, 32))
+    assert torch.equal(reference(a, fw, offs, fs, (1, 128)), want)
+    pytest.importorskip("triton")
+    case = tmp_path / "folded.pt"
+    torch.save(dict(a=a, w=fw, offs=offs, s=fs, want=want), case)
+    run_interpreted(
+        SHIMS +
+        "import torch\n"
+        "from deepinfer.kernels.grouped_gemm import _launch\n"
+        f"d = torch.load({str(case)!r})\n"
+        "for bk in (32, 64, 128):\n"
+        "    got = _launch(d['a'], d['w'], d['offs'], d['s'], (1, 128), BLOCK_M=16, BLOCK_N=16, BLOCK_K=bk,\n"
+        "                  num_warps=1, num_stages=1)\n"
+        "    torch.testing.assert_close(got.float(), d['want'].float(), atol=2e-2, rtol=1.6e-2)\n"
+        "print('ok')\n")

@@ -108,9 +108,10 @@ def test_tile_choices_are_checked():
         _launch(q, s, w, ws, offs, 128, (1, 32))        # weight scale blocks narrower than the K step
 
 
-def test_prefill_launches_compile_for_sm90():
+def test_expert_launches_compile_for_sm90():
     """V4-Flash's routed experts at prefill sizes (8192 tokens x top-6, and ~2.7k tokens: 64-row tiles):
-    w1/w3 N=2048 K=4096 and w2 N=4096 K=2048, folded (1, 128) E8M0 and (128, 128) scales."""
+    w1/w3 N=2048 K=4096 and w2 N=4096 K=2048, folded (1, 128) E8M0 and (128, 128) scales; and the folded
+    weights' W8A16 decode launches (grouped_gemm, one scale per K tile)."""
     pytest.importorskip("triton")
     from sm90 import compile_sm90, record
     from deepinfer.kernels import grouped_gemm_fp8 as g8
@@ -126,6 +127,14 @@ def test_prefill_launches_compile_for_sm90():
                 g8._launch(a, sa, torch.empty(E, N, K, dtype=E4), torch.empty(E, N // 128, K // 128), offs,
                            128, (128, 128))
     assert {(launch.constexprs["BLOCK_M"], launch.options["num_warps"]) for launch in got} == {(128, 8), (64, 4)}
+    with record() as decode:  # the same folded weights below the W8A8 threshold: W8A16 with (1, 128) blocks
+        for M in (1, 6, 384):
+            a, offs = torch.empty(M, 4096, dtype=torch.bfloat16), torch.zeros(E, dtype=torch.int32)
+            w, ws = torch.empty(E, 2048, 4096, dtype=E4), torch.zeros(E, 2048, 32, dtype=torch.uint8)
+            grouped_gemm._launch(a, w, offs, ws, (1, 128))
+            grouped_gemm._launch(a, w, offs, ws, (1, 128), split_k=2)
+    assert decode and all(launch.constexprs["BI"] % launch.constexprs["BLOCK_K"] == 0 for launch in decode)
+    got += decode
     seen = {launch.key: launch for launch in got}
     for launch in seen.values():
         compile_sm90(launch)
