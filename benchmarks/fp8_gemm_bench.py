@@ -15,6 +15,22 @@ path Linear.forward takes at that M. wo_a is one of its 8 groups (count 8 per la
 
     python benchmarks/fp8_gemm_bench.py --out benchmarks/results/2026-12-01-h200-fp8-gemm.json
     python benchmarks/fp8_gemm_bench.py --smoke   # tiny shapes on the CPU (torch references); temp dir
+
+--experts: V4-Flash's routed experts instead (256 experts, top-6, hidden 4096, moe_inter 2048; w1 / w3
+N=2048 K=4096, w2 N=4096 K=2048) at --tokens tokens a step (8192: 49152 expert-sorted rows), routing
+uniform at random. Weights are FP4-origin FP8 codes as layers/moe.py holds them; paths per projection:
+  bf16          torch._grouped_mm on bf16 copies of the experts (cutlass), the bf16 engine's path;
+  w8a16         kernels/grouped_gemm.py on the (1, 32)-scaled codes (repacked, not folded);
+  w8a16-folded  the same on (1, 128) scales (folded: what decode runs after the fold);
+  w8a8          act_quant (1 x 128, pow2) + kernels/grouped_gemm_fp8.py on the folded codes;
+  w8a8-gemm     the grouped FP8 GEMM alone (w1 and w3 share one act_quant).
+Each row: median microseconds (do_bench, L2 flushed), TFLOP/s (2 rows N K), the relative Frobenius
+distance of the path's output from bf16's. The summary sums a layer (w1 + w3 + w2; W8A8 with act_quant
+once per input) with ratios to bf16, and says which path Experts takes at that row count
+(layers/moe.py W8A8_ROWS_PER_EXPERT).
+
+    python benchmarks/fp8_gemm_bench.py --experts --tokens 1024,2048,4096,8192 \
+        --out benchmarks/results/2026-12-01-h200-fp8-experts.json
 """
 from __future__ import annotations
 
@@ -30,11 +46,13 @@ import torch.nn.functional as F
 
 from common import add_commit_arg, recorded_commit
 
-from deepinfer.formats.quant import dequant_fp8_blocks
+from deepinfer.formats.quant import FP4_VALUES, dequant_fp8_blocks
 from deepinfer.kernels.act_quant import act_quant
 from deepinfer.kernels.fp8_gemm import fp8_gemm, use_scaled_mm
 from deepinfer.kernels.grouped_gemm import grouped_gemm
+from deepinfer.kernels.grouped_gemm_fp8 import grouped_gemm_fp8
 from deepinfer.layers.linear import ACT_GROUP, FP8_GEMM_ROWS, fp8_gemm_rows, fp8_linear
+from deepinfer.layers.moe import W8A8_ROWS_PER_EXPERT
 
 PEAK_TFLOPS = {"bf16": 790.0, "w8a16": 790.0, "w8a8": 1580.0, "w8a8-triton": 1580.0, "act_quant": 1580.0}
 # (name, N, K, count per layer): V4-Flash (128 x 128 blocks) and V4.1-Flash (32 x 32), fused as the model runs them
@@ -149,17 +167,136 @@ def summary(rows: list[dict]) -> list[dict]:
     return out
 
 
+# routed experts: (experts, top-k, [(projection, N, K, count per layer)])
+EXPERTS = {"v4": (256, 6, [("w1", 2048, 4096, 1), ("w3", 2048, 4096, 1), ("w2", 4096, 2048, 1)])}
+SMOKE_EXPERTS = {"v4": (8, 2, [("w1", 128, 256, 1), ("w3", 128, 256, 1), ("w2", 256, 128, 1)])}
+EXPERT_PATHS = ("bf16", "w8a16", "w8a16-folded", "w8a8", "w8a8-gemm")
+# --sweep: grouped_gemm_fp8 tile choices timed beside its default (path "w8a8-gemm", `config` set)
+SWEEP = [dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=3),
+         dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=4),
+         dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=128, num_warps=8, num_stages=3),
+         dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=4),
+         dict(BLOCK_M=64, BLOCK_N=256, BLOCK_K=128, num_warps=8, num_stages=3),
+         dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=5)]
+
+
+def expert_offs(T: int, E: int, k: int, device: str) -> torch.Tensor:
+    """Cumulative row ends of T tokens routed uniformly at random to k of E experts each (int32)."""
+    idx = torch.rand(T, E, device=device).topk(k, dim=1).indices
+    return torch.bincount(idx.flatten(), minlength=E).cumsum(0).to(torch.int32)
+
+
+def expert_weights(E: int, N: int, K: int, dev) -> tuple[torch.Tensor, torch.Tensor]:
+    """FP4-origin e4m3 codes [E, N, K] and E8M0 scales per (1, 128)."""
+    fp4 = torch.tensor(FP4_VALUES, device=dev)
+    codes = torch.empty(E, N, K, dtype=torch.float8_e4m3fn, device=dev)
+    for e in range(E):  # one expert at a time bounds the temporaries
+        codes[e] = fp4[torch.randint(0, 16, (N, K), device=dev)].to(torch.float8_e4m3fn)
+    return codes, torch.randint(112, 118, (E, N, K // 128), dtype=torch.uint8, device=dev).view(torch.float8_e8m0fnu)
+
+
+def expert_paths(xs: torch.Tensor, offs: torch.Tensor, E: int, N: int, K: int) -> dict:
+    """The paths of one expert projection [E, N, K] on expert-sorted rows xs (FP4-origin codes, random
+    E8M0 scales per (1, 128); the (1, 32) copy repeats each scale four times: the same values)."""
+    codes, s128 = expert_weights(E, N, K, xs.device)
+    s32 = s128.view(torch.uint8).repeat_interleave(4, -1).view(torch.float8_e8m0fnu)
+    wb = torch.stack([dequant_fp8_blocks(codes[e], s128[e], (1, 128), torch.bfloat16) for e in range(E)])
+    q, qs = act_quant(xs, ACT_GROUP)
+
+    def bf16():
+        if xs.is_cuda:
+            return torch._grouped_mm(xs, wb.transpose(1, 2), offs=offs)
+        return grouped_gemm(xs, wb, offs)  # the CPU smoke run: the dense reference
+
+    def w8a8():
+        a, a_s = act_quant(xs, ACT_GROUP)
+        return grouped_gemm_fp8(a, a_s, codes, s128, offs, ACT_GROUP, (1, 128))
+
+    return {"bf16": bf16, "w8a16": lambda: grouped_gemm(xs, codes, offs, s32, (1, 32)),
+            "w8a16-folded": lambda: grouped_gemm(xs, codes, offs, s128, (1, 128)), "w8a8": w8a8,
+            "w8a8-gemm": lambda: grouped_gemm_fp8(q, qs, codes, s128, offs, ACT_GROUP, (1, 128))}
+
+
+def sweep_rows(fn_for, base: dict, time_us) -> list[dict]:
+    """SWEEP's tile choices of the grouped FP8 GEMM; a choice that fails (compile, shared memory) is
+    recorded with its error instead of a time."""
+    rows = []
+    for cfg in SWEEP:
+        label = "{BLOCK_M}x{BLOCK_N}x{BLOCK_K}/w{num_warps}/s{num_stages}".format(**cfg)
+        try:
+            us = time_us(fn_for(cfg))
+        except Exception as e:  # noqa: BLE001 - a tile choice the device refuses is a result too
+            rows.append(dict(base, config=label, error=f"{type(e).__name__}: {str(e)[:200]}"))
+            continue
+        rows.append(dict(base, config=label, us=round(us, 2), tflops=round(base["flops"] / us / 1e6, 3)))
+        print(f"     sweep {label:22} {us:10.1f} us {rows[-1]['tflops']:8.1f} TFLOP/s", flush=True)
+    return rows
+
+
+def bench_experts(tokens: list[int], device: str, smoke: bool, sweep: bool = False) -> tuple[list[dict], list[dict]]:
+    """Rows per (tokens, projection, path) and a per-layer summary per token count."""
+    time_us = timer(device)
+    rows, summary = [], []
+    for sl, (E, k, projs) in (SMOKE_EXPERTS if smoke else EXPERTS).items():
+        for T in tokens:
+            offs = expert_offs(T, E, k, device)
+            M = T * k
+            picked = "w8a8" if M >= W8A8_ROWS_PER_EXPERT * E else "w8a16-folded"
+            aq = {}
+            for name, N, K, count in projs:
+                xs = torch.randn(M, K, device=device).to(torch.bfloat16)
+                if K not in aq:
+                    aq[K] = time_us(lambda: act_quant(xs, ACT_GROUP))
+                ref = None
+                for path, fn in expert_paths(xs, offs, E, N, K).items():
+                    out = fn().float()  # every path's result against bf16's: FP8 activation rounding only
+                    ref = out if ref is None else ref
+                    err = float((out - ref).norm() / ref.norm())
+                    us = time_us(fn)
+                    flops = 2 * M * N * K
+                    rows.append(dict(slice=sl, experts=E, topk=k, tokens=T, M=M, name=name, N=N, K=K, count=count,
+                                     path=path, us=round(us, 2), tflops=round(flops / us / 1e6, 3),
+                                     rel_err_vs_bf16=round(err, 5), experts_path=picked))
+                    print(f"{sl:4} experts {name:3} N={N:5} K={K:5} tokens={T:6} rows={M:6} {path:13} {us:10.1f} us "
+                          f"{rows[-1]['tflops']:8.1f} TFLOP/s  rel.err {err:.4f}", flush=True)
+                    del out
+                if sweep and device == "cuda":
+                    from deepinfer.kernels.grouped_gemm_fp8 import _launch
+                    q, qs = act_quant(xs, ACT_GROUP)
+                    w, ws = expert_weights(E, N, K, device)
+                    rows += sweep_rows(lambda cfg: lambda: _launch(q, qs, w, ws, offs, ACT_GROUP, (1, 128), **cfg),
+                                       dict(slice=sl, experts=E, topk=k, tokens=T, M=M, name=name, N=N, K=K,
+                                            count=0, path="w8a8-gemm", flops=2 * M * N * K), time_us)
+                    del q, qs, w, ws
+                del xs
+            layer = {p: sum(r["us"] * r["count"] for r in rows if r["slice"] == sl and r["tokens"] == T
+                            and r["path"] == p and "config" not in r) for p in EXPERT_PATHS}
+            # as Experts runs W8A8: one act_quant per input width (x for w1 and w3, the swiglu output for w2)
+            layer["w8a8"] = layer.pop("w8a8-gemm") + sum(aq.values())
+            summary.append(dict(slice=sl, tokens=T, M=M, layer_us={p: round(v, 1) for p, v in layer.items()},
+                                act_quant_us={str(K): round(v, 2) for K, v in aq.items()}, experts_path=picked,
+                                **{f"{p}_vs_bf16": round(v / layer["bf16"], 3) for p, v in layer.items()
+                                   if p != "bf16"}))
+    return rows, summary
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--slices", default="v4,v41", help="comma-separated: v4 (128x128 blocks), v41 (32x32)")
     ap.add_argument("--m", default=f"1,64,{FP8_GEMM_ROWS},8192", help="comma-separated row counts")
     ap.add_argument("--out", default=None, help="results JSON (default: printed path under a temp dir)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (torch references)")
+    ap.add_argument("--experts", action="store_true", help="V4's routed experts (grouped GEMMs) instead of the linears")
+    ap.add_argument("--tokens", default="8192", help="--experts: comma-separated tokens a step (x top-k rows)")
+    ap.add_argument("--sweep", action="store_true", help="--experts: also time SWEEP's W8A8 tile choices (CUDA)")
     add_commit_arg(ap)
     args = ap.parse_args()
     device = "cpu" if args.smoke else "cuda"
     if device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("fp8_gemm_bench: needs CUDA (or --smoke)")
+    if args.experts:
+        experts_main(args, device)
+        return
     ms = [int(m) for m in args.m.split(",")]
     if args.smoke:
         ms = [m for m in ms if m <= 64] + [FP8_GEMM_ROWS + 1]
@@ -173,6 +310,23 @@ def main() -> None:
     out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="fp8_gemm_bench_")) / "fp8_gemm_bench.json"
     out.write_text(json.dumps(result, indent=1))
     for s in result["summary"]:
+        print(s)
+    print(f"wrote {out}")
+
+
+def experts_main(args: argparse.Namespace, device: str) -> None:
+    tokens = [int(t) for t in args.tokens.split(",")]
+    if args.smoke:
+        tokens = [8, 300]  # W8A16 and W8A8 row counts for 8 experts x top-2
+    torch.manual_seed(0)
+    with torch.inference_mode():
+        rows, summ = bench_experts(tokens, device, args.smoke, args.sweep)
+    dev_name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
+    result = dict(commit=recorded_commit(args), date=date.today().isoformat(), device=dev_name, torch=torch.__version__,
+                  smoke=args.smoke, case="experts", w8a8_rows_per_expert=W8A8_ROWS_PER_EXPERT, rows=rows, summary=summ)
+    out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="fp8_gemm_bench_")) / "fp8_experts_bench.json"
+    out.write_text(json.dumps(result, indent=1))
+    for s in summ:
         print(s)
     print(f"wrote {out}")
 
