@@ -140,12 +140,12 @@ class Experts(nn.Module):
         order, tok, offs, inv = moe_align(torch.where(held, local, self.num_experts), self.num_experts + 1)
         return torch.where(held, weights, 0.0), order, tok, offs[:self.num_experts], inv
 
-    def _grouped_mm(self, xs: torch.Tensor, name: str, offs: torch.Tensor,
+    def _grouped_mm(self, xs: torch.Tensor | None, name: str, offs: torch.Tensor,
                     qx: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """xs [M, K] bf16 through projection `name`'s experts. `qx`: act_quant(xs, ACT_GROUP), given when
-        W8A8 applies to this projection (`_w8a8`), which then multiplies it instead of xs."""
+        W8A8 applies to this projection (`_w8a8`), which then multiplies it instead of xs (None then)."""
         w, scale = getattr(self, name), getattr(self, f"{name}_scale", None)
-        if qx is not None and self._w8a8(name, xs.shape[0]):
+        if qx is not None and self._w8a8(name, qx[0].shape[0]):
             return grouped_gemm_fp8(*qx, w, scale, offs, ACT_GROUP, self._block(name))
         tiles = invariant.gemm_tiles()  # batch-invariant mode: one tiling for every row count
         if scale is None:
@@ -154,12 +154,18 @@ class Experts(nn.Module):
             return torch._grouped_mm(xs, w.transpose(1, 2), offs=offs)
         return grouped_gemm(xs, w, offs, scale, self._block(name), **tiles)
 
-    def _quantised(self, xs: torch.Tensor, *names: str) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """act_quant(xs) (1 x ACT_GROUP, power-of-two scales) once for the projections `names` that read
-        xs, when any of them runs W8A8; None otherwise."""
-        if any(self._w8a8(n, xs.shape[0]) for n in names):
-            return act_quant(xs, ACT_GROUP)
-        return None
+    def _inputs(self, x: torch.Tensor, tok: torch.Tensor) -> tuple[torch.Tensor | None, tuple | None]:
+        """The expert-sorted rows x[tok] for w1 and w3: (bf16 rows, or None when both run W8A8;
+        act_quant's (q, s) of them when either runs W8A8, else None). act_quant is row-local, so the T
+        tokens are quantised once and their codes gathered (top-k times fewer rows quantised, and no
+        bf16 gather)."""
+        rows = tok.shape[0]
+        w8a8 = [self._w8a8(n, rows) for n in ("w1", "w3")]
+        qx = None
+        if any(w8a8):
+            q, s = act_quant(x, ACT_GROUP)
+            qx = (q[tok], s[tok])
+        return (None if all(w8a8) else x[tok]), qx
 
     @torch.no_grad()
     def repack_fp4_as_fp8(self) -> None:
@@ -219,13 +225,12 @@ class Experts(nn.Module):
         -> fp32 [T, D]; with `shared` (the shared expert's output) the layer's result
         (sum + float(shared)).to(x.dtype), added inside the combine kernel."""
         weights, order, tok, offs, inv = self._sorted(weights, idx)
-        xs = x[tok]
-        qx = self._quantised(xs, "w1", "w3")  # W8A8 (prefill sizes): w1 and w3 read one quantised copy
+        xs, qx = self._inputs(x, tok)  # W8A8 (prefill sizes): w1 and w3 read one quantised copy
         gate = self._grouped_mm(xs, "w1", offs, qx)
         up = self._grouped_mm(xs, "w3", offs, qx)
         fused = x.is_cuda and triton_available()  # one pass each, k slots summed in slot order (batch-invariant)
         h = swiglu(gate, up, self.limit, x.dtype) if fused else clamped_swiglu(gate, up, self.limit).to(x.dtype)
-        y = self._grouped_mm(h, "w2", offs, self._quantised(h, "w2"))
+        y = self._grouped_mm(h, "w2", offs, act_quant(h, ACT_GROUP) if self._w8a8("w2", h.shape[0]) else None)
         if self.num_experts != self.num_global:  # rows past offs[-1] (other experts' pairs) are unwritten
             y = y.masked_fill((torch.arange(y.shape[0], device=y.device) >= offs[-1])[:, None], 0)
         if fused:

@@ -97,6 +97,11 @@ def test_a_projection_that_cannot_fold_keeps_its_per_32_scales():
     assert ex._block("w1") == ex._block("w3") == (1, 128)
     assert all(torch.equal(ex._w("w2", e, torch.float32), dense[e]) for e in range(4))
     assert not ex._w8a8("w2", 10 ** 6) and ex._w8a8("w1", 10 ** 6)
+    T = 140  # 280 rows >= 4 x 64: w1 and w3 W8A8, w2 W8A16 on the bf16 swiglu output
+    x, weights = torch.randn(T, 256).to(torch.bfloat16), torch.rand(T, 2)
+    idx = torch.stack([torch.randperm(4)[:2] for _ in range(T)])
+    got, want = ex.grouped(x, weights, idx), _w8a8_math(ex, x, weights, idx, w8a8=("w1", "w3"))
+    assert float((got - want).norm() / want.norm()) < 4e-3
 
 
 def test_w8a8_is_chosen_by_rows_per_expert_outside_invariant_mode():
@@ -114,24 +119,24 @@ def test_w8a8_is_chosen_by_rows_per_expert_outside_invariant_mode():
     assert not dense._w8a8("w1", 10 ** 6)
 
 
-def _w8a8_math(ex, x, weights, idx):
+def _w8a8_math(ex, x, weights, idx, w8a8=("w1", "w2", "w3")):
     """The routed experts as DeepSeek's reference computes them at prefill: every expert input quantised
     per 1 x 128 (act_quant, power-of-two scales) and multiplied by the dequantised weight in fp32,
-    one (token, slot) pair at a time."""
+    one (token, slot) pair at a time. Projections not in `w8a8` take the bf16 input as it is."""
     from deepinfer.kernels.act_quant import dequant, reference as act_quant
     from deepinfer.layers.moe import clamped_swiglu
 
-    def fp8_linear(a, w):
-        return (dequant(*act_quant(a)) @ w.T).to(torch.bfloat16)
+    def fp8_linear(a, w, name):
+        return ((dequant(*act_quant(a)) if name in w8a8 else a.float()) @ w.T).to(torch.bfloat16)
 
     out = torch.zeros(x.shape[0], x.shape[1])
     for t in range(x.shape[0]):
         for j in range(idx.shape[1]):
             e = int(idx[t, j])
             xe = x[t:t + 1]
-            h = clamped_swiglu(fp8_linear(xe, ex._w("w1", e, torch.float32)),
-                               fp8_linear(xe, ex._w("w3", e, torch.float32)), ex.limit).to(torch.bfloat16)
-            out[t] += fp8_linear(h, ex._w("w2", e, torch.float32))[0].float() * weights[t, j]
+            h = clamped_swiglu(fp8_linear(xe, ex._w("w1", e, torch.float32), "w1"),
+                               fp8_linear(xe, ex._w("w3", e, torch.float32), "w3"), ex.limit).to(torch.bfloat16)
+            out[t] += fp8_linear(h, ex._w("w2", e, torch.float32), "w2")[0].float() * weights[t, j]
     return out
 
 
