@@ -7,6 +7,7 @@ for the target's tokens, and prints the first module (in call order) whose rows 
 from __future__ import annotations
 
 import argparse
+import collections
 import tempfile
 from pathlib import Path
 
@@ -86,8 +87,9 @@ def engine_probe(args) -> None:
     from deepinfer import LLM, SamplingParams
 
     with tempfile.TemporaryDirectory() as tmp:
-        ckpt = write_checkpoint(Path(tmp) / "ckpt", PRESETS[args.preset], seed=3, dtype="fp8")
-        vocab = PRESETS[args.preset]["vocab_size"]
+        ckpt = write_checkpoint(Path(tmp) / "ckpt", PRESETS[args.preset], seed=args.seed, dtype="fp8")
+        cfg = PRESETS[args.preset]
+        vocab = cfg.get("text_config", cfg)["vocab_size"]
 
         def prompts(lens, seed):
             g = torch.Generator().manual_seed(seed)
@@ -101,6 +103,8 @@ def engine_probe(args) -> None:
                  ("chunked prompt", 8, []), ("chunked, mixed", 12, short[:1] + long[:1])]
         if args.graphs:
             return graph_outputs(args, ckpt, target, mixes, params)
+        if args.spec:
+            return spec_probe(args, ckpt, prompts([args.prompt_len], 1)[0])
         for name, budget, batch in mixes:
             llm = LLM(str(ckpt), device=args.device, dtype=args.dtype, kv_cache_dtype=args.dtype,
                       kv_cache_memory=64 << 20, batch_invariant=not args.off, enforce_eager=True,
@@ -116,6 +120,48 @@ def engine_probe(args) -> None:
         print(f"{name}: " + (f"first difference at position {diff[0]}, module {diff[1]}" if diff else
                              "every module's row of every target token bit-identical")
               + (f" (positions recorded in one run only: {missing[:5]})" if missing else ""))
+
+
+def spec_probe(args, ckpt, target: list[int]) -> None:
+    """Speculation off vs DSpark with k drafts (the checkpoint's own stages), batch-invariant eager
+    steps: each position's module rows as finally kept (a verify chunk's accepted rows; a rejected
+    draft's rows are replaced by the next step's), off's decode rows against the verify rows; prints
+    the first (position, module) that differs, and per differing position its first module."""
+    from deepinfer import LLM, SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens, ignore_eos=True, logprobs=5)
+    runs, outs = {}, {}
+    for name, spec in (("off", None), (f"dspark k={args.spec}", {"method": "dspark", "num_speculative_tokens": args.spec})):
+        llm = LLM(str(ckpt), device=args.device, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
+                  kv_cache_memory=256 << 20, batch_invariant=True, enforce_eager=True,
+                  skip_tokenizer_init=True, speculative_config=spec)
+        runs[name] = _engine_rows(llm, "0", [target], params, outs.setdefault(name, []))
+        del llm
+    (off_name, off), (name, got) = runs.items()
+    a, b = outs[off_name][0].token_ids, outs[name][0].token_ids
+    first_tok = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+    print(f"{name} vs off ({args.kv_cache_dtype} cache): output tokens " +
+          ("identical" if first_tok is None else f"differ from output {first_tok}"))
+    bad = []
+    for pos in sorted(off):
+        mods = got.get(pos)
+        if mods is None:
+            continue
+        # a module whose output has one row per token only at some step sizes (e.g. the indexer's key
+        # projection over closing entries) is recorded in one run only: match rows by (module, n-th call)
+        theirs: dict[str, list] = collections.defaultdict(list)
+        for m, y in mods:
+            theirs[m].append(y)
+        seen: collections.Counter = collections.Counter()
+        for m, x in off[pos]:
+            k, seen[m] = seen[m], seen[m] + 1
+            y = theirs[m][k] if k < len(theirs[m]) else None
+            if y is not None and y.shape == x.shape and not torch.equal(x, y):
+                bad.append((pos, m, (x.float() - y.float()).abs().max().item()))
+                break
+    print(f"positions with a differing module row: {len(bad)} of {len(off)}")
+    for pos, m, diff in bad[:args.rows]:
+        print(f"  position {pos}: first module {m}, max |diff| {diff}")
 
 
 def graph_outputs(args, ckpt, target, mixes, params) -> None:
@@ -148,13 +194,15 @@ def graph_outputs(args, ckpt, target, mixes, params) -> None:
             del llm
 
 
-def _engine_rows(llm, tid: str, prompts, params) -> dict[int, list[tuple[str, torch.Tensor]]]:
-    """position -> [(module, output row)] of request `tid`'s tokens, over the whole generate call."""
+def _engine_rows(llm, tid: str, prompts, params, outputs: list | None = None) -> dict[int, list[tuple[str, torch.Tensor]]]:
+    """position -> [(module, output row)] of request `tid`'s tokens, over the whole generate call; a
+    position computed again (a rejected draft's, a preempted request's) keeps its last step's rows.
+    The speculative drafter's own modules (mtp.*) are not recorded."""
     rows: dict[int, list] = {}
     cur: list = []  # [(token row in the step, position)], tokens in the step
     handles = []
     for name, mod in llm.model.named_modules():
-        if "compressor" in name:  # one row per closed entry, not per token
+        if "compressor" in name or name.startswith("mtp"):  # one row per closed entry; drafter stages
             continue
 
         def hook(m, inp, out, name=name):
@@ -176,11 +224,15 @@ def _engine_rows(llm, tid: str, prompts, params) -> dict[int, list[tuple[str, to
                 mine += [(off + j, c.start + j) for j in range(len(c.token_ids))]
             off += len(c.token_ids)
         cur[:] = [mine, off] if mine else []
+        for _, pos in mine:
+            rows[pos] = []
         return launch(so, prev)
 
     runner.launch = traced
     try:
-        llm.generate(prompts, params, use_tqdm=False)
+        out = llm.generate(prompts, params, use_tqdm=False)
+        if outputs is not None:
+            outputs += [o.outputs[0] for o in out]
     finally:
         runner.launch = launch
         for h in handles:
@@ -199,6 +251,13 @@ def main() -> None:
                     help="drive the engine (eager steps) through the batch mixes of tests/engine/test_batch_invariance.py")
     ap.add_argument("--graphs", action="store_true",
                     help="with --engine: compare the target's outputs with CUDA graphs vs eager, per mix")
+    ap.add_argument("--spec", type=int, default=0,
+                    help="with --engine: speculation off vs DSpark with this many drafts (a V4.1 preset), per position")
+    ap.add_argument("--kv-cache-dtype", default="auto", help="--spec: the cache format")
+    ap.add_argument("--prompt-len", type=int, default=128, help="--spec: prompt tokens")
+    ap.add_argument("--max-tokens", type=int, default=40, help="--spec: output tokens")
+    ap.add_argument("--rows", type=int, default=20, help="--spec: differing positions to print")
+    ap.add_argument("--seed", type=int, default=3, help="checkpoint seed (the demo is demo41, seed 0)")
     args = ap.parse_args()
     if args.engine:
         return engine_probe(args)
