@@ -43,8 +43,10 @@ class WeightBytes:
         return self.experts + self.other
 
     def serving(self, repack_fp4: bool) -> "WeightBytes":
-        """The bytes held while serving. `repack_fp4`: packed FP4 experts are rewritten as FP8 codes (one
-        byte per weight, twice the packed bytes), as LLM does where they fit (repack_fits)."""
+        """The bytes held while serving (an upper bound). `repack_fp4`: packed FP4 experts are rewritten
+        as FP8 codes (one byte per weight, twice the packed bytes), as LLM does where they fit
+        (repack_fits); where their (1, 32) scales fold exactly into (1, 128) (Experts.fold_scales) the
+        scales then take a quarter of their bytes, which this does not count."""
         if not repack_fp4:
             return self
         return WeightBytes(self.experts + self.packed_fp4, self.other, 0)
