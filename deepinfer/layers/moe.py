@@ -21,11 +21,12 @@ from deepinfer.formats.quant import dequant_fp8_blocks, fold_e8m0_groups, unpack
 # Quantised routed experts run W8A8 (activations quantised per 1 x ACT_GROUP with power-of-two scales,
 # kernels/act_quant.py, then an FP8 x FP8 grouped GEMM, kernels/grouped_gemm_fp8.py) from this many
 # routed rows per expert on average (M >= W8A8_ROWS_PER_EXPERT * num_experts), outside batch-invariant
-# mode; fewer rows run W8A16 (kernels/grouped_gemm.py), where the weight bytes, not the multiplies,
-# set the time. 64 is where grouped_gemm's tiles turn compute-bound (64-row tiles), not a measured
-# crossover: V4-Flash's 256 experts x top-6 reach it at ~2.7k tokens a step (the 4 x 2048 prefill
-# has 192 rows an expert); benchmarks/fp8_gemm_bench.py --experts times both paths per row count.
-W8A8_ROWS_PER_EXPERT = 64
+# mode; fewer rows run W8A16 (kernels/grouped_gemm.py). H200, V4's 256 experts x top-6, one layer
+# (benchmarks/results/2026-12-01-h200-fp8-experts-1675cf6.json): at 64 tokens (1.5 rows an expert)
+# W8A8 1434 us against W8A16 1686 (folded scales) / 1736 ((1, 32) scales) and bf16 3472; at 2731
+# tokens 2677 against 8673 / 5228. Fewer rows were not measured: 1 row an expert lies below the
+# smallest measured size (V4-Flash: 43 tokens a step).
+W8A8_ROWS_PER_EXPERT = 1
 
 
 def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:

@@ -97,7 +97,7 @@ def test_a_projection_that_cannot_fold_keeps_its_per_32_scales():
     assert ex._block("w1") == ex._block("w3") == (1, 128)
     assert all(torch.equal(ex._w("w2", e, torch.float32), dense[e]) for e in range(4))
     assert not ex._w8a8("w2", 10 ** 6) and ex._w8a8("w1", 10 ** 6)
-    T = 140  # 280 rows >= 4 x 64: w1 and w3 W8A8, w2 W8A16 on the bf16 swiglu output
+    T = 140  # 280 rows >= 4 x W8A8_ROWS_PER_EXPERT: w1 and w3 W8A8, w2 W8A16 on the bf16 swiglu output
     x, weights = torch.randn(T, 256).to(torch.bfloat16), torch.rand(T, 2)
     idx = torch.stack([torch.randperm(4)[:2] for _ in range(T)])
     got, want = ex.grouped(x, weights, idx), _w8a8_math(ex, x, weights, idx, w8a8=("w1", "w3"))
@@ -149,7 +149,7 @@ def test_prefill_rows_take_w8a8_on_the_dequantised_activations():
     torch.manual_seed(0)
     ex = _fp4_experts()
     ex.repack_fp4_as_fp8()
-    T = moe.W8A8_ROWS_PER_EXPERT * 4 // 2 + 3  # top-2 of 4 experts
+    T = max(moe.W8A8_ROWS_PER_EXPERT * 4 // 2 + 3, 64)  # top-2 of 4 experts, at or above the threshold
     x = torch.randn(T, 256).to(torch.bfloat16)
     weights, idx = torch.rand(T, 2), torch.stack([torch.randperm(4)[:2] for _ in range(T)])
     got = ex.grouped(x, weights, idx)
@@ -160,8 +160,9 @@ def test_prefill_rows_take_w8a8_on_the_dequantised_activations():
         return float((a - b).norm() / b.norm())
     assert rel(got, want) < 4e-3
     assert rel(got, w16) > 2 * rel(got, want) and rel(got, w16) < 0.1
-    few = ex.grouped(x[:50], weights[:50], idx[:50])  # 100 rows < 4 x 64: W8A16 on the bf16 activations
-    assert rel(few, w16[:50]) < 4e-3 and rel(few, want[:50]) > 2 * rel(few, w16[:50])
+    n = (moe.W8A8_ROWS_PER_EXPERT * 4 - 1) // 2  # 2n rows < 4 x W8A8_ROWS_PER_EXPERT: W8A16, bf16 activations
+    few = ex.grouped(x[:n], weights[:n], idx[:n])
+    assert rel(few, w16[:n]) < 4e-3 and rel(few, want[:n]) > 2 * rel(few, w16[:n])
 
 
 @pytest.mark.gpu
