@@ -14,9 +14,12 @@ esac
 pip() { "$PY" -m pip install -q --disable-pip-version-check "$@"; }
 pip -r "requirements/$ACC.txt"
 pip -e .
+# Structured outputs: xgrammar without its torch / triton requirements (installed above).
+pip -r requirements/structured.txt
+pip --no-deps xgrammar==0.2.9
 if [ "${DEEPINFER_SKIP_TEST_DEPS:-0}" != 1 ]; then
   pip -r requirements/test.txt
   # NeMo AutoModel is the V4.1 test oracle; never with its dependencies (megatron, quack, torchao, ...).
   "$PY" -m pip install -q --no-deps nemo-automodel==0.7.0
 fi
-"$PY" -c "import torch, deepinfer; print(f'deepinfer ready: torch {torch.__version__}, accelerator $ACC')"
+"$PY" -c "import torch, deepinfer, xgrammar; print(f'deepinfer ready: torch {torch.__version__}, accelerator $ACC')"

@@ -1,0 +1,405 @@
+"""Structured outputs on xgrammar: `so_args` parsing, a grammar compile cache fed by worker
+threads, and per-request matchers that fill the next token's bitmask on the host.
+
+Bitmask layout (shared with deepinfer.kernels.token_bitmask): int32 words, `bitmask_width =
+ceil(vocab_size / 32)` per row, token v allowed iff bit (v % 32) of word v // 32 is 1; vocab_size is
+the model's logits width, which may exceed the tokenizer's vocab: ids the tokenizer lacks, and its
+special tokens other than the stop tokens, are never allowed while a grammar applies.
+
+xgrammar (and transformers, for the tokenizer) are imported on first use, so `import deepinfer`
+works without them; a GrammarBackend cannot be built without them (ImportError naming so_args).
+"""
+from __future__ import annotations
+
+import json
+import threading
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+SCHEMA_TYPES = ("json", "regex", "ebnf", "json_object")
+_KEYS = ("schema_type", "schema", "any_whitespace")
+# Compact JSON: no whitespace around separators, so a bounded schema bounds the completion's length.
+_COMPACT = (",", ":")
+# Characters no UTF-8 text holds (surrogates) and, in JSON strings, the control characters that must
+# be escaped there; xgrammar 0.2.9's character classes let them through (`[^...]`, regex `.`, and
+# JSON strings with minLength / maxLength), so grammars are rewritten to exclude them (_exclude).
+_SURROGATES = r"\ud800-\udfff"
+_CONTROL = r"\0-\x1f"
+_ANY_CHAR = r"\0-\U0010ffff"  # how xgrammar writes a regex's `.`
+THINK_START, THINK_END = "<think>", "</think>"
+
+
+def _xgrammar():
+    try:
+        import xgrammar
+    except ImportError as e:
+        raise ImportError("so_args (structured outputs) needs the xgrammar package: install "
+                          "requirements/structured.txt, then `pip install --no-deps xgrammar==0.2.9` "
+                          f"(as build.sh does); import failed: {e}") from e
+    return xgrammar
+
+
+@dataclass(frozen=True)
+class GrammarKey:
+    """What the compile cache is keyed by."""
+    schema_type: str       # "json" | "regex" | "ebnf" | "json_object"
+    schema: str            # canonical text: a JSON schema as compact json.dumps in its own key order
+                           # (the order is kept: properties are generated in it); "" for json_object
+    any_whitespace: bool = False  # json / json_object only: False = compact JSON, no free whitespace
+
+
+def parse_so_args(so_args: dict) -> GrammarKey:
+    """DeepInfer's API: {"schema_type": "regex"|"json"|"ebnf"|"json_object", "schema": ...} (a JSON
+    schema as a dict or a JSON string; none for json_object), optional "any_whitespace": bool (json
+    and json_object only). Structural checks only (no tokenizer, no xgrammar): ValueError naming the
+    field."""
+    if not isinstance(so_args, dict):
+        raise ValueError(f"so_args must be a dict, got {type(so_args).__name__}")
+    unknown = sorted(str(k) for k in so_args if k not in _KEYS)
+    if unknown:
+        raise ValueError(f"so_args: unknown keys {unknown} (allowed: {list(_KEYS)})")
+    kind = so_args.get("schema_type")
+    if kind not in SCHEMA_TYPES:
+        raise ValueError(f"so_args.schema_type must be one of {list(SCHEMA_TYPES)}, got {kind!r}")
+    ws = so_args.get("any_whitespace", False)
+    if not isinstance(ws, bool):
+        raise ValueError(f"so_args.any_whitespace must be a bool, got {ws!r}")
+    if ws and kind not in ("json", "json_object"):
+        raise ValueError(f"so_args.any_whitespace applies to schema_type json and json_object, not {kind!r}")
+    schema = so_args.get("schema")
+    if kind == "json_object":
+        if schema is not None:
+            raise ValueError("so_args.schema must be absent for schema_type 'json_object' (any JSON value)")
+        return GrammarKey(kind, "", ws)
+    if kind == "json":
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"so_args.schema is not valid JSON: {e}") from None
+        if not isinstance(schema, dict):
+            raise ValueError(f"so_args.schema must be a JSON schema (a dict or a JSON object string) for "
+                             f"schema_type 'json', got {type(schema).__name__}")
+        try:
+            text = json.dumps(schema, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"so_args.schema is not JSON-serialisable: {e}") from None
+        return GrammarKey(kind, text, ws)
+    if not isinstance(schema, str) or not schema:
+        raise ValueError(f"so_args.schema must be a non-empty string for schema_type {kind!r}, "
+                         f"got {schema!r}")
+    return GrammarKey(kind, schema, False)
+
+
+def _build_grammar(key: GrammarKey):
+    """The xgrammar Grammar for a key (parse only, no vocab): ValueError naming so_args.schema."""
+    xgr = _xgrammar()
+    try:
+        schema = key.schema if key.schema_type == "json" else "{}"
+        if key.schema_type == "regex":
+            grammar = xgr.Grammar.from_regex(key.schema)
+        elif key.schema_type == "ebnf":
+            grammar = xgr.Grammar.from_ebnf(key.schema)
+        elif key.any_whitespace:
+            grammar = xgr.Grammar.from_json_schema(schema, any_whitespace=True)
+        else:
+            grammar = xgr.Grammar.from_json_schema(schema, any_whitespace=False, separators=_COMPACT)
+    except Exception as e:  # xgrammar raises RuntimeError (and others) with the parser's message
+        msg = str(e).strip().splitlines()
+        detail = " ".join(line.split(": ", 1)[-1] if line.startswith("[") else line for line in msg[:3])
+        raise ValueError(f"so_args.schema: invalid {key.schema_type} for schema_type "
+                         f"{key.schema_type!r}: {detail}") from None
+    text = str(grammar)
+    fixed = _exclude(text, _CONTROL + _SURROGATES if key.schema_type in ("json", "json_object") else _SURROGATES)
+    return grammar if fixed == text else xgr.Grammar.from_ebnf(fixed)
+
+
+def _exclude(ebnf: str, chars: str) -> str:
+    """`ebnf` (as xgrammar prints a grammar) with `chars` (class ranges) excluded from every negated
+    character class and from the any-character class, outside quoted literals."""
+    out, i, n = [], 0, len(ebnf)
+    while i < n:
+        c = ebnf[i]
+        if c in "\"[":
+            j = i + 1
+            while j < n and ebnf[j] != ("\"" if c == "\"" else "]"):
+                j += 2 if ebnf[j] == "\\" else 1
+            body = ebnf[i + 1:j]
+            if c == "[" and body.startswith("^"):
+                body = "^" + chars + body[1:]
+            elif c == "[" and body == _ANY_CHAR:
+                body = "^" + chars
+            out.append(c + body + ebnf[j:j + 1])
+            i = j + 1
+        else:
+            out.append(c)
+            i += 1
+    return "".join(out)
+
+
+@dataclass
+class _Compiled:
+    """A cache entry's result: the compiled grammar, or the error every request on it reports."""
+    grammar: Any = None
+    error: str | None = None
+
+
+class GrammarBackend:
+    """One per engine (one tokenizer, one model vocab). validate() runs at submission; request_grammar()
+    starts the compile off the caller's thread. Compiles are cached by GrammarKey (LRU of
+    `max_cached` entries); a compile in flight is shared by every request that asks for its key."""
+
+    def __init__(self, tokenizer_file: str | Path, vocab_size: int, eos_token_ids: list[int],
+                 max_threads: int = 2, max_cached: int = 256):
+        xgr = _xgrammar()
+        from transformers import PreTrainedTokenizerFast
+        if vocab_size <= 0:
+            raise ValueError(f"vocab_size must be positive, got {vocab_size}")
+        eos = [int(t) for t in eos_token_ids]
+        if not eos or any(not 0 <= t < vocab_size for t in eos):
+            raise ValueError(f"eos_token_ids must be non-empty ids below vocab_size {vocab_size}, got {eos}")
+        tok = PreTrainedTokenizerFast(tokenizer_file=str(tokenizer_file))
+        vocab = tok.get_vocab()
+        self.vocab_size = vocab_size
+        self.eos_token_ids = eos
+        self.bitmask_width = (vocab_size + 31) // 32
+        self.think_start_id: int | None = vocab.get(THINK_START)
+        self.think_end_id: int | None = vocab.get(THINK_END)
+        # xgrammar detects the vocab type from the tokenizer; the vocabulary is then rebuilt with
+        # every special added token (BOS, <think>, padding tokens ...) as "", which xgrammar never
+        # lets a grammar emit: their text is not what the detokenizer writes for them. Ids past the
+        # tokenizer's vocab are "" too; ids past the model's vocab are dropped.
+        meta = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=vocab_size, stop_token_ids=eos).dump_metadata()
+        encoded = [""] * vocab_size
+        for text, i in vocab.items():
+            if i < vocab_size:
+                encoded[i] = text
+        for i, added in tok.backend_tokenizer.get_added_tokens_decoder().items():
+            if added.special and i < vocab_size:
+                encoded[i] = ""
+        self.tokenizer_info = xgr.TokenizerInfo.from_vocab_and_metadata(encoded, meta)
+        self._compiler = xgr.GrammarCompiler(self.tokenizer_info, max_threads=max_threads,
+                                             cache_enabled=False)
+        self._pool = ThreadPoolExecutor(max_workers=max_threads, thread_name_prefix="grammar")
+        self._lock = threading.Lock()
+        self._max_cached = max_cached
+        self._compiled: OrderedDict[GrammarKey, Future] = OrderedDict()
+        self._grammars: OrderedDict[GrammarKey, Any] = OrderedDict()  # parsed, not compiled
+        self.compiles = 0  # compiles started (cache misses)
+
+    def validate(self, so_args: dict) -> GrammarKey:
+        """parse_so_args + build the xgrammar Grammar (fast; no compile against the vocab): an invalid
+        JSON schema / regex / EBNF raises ValueError naming so_args.schema and xgrammar's message."""
+        key = parse_so_args(so_args)
+        self._grammar(key)
+        return key
+
+    def _grammar(self, key: GrammarKey):
+        with self._lock:
+            if key in self._grammars:
+                self._grammars.move_to_end(key)
+                return self._grammars[key]
+        grammar = _build_grammar(key)
+        with self._lock:
+            self._grammars[key] = grammar
+            while len(self._grammars) > self._max_cached:
+                self._grammars.popitem(last=False)
+        return grammar
+
+    def request_grammar(self, key: GrammarKey, prompt_token_ids: list[int]) -> RequestGrammar:
+        """Starts (or reuses) the compile of `key` on a worker thread and returns at once. Reasoning:
+        if the prompt's last <think> comes after its last </think> (the prompt opens a thinking block),
+        the grammar applies only after the output's first </think> (the tokens before it and the
+        </think> itself are free)."""
+        with self._lock:
+            fut = self._compiled.get(key)
+            if fut is None:
+                self.compiles += 1
+                fut = self._pool.submit(self._compile, key)
+                self._compiled[key] = fut
+                while len(self._compiled) > self._max_cached:
+                    self._compiled.popitem(last=False)
+            else:
+                self._compiled.move_to_end(key)
+        return RequestGrammar(self, fut, self._opens_thinking(prompt_token_ids))
+
+    def _opens_thinking(self, prompt: list[int]) -> bool:
+        if self.think_start_id is None or self.think_end_id is None:
+            return False
+        last = {self.think_start_id: -1, self.think_end_id: -1}
+        for i, t in enumerate(prompt):
+            if t in last:
+                last[t] = i
+        return last[self.think_start_id] > last[self.think_end_id]
+
+    def _compile(self, key: GrammarKey) -> _Compiled:
+        xgr = _xgrammar()
+        try:
+            compiled = self._compiler.compile_grammar(self._grammar(key))
+        except ValueError as e:
+            return _Compiled(error=str(e))
+        except Exception as e:
+            return _Compiled(error=f"so_args.schema: compiling the {key.schema_type} grammar failed: {e}")
+        mask = np.zeros(self.bitmask_width, dtype=np.int32)
+        xgr.GrammarMatcher(compiled).fill_next_token_bitmask(mask)
+        if not mask.any():
+            return _Compiled(error=f"so_args.schema: no token of this tokenizer can start the "
+                                   f"{key.schema_type} grammar (it admits no output)")
+        return _Compiled(grammar=compiled)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+class RequestGrammar:
+    """One request's grammar state: the matcher and the reasoning phase.
+
+    Not thread-safe: one thread at a time per RequestGrammar (distinct ones may run on distinct
+    threads). Until ready(), the methods other than ready() / error / fork() wait for the compile.
+
+    Finishing: xgrammar's matcher allows only the stop tokens (EOS) once the grammar is complete and
+    nothing more can follow, and is "terminated" once it accepted a stop token. `terminated` here is
+    true in both cases, so the engine finishes the request ("stop") right after the token that
+    completes the grammar, without a forward pass whose only possible sample is EOS; where the grammar
+    is complete but could go on (e.g. regex `a+`), EOS stays allowed and accepting it terminates.
+    A request's output thus ends without EOS when the grammar forced the end, or with EOS (accepted)
+    when the model chose to stop. In the reasoning phase every token (EOS included) is free and
+    `terminated` is false: an EOS sampled there ends the request as EOS does without a grammar.
+    """
+
+    def __init__(self, backend: GrammarBackend, future: Future, reasoning: bool):
+        self._backend = backend
+        self._future = future
+        self._matcher = None
+        self._reasoning = reasoning   # in the reasoning phase now (no constraint)
+        self._opened = reasoning      # the prompt opened a thinking block
+        self._n_free = 0              # accepted reasoning-phase tokens, the </think> included
+        self._n_matched = 0           # accepted by the matcher (after the free ones)
+        self._scratch = np.zeros(backend.bitmask_width, dtype=np.int32)
+        self._stop_mask = np.zeros(backend.bitmask_width, dtype=np.int32)
+        for t in backend.eos_token_ids:
+            self._stop_mask[t // 32] |= np.array(1 << (t % 32), dtype=np.uint32).view(np.int32)
+
+    def ready(self) -> bool:
+        """The compile is done (ok or failed); never blocks."""
+        return self._future.done()
+
+    @property
+    def error(self) -> str | None:
+        """Once ready(): the reason the request cannot run ("so_args.schema: ..."), else None."""
+        if not self._future.done():
+            return None
+        return self._future.result().error
+
+    def _m(self):
+        if self._matcher is None:
+            done = self._future.result()
+            if done.error is not None:
+                raise ValueError(done.error)
+            self._matcher = _xgrammar().GrammarMatcher(done.grammar)
+        return self._matcher
+
+    def fork(self) -> RequestGrammar:
+        """The same state, independent afterwards (n > 1 siblings)."""
+        other = RequestGrammar.__new__(RequestGrammar)
+        other.__dict__.update(self.__dict__)
+        other._matcher = None if self._matcher is None else self._matcher.fork()
+        other._scratch = self._scratch.copy()
+        return other
+
+    @property
+    def in_reasoning(self) -> bool:
+        """Tokens are free now (the output has not closed the thinking block the prompt opened)."""
+        return self._reasoning
+
+    @property
+    def terminated(self) -> bool:
+        """The grammar is complete and accepted a stop token, or nothing but a stop token can follow:
+        the request finishes ("stop")."""
+        if self._reasoning:
+            return False
+        m = self._m()
+        if m.is_terminated():
+            return True
+        if not m.is_completed():
+            return False
+        m.fill_next_token_bitmask(self._scratch)
+        return bool(np.array_equal(self._scratch, self._stop_mask))
+
+    def _fill_row(self, row) -> None:
+        if self._reasoning:
+            row[...] = -1
+            return
+        m = self._m()
+        if m.is_terminated():  # nothing can follow: only the stop tokens (the engine finishes anyway)
+            row[...] = _as_like(self._stop_mask, row)
+            return
+        m.fill_next_token_bitmask(row)
+
+    def fill_bitmask(self, out) -> None:
+        """out: int32 [bitmask_width] (numpy or a contiguous CPU torch row): the mask for the NEXT token;
+        all ones (no constraint) in the reasoning phase."""
+        self._fill_row(out)
+
+    def accept(self, token: int) -> bool:
+        """Advance by one token; False (state unchanged) if the grammar rejects it."""
+        if self._reasoning:
+            self._n_free += 1
+            if token == self._backend.think_end_id:
+                self._reasoning = False
+            return True
+        if not self._m().accept_token(int(token)):
+            return False
+        self._n_matched += 1
+        return True
+
+    def rollback(self, n: int) -> None:
+        """Undo the last n accepted tokens (reasoning-phase tokens too)."""
+        if not 0 <= n <= self._n_free + self._n_matched:
+            raise ValueError(f"rollback({n}): only {self._n_free + self._n_matched} tokens were accepted")
+        k = min(n, self._n_matched)
+        if k:
+            self._m().rollback(k)
+            self._n_matched -= k
+        if n > k:  # back into the reasoning phase: the </think> is undone
+            self._n_free -= n - k
+            self._reasoning = self._opened
+
+    def valid_prefix(self, tokens: list[int]) -> int:
+        """How many leading tokens of `tokens` (drafts) the grammar accepts in a row; state unchanged."""
+        n = 0
+        for t in tokens:
+            if not self.accept(t):
+                break
+            n += 1
+        self.rollback(n)
+        return n
+
+    def fill_bitmasks_along(self, tokens: list[int], out) -> None:
+        """out [len(tokens) + 1, bitmask_width]: row j = the mask after accepting tokens[:j] (tokens
+        must be a valid prefix: ValueError otherwise); state unchanged."""
+        if len(out) < len(tokens) + 1:
+            raise ValueError(f"out has {len(out)} rows, need {len(tokens) + 1}")
+        n = 0
+        try:
+            self._fill_row(out[0])
+            for t in tokens:
+                if not self.accept(t):
+                    raise ValueError(f"token {t} at position {n} is not accepted by the grammar")
+                n += 1
+                self._fill_row(out[n])
+        finally:
+            self.rollback(n)
+
+
+def _as_like(mask: np.ndarray, row):
+    """`mask` as something assignable to `row` (a numpy array or a torch tensor)."""
+    if isinstance(row, np.ndarray):
+        return mask
+    import torch
+    return torch.from_numpy(mask)
