@@ -155,7 +155,7 @@ class GrammarBackend:
     `max_cached` entries); a compile in flight is shared by every request that asks for its key."""
 
     def __init__(self, tokenizer_file: str | Path, vocab_size: int, eos_token_ids: list[int],
-                 max_threads: int = 2, max_cached: int = 256):
+                 max_threads: int = 2, max_cached: int = 256, fill_threads: int | None = None):
         xgr = _xgrammar()
         from transformers import PreTrainedTokenizerFast
         if vocab_size <= 0:
@@ -191,6 +191,8 @@ class GrammarBackend:
         self._compiled: OrderedDict[GrammarKey, Future] = OrderedDict()
         self._grammars: OrderedDict[GrammarKey, Any] = OrderedDict()  # parsed, not compiled
         self.compiles = 0  # compiles started (cache misses)
+        # fill_bitmasks' threads (None: xgrammar's choice, half the hardware threads)
+        self._batch = xgr.BatchGrammarMatcher("auto" if fill_threads is None else fill_threads)
 
     def validate(self, so_args: dict) -> GrammarKey:
         """parse_so_args + build the xgrammar Grammar (fast; no compile against the vocab): an invalid
@@ -231,11 +233,12 @@ class GrammarBackend:
     def _opens_thinking(self, prompt: list[int]) -> bool:
         if self.think_start_id is None or self.think_end_id is None:
             return False
-        last = {self.think_start_id: -1, self.think_end_id: -1}
-        for i, t in enumerate(prompt):
-            if t in last:
-                last[t] = i
-        return last[self.think_start_id] > last[self.think_end_id]
+        for t in reversed(prompt):  # the last of the two decides
+            if t == self.think_start_id:
+                return True
+            if t == self.think_end_id:
+                return False
+        return False
 
     def _compile(self, key: GrammarKey) -> _Compiled:
         xgr = _xgrammar()
@@ -251,6 +254,24 @@ class GrammarBackend:
             return _Compiled(error=f"so_args.schema: no token of this tokenizer can start the "
                                    f"{key.schema_type} grammar (it admits no output)")
         return _Compiled(grammar=compiled)
+
+    def fill_bitmasks(self, grammars: list[RequestGrammar], out, rows: list[int] | None = None) -> None:
+        """out[rows[i]] = grammars[i].fill_bitmask (rows None: row i), the grammar-phase rows filled in
+        parallel by xgrammar's threads. out: int32 [>= len(grammars), bitmask_width], numpy or a
+        contiguous CPU torch tensor. Each grammar once per call (distinct matchers)."""
+        rows = list(range(len(grammars))) if rows is None else list(rows)
+        if len(rows) != len(grammars):
+            raise ValueError(f"fill_bitmasks: {len(grammars)} grammars for {len(rows)} rows")
+        matchers, at = [], []
+        for g, r in zip(grammars, rows):
+            m = None if g._reasoning else g._m()
+            if m is None or m.is_terminated():
+                g._fill_row(out[r])
+            else:
+                matchers.append(m)
+                at.append(r)
+        if matchers:
+            self._batch.batch_fill_next_token_bitmask(matchers, out, at)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

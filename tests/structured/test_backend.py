@@ -316,8 +316,8 @@ def test_reasoning_is_free_until_end_of_think(backend, tok, forbidden):
         ready(backend, so, prompt).fill_bitmask(m)
         assert np.array_equal(m, start)
     rng = np.random.default_rng(4)
-    for _ in range(4):
-        rg = ready(backend, so, [0, 3, 4, THINK])
+    for prompt in ([0, 3, 4, THINK], [0, THINK, 9, END_THINK, THINK, 12], [0, 3, 4, THINK], [THINK]):
+        rg = ready(backend, so, prompt)
         thought = [int(t) for t in rng.integers(7, TOK_VOCAB, 5)] + [THINK, EOS]
         m = np.zeros(W, np.int32)
         for t in thought:
@@ -387,3 +387,28 @@ def test_fork_is_independent(backend, tok):
     assert rg.accept(tok.token_to_id("c")) and rg.accept(tok.token_to_id("e")) and rg.terminated
     other.rollback(2)
     assert other.accept(tok.token_to_id("c")) and not other.accept(tok.token_to_id("c"))
+
+
+def test_fill_bitmasks_batch_equals_one_by_one(backend, forbidden):
+    rng = np.random.default_rng(6)
+    grammars = []
+    for i, so in enumerate([{"schema_type": "json", "schema": SCHEMAS[i % len(SCHEMAS)]} for i in range(6)]
+                           + [{"schema_type": "regex", "schema": "ab|a"}]):
+        rg = ready(backend, so, [0, THINK] if i == 2 else [0])
+        for _ in range(int(rng.integers(0, 4))):  # a few steps in: distinct states
+            m = np.zeros(W, np.int32)
+            rg.fill_bitmask(m)
+            assert rg.accept(int(rng.choice(allowed(m))))
+        grammars.append(rg)
+    done = ready(backend, {"schema_type": "regex", "schema": "a"})
+    assert done.accept(int(backend.tokenizer_info.decoded_vocab.index(b"a"))) and done.accept(EOS)
+    grammars.append(done)  # terminated: only EOS
+    rows = [int(r) for r in rng.permutation(12)[:len(grammars)]]
+    for out in (np.zeros((12, W), np.int32), torch.zeros(12, W, dtype=torch.int32)):
+        backend.fill_bitmasks(grammars, out, rows)
+        out = np.asarray(out)
+        for rg, r in zip(grammars, rows):
+            want = np.zeros(W, np.int32)
+            rg.fill_bitmask(want)
+            assert np.array_equal(out[r], want), r
+        assert not np.delete(out, rows, axis=0).any()
