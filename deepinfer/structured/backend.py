@@ -168,6 +168,10 @@ class GrammarBackend:
         self.vocab_size = vocab_size
         self.eos_token_ids = eos
         self.bitmask_width = (vocab_size + 31) // 32
+        self.stop_mask = np.zeros(self.bitmask_width, dtype=np.uint32)  # only the stop tokens allowed
+        for t in eos:
+            self.stop_mask[t // 32] |= np.uint32(1 << (t % 32))
+        self.stop_mask = self.stop_mask.view(np.int32)
         self.think_start_id: int | None = vocab.get(THINK_START)
         self.think_end_id: int | None = vocab.get(THINK_END)
         # xgrammar detects the vocab type from the tokenizer; the vocabulary is then rebuilt with
@@ -258,7 +262,8 @@ class GrammarBackend:
     def fill_bitmasks(self, grammars: list[RequestGrammar], out, rows: list[int] | None = None) -> None:
         """out[rows[i]] = grammars[i].fill_bitmask (rows None: row i), the grammar-phase rows filled in
         parallel by xgrammar's threads. out: int32 [>= len(grammars), bitmask_width], numpy or a
-        contiguous CPU torch tensor. Each grammar once per call (distinct matchers)."""
+        contiguous CPU torch tensor. Each grammar once per call (distinct matchers); one caller at a
+        time (the batch matcher is shared)."""
         rows = list(range(len(grammars))) if rows is None else list(rows)
         if len(rows) != len(grammars):
             raise ValueError(f"fill_bitmasks: {len(grammars)} grammars for {len(rows)} rows")
@@ -281,7 +286,8 @@ class RequestGrammar:
     """One request's grammar state: the matcher and the reasoning phase.
 
     Not thread-safe: one thread at a time per RequestGrammar (distinct ones may run on distinct
-    threads). Until ready(), the methods other than ready() / error / fork() wait for the compile.
+    threads). Until ready(), the methods other than ready() / error / fork() wait for the compile;
+    after a failed compile they raise ValueError(error).
 
     Finishing: xgrammar's matcher allows only the stop tokens (EOS) once the grammar is complete and
     nothing more can follow, and is "terminated" once it accepted a stop token. `terminated` here is
@@ -302,9 +308,7 @@ class RequestGrammar:
         self._n_free = 0              # accepted reasoning-phase tokens, the </think> included
         self._n_matched = 0           # accepted by the matcher (after the free ones)
         self._scratch = np.zeros(backend.bitmask_width, dtype=np.int32)
-        self._stop_mask = np.zeros(backend.bitmask_width, dtype=np.int32)
-        for t in backend.eos_token_ids:
-            self._stop_mask[t // 32] |= np.array(1 << (t % 32), dtype=np.uint32).view(np.int32)
+        self._stop_mask = backend.stop_mask
 
     def ready(self) -> bool:
         """The compile is done (ok or failed); never blocks."""
@@ -315,11 +319,18 @@ class RequestGrammar:
         """Once ready(): the reason the request cannot run ("so_args.schema: ..."), else None."""
         if not self._future.done():
             return None
-        return self._future.result().error
+        return self._result().error
+
+    def _result(self) -> _Compiled:
+        """The compile's outcome (waits for it); a cancelled or crashed compile is an error too."""
+        try:
+            return self._future.result()
+        except BaseException as e:  # CancelledError (backend closed) or an unexpected failure
+            return _Compiled(error=f"so_args.schema: the grammar compile did not finish: {type(e).__name__}: {e}")
 
     def _m(self):
         if self._matcher is None:
-            done = self._future.result()
+            done = self._result()
             if done.error is not None:
                 raise ValueError(done.error)
             self._matcher = _xgrammar().GrammarMatcher(done.grammar)

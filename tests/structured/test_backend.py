@@ -132,6 +132,12 @@ def test_parse_so_args_canonical_keys():
 
 
 def test_without_xgrammar_the_error_names_so_args_and_the_package(monkeypatch, tok_path):
+    import subprocess
+    code = ("import sys\nsys.modules['xgrammar'] = None\nimport deepinfer, deepinfer.structured as s\n"
+            "assert s.parse_so_args({'schema_type': 'json_object'}).schema_type == 'json_object'\n"
+            "assert 'transformers' not in sys.modules\nprint('ok')\n")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0 and "ok" in res.stdout, res.stderr[-2000:]
     monkeypatch.setitem(sys.modules, "xgrammar", None)
     parse_so_args({"schema_type": "regex", "schema": "a"})  # needs no xgrammar
     with pytest.raises(ImportError, match="so_args.*xgrammar"):
