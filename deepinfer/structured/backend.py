@@ -21,16 +21,12 @@ from typing import Any
 
 import numpy as np
 
+from deepinfer.structured.char_classes import CONTROL, LINE_BREAKS, SURROGATES, exclude
+
 SCHEMA_TYPES = ("json", "regex", "ebnf", "json_object")
 _KEYS = ("schema_type", "schema", "any_whitespace")
 # Compact JSON: no whitespace around separators, so a bounded schema bounds the completion's length.
 _COMPACT = (",", ":")
-# Characters no UTF-8 text holds (surrogates) and, in JSON strings, the control characters that must
-# be escaped there; xgrammar 0.2.9's character classes let them through (`[^...]`, regex `.`, and
-# JSON strings with minLength / maxLength), so grammars are rewritten to exclude them (_exclude).
-_SURROGATES = r"\ud800-\udfff"
-_CONTROL = r"\0-\x1f"
-_ANY_CHAR = r"\0-\U0010ffff"  # how xgrammar writes a regex's `.`
 THINK_START, THINK_END = "<think>", "</think>"
 
 
@@ -114,32 +110,12 @@ def _build_grammar(key: GrammarKey):
         detail = " ".join(line.split(": ", 1)[-1] if line.startswith("[") else line for line in msg[:3])
         raise ValueError(f"so_args.schema: invalid {key.schema_type} for schema_type "
                          f"{key.schema_type!r}: {detail}") from None
+    # leave out surrogates everywhere, control characters from JSON strings, line breaks from `.`
     text = str(grammar)
-    fixed = _exclude(text, _CONTROL + _SURROGATES if key.schema_type in ("json", "json_object") else _SURROGATES)
+    json_like = key.schema_type in ("json", "json_object")
+    fixed = exclude(text, [SURROGATES], [CONTROL] if json_like else [],
+                    list(LINE_BREAKS) if key.schema_type == "regex" else [])
     return grammar if fixed == text else xgr.Grammar.from_ebnf(fixed)
-
-
-def _exclude(ebnf: str, chars: str) -> str:
-    """`ebnf` (as xgrammar prints a grammar) with `chars` (class ranges) excluded from every negated
-    character class and from the any-character class, outside quoted literals."""
-    out, i, n = [], 0, len(ebnf)
-    while i < n:
-        c = ebnf[i]
-        if c in "\"[":
-            j = i + 1
-            while j < n and ebnf[j] != ("\"" if c == "\"" else "]"):
-                j += 2 if ebnf[j] == "\\" else 1
-            body = ebnf[i + 1:j]
-            if c == "[" and body.startswith("^"):
-                body = "^" + chars + body[1:]
-            elif c == "[" and body == _ANY_CHAR:
-                body = "^" + chars
-            out.append(c + body + ebnf[j:j + 1])
-            i = j + 1
-        else:
-            out.append(c)
-            i += 1
-    return "".join(out)
 
 
 @dataclass

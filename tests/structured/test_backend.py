@@ -280,6 +280,7 @@ def _byte_token(backend, b: bytes) -> int:
     ({"schema_type": "json_object"}, b'["'),
     ({"schema_type": "regex", "schema": "a.b"}, b"a"),
     ({"schema_type": "regex", "schema": "a[^b]c"}, b"a"),
+    ({"schema_type": "regex", "schema": r"a[\s\S]c"}, b"a"),
 ])
 def test_no_control_characters_in_json_strings_no_surrogates_anywhere(backend, so_args, prefix):
     rg = ready(backend, so_args)
@@ -287,6 +288,8 @@ def test_no_control_characters_in_json_strings_no_surrogates_anywhere(backend, s
         assert rg.accept(_byte_token(backend, bytes([b])))
     if so_args["schema_type"] != "regex":
         assert not rg.accept(_byte_token(backend, b"\x10"))
+    if so_args.get("schema") == "a.b":  # as in Python's and ECMA-262's regexes, `.` is no line break
+        assert not rg.accept(_byte_token(backend, b"\n"))
     assert rg.accept(_byte_token(backend, b"\xed"))  # U+D000..U+D7FF start so
     assert not rg.accept(_byte_token(backend, b"\xb9"))  # U+DE40..: a surrogate
     assert rg.accept(_byte_token(backend, b"\x80"))
