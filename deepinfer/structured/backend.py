@@ -115,7 +115,12 @@ def _build_grammar(key: GrammarKey):
     json_like = key.schema_type in ("json", "json_object")
     fixed = exclude(text, [SURROGATES], [CONTROL] if json_like else [],
                     list(LINE_BREAKS) if key.schema_type == "regex" else [])
-    return grammar if fixed == text else xgr.Grammar.from_ebnf(fixed)
+    if fixed == text:
+        return grammar
+    try:
+        return xgr.Grammar.from_ebnf(fixed)
+    except Exception:  # a construct the printed form does not parse back: xgrammar's own classes
+        return grammar
 
 
 @dataclass

@@ -32,3 +32,12 @@ def test_rewritten_grammars_parse_back():
     for regex in ["a.b", r"a[\s\S]b", r"a[^x]b", r"[\u3000-\uffff]+"]:
         text = exclude(str(xgr.Grammar.from_regex(regex)), [SURROGATES], [], list(LINE_BREAKS))
         assert "\\ud800-\\udfff" not in str(xgr.Grammar.from_ebnf(text)).replace("^\\ud800-\\udfff", "")
+
+
+def test_a_rewrite_that_does_not_parse_back_keeps_xgrammars_grammar(monkeypatch):
+    pytest.importorskip("xgrammar")
+    from deepinfer.structured import backend
+    from deepinfer.structured.backend import _build_grammar, parse_so_args
+    key = parse_so_args({"schema_type": "regex", "schema": "a[^b]"})
+    monkeypatch.setattr(backend, "exclude", lambda text, *a: text + " ::=")
+    assert "[^b]" in str(_build_grammar(key))
