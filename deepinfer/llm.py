@@ -83,6 +83,7 @@ class LLM:
         if ref == DEMO_NAME:
             ref = str(demo_checkpoint())
         self._ids = itertools.count()
+        self._grammars = None  # structured outputs: built at the first request with so_args
         if cfg.data_parallel_size > 1:
             self._start_data_parallel(ref)
             return
@@ -213,10 +214,12 @@ class LLM:
                 "num_preemptions": getattr(sched, "num_preemptions", 0)}
 
     def close(self) -> None:
-        """Stop the other ranks of a multi-process engine (a no-op for one process)."""
+        """Stop the other ranks of a multi-process engine and the grammar compile threads."""
         close = getattr(self.engine, "close", None)
         if close is not None:
             close()
+        if self._grammars is not None:
+            self._grammars.close()
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -264,6 +267,27 @@ class LLM:
         if bad:
             raise ValueError(f"prompts[{i}]: SamplingParams.stop_token_ids {bad[:5]} are outside the vocabulary "
                              f"[0, {vocab})")
+        if sp.so_args is not None:
+            try:
+                self._grammar_backend().validate(sp.so_args)
+            except ValueError as e:
+                raise ValueError(f"prompts[{i}]: SamplingParams.{e}") from None
+
+    def _grammar_backend(self):
+        """The structured-output backend (xgrammar, compiled from the model's tokenizer), built once."""
+        cfg = self.config
+        if self.detokenizer is None:
+            raise ValueError("so_args: structured outputs need the model's tokenizer (skip_tokenizer_init=True)")
+        parallel = [n for n in ("tensor_parallel_size", "data_parallel_size", "context_parallel_size")
+                    if getattr(cfg, n) > 1]
+        if parallel:
+            raise ValueError(f"so_args: structured outputs are not supported with {parallel[0]} > 1 yet")
+        if self._grammars is None:
+            from deepinfer.structured import GrammarBackend
+
+            mcfg = self.model.config
+            self._grammars = GrammarBackend(self.model_dir / "tokenizer.json", mcfg.vocab_size, [mcfg.eos_token_id])
+        return self._grammars
 
     def _prepare(self, i: int, prompt: PromptType) -> tuple[list[int], list]:
         """Token ids (image placeholders expanded) and [(span start, preprocessed image)]."""
@@ -342,6 +366,9 @@ class LLM:
         eos = self.model.config.eos_token_id
         reqs = [Request(f"{next(self._ids)}", ids, sp, eos, images=images, sample_index=j) for j in range(sp.n)]
         leader = reqs[0]
+        if sp.so_args is not None:  # compiled on a worker thread; the request waits in the queue until it is
+            backend = self._grammar_backend()
+            leader.grammar = backend.request_grammar(backend.validate(sp.so_args), ids)
         leader.siblings = reqs[1:]  # n > 1: siblings reuse the leader's prompt prefill
         for sib in leader.siblings:
             sib.status = Status.FORKING

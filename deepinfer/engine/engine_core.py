@@ -13,6 +13,7 @@ raises is aborted alone.
 from __future__ import annotations
 
 import logging
+import time
 
 from deepinfer.engine.detokenizer import DecodeState, Detokenizer
 from deepinfer.engine.outputs import CompletionOutput, SchedulerOutput
@@ -20,6 +21,8 @@ from deepinfer.engine.request import Request
 from deepinfer.engine.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
+
+GRAMMAR_POLL_S = 0.0005  # how often an engine with nothing else to run checks on compiling grammars
 
 
 class EngineCore:
@@ -43,10 +46,13 @@ class EngineCore:
 
     def step(self) -> list[Request]:
         """One model step; returns the requests that finished in it (aborted ones included)."""
+        failed = self._grammar_failures()
         if self.inflight is not None:
             (so, handle), self.inflight = self.inflight, None
         else:
-            so, handle = self.scheduler.schedule(), None
+            if not self.scheduler.has_unfinished():
+                return failed
+            so, handle = self._schedule(), None
             if not so.chunks:
                 raise RuntimeError("scheduler made no progress: the cache cannot hold any waiting request")
         ahead = ahead_error = None
@@ -66,7 +72,7 @@ class EngineCore:
             touched = self.scheduler.update(so, mo)
         except Exception as e:
             return self._fail_step(so, ahead, e)
-        finished = [req for req in touched if self._check_stop(req)]
+        finished = failed + [req for req in touched if self._check_stop(req)]
         if self.inflight is not None and not self.scheduler.has_unfinished():
             self._drop_inflight()  # every request finished by a stop token
         for req in finished:
@@ -74,6 +80,20 @@ class EngineCore:
         if ahead_error is not None:
             finished += self._fail_step(ahead, None, ahead_error)
         return finished
+
+    def _schedule(self) -> SchedulerOutput:
+        """The next step; while the only requests that could run wait for their grammars to compile
+        (structured outputs, compiled on worker threads), waits for one of them."""
+        while True:
+            so = self.scheduler.schedule()
+            if so.chunks or not any(r.grammar is not None and not r.grammar.ready() for r in self.scheduler.waiting):
+                return so
+            time.sleep(GRAMMAR_POLL_S)
+
+    def _grammar_failures(self) -> list[Request]:
+        """Waiting requests whose grammar failed to compile (or admits no token): aborted with its error."""
+        bad = [r for r in self.scheduler.waiting if r.grammar is not None and r.grammar.ready() and r.grammar.error]
+        return [done for r in bad for done in self.abort([r.request_id], r.grammar.error)]
 
     def _drop_inflight(self) -> None:
         """Wait for the step launched ahead and discard it (none of its requests is running)."""

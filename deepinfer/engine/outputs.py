@@ -29,6 +29,9 @@ class ScheduledChunk:
     # the token after the chunk's last one when the chunk stops short of the request's end (a prompt's
     # next chunk starts with it; -1 otherwise): V4's MTP layer reads each position's next token
     next_token: int = -1
+    # structured outputs: the request's grammar state (structured/backend.py RequestGrammar); the runner
+    # masks the logits of the chunk's sampled (and verified) positions by it
+    grammar: Any = None
 
 
 # input token of a chunk scheduled ahead (async scheduling): the token its request samples in the step

@@ -88,7 +88,7 @@ class Scheduler:
         return ScheduledChunk(req.request_id, req.slot, start, ids[start:start + n] + list(drafts),
                               {m: list(t) for m, t in req.block_tables.items()}, samples, req.params,
                               ids[max(0, lo):start], req.num_tokens, images, req.sample_index, len(drafts),
-                              -1 if at_end else ids[start + n])
+                              -1 if at_end else ids[start + n], req.grammar)
 
     def _drafts(self, req: Request, budget: int) -> list[int]:
         """Draft tokens for a decoding request (one pending token): at most what the step's token budget
@@ -101,10 +101,20 @@ class Scheduler:
             return []
         if isinstance(self.proposer, ModelDrafts):  # drafted by the model in the step that emitted the pending token
             n = min(room, self._lengths.get(req.request_id, self.proposer.num_speculative_tokens))
+            drafts = self._grammar_prefix(req, req.spec_token_ids[:n])
             if self.spec_log is not None:
-                self._verifying[req.request_id] = req.spec_confidence[:n]
-            return req.spec_token_ids[:n]
-        return self.proposer.propose(req.all_token_ids, room)
+                self._verifying[req.request_id] = req.spec_confidence[:len(drafts)]
+            return drafts
+        return self._grammar_prefix(req, self.proposer.propose(req.all_token_ids, room))
+
+    @staticmethod
+    def _grammar_prefix(req: Request, drafts: list[int]) -> list[int]:
+        """Structured outputs: the leading drafts the request's grammar accepts (its state already holds
+        the pending token, accepted when it was emitted); the verify masks then keep every emitted token
+        inside the grammar."""
+        if req.grammar is None or not drafts:
+            return drafts
+        return drafts[:req.grammar.valid_prefix(drafts)]
 
     def _room(self, req: Request) -> int:
         """Draft tokens a decoding request can verify before max_tokens or max_model_len (a step emits its
@@ -152,8 +162,13 @@ class Scheduler:
             if req.status is Status.RUNNING:
                 out.chunks.append(self._chunk(req, n, drafts))
                 budget -= n + len(drafts)
+        for req in [r for r in self.waiting if r.grammar is not None and not r.grammar.ready()]:
+            self.waiting.remove(req)  # compiling: queued behind the rest until its grammar is ready
+            self.waiting.append(req)
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
             req = self.waiting[0]
+            if req.grammar is not None and not req.grammar.ready():
+                break  # (only requests still compiling are left)
             n = min(req.num_pending, budget)
             if not self.kv.allocate(req, req.num_computed_tokens + n):
                 break
@@ -176,8 +191,8 @@ class Scheduler:
                 (self.waiting and len(self.running) < self.max_num_seqs):
             return None  # (speculation: the next step's drafts need this step's accepted tokens)
         by_id = {r.request_id: r for r in self.running}
-        if any(c.num_samples != 1 or c.request_id not in by_id for c in inflight.chunks):
-            return None
+        if any(c.num_samples != 1 or c.request_id not in by_id or c.grammar is not None for c in inflight.chunks):
+            return None  # (structured outputs: the next step's mask needs the token this one samples)
         out = SchedulerOutput()
         for c in inflight.chunks:
             req = by_id[c.request_id]
@@ -221,6 +236,8 @@ class Scheduler:
                 touched.append(req)
                 continue
             for sib, tok, lp in zip(req.siblings, toks[1:], lps[1:]):
+                if req.grammar is not None:  # the leader's state before its own token
+                    sib.grammar = req.grammar.fork()
                 self._start_sibling(req, sib, tok, lp)
                 touched.append(sib)
             req.siblings = []
@@ -233,7 +250,12 @@ class Scheduler:
         if lp is not None:
             req.logprobs.append(lp)
         p = req.params
-        if (not p.ignore_eos and tok == req.eos_token_id) or tok in p.stop_token_ids:
+        if req.grammar is not None and not req.grammar.accept(tok):  # the logits were masked: a defect
+            req.error = f"structured output: the grammar rejected token {tok}"
+            self.finish(req, "abort")
+        elif req.grammar is not None and req.grammar.terminated:  # the grammar is complete
+            self.finish(req, "stop")
+        elif (not p.ignore_eos and tok == req.eos_token_id) or tok in p.stop_token_ids:
             self.finish(req, "stop")
         elif len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
             self.finish(req, "length")

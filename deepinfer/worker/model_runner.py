@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from deepinfer.engine.outputs import PLACEHOLDER, ModelOutput, SchedulerOutput
+from deepinfer.kernels.token_bitmask import apply_token_bitmask
 from deepinfer.layers import invariant
 from deepinfer.models.interface import CausalLM
 from deepinfer.spec.verify import verify
@@ -68,6 +69,8 @@ class ModelRunner:
         self.graphs = _graphs_for(model, cache, self.device) if cuda_graphs and drafter is None else None
         # (request id, span start) -> the span's embeddings, kept until the span's last token is computed
         self.image_cache: OrderedDict[tuple[str, int], torch.Tensor] = OrderedDict()
+        self._masks: torch.Tensor | None = None  # structured outputs: host token masks (see _constrain)
+        self._masks_sent: torch.cuda.Event | None = None
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(seed if seed is not None else torch.seed())
 
@@ -163,6 +166,10 @@ class ModelRunner:
             rep = [k for k, c in enumerate(sampled) for _ in range(c.num_samples)]
             logits = logits[to_device(torch.tensor(rep), self.device)]
         params = [c.params for c in sampled for _ in range(c.num_samples)]
+        if any(c.grammar is not None for c in sampled):  # an n > 1 fork's rows share its one state
+            logits = self._constrain(logits, [(k, c.num_samples, c.grammar, ()) for k, c in
+                                              zip(itertools.accumulate([0] + [c.num_samples for c in sampled]), sampled)
+                                              if c.grammar is not None])
         # seeded rows draw from a generator keyed by (seq_seed, position sampled, sample index)
         seeds = [None if c.params.seq_seed is None else (c.params.seq_seed, c.start + len(c.token_ids), c.sample_index + j)
                  for c in sampled for j in range(c.num_samples)]
@@ -194,6 +201,11 @@ class ModelRunner:
                 params.append(c.params)
                 seeds.append(None if c.params.seq_seed is None else (c.params.seq_seed, pos, c.sample_index + j))
         logits = self.model.compute_logits(streams[to_device(torch.tensor(flat), self.device)])
+        constrained = [(offsets[g], offsets[g + 1] - offsets[g], so.chunks[i].grammar,
+                        so.chunks[i].token_ids[len(so.chunks[i].token_ids) - so.chunks[i].num_draft:])
+                       for i in rows if so.chunks[i].grammar is not None for g in groups[so.chunks[i].request_id]]
+        if constrained:  # a verify row's mask follows the drafts before it (the scheduler kept them in the grammar)
+            logits = self._constrain(logits, constrained)
         # every proposer's drafts are deterministic (prompt lookup, greedy DSpark / MTP: q one-hot), so a
         # seeded request verifies by matching the target's own draw at each position (as likely to accept
         # as rejection sampling, and its tokens are speculation-off's); unseeded ones take rejection sampling
@@ -207,6 +219,36 @@ class ModelRunner:
         if self.drafter is not None:
             values.append(self._draft(so, rows, ends, out, h))
         return _copy_to_host(h, torch.cat(values))
+
+    def _constrain(self, logits: torch.Tensor, groups: list[tuple[int, int, object, list[int]]]) -> torch.Tensor:
+        """Structured outputs: logits [R, V] with -inf where a grammar forbids the token. `groups`: (first row,
+        rows, grammar, drafts): row j of a group takes the grammar's mask after drafts[:j] (no drafts: every
+        row the grammar's next-token mask). The masks are filled on the host (while the device runs the
+        forward), sent in one copy, applied in one launch; other rows allow everything."""
+        host = self._mask_rows(logits.shape[0], -(-logits.shape[-1] // 32), logits.is_cuda)
+        for r0, n, grammar, drafts in groups:
+            if drafts:
+                grammar.fill_bitmasks_along(list(drafts), host[r0:r0 + n])
+            else:
+                grammar.fill_bitmask(host[r0])
+                host[r0 + 1:r0 + n] = host[r0]
+        masks = host.to(self.device, non_blocking=True)
+        if logits.is_cuda:
+            self._masks_sent = torch.cuda.Event()
+            self._masks_sent.record()
+        apply_token_bitmask(logits, masks)
+        return logits
+
+    def _mask_rows(self, rows: int, words: int, pinned: bool) -> torch.Tensor:
+        """[rows, words] of the host mask buffer (kept between steps: pinned allocations are slow), all
+        ones; waits for the copy of the previous step's masks out of it first."""
+        buf = self._masks
+        if buf is None or buf.shape[0] < rows or buf.shape[1] != words:
+            buf = self._masks = torch.empty((max(rows, 64), words), dtype=torch.int32, pin_memory=pinned)
+        elif self._masks_sent is not None:
+            self._masks_sent.synchronize()
+        self._masks_sent = None
+        return buf[:rows].fill_(-1)
 
     def _draft(self, so: SchedulerOutput, rows: list[int], ends: list[int], out, h: StepHandle) -> torch.Tensor:
         """The next step's drafts [G * k] of the requests this step sampled one token for, from their

@@ -1,0 +1,240 @@
+"""Structured outputs through LLM on tiny random-weight checkpoints (CPU): with random weights only the
+grammar makes the text valid, so every completion must parse / validate / match."""
+import ast
+import json
+import random
+import re
+
+import pytest
+import torch
+
+from deepinfer import LLM, SamplingParams
+
+pytest.importorskip("xgrammar")
+jsonschema = pytest.importorskip("jsonschema")
+
+MAX_TOKENS = 400
+REGEXES = [r"[a-z]{1,6}@[a-z]{2,5}\.(com|org|net)", r"\d{3}-\d{4}", r"(yes|no|maybe)", r"[A-F0-9]{2,8}",
+           r"(\+|-)?[1-9][0-9]{0,3}(\.[0-9]{1,2})?"]
+# arithmetic expressions, bounded (a random walk through an unbounded repetition need not end)
+ARITH = """root ::= expr
+expr ::= term (("+" | "-") term){0,3}
+term ::= factor (("*" | "/") factor){0,2}
+factor ::= num | "(" expr ")"
+num ::= [1-9] [0-9]{0,2}
+"""
+
+
+def _scalar(rng):
+    kind = rng.choice(["integer", "string", "enum", "boolean", "number"])
+    if kind == "integer":
+        lo = rng.randint(-50, 50)
+        return {"type": "integer", "minimum": lo, "maximum": lo + rng.randint(0, 500)}
+    if kind == "number":
+        return {"type": "number", "minimum": -10, "maximum": 10}
+    if kind == "string":
+        return {"type": "string", "minLength": rng.randint(0, 2), "maxLength": rng.randint(2, 8)}
+    if kind == "enum":
+        return {"enum": rng.sample(["red", "green", "blue", 1, 2, 3.5, None, True], rng.randint(1, 4))}
+    return {"type": "boolean"}
+
+
+def random_schema(rng, depth=0):
+    """Objects (required and optional keys), arrays (bounded), enums, nested, bounded numbers and strings."""
+    kind = rng.choice(["object", "array", "scalar"] if depth < 2 else ["scalar"])
+    if kind == "scalar":
+        return _scalar(rng)
+    if kind == "array":
+        lo = rng.randint(0, 2)
+        return {"type": "array", "items": random_schema(rng, depth + 1), "minItems": lo, "maxItems": lo + rng.randint(0, 3)}
+    names = rng.sample(["id", "name", "tags", "score", "ok", "meta", "kind"], rng.randint(1, 4))
+    props = {n: random_schema(rng, depth + 1) for n in names}
+    return {"type": "object", "properties": props, "required": rng.sample(names, rng.randint(0, len(names))),
+            "additionalProperties": False}
+
+
+SCHEMAS = [random_schema(random.Random(s)) for s in range(8)]
+
+
+@pytest.fixture(scope="module")
+def llm(ckpt):
+    return LLM(str(ckpt), device="cpu", dtype="float32", kv_cache_memory=64 << 20, seed=0)
+
+
+def _prompts(llm, n, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    vocab = 500  # ordinary tokens of the tiny tokenizer
+    return [[0] + torch.randint(7, vocab, (int(torch.randint(3, 12, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(n)]
+
+
+def _json_ok(text, schema):
+    jsonschema.validate(json.loads(text), schema)
+
+
+def _arith_ok(text):
+    tree = ast.parse(text, mode="eval")
+    assert all(isinstance(n, (ast.Expression, ast.BinOp, ast.Constant, ast.Add, ast.Sub, ast.Mult, ast.Div))
+               for n in ast.walk(tree)), text
+
+
+def _check_all(outs, check):
+    for o in outs:
+        for c in o.outputs:
+            assert c.finish_reason == "stop", (c.finish_reason, c.text)
+            check(c.text)
+
+
+@pytest.mark.parametrize("i", range(len(SCHEMAS)))
+def test_every_completion_validates_against_its_json_schema(llm, i):
+    schema = SCHEMAS[i]
+    params = [SamplingParams(temperature=t, max_tokens=MAX_TOKENS, seq_seed=s, so_args={"schema_type": "json", "schema": schema})
+              for t, s in ((0.0, None), (1.0, 1), (1.0, 2), (1.5, 3))]
+    outs = llm.generate(_prompts(llm, 4, i), params, use_tqdm=False)
+    _check_all(outs, lambda text: _json_ok(text, schema))
+    for o in outs:  # compact by default: no whitespace outside string literals
+        assert not re.search(r"\s", re.sub(r'"(?:[^"\\]|\\.)*"', "", o.outputs[0].text)), o.outputs[0].text
+
+
+def test_json_schema_as_a_string_and_json_object(llm):
+    schema = SCHEMAS[0]
+    outs = llm.generate(_prompts(llm, 2), [
+        SamplingParams(temperature=1.0, max_tokens=MAX_TOKENS, seq_seed=5, so_args={"schema_type": "json", "schema": json.dumps(schema)}),
+        SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, so_args={"schema_type": "json_object"})], use_tqdm=False)
+    _json_ok(outs[0].outputs[0].text, schema)
+    anything = outs[1].outputs[0]  # any JSON value: unbounded, so a greedy walk may reach max_tokens
+    if anything.finish_reason == "stop":
+        json.loads(anything.text)
+    else:
+        assert anything.finish_reason == "length" and anything.text[:1] in '{["-0123456789tfn', anything.text
+
+
+@pytest.mark.parametrize("pattern", REGEXES)
+def test_every_completion_fully_matches_its_regex(llm, pattern):
+    params = [SamplingParams(temperature=t, max_tokens=MAX_TOKENS, seq_seed=s, so_args={"schema_type": "regex", "schema": pattern})
+              for t, s in ((0.0, None), (1.0, 1), (1.0, 2))]
+    outs = llm.generate(_prompts(llm, 3), params, use_tqdm=False)
+    _check_all(outs, lambda text: re.fullmatch(pattern, text) or pytest.fail(f"{text!r} !~ {pattern}"))
+
+
+def test_an_arithmetic_ebnf_always_parses(llm):
+    params = [SamplingParams(temperature=t, max_tokens=MAX_TOKENS, seq_seed=s, so_args={"schema_type": "ebnf", "schema": ARITH})
+              for t, s in ((0.0, None), (1.0, 1), (1.0, 2), (1.0, 3))]
+    _check_all(llm.generate(_prompts(llm, 4), params, use_tqdm=False), _arith_ok)
+
+
+def test_n_siblings_chunked_prefill_and_preemption_stay_valid(ckpt):
+    schema = SCHEMAS[1]
+    small = LLM(str(ckpt), device="cpu", dtype="float32", kv_cache_memory=6 << 20, max_num_batched_tokens=16, seed=0)
+    long_prompts = [p * 6 for p in _prompts(small, 6, 7)]
+    sp = SamplingParams(temperature=1.0, max_tokens=MAX_TOKENS, n=2, so_args={"schema_type": "json", "schema": schema})
+    outs = small.generate(long_prompts, sp, use_tqdm=False)
+    assert all(len(o.outputs) == 2 for o in outs)
+    _check_all(outs, lambda text: _json_ok(text, schema))
+
+
+def test_thinking_is_free_and_the_grammar_applies_after_it(ckpt):
+    llm = LLM(str(ckpt), device="cpu", dtype="float32", kv_cache_memory=64 << 20, seed=0)
+    tok = llm.detokenizer
+    think, end = (tok.tok.token_to_id(t) for t in ("<think>", "</think>"))
+    compute = llm.model.compute_logits
+
+    def nudged(h):  # random weights would think ~vocab tokens long; make </think> likely
+        logits = compute(h)
+        logits[..., end] += 6.0
+        return logits
+    llm.model.compute_logits = nudged
+    pattern = r"(yes|no)"
+    outs = llm.generate([p + [think] for p in _prompts(llm, 3)],
+                        SamplingParams(temperature=1.0, max_tokens=MAX_TOKENS, so_args={"schema_type": "regex", "schema": pattern}),
+                        use_tqdm=False)
+    for o in outs:
+        c = o.outputs[0]
+        assert c.finish_reason == "stop" and end in c.token_ids, c
+        after = c.token_ids[c.token_ids.index(end) + 1:]
+        assert re.fullmatch(pattern, tok.tok.decode(after, skip_special_tokens=True))
+
+
+@pytest.mark.parametrize("spec", [{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2}])
+def test_speculative_decoding_keeps_outputs_valid(ckpt, spec):
+    llm = LLM(str(ckpt), device="cpu", dtype="float32", kv_cache_memory=64 << 20, seed=0, speculative_config=spec)
+    schema = SCHEMAS[2]
+    params = [SamplingParams(temperature=t, max_tokens=MAX_TOKENS, seq_seed=s, so_args={"schema_type": "json", "schema": schema})
+              for t, s in ((0.0, None), (1.0, 1), (1.0, 2))]
+    _check_all(llm.generate(_prompts(llm, 3), params, use_tqdm=False), lambda text: _json_ok(text, schema))
+    assert llm.get_metrics()["num_drafts"] > 0
+
+
+def test_dspark_drafts_are_checked_against_the_grammar(ckpt41):
+    llm = LLM(str(ckpt41), device="cpu", dtype="float32", kv_cache_memory=64 << 20, seed=0, num_speculative_tokens=3)
+    pattern = REGEXES[0]
+    outs = llm.generate(_prompts(llm, 2), SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS,
+                                                          so_args={"schema_type": "regex", "schema": pattern}), use_tqdm=False)
+    _check_all(outs, lambda text: re.fullmatch(pattern, text) or pytest.fail(text))
+
+
+def test_greedy_constrained_tokens_do_not_depend_on_speculation(ckpt):
+    schema = SCHEMAS[3]
+    sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, so_args={"schema_type": "json", "schema": schema})
+    prompts = _prompts(None, 3, 11)
+    off = LLM(str(ckpt), device="cpu", dtype="float32", kv_cache_memory=64 << 20).generate(prompts, sp, use_tqdm=False)
+    on = LLM(str(ckpt), device="cpu", dtype="float32", kv_cache_memory=64 << 20,
+             speculative_config={"method": "ngram", "num_speculative_tokens": 3}).generate(prompts, sp, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in on] == [o.outputs[0].token_ids for o in off]
+
+
+def test_seeded_constrained_request_is_batch_invariant(ckpt):
+    llm = LLM(str(ckpt), device="cpu", dtype="float32", kv_cache_memory=64 << 20, batch_invariant=True)
+    sp = SamplingParams(temperature=1.0, max_tokens=MAX_TOKENS, seq_seed=42, so_args={"schema_type": "json", "schema": SCHEMAS[4]})
+    target = _prompts(llm, 1, 3)[0]
+    alone = llm.generate([target], sp, use_tqdm=False)[0].outputs[0].token_ids
+    free = SamplingParams(temperature=1.0, max_tokens=20)
+    mixed = llm.generate(_prompts(llm, 2, 4) + [target], [free, free, sp], use_tqdm=False)[2].outputs[0].token_ids
+    assert mixed == alone
+
+
+def test_max_tokens_cut_is_length_and_stop_strings_still_apply(llm):
+    cut = llm.generate(_prompts(llm, 1), SamplingParams(temperature=0.0, max_tokens=2,
+                                                        so_args={"schema_type": "json", "schema": SCHEMAS[0]}), use_tqdm=False)
+    assert cut[0].outputs[0].finish_reason == "length"
+    schema = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "minItems": 3, "maxItems": 3}
+    out = llm.generate(_prompts(llm, 1), SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, stop=[","],
+                                                        so_args={"schema_type": "json", "schema": schema}), use_tqdm=False)
+    c = out[0].outputs[0]
+    assert c.finish_reason == "stop" and re.fullmatch(r"\[\d", c.text), c.text  # cut at the first ","
+
+
+def test_logprobs_are_of_the_constrained_distribution(llm):
+    out = llm.generate(_prompts(llm, 1), SamplingParams(temperature=1.0, max_tokens=MAX_TOKENS, logprobs=5, seq_seed=3,
+                                                        so_args={"schema_type": "regex", "schema": r"(yes|no)"}), use_tqdm=False)
+    c = out[0].outputs[0]
+    tok = llm.detokenizer.tok
+    starts = {"y", "ye", "yes", "n", "no"}
+    first = {t: lp for t, lp in c.logprobs[0].items() if lp > float("-inf")}
+    assert first and all(tok.decode([t]) in starts for t in first), {tok.decode([t]): lp for t, lp in first.items()}
+    # the allowed first tokens are few: the listed ones carry (nearly) all the probability
+    assert sum(torch.tensor(list(first.values())).exp().tolist()) > 0.99
+
+
+@pytest.mark.parametrize("so_args, field", [
+    ({"schema_type": "xml", "schema": "x"}, "so_args.schema_type"),
+    ({"schema_type": "json", "schema": {"type": "nonsense"}}, "so_args.schema"),
+    ({"schema_type": "json", "schema": "{not json"}, "so_args.schema"),
+    ({"schema_type": "regex", "schema": "(unclosed"}, "so_args.schema"),
+    ({"schema_type": "ebnf", "schema": "root ::= missing_rule"}, "so_args.schema"),
+    ({"schema_type": "regex"}, "so_args.schema"),
+    ({"schema_type": "json", "schema": {}, "colour": 1}, "so_args"),
+])
+def test_bad_structured_output_arguments_are_named_and_nothing_runs(llm, so_args, field):
+    ok = SamplingParams(max_tokens=2)
+    before = llm.engine.has_unfinished()
+    with pytest.raises(ValueError, match=re.escape(field)):
+        llm.generate(_prompts(llm, 2), [ok, SamplingParams(so_args=so_args)], use_tqdm=False)
+    assert llm.engine.has_unfinished() == before is False
+    assert llm.generate(_prompts(llm, 1), ok, use_tqdm=False)[0].outputs[0].finish_reason == "length"
+
+
+def test_structured_outputs_need_the_tokenizer(ckpt):
+    llm = LLM(str(ckpt), device="cpu", dtype="float32", kv_cache_memory=64 << 20, skip_tokenizer_init=True)
+    with pytest.raises(ValueError, match="so_args.*tokenizer"):
+        llm.generate([[0, 9, 10]], SamplingParams(so_args={"schema_type": "regex", "schema": "a"}), use_tqdm=False)
