@@ -9,6 +9,8 @@ import pytest
 import torch
 
 from deepinfer import LLM, SamplingParams
+from deepinfer.loader.model_config import read_model_config
+from deepinfer.worker.kv_cache import cache_spec
 
 pytest.importorskip("xgrammar")
 jsonschema = pytest.importorskip("jsonschema")
@@ -124,13 +126,26 @@ def test_an_arithmetic_ebnf_always_parses(llm):
 
 
 def test_n_siblings_chunked_prefill_and_preemption_stay_valid(ckpt):
-    schema = SCHEMAS[1]
-    small = LLM(str(ckpt), device="cpu", dtype="float32", kv_cache_memory=6 << 20, max_num_batched_tokens=16, seed=0)
-    long_prompts = [p * 6 for p in _prompts(small, 6, 7)]
-    sp = SamplingParams(temperature=1.0, max_tokens=MAX_TOKENS, n=2, so_args={"schema_type": "json", "schema": schema})
+    """A small cache (two request slots, a quarter of the compressed-entry pools left), a 16-token budget:
+    5 prompts of up to 45 tokens, n = 2, outputs of ~40-60 tokens; running requests get preempted and
+    recompute, the grammar state stays with their outputs."""
+    spec = cache_spec(read_model_config(ckpt), "float32", 4)
+    per_token = sum(b / (4 * m) for m, b in spec.block_bytes.items())
+    small = LLM(str(ckpt), device="cpu", dtype="float32", kv_cache_dtype="float32", block_size=4,
+                kv_cache_memory=3 * spec.slot_bytes + int(300 * per_token) + 1, max_num_seqs=3,
+                max_num_batched_tokens=16, max_model_len=200, seed=0)
+    kv = small.scheduler.kv  # three quarters of every pool away: the running requests outgrow the rest
+    for m, free in kv.free_blocks.items():
+        for _ in range(3 * len(free) // 4):
+            free.pop()
+            kv.num_blocks[m] -= 1
+    schema = {"type": "array", "items": {"type": "string", "minLength": 3, "maxLength": 8}, "minItems": 6, "maxItems": 8}
+    long_prompts = [(p * 6)[:45] for p in _prompts(small, 5, 7)]
+    sp = SamplingParams(temperature=1.0, max_tokens=150, n=2, so_args={"schema_type": "json", "schema": schema})
     outs = small.generate(long_prompts, sp, use_tqdm=False)
     assert all(len(o.outputs) == 2 for o in outs)
     _check_all(outs, lambda text: _json_ok(text, schema))
+    assert small.get_metrics()["num_preemptions"] > 0 and small.scheduler.kv.all_free()
 
 
 def test_thinking_is_free_and_the_grammar_applies_after_it(ckpt):
