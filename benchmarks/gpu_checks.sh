@@ -24,7 +24,7 @@ echo "# commit $commit, $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/d
 python3 -c "import nemo_automodel" 2>/dev/null \
   || echo "nemo_automodel not importable: the NeMo-backed GPU tests will error" | tee -a "$out/summary.txt"
 if [ "$what" = tests ] || [ "$what" = all ]; then
-  for part in tests/kernels "tests/models tests/layers" tests/engine "tests/state tests/spec tests/worker"; do
+  for part in tests/kernels "tests/models tests/layers" tests/engine "tests/state tests/spec tests/worker tests/structured"; do
     # shellcheck disable=SC2086
     timeout 400 python -m pytest -q -m gpu $part -rfE > "$out/pytest-$(echo $part | tr ' /' '__').log" 2>&1
     echo "pytest -m gpu $part: $(tail -1 "$out/pytest-$(echo $part | tr ' /' '__').log")" | tee -a "$out/summary.txt"
