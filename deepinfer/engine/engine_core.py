@@ -70,6 +70,8 @@ class EngineCore:
                         ahead_error = e
                 mo = self.runner.collect(handle)
             touched = self.scheduler.update(so, mo)
+            if self.inflight is not None:  # a step launched ahead whose grammar masks needed this step's tokens
+                self.runner.complete(self.inflight[1])
         except Exception as e:
             return self._fail_step(so, ahead, e)
         finished = failed + [req for req in touched if self._check_stop(req)]

@@ -191,8 +191,8 @@ class Scheduler:
                 (self.waiting and len(self.running) < self.max_num_seqs):
             return None  # (speculation: the next step's drafts need this step's accepted tokens)
         by_id = {r.request_id: r for r in self.running}
-        if any(c.num_samples != 1 or c.request_id not in by_id or c.grammar is not None for c in inflight.chunks):
-            return None  # (structured outputs: the next step's mask needs the token this one samples)
+        if any(c.num_samples != 1 or c.request_id not in by_id for c in inflight.chunks):
+            return None
         out = SchedulerOutput()
         for c in inflight.chunks:
             req = by_id[c.request_id]
@@ -203,7 +203,7 @@ class Scheduler:
                 return None
             out.chunks.append(ScheduledChunk(req.request_id, req.slot, start, [PLACEHOLDER],
                                              {m: list(t) for m, t in req.block_tables.items()}, 1, req.params,
-                                             [], start + 1, sample_index=req.sample_index))
+                                             [], start + 1, sample_index=req.sample_index, grammar=req.grammar))
         return out if out.chunks else None
 
     def update(self, so: SchedulerOutput, mo: ModelOutput) -> list[Request]:

@@ -45,6 +45,9 @@ class StepHandle:
     groups: dict[str, list[int]] | None = None
     drafts: dict[str, int] | None = None  # request id -> its row of the next step's drafts (a drafter's)
     draft_width: int = 0
+    # (SchedulerOutput, logits, rows) of a step launched ahead whose structured-output masks wait for the
+    # step before it (ModelRunner.complete samples it)
+    deferred: tuple | None = None
 
 
 # images whose embeddings are kept between the chunks of a prompt (most recent first out)
@@ -116,8 +119,8 @@ class ModelRunner:
         fill = self._fill(so, prev)
         if self.graphs is not None and self.graphs.fits(len(so.chunks)) and \
                 all(len(c.token_ids) == 1 and not c.images for c in so.chunks):
-            return self._sample(so, self.graphs.run([SeqChunk(c.slot, c.start, c.token_ids, c.block_tables)
-                                                     for c in so.chunks], fill), list(range(len(so.chunks))))
+            return self._sample_or_defer(so, self.graphs.run([SeqChunk(c.slot, c.start, c.token_ids, c.block_tables)
+                                                              for c in so.chunks], fill), list(range(len(so.chunks))), prev)
         keep = self.replay_keep
         chunks = [SeqChunk(c.slot, c.start, c.token_ids, c.block_tables, c.prev_tokens,
                            0 if keep is None else max(0, c.num_tokens - keep),
@@ -149,7 +152,26 @@ class ModelRunner:
         if self.drafter is not None or any(so.chunks[i].num_draft for i in rows):
             return self._verify(so, streams, rows)
         last = batch.logits_idx[torch.tensor(rows, device=self.device)]
-        return self._sample(so, self.model.compute_logits(streams[last]), rows)
+        return self._sample_or_defer(so, self.model.compute_logits(streams[last]), rows, prev)
+
+    def _sample_or_defer(self, so: SchedulerOutput, logits: torch.Tensor, rows: list[int],
+                         prev: StepHandle | None) -> StepHandle:
+        """A step launched ahead (`prev` in flight) with structured-output rows cannot sample yet: their
+        masks need the tokens `prev` is sampling. Its forward is enqueued; `complete` samples once the
+        engine has collected `prev` and advanced the grammars."""
+        if prev is not None and any(c.grammar is not None for c in so.chunks if c.num_samples):
+            return StepHandle({}, deferred=(so, logits, rows))
+        return self._sample(so, logits, rows)
+
+    def complete(self, h: StepHandle) -> None:
+        """Samples a deferred step (see _sample_or_defer) into `h`; a no-op for any other step."""
+        if h.deferred is None:
+            return
+        (so, logits, rows), h.deferred = h.deferred, None
+        with torch.inference_mode(), invariant.mode(self.batch_invariant):
+            done = self._sample(so, logits, rows)
+        for f in ("rows", "tokens", "host_tokens", "done", "logprobs", "params", "max_logprobs"):
+            setattr(h, f, getattr(done, f))
 
     def _sample(self, so: SchedulerOutput, logits: torch.Tensor, rows: list[int]) -> StepHandle:
         """logits [len(rows), V] of the chunks `rows` (in order); samples where chunks ask for it,

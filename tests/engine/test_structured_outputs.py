@@ -253,3 +253,32 @@ def test_structured_outputs_need_the_tokenizer(ckpt):
     llm = LLM(str(ckpt), device="cpu", dtype="float32", kv_cache_memory=64 << 20, skip_tokenizer_init=True)
     with pytest.raises(ValueError, match="so_args.*tokenizer"):
         llm.generate([[0, 9, 10]], SamplingParams(so_args={"schema_type": "regex", "schema": "a"}), use_tqdm=False)
+
+
+def test_async_steps_defer_only_the_constrained_sampling(ckpt):
+    """Async scheduling keeps running with constrained requests: the next step's forward is launched
+    ahead and only its sampling waits for the grammar to take the token in flight. Same tokens as
+    synchronous steps (seeded and greedy), and deferred steps were taken."""
+    schema = {"type": "array", "items": {"type": "string", "minLength": 3, "maxLength": 8}, "minItems": 6, "maxItems": 8}
+    params = [SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, so_args={"schema_type": "json", "schema": schema}),
+              SamplingParams(temperature=1.0, max_tokens=MAX_TOKENS, seq_seed=9, so_args={"schema_type": "json", "schema": schema}),
+              SamplingParams(temperature=1.0, max_tokens=30, seq_seed=4)]
+    prompts = _prompts(None, 3, 21)
+    runs, deferred = {}, []
+    for mode in (False, True):
+        llm = LLM(str(ckpt), device="cpu", dtype="float32", kv_cache_memory=64 << 20, async_scheduling=mode)
+        complete = llm.engine.runner.complete
+
+        def counted(h, complete=complete):
+            deferred.append(h.deferred is not None)
+            return complete(h)
+        llm.engine.runner.complete = counted
+        runs[mode] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert runs[True] == runs[False]
+    assert sum(deferred) > 10
+    _json_ok(LLM_TEXT(ckpt, runs[True][0]), schema)
+
+
+def LLM_TEXT(ckpt, ids):
+    from tokenizers import Tokenizer
+    return Tokenizer.from_file(str(ckpt / "tokenizer.json")).decode(ids, skip_special_tokens=True)

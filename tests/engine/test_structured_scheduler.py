@@ -128,16 +128,14 @@ def test_n_siblings_fork_the_grammar_before_the_leaders_token():
     assert req.grammar.accepted == [9] and sib.grammar.accepted == [9]
 
 
-def test_look_ahead_waits_for_a_constrained_request():
+def test_look_ahead_carries_a_constrained_request_with_its_grammar():
+    """Async scheduling plans the next step of a constrained request too (its forward needs no mask);
+    the runner samples it once the step in flight has advanced the grammar (ModelRunner.complete)."""
     sched = _sched()
-    free, bound = _req(0, [1, 2]), _req(1, [3, 4])
-    sched.add(free)
-    so = sched.schedule()
-    sched.update(so, ModelOutput({"0": [5]}))
-    assert sched.schedule_ahead(sched.schedule()) is not None
+    bound = _req(1, [3, 4])
     bound.grammar = FakeGrammar([9] * 10)
-    sched2 = _sched()
-    sched2.add(bound)
-    so = sched2.schedule()
-    sched2.update(so, ModelOutput({"1": [9]}))
-    assert sched2.schedule_ahead(sched2.schedule()) is None  # its next mask needs the token in flight
+    sched.add(bound)
+    so = sched.schedule()
+    sched.update(so, ModelOutput({"1": [9]}))
+    ahead = sched.schedule_ahead(sched.schedule())
+    assert ahead is not None and ahead.chunks[0].grammar is bound.grammar
