@@ -254,6 +254,42 @@ class LLM:
             raise GenerationError(failed, outs)
         return outs
 
+    # incremental serving (deepinfer serve's engine-core process): add requests, step, read each
+    # request's output_token_ids / logprobs as they grow, abort; generate() is built on the same parts
+
+    def add_request(self, prompt: PromptType, params: SamplingParams) -> list[Request]:
+        """Validate one prompt and its parameters (ValueError naming the field, nothing queued on
+        error) and queue it; returns its params.n Requests, the leader first."""
+        ids, images = self._prepare(0, prompt)
+        self._check_params(0, params)
+        return self._submit(ids, params, images)
+
+    def step(self) -> list[Request]:
+        """One engine step; returns the requests it finished (their detokenizer state released)."""
+        finished = self.engine.step()
+        for r in finished:
+            self.engine.release(r)
+        return finished
+
+    def has_unfinished(self) -> bool:
+        return self.engine.has_unfinished()
+
+    def abort(self, requests: list[Request], error: str) -> list[Request]:
+        """Finish these requests (reason "abort") and free their slots and blocks now."""
+        done = self.engine.abort([r.request_id for r in requests], error)
+        for r in requests:
+            self.engine.release(r)
+        return done
+
+    def cache_stats(self) -> dict:
+        """Scheduler and cache occupancy: waiting / running requests, free and total slots and blocks."""
+        sched = self.scheduler
+        kv = sched.kv
+        slots, blocks = kv.num_free()
+        return {"num_waiting": len(sched.waiting), "num_running": len(sched.running),
+                "free_slots": slots, "total_slots": kv.num_slots,
+                "free_blocks": sum(blocks.values()), "total_blocks": sum(kv.num_blocks.values())}
+
     def _check_params(self, i: int, sp: SamplingParams) -> None:
         """What SamplingParams cannot check alone: limits that depend on the model and engine."""
         vocab = self.model.config.vocab_size

@@ -1,4 +1,5 @@
-"""deepinfer command line: `deepinfer generate --model M --prompt "..." [sampling flags]`.
+"""deepinfer command line: `deepinfer generate --model M --prompt "..." [sampling flags]` and
+`deepinfer serve --model M [--host --port --api-key ...]` (an OpenAI-compatible server; the same engine flags).
 
 Flags are checked before the model is loaded; a problem the user can fix (a bad flag value, a
 model that cannot be found, a device this build cannot use) is one line on stderr and exit code 2.
@@ -13,6 +14,21 @@ import sys
 USAGE_ERROR = 2  # argparse's exit code for a bad command line
 
 
+def _llm_kwargs(args: argparse.Namespace) -> dict:
+    """LLM(...) arguments from the engine flags (_add_llm_args)."""
+    kw = dict(model=args.model, device=args.device, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
+              max_model_len=args.max_model_len, seed=args.seed, enforce_eager=args.enforce_eager,
+              batch_invariant=args.batch_invariant or None, quantization=args.quantization,
+              tensor_parallel_size=args.tensor_parallel_size, data_parallel_size=args.data_parallel_size,
+              enable_expert_parallel=args.enable_expert_parallel, enable_eplb=args.enable_eplb,
+              context_parallel_size=args.context_parallel_size, eplb_config=args.eplb_config,
+              speculative_config=args.speculative_config)
+    for name in ("max_num_seqs", "max_num_batched_tokens", "kv_cache_memory", "max_logprobs", "block_size"):
+        if getattr(args, name, None) is not None:
+            kw[name] = getattr(args, name)
+    return kw
+
+
 def _generate(args: argparse.Namespace) -> None:
     from deepinfer import SamplingParams
 
@@ -21,13 +37,7 @@ def _generate(args: argparse.Namespace) -> None:
                             seq_seed=args.seq_seed, logprobs=args.logprobs)
     from deepinfer import LLM
 
-    llm = LLM(model=args.model, device=args.device, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
-              max_model_len=args.max_model_len, seed=args.seed, enforce_eager=args.enforce_eager,
-              batch_invariant=args.batch_invariant or None, quantization=args.quantization,
-              tensor_parallel_size=args.tensor_parallel_size, data_parallel_size=args.data_parallel_size,
-              enable_expert_parallel=args.enable_expert_parallel, enable_eplb=args.enable_eplb,
-              context_parallel_size=args.context_parallel_size, eplb_config=args.eplb_config,
-              speculative_config=args.speculative_config)
+    llm = LLM(**_llm_kwargs(args))
     try:
         for out in llm.generate(args.prompt, params, use_tqdm=False):
             for c in out.outputs:
@@ -36,6 +46,17 @@ def _generate(args: argparse.Namespace) -> None:
                                  ensure_ascii=False))
     finally:
         llm.close()  # a tensor-parallel LLM stops its other ranks
+
+
+def _serve(args: argparse.Namespace) -> None:
+    import os
+
+    from deepinfer.entrypoints.openai.server import serve
+
+    api_key = args.api_key or os.environ.get("DEEPINFER_API_KEY") or None
+    sys.exit(serve(_llm_kwargs(args), args.host, args.port, args.served_model_name or args.model or "default",
+                   api_key=api_key, max_queue_len=args.max_queue_len, default_thinking=not args.no_thinking,
+                   shutdown_timeout=args.shutdown_timeout, log_level=args.log_level))
 
 
 def _json_object(text: str) -> dict:
@@ -52,13 +73,10 @@ def _json_logprobs(lps):
     return None if lps is None else [{str(t): v for t, v in d.items()} for d in lps]
 
 
-def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="deepinfer")
-    sub = ap.add_subparsers(dest="command", required=True)
-    g = sub.add_parser("generate", help="generate completions for one or more prompts (one JSON line each)")
+def _add_llm_args(g: argparse.ArgumentParser) -> None:
+    """The engine flags `generate` and `serve` share (LLM's arguments)."""
     g.add_argument("--model", default=None,
                    help="local dir, hub id, or 'demo' (default: DEEPINFER_HF_MODEL_DIR, else the V4.1-Flash hub id)")
-    g.add_argument("--prompt", action="append", required=True, help="repeat for several prompts")
     g.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda where available)")
     g.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "bfloat16", "float32"])
@@ -77,9 +95,22 @@ def _parser() -> argparse.ArgumentParser:
                    help='vLLM\'s speculative decoding settings as JSON, e.g. \'{"method": "ngram", '
                         '"num_speculative_tokens": 4, "prompt_lookup_max": 4}\'')
     g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--max-num-seqs", type=int, default=None, help="requests in a step at most (default 256)")
+    g.add_argument("--max-num-batched-tokens", type=int, default=None, help="tokens in a step at most (default 8192)")
+    g.add_argument("--kv-cache-memory", type=int, default=None, help="cache bytes (default: what the device has)")
+    g.add_argument("--max-logprobs", type=int, default=None, help="the most logprobs a request may ask for (20)")
+    g.add_argument("--block-size", type=int, default=None)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     g.add_argument("--batch-invariant", action="store_true", help="same logits whatever the batch")
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="deepinfer")
+    sub = ap.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("generate", help="generate completions for one or more prompts (one JSON line each)")
+    _add_llm_args(g)
+    g.add_argument("--prompt", action="append", required=True, help="repeat for several prompts")
     g.add_argument("--temperature", type=float, default=1.0)
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--top-k", type=int, default=-1)
@@ -90,6 +121,28 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--n", type=int, default=1)
     g.add_argument("--seq-seed", type=int, default=None)
     g.add_argument("--logprobs", type=int, default=None)
+    g.set_defaults(run=_generate)
+
+    s = sub.add_parser("serve", help="serve the model over HTTP (OpenAI / Anthropic-compatible endpoints)")
+    _add_llm_args(s)
+    s.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--api-key", default=None,
+                   help="require `Authorization: Bearer KEY` (or x-api-key); default DEEPINFER_API_KEY, else none")
+    s.add_argument("--served-model-name", default=None, help="the model name clients send (default: --model)")
+    s.add_argument("--max-queue-len", type=int, default=1024,
+                   help="requests that may wait beyond --max-num-seqs; more are refused with 429 + Retry-After")
+    s.add_argument("--no-thinking", action="store_true",
+                   help="chat requests that do not ask for a thinking mode get none (default: thinking on)")
+    s.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="seconds SIGTERM waits for requests in flight to finish")
+    s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    s.set_defaults(run=_serve)
+
+    # ---- more subcommands register here: each module's register(sub) adds its parser, with
+    # set_defaults(run=callable(args)). The lead adds `deepinfer bench serve` as:
+    #     from deepinfer.entrypoints.bench_serve import register as _register_bench
+    #     _register_bench(sub)
     return ap
 
 
@@ -98,7 +151,7 @@ def main(argv: list[str] | None = None) -> None:
     from deepinfer.loader.resolve import ModelNotFoundError
 
     try:
-        _generate(args)
+        args.run(args)
     except (ValueError, ModelNotFoundError) as e:
         print(f"deepinfer: error: {e}", file=sys.stderr)
         sys.exit(USAGE_ERROR)

@@ -1,0 +1,111 @@
+"""The FastAPI application: routes, the API key, OpenAI error bodies (400 for every malformed request,
+naming the field), /health and /metrics."""
+from __future__ import annotations
+
+import hmac
+import json
+import time
+
+from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from deepinfer.entrypoints.openai import serving_recipe
+from deepinfer.entrypoints.openai.protocol import APIError, ChatRequest, CompletionRequest, error_body
+from deepinfer.entrypoints.openai.serving import ClientDisconnected, ServerState
+from deepinfer.entrypoints.openai.serving_completions import create_completion
+
+CLIENT_CLOSED = 499  # nginx's status for a request whose client went away (never seen by that client)
+
+
+def _param(loc: tuple) -> str:
+    parts = [str(p) for p in loc if p != "body"]
+    return ".".join(parts) if parts else "body"
+
+
+def build_app(state: ServerState, api_key: str | None = None) -> FastAPI:
+    app = FastAPI(title="deepinfer", version="1", summary="OpenAI-compatible server for DeepSeek V4 / V4.1")
+    app.state.server = state
+
+    async def check_key(request: Request) -> None:
+        if api_key is None:
+            return
+        auth = request.headers.get("authorization", "")
+        given = auth[7:] if auth[:7].lower() == "bearer " else request.headers.get("x-api-key", "")
+        if not hmac.compare_digest(given.encode(), api_key.encode()):
+            raise APIError(401, "Incorrect API key provided.", None, "authentication_error")
+
+    guarded = [Depends(check_key)]
+
+    @app.exception_handler(APIError)
+    async def _api_error(_, e: APIError):
+        return JSONResponse(e.body(), status_code=e.status, headers=e.headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_, e: RequestValidationError):
+        errs = e.errors()
+        first = errs[0] if errs else {"loc": ("body",), "msg": "invalid request"}
+        param = _param(tuple(first.get("loc", ())))
+        if first.get("type") == "json_invalid":
+            msg, param = f"the body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}", "body"
+        else:
+            msg = f"{param}: {first['msg']}"
+        return JSONResponse(error_body(msg, param=param), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_, e: StarletteHTTPException):
+        return JSONResponse(error_body(str(e.detail), "invalid_request_error"), status_code=e.status_code,
+                            headers=getattr(e, "headers", None))
+
+    @app.exception_handler(ClientDisconnected)
+    async def _gone(_, e):
+        return Response(status_code=CLIENT_CLOSED)
+
+    @app.get("/health")
+    async def health():
+        if state.client.dead:
+            return JSONResponse(error_body(f"engine unavailable: {state.client.dead}", "service_unavailable"),
+                                status_code=503)
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def metrics():
+        state.metrics.in_flight.set(state.in_flight)
+        return Response(state.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models", dependencies=guarded)
+    async def models():
+        return {"object": "list", "data": [{"id": name, "object": "model", "created": int(state.started),
+                                            "owned_by": "deepinfer", "max_model_len": state.max_model_len}
+                                           for name in [state.model_name]]}
+
+    @app.post("/v1/completions", dependencies=guarded)
+    async def completions(req: CompletionRequest, raw: Request):
+        return await create_completion(req, raw, state)
+
+    @app.post("/v1/chat/completions", dependencies=guarded)
+    async def chat(req: ChatRequest, raw: Request):
+        return await serving_recipe.create_chat(req, raw, state)
+
+    async def _json_body(raw: Request) -> dict:
+        try:
+            body = json.loads(await raw.body())
+        except ValueError as e:
+            raise APIError(400, f"the body is not valid JSON: {e}", "body") from None
+        if not isinstance(body, dict):
+            raise APIError(400, "the body must be a JSON object", "body")
+        return body
+
+    @app.post("/v1/messages", dependencies=guarded)
+    async def messages(raw: Request):
+        """Anthropic Messages (deepseek-recipe converts the request and emits its events)."""
+        return await serving_recipe.create(serving_recipe.MESSAGES, await _json_body(raw), raw, state)
+
+    @app.post("/v1/responses", dependencies=guarded)
+    async def responses(raw: Request):
+        """OpenAI Responses (deepseek-recipe converts the request and emits its events)."""
+        return await serving_recipe.create(serving_recipe.RESPONSES, await _json_body(raw), raw, state)
+
+    state.started = time.time()
+    return app

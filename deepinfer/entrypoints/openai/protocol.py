@@ -1,0 +1,154 @@
+"""Request models of the OpenAI endpoints, OpenAI error bodies, and request -> SamplingParams.
+
+Unknown fields are accepted and ignored. Wrong types and out-of-range values are rejected with 400
+and an error body naming the field (`param`), as OpenAI's API does.
+"""
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from deepinfer.sampling_params import SamplingParams
+
+SEED_RANGE = (-(1 << 63), (1 << 64) - 1)
+
+
+class APIError(Exception):
+    """An error answered with an OpenAI error body."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, type_: str = "invalid_request_error",
+                 headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.type, self.headers = status, message, param, type_, headers
+
+    def body(self) -> dict:
+        return error_body(self.message, self.type, self.param)
+
+
+def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    include_usage: bool | None = None
+
+
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+    name: str | None = None
+    json_schema: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class SamplingFields(BaseModel):
+    """Fields common to /v1/completions and /v1/chat/completions (vLLM's extras: top_k, min_p,
+    ignore_eos, stop_token_ids)."""
+    model_config = ConfigDict(extra="allow")
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = None
+    min_p: float | None = Field(None, ge=0, le=1)
+    n: int = Field(1, ge=1, le=128)
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    seed: int | None = Field(None, ge=SEED_RANGE[0], le=SEED_RANGE[1])
+    ignore_eos: bool = False
+    presence_penalty: float | None = Field(None, ge=-2, le=2)
+    frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    response_format: ResponseFormat | None = None
+    user: str | None = None
+
+    @field_validator("top_k")
+    @classmethod
+    def _top_k(cls, v):
+        if v is not None and v != -1 and v < 1:
+            raise ValueError("must be -1 (off) or >= 1")
+        return v
+
+    @field_validator("stop")
+    @classmethod
+    def _stop(cls, v):
+        stops = [v] if isinstance(v, str) else (v or [])
+        if len(stops) > 16 or not all(stops):
+            raise ValueError("must be up to 16 non-empty strings")
+        return v
+
+    def unsupported(self) -> None:
+        """Fields this server accepts only at their neutral values."""
+        for name in ("presence_penalty", "frequency_penalty"):
+            if getattr(self, name):
+                raise APIError(400, f"{name}: not supported by this server (only 0)", name)
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(16, ge=1)
+    logprobs: int | None = Field(None, ge=0)
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = Field(None, ge=1)
+
+    def unsupported(self) -> None:
+        super().unsupported()
+        if self.echo:
+            raise APIError(400, "echo: not supported by this server", "echo")
+        if self.suffix:
+            raise APIError(400, "suffix: not supported by this server", "suffix")
+        if self.best_of is not None and self.best_of != self.n:
+            raise APIError(400, "best_of: only best_of == n is supported", "best_of")
+
+
+class ChatRequest(SamplingFields):
+    """Typed for validation and the OpenAPI schema; the body itself goes to deepseek-recipe, which
+    renders messages, tools, tool_choice, thinking and reasoning_effort."""
+    messages: list[dict[str, Any]] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    thinking: dict[str, Any] | None = None
+    reasoning_effort: str | None = None
+
+
+def sampling_params(req: SamplingFields, *, max_tokens: int, logprobs: int | None, so_args: dict | None = None,
+                    temperature: float | None = None, top_p: float | None = None,
+                    seed: int | None = None) -> SamplingParams:
+    """SamplingParams for `req`; explicit arguments take precedence over the request's own fields (the chat
+    path passes what deepseek-recipe resolved)."""
+    temp = temperature if temperature is not None else req.temperature
+    try:
+        return SamplingParams(
+            temperature=1.0 if temp is None else temp,
+            top_p=top_p if top_p is not None else (1.0 if req.top_p is None else req.top_p),
+            top_k=-1 if req.top_k is None else req.top_k, min_p=req.min_p or 0.0, max_tokens=max_tokens,
+            stop=req.stop, stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos, logprobs=logprobs,
+            n=req.n, seq_seed=seed if seed is not None else req.seed, so_args=so_args)
+    except ValueError as e:  # "SamplingParams.<field> ..."
+        field = str(e).split(" ", 1)[0].removeprefix("SamplingParams.")
+        raise APIError(400, str(e).removeprefix("SamplingParams."), field) from None
+
+
+def so_args_of(fmt: ResponseFormat | None) -> dict | None:
+    """response_format -> SamplingParams.so_args (None for text)."""
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return {"schema_type": "json_object"}
+    if fmt.json_schema is None or fmt.json_schema.json_schema is None:
+        raise APIError(400, "response_format.json_schema.schema: required for type 'json_schema'",
+                       "response_format.json_schema")
+    return {"schema_type": "json", "schema": fmt.json_schema.json_schema}

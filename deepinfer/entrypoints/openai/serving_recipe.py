@@ -1,0 +1,168 @@
+"""/v1/chat/completions, /v1/messages and /v1/responses through deepseek-recipe: recipe converts the
+request (messages, tools, tool_choice, thinking, reasoning effort, response format), renders and encodes
+the V4 / V4.1 prompt, and parses the output (reasoning, content, DSML tool calls) into the protocol's
+chunks or events; the engine only sees token ids and SamplingParams."""
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+
+import deepseek_recipe as recipe
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from deepinfer.entrypoints.openai.protocol import APIError, ChatRequest, SamplingFields, sampling_params
+from deepinfer.entrypoints.openai.serving import ServerState, new_id, primed, sse, unless_disconnected
+
+
+@dataclass(frozen=True)
+class Protocol:
+    request: type      # recipe's request class (body -> ConversationRequest)
+    response: type     # recipe's response accumulator (chunks -> the non-streaming body)
+    id_prefix: str
+    n_choices: bool    # whether the protocol has OpenAI-style `choices` (n > 1 possible)
+
+
+CHAT = Protocol(recipe.ChatCompletionRequest, recipe.ChatCompletionResponse, "chatcmpl", True)
+MESSAGES = Protocol(recipe.MessagesRequest, recipe.MessagesResponse, "msg", False)
+RESPONSES = Protocol(recipe.ResponsesRequest, recipe.ResponsesResponse, "resp", False)
+
+# fields this server reads itself (vLLM's sampling extras); recipe ignores them
+_OWN_FIELDS = ("n", "top_k", "min_p", "ignore_eos", "stop_token_ids", "seed", "presence_penalty",
+               "frequency_penalty")
+
+
+def _conversion_error(e: Exception) -> APIError:
+    if isinstance(e, recipe.ConversionError):
+        try:
+            err = json.loads(e.body)["error"]
+            return APIError(e.status_code, err.get("message", str(e)), err.get("param"),
+                            err.get("type") or "invalid_request_error")
+        except (ValueError, KeyError, TypeError):
+            return APIError(e.status_code, str(e))
+    return APIError(400, str(e))
+
+
+def _so_args(io) -> dict | None:
+    """recipe's output constraint -> SamplingParams.so_args; tool-call constraints are not enforced (the
+    DSML grammar is not built yet), the output is still parsed for tool calls."""
+    c = io.output_constraint
+    if c is None:
+        return None
+    if c.kind == "json":
+        return {"schema_type": "json", "schema": json.loads(c.schema)} if c.schema else {"schema_type": "json_object"}
+    if c.kind == "regex":
+        return {"schema_type": "regex", "schema": c.schema}
+    return None
+
+
+def _recipe_logprobs(ids: list[int], lps: list[dict], k: int):
+    return [(d.get(t, 0.0), sorted(d.items(), key=lambda kv: -kv[1])[:k]) for t, d in zip(ids, lps)]
+
+
+async def create(proto: Protocol, body: dict, raw: Request, state: ServerState):
+    """`body`: the request JSON (a chat body already validated by ChatRequest)."""
+    state.check_model(body.get("model"))
+    own = SamplingFields.model_validate({k: body[k] for k in _OWN_FIELDS if k in body})
+    own.unsupported()
+    body = {k: v for k, v in body.items() if k != "n"}
+    if proto is CHAT and body.get("max_tokens") is None and body.get("max_completion_tokens") is not None:
+        body["max_tokens"] = body["max_completion_tokens"]
+    try:
+        conv = proto.request(body).convert(state.recipe_options)
+    except (recipe.ConversionError, ValueError) as e:
+        raise _conversion_error(e) from None
+    try:
+        ids = state.encoding(conv.model_version).encode(conv.conversation)
+    except RuntimeError as e:
+        raise APIError(400, f"messages: cannot be encoded: {e}", "messages") from None
+    state.check_prompt(ids, None, "messages")
+    try:
+        max_tokens = conv.resolve_max_tokens(len(ids), state.max_model_len)
+    except recipe.ConversionError as e:
+        raise _conversion_error(e) from None
+    io, po = conv.inference_options, conv.parsing_options
+    top = (io.top_logprobs or 0) if io.logprobs else None
+    params = sampling_params(own, max_tokens=max_tokens, logprobs=top, so_args=_so_args(io), temperature=io.temperature,
+                             top_p=io.top_p, seed=io.seed)
+    params.stop = list(po.stop_sequences)
+    rid, model, created = new_id(proto.id_prefix), body.get("model") or state.model_name, int(time.time())
+    procs = []
+    for _ in range(params.n):
+        sp = recipe.StreamProcessor(proto.request.chunk_generator(conv, rid, model), po, state.tokenizer.recipe)
+        procs.append(sp)
+    ready = [p.push(recipe.InferenceChunk.ready(prompt_usage=recipe.PromptUsage(prompt_tokens=len(ids))))
+             for p in procs]
+
+    async def chunks():
+        """(sample index, recipe chunk) as the engine's tokens come."""
+        for j, cs in enumerate(ready):
+            for c in cs:
+                yield j, c
+        async for d in state.run(ids, params):
+            out_ids = d.token_ids
+            lps = d.logprobs
+            if d.finish_reason == "stop" and out_ids and out_ids[-1] == state.eos_token_id:
+                out_ids, lps = out_ids[:-1], (lps[:-1] if lps else lps)
+            p = procs[d.index]
+            try:
+                if out_ids:
+                    lp = _recipe_logprobs(out_ids, lps, top) if top is not None and lps else None
+                    for c in p.push(recipe.InferenceChunk.tokens(out_ids, lp)):
+                        yield d.index, c
+                if d.finish_reason == "abort":
+                    raise APIError(500, f"generation failed: {d.error}", None, "server_error")
+                if d.finish_reason is not None:
+                    reason = recipe.InferenceFinishReason.Length if d.finish_reason == "length" \
+                        else recipe.InferenceFinishReason.Stop
+                    for c in p.push(recipe.InferenceChunk.finish(reason)) + p.finish():
+                        yield d.index, c
+            except RuntimeError as e:  # the output could not be parsed into the protocol's chunks
+                raise APIError(500, f"output parsing failed: {e}", None, "server_error") from None
+
+    def with_index(j: int, text: str) -> str:
+        if not proto.n_choices or params.n == 1:
+            return text
+        obj = json.loads(text)
+        for ch in obj.get("choices", []):
+            ch["index"] = j
+        return json.dumps(obj, ensure_ascii=False)
+
+    if not body.get("stream"):
+        resps = [proto.response(rid, model, created, len(ids), 0) for _ in range(params.n)]
+
+        async def collect():
+            async for j, c in chunks():
+                resps[j].accumulate(c)
+        await unless_disconnected(raw, collect())
+        return JSONResponse(_merge([json.loads(r.to_json()) for r in resps]))
+
+    _, stream = await unless_disconnected(raw, primed(chunks()))
+
+    async def events():
+        try:
+            async for j, c in stream:
+                yield sse(with_index(j, c.to_json()), proto.response.sse_event_name(c))
+            done = proto.response.sse_done_data()
+            if done is not None:
+                yield sse(done)
+        except APIError as e:
+            yield sse(e.body(), "error")
+    return StreamingResponse(events(), media_type="text/event-stream")
+
+
+def _merge(bodies: list[dict]) -> dict:
+    """n chat responses as one: choices j = sample j, usage summed over the completions."""
+    out = bodies[0]
+    for j, b in enumerate(bodies[1:], 1):
+        for ch in b["choices"]:
+            out["choices"].append({**ch, "index": j})
+        if out.get("usage") and b.get("usage"):
+            out["usage"]["completion_tokens"] += b["usage"]["completion_tokens"]
+            out["usage"]["total_tokens"] = out["usage"]["prompt_tokens"] + out["usage"]["completion_tokens"]
+    return out
+
+
+async def create_chat(req: ChatRequest, raw: Request, state: ServerState):
+    return await create(CHAT, req.model_dump(exclude_unset=True, by_alias=True), raw, state)
