@@ -51,6 +51,12 @@ def _positive(kind):
     return check
 
 
+def _count(text: str) -> int:
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"must be an integer >= 0, got {text!r}")
+    return int(text)
+
+
 def _commit(text: str) -> str:
     if not _COMMIT.fullmatch(text):
         raise argparse.ArgumentTypeError(f"{text!r} is not a commit hash (7-40 lowercase hex digits, optionally -dirty)")
@@ -92,9 +98,10 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="lengths uniform over [len * (1 - r), len * (1 + r)], 0 <= r < 1")
     ap.add_argument("--tokenizer", default=None,
                     help="tokenizer.json (or its directory) to build random prompts of exact token lengths and "
-                         "count tokens (default: the one in --model's directory, if it is one)")
+                         "count tokens (default: the one in --model's directory, or in the model root the server's "
+                         "/v1/models reports, when either is on this machine)")
     ap.add_argument("--num-prompts", type=_positive(int), default=1000)
-    ap.add_argument("--num-warmups", type=int, default=0, help="requests sent (and not measured) before the run")
+    ap.add_argument("--num-warmups", type=_count, default=0, help="requests sent (and not measured) before the run")
     ap.add_argument("--request-rate", type=_positive(float), default=math.inf, help="requests/s, or inf")
     ap.add_argument("--burstiness", type=_positive(float), default=1.0,
                     help="shape of the gamma-distributed arrival gaps (1: Poisson; < 1 burstier)")
@@ -178,7 +185,7 @@ async def _run(args, requests, model: str, headers: dict):
     sem = asyncio.Semaphore(limit) if limit else None
     # enough connections that the pool never queues a request the benchmark has released;
     # trust_env off: a proxy between the benchmark and the server would be measured too
-    limits = httpx.Limits(max_connections=limit or len(bodies) + max(args.num_warmups, 0),
+    limits = httpx.Limits(max_connections=limit or len(bodies) + args.num_warmups,
                           max_keepalive_connections=limit or len(bodies))
     async with httpx.AsyncClient(timeout=httpx.Timeout(args.request_timeout), limits=limits, trust_env=False) as c:
         async def one(body):
@@ -202,30 +209,48 @@ async def _run(args, requests, model: str, headers: dict):
         return results, time.perf_counter() - start
 
 
-async def _first_model(args, headers: dict) -> str:
+async def _served_models(args, headers: dict) -> list[dict]:
+    """The server's /v1/models entries (each with "id", and with "root" where the server names the
+    model's directory, as vLLM does)."""
     import httpx
 
     async with httpx.AsyncClient(timeout=60, trust_env=False) as c:
+        r = await c.get(_base_url(args) + "/v1/models", headers=headers)
+        r.raise_for_status()
+        data = r.json()["data"]
+        if not isinstance(data, list) or not all(isinstance(m, dict) and "id" in m for m in data):
+            raise ValueError("entries without an id")
+        return data
+
+
+def _model_and_tokenizer(args, headers: dict):
+    """The model name to send, and the tokenizer (with where it came from): --tokenizer, else a
+    tokenizer.json in --model's directory, else one in the directory the server reports as the
+    model's root (on this machine), else none."""
+    import httpx
+
+    served = None
+    if not args.model or not (args.tokenizer or (Path(args.model) / "tokenizer.json").is_file()):
         try:
-            r = await c.get(_base_url(args) + "/v1/models", headers=headers)
-            r.raise_for_status()
-            return r.json()["data"][0]["id"]
-        except (httpx.HTTPError, KeyError, IndexError, ValueError) as e:
-            raise ValueError(f"--model not given and {_base_url(args)}/v1/models did not name one: {e}") from None
-
-
-def _tokenizer(args):
-    if args.tokenizer:
-        return load_tokenizer(args.tokenizer)
-    if args.model and (Path(args.model) / "tokenizer.json").is_file():
-        return load_tokenizer(args.model)
-    return None
+            served = asyncio.run(_served_models(args, headers))
+        except (httpx.HTTPError, KeyError, TypeError, ValueError) as e:
+            if not args.model:
+                raise ValueError(f"--model not given and {_base_url(args)}/v1/models did not name one: {e}") from None
+    if not args.model and not served:
+        raise ValueError(f"--model not given and {_base_url(args)}/v1/models lists no model")
+    model = args.model or served[0]["id"]
+    where = args.tokenizer
+    if where is None and (Path(model) / "tokenizer.json").is_file():
+        where = model
+    for entry in served or ():
+        root = entry.get("root")
+        if where is None and entry["id"] == model and isinstance(root, str) and (Path(root) / "tokenizer.json").is_file():
+            where = root
+    return model, (load_tokenizer(where) if where else None), where
 
 
 def _requests(args, tokenizer):
     if args.dataset_name == "sharegpt":
-        if not args.dataset_path:
-            raise ValueError("--dataset-name sharegpt needs --dataset-path")
         return sharegpt_requests(args.dataset_path, args.num_prompts, args.seed, tokenizer, args.sharegpt_output_len)
     return random_requests(args.num_prompts, args.random_input_len, args.random_output_len, args.random_range_ratio,
                            args.seed, tokenizer)
@@ -299,15 +324,18 @@ def summary(result: dict, percentile_metrics, percentiles) -> str:
 
 def main(args: argparse.Namespace) -> dict:
     """Run the benchmark `args` describe; print the summary, write the JSON when asked, return it."""
+    if args.dataset_name == "sharegpt" and not args.dataset_path:
+        raise ValueError("--dataset-name sharegpt needs --dataset-path")
+    if not 0 <= args.random_range_ratio < 1:
+        raise ValueError(f"--random-range-ratio must be in [0, 1), got {args.random_range_ratio}")
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    tokenizer = _tokenizer(args)
+    model, tokenizer, tokenizer_path = _model_and_tokenizer(args, headers)
     requests = _requests(args, tokenizer)
-    model = args.model or asyncio.run(_first_model(args, headers))
     date = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
     results, duration = asyncio.run(_run(args, requests, model, headers))
     result = {"date": date, "commit": args.commit or git_commit(), "base_url": _base_url(args), "model": model,
               "endpoint": args.endpoint, "dataset": args.dataset_name, "dataset_path": args.dataset_path,
-              "tokenizer": "given" if tokenizer is not None else None, "num_prompts": len(requests),
+              "tokenizer": tokenizer_path, "num_prompts": len(requests),
               "request_rate": args.request_rate if math.isfinite(args.request_rate) else "inf",
               "burstiness": args.burstiness, "max_concurrency": args.max_concurrency, "seed": args.seed,
               "ignore_eos": args.ignore_eos, "percentile_metrics": ",".join(args.percentile_metrics),

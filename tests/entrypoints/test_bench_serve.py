@@ -40,7 +40,7 @@ class Fake:
         self.reset()
 
     def reset(self):
-        self.bodies, self.arrivals, self.in_flight, self.peak = [], [], 0, 0
+        self.bodies, self.arrivals, self.in_flight, self.peak, self.root = [], [], 0, 0, None
 
 
 def _fake_app(fake: Fake) -> FastAPI:
@@ -48,7 +48,9 @@ def _fake_app(fake: Fake) -> FastAPI:
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": "fake-model", "object": "model"}]}
+        root = {"root": fake.root} if fake.root else {}
+        return {"object": "list", "data": [{"id": "other-model", "object": "model"},
+                                           {"id": "fake-model", "object": "model", **root}]}
 
     async def stream(body: dict, chat: bool):
         prompt = body["messages"][-1]["content"] if chat else body["prompt"]
@@ -136,9 +138,10 @@ def _args(port: int, *extra: str) -> argparse.Namespace:
     return ap.parse_args(["bench", "serve", "--port", str(port), *extra])
 
 
-def _run(server, *extra: str) -> dict:
+def _run(server, *extra: str, root: str | None = None) -> dict:
     fake, port = server
     fake.reset()
+    fake.root = root
     return bench_serve.main(_args(port, *extra))
 
 
@@ -202,14 +205,26 @@ def test_chat_sharegpt_model_from_server_and_ignore_eos(server, tok, tok_path, t
     res = _run(server, "--endpoint", "/v1/chat/completions", "--dataset-name", "sharegpt", "--dataset-path",
                str(path), "--tokenizer", str(tok_path), "--num-prompts", "2", "--ignore-eos",
                "--base-url", f"http://127.0.0.1:{server[1]}/v1", "--commit", "abc1234")
-    assert (res["completed"], res["failed"], res["model"], res["commit"]) == (2, 0, "fake-model", "abc1234")
+    assert (res["completed"], res["failed"], res["model"], res["commit"]) == (2, 0, "other-model", "abc1234")
     got = {b["messages"][0]["content"]: b for b in fake.bodies}
     assert set(got) == {"first question", "second question"}  # only well-formed conversations, first turn
     assert got["first question"]["max_completion_tokens"] == 4 and got["second question"]["max_completion_tokens"] == 2
-    assert all(b["ignore_eos"] is True and b["model"] == "fake-model" for b in fake.bodies)
+    assert all(b["ignore_eos"] is True and b["model"] == "other-model" for b in fake.bodies)
     # TTFT counts from the first text, not the role-only chunk the server sent at once
     assert min(res["ttfts"]) >= TTFT_S - 0.005
     assert sorted(res["input_lens"]) == sorted(count_tokens(tok, p) for p in got)
+
+
+def test_tokenizer_from_the_servers_model_root_and_warmups(server, tok, tok_path):
+    fake, _ = server
+    res = _run(server, "--model", "fake-model", "--random-input-len", "33", "--random-output-len", "2",
+               "--num-prompts", "3", "--num-warmups", "2", root=str(tok_path.parent))
+    assert res["tokenizer"] == str(tok_path.parent) and res["input_lens"] == [33] * 3
+    assert len(fake.bodies) == 5 and res["completed"] == 3  # warmups are sent, not measured
+    assert all(count_tokens(tok, b["prompt"]) == 33 for b in fake.bodies)
+    res = _run(server, "--model", "fake-model", "--random-input-len", "33", "--random-output-len", "2",
+               "--num-prompts", "1")  # no root reported: prompts of 33 words, input length from usage
+    assert res["tokenizer"] is None and res["input_lens"] == [33]
 
 
 def test_max_concurrency_is_honoured(server):
