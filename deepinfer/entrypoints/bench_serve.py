@@ -122,10 +122,13 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 
 
 def register(subparsers) -> None:
-    """Add `bench serve` to a parser's subparsers (dispatch on args.command == "bench" to `main`)."""
+    """Add `bench serve` to a parser's subparsers; its args carry `run=main` (deepinfer's CLI calls
+    args.run(args))."""
     bench = subparsers.add_parser("bench", help="benchmarks")
     sub = bench.add_subparsers(dest="bench_command", required=True)
-    add_arguments(sub.add_parser("serve", help="load-test an OpenAI-compatible server (vLLM's metric names)"))
+    serve = sub.add_parser("serve", help="load-test an OpenAI-compatible server (vLLM's metric names)")
+    add_arguments(serve)
+    serve.set_defaults(run=main)
 
 
 # ---------------------------------------------------------------- helpers

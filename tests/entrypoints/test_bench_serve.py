@@ -338,6 +338,7 @@ def test_flags_are_checked(capsys):
         assert flag in capsys.readouterr().err
     args = ap.parse_args(["bench", "serve", "--request-rate", "inf", "--commit", "0123abc-dirty"])
     assert args.request_rate == float("inf") and args.commit == "0123abc-dirty" and args.bench_command == "serve"
+    assert args.run is bench_serve.main  # deepinfer's CLI dispatches on args.run(args)
 
 
 def test_standalone_module_runs_without_torch(server, tmp_path):
