@@ -335,6 +335,10 @@ def main(args: argparse.Namespace) -> dict:
     model, tokenizer, tokenizer_path = _model_and_tokenizer(args, headers)
     requests = _requests(args, tokenizer)
     date = datetime.now(timezone.utc).strftime("%Y%m%d-%H%M%S")
+    print(f"bench serve: {len(requests)} {args.dataset_name} requests to {_base_url(args)}{args.endpoint} "
+          f"(model {model}, rate {args.request_rate:g}/s, burstiness {args.burstiness:g}, max concurrency "
+          f"{args.max_concurrency or 'none'}, tokenizer {tokenizer_path or 'none: token counts from the server'})",
+          flush=True)
     results, duration = asyncio.run(_run(args, requests, model, headers))
     result = {"date": date, "commit": args.commit or git_commit(), "base_url": _base_url(args), "model": model,
               "endpoint": args.endpoint, "dataset": args.dataset_name, "dataset_path": args.dataset_path,
