@@ -98,9 +98,9 @@ class EngineClient:
     def num_in_flight(self) -> int:
         return len(self._streams)
 
-    async def generate(self, prompt_token_ids: list[int], params: SamplingParams) -> AsyncIterator[Delta]:
-        """The request's deltas as the engine produces them. Raises RequestRejected (bad parameters) before
-        the first delta, EngineDeadError if the engine is or goes away. Closing the iterator early (a client
+    async def generate(self, prompt_token_ids: list[int], params: SamplingParams) -> AsyncIterator[Delta | None]:
+        """None once the engine has accepted the request, then its deltas as the engine produces them. Raises
+        RequestRejected (bad parameters) instead of the None, EngineDeadError if the engine is or goes away. Closing the iterator early (a client
         that went away) aborts the request in the engine, which frees its cache at once."""
         if self.dead:
             raise EngineDeadError(self.dead)
@@ -115,6 +115,7 @@ class EngineClient:
                 raise msg
             if msg is not None:
                 raise RequestRejected(msg)
+            yield None
             while not all(finished):
                 d = await q.get()
                 if isinstance(d, BaseException):

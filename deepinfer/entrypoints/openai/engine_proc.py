@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import signal
 from dataclasses import dataclass, field
 
 IDLE_WAIT_S = 0.5  # an idle engine blocks this long on its inbox, then reports its stats again
@@ -27,7 +28,9 @@ class _Family:
 
 
 def engine_main(llm_kwargs: dict, inbox, outbox, log_level: int = logging.INFO) -> None:
-    """Entry point of the spawned process."""
+    """Entry point of the spawned process. It ignores SIGINT (a terminal's Ctrl-C reaches the whole
+    process group): the API process drains the requests in flight, then sends "shutdown"."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     logging.basicConfig(level=log_level, format="%(levelname)s %(asctime)s engine-core %(name)s: %(message)s")
     from deepinfer.llm import LLM
 

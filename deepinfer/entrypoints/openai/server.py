@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import signal
 from pathlib import Path
 
 import deepseek_recipe as recipe
@@ -69,6 +70,10 @@ def serve(llm_kwargs: dict, host: str, port: int, served_name: str, api_key: str
         async def main():
             client.attach(asyncio.get_running_loop())
             await server.serve()
+        # uvicorn turns SIGINT / SIGTERM into a graceful shutdown, then re-raises the signal to the handler it
+        # found: a no-op one lets a requested shutdown end with status 0
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: None)
         asyncio.run(main())
     finally:
         client.shutdown()

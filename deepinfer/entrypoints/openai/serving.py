@@ -54,8 +54,8 @@ class ServerState:
             raise APIError(400, f"max_tokens: {max_tokens} with a prompt of {len(ids)} tokens exceeds "
                                 f"max_model_len {self.max_model_len}", "max_tokens")
 
-    async def run(self, ids: list[int], params: SamplingParams) -> AsyncIterator[Delta]:
-        """The engine's deltas for one prompt (params.n samples), recording metrics; APIError 429 when the
+    async def run(self, ids: list[int], params: SamplingParams) -> AsyncIterator[Delta | None]:
+        """None once the engine accepted the prompt, then its deltas (params.n samples), recording metrics; APIError 429 when the
         queue is full, 400 when the engine refuses the parameters, 503 when the engine is gone."""
         if self.client.dead:
             raise APIError(503, f"engine unavailable: {self.client.dead}", None, "service_unavailable")
@@ -65,23 +65,34 @@ class ServerState:
                            None, "rate_limit_exceeded", {"Retry-After": str(RETRY_AFTER_S)})
         self.in_flight += params.n
         start, first = time.monotonic(), [None] * params.n
-        counts = [0] * params.n
+        counts, done = [0] * params.n, [False] * params.n
+
+        def finished(j: int, reason: str) -> None:
+            done[j] = True
+            self.metrics.finished(reason, len(ids) if j == 0 else 0, counts[j], start, first[j], time.monotonic())
+
         try:
             async for d in self.client.generate(ids, params):
+                if d is None:
+                    yield d
+                    continue
                 if d.token_ids and first[d.index] is None:
                     first[d.index] = time.monotonic()
                 counts[d.index] += len(d.token_ids)
                 if d.finish_reason is not None:
-                    self.metrics.finished(d.finish_reason, len(ids) if d.index == 0 else 0, counts[d.index], start,
-                                          first[d.index], time.monotonic())
+                    finished(d.index, d.finish_reason)
                 yield d
         except RequestRejected as e:
             self.metrics.rejected.labels(self.model_name, "400").inc()
+            done = [True] * params.n
             raise APIError(400, str(e), str(e).split(":", 1)[0].split(" ", 1)[0].removeprefix("SamplingParams."))
         except EngineDeadError as e:
             raise APIError(503, f"engine unavailable: {e}", None, "service_unavailable") from None
         finally:
             self.in_flight -= params.n
+            for j in range(params.n):
+                if not done[j]:  # the client went away (its request was aborted) or the engine died
+                    finished(j, "abort")
 
 
 def new_id(prefix: str) -> str:
@@ -151,7 +162,7 @@ async def merged(sources: list[AsyncIterator]) -> AsyncIterator[tuple[int, objec
 
 async def primed(agen: AsyncIterator) -> tuple[object, AsyncIterator]:
     """(first item, an iterator over all items): errors raised before the first item (400 / 429 / 503)
-    surface here, before any response has started."""
+    surface here, before any response has started (engine requests yield None once accepted)."""
     first = await agen.__anext__()
 
     async def chain():

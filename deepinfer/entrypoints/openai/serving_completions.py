@@ -99,7 +99,8 @@ async def create_completion(req: CompletionRequest, raw: Request, state: ServerS
     if not req.stream:
         async def collect():
             async for i, d in source:
-                choices[i * params.n + d.index].add(d)
+                if d is not None:
+                    choices[i * params.n + d.index].add(d)
         await unless_disconnected(raw, collect())
         body = {"id": rid, "object": "text_completion", "created": created, "model": model, "usage": usage(),
                 "choices": [{"index": c.index, "text": c.st.text, "finish_reason": c.finish_reason,
@@ -113,6 +114,8 @@ async def create_completion(req: CompletionRequest, raw: Request, state: ServerS
     async def events():
         try:
             async for i, d in stream:
+                if d is None:
+                    continue
                 c = choices[i * params.n + d.index]
                 before, start = len(c.ids), c.sent
                 c.add(d)

@@ -88,38 +88,20 @@ async def create(proto: Protocol, body: dict, raw: Request, state: ServerState):
                              top_p=io.top_p, seed=io.seed)
     params.stop = list(po.stop_sequences)
     rid, model, created = new_id(proto.id_prefix), body.get("model") or state.model_name, int(time.time())
-    procs = []
-    for _ in range(params.n):
-        sp = recipe.StreamProcessor(proto.request.chunk_generator(conv, rid, model), po, state.tokenizer.recipe)
-        procs.append(sp)
-    ready = [p.push(recipe.InferenceChunk.ready(prompt_usage=recipe.PromptUsage(prompt_tokens=len(ids))))
-             for p in procs]
+    parsers = [SampleParser(proto, conv, rid, model, state.tokenizer.recipe, len(ids), state.eos_token_id, top)
+               for _ in range(params.n)]
+    ready = [p.start() for p in parsers]
 
     async def chunks():
         """(sample index, recipe chunk) as the engine's tokens come."""
-        for j, cs in enumerate(ready):
-            for c in cs:
-                yield j, c
         async for d in state.run(ids, params):
-            out_ids = d.token_ids
-            lps = d.logprobs
-            if d.finish_reason == "stop" and out_ids and out_ids[-1] == state.eos_token_id:
-                out_ids, lps = out_ids[:-1], (lps[:-1] if lps else lps)
-            p = procs[d.index]
-            try:
-                if out_ids:
-                    lp = _recipe_logprobs(out_ids, lps, top) if top is not None and lps else None
-                    for c in p.push(recipe.InferenceChunk.tokens(out_ids, lp)):
-                        yield d.index, c
-                if d.finish_reason == "abort":
-                    raise APIError(500, f"generation failed: {d.error}", None, "server_error")
-                if d.finish_reason is not None:
-                    reason = recipe.InferenceFinishReason.Length if d.finish_reason == "length" \
-                        else recipe.InferenceFinishReason.Stop
-                    for c in p.push(recipe.InferenceChunk.finish(reason)) + p.finish():
-                        yield d.index, c
-            except RuntimeError as e:  # the output could not be parsed into the protocol's chunks
-                raise APIError(500, f"output parsing failed: {e}", None, "server_error") from None
+            if d is None:  # accepted: the chunks the stream opens with
+                for j, cs in enumerate(ready):
+                    for c in cs:
+                        yield j, c
+                continue
+            for c in parsers[d.index].push(d):
+                yield d.index, c
 
     def with_index(j: int, text: str) -> str:
         if not proto.n_choices or params.n == 1:
@@ -150,6 +132,42 @@ async def create(proto: Protocol, body: dict, raw: Request, state: ServerState):
         except APIError as e:
             yield sse(e.body(), "error")
     return StreamingResponse(events(), media_type="text/event-stream")
+
+
+class SampleParser:
+    """One sample's engine deltas -> the protocol's chunks, through recipe's stream processor (reasoning,
+    content and DSML tool calls; stop sequences; logprobs)."""
+
+    def __init__(self, proto: Protocol, conv, rid: str, model: str, tokenizer, prompt_tokens: int,
+                 eos_token_id: int | None, top_logprobs: int | None):
+        self.proc = recipe.StreamProcessor(proto.request.chunk_generator(conv, rid, model), conv.parsing_options,
+                                           tokenizer)
+        self.prompt_tokens, self.eos, self.top = prompt_tokens, eos_token_id, top_logprobs
+
+    def start(self) -> list:
+        return self.proc.push(recipe.InferenceChunk.ready(prompt_usage=recipe.PromptUsage(
+            prompt_tokens=self.prompt_tokens)))
+
+    def push(self, d) -> list:
+        """Chunks for one Delta; APIError 500 for an aborted sample or output recipe cannot parse."""
+        ids, lps = d.token_ids, d.logprobs
+        if d.finish_reason == "stop" and ids and ids[-1] == self.eos:  # EOS ends the turn; it is not output
+            ids, lps = ids[:-1], (lps[:-1] if lps else lps)
+        out = []
+        try:
+            if ids:
+                lp = _recipe_logprobs(ids, lps, self.top) if self.top is not None and lps else None
+                out += self.proc.push(recipe.InferenceChunk.tokens(ids, lp))
+            if d.finish_reason == "abort":
+                self.proc.close()
+                raise APIError(500, f"generation failed: {d.error}", None, "server_error")
+            if d.finish_reason is not None:
+                reason = recipe.InferenceFinishReason.Length if d.finish_reason == "length" \
+                    else recipe.InferenceFinishReason.Stop
+                out += self.proc.push(recipe.InferenceChunk.finish(reason)) + self.proc.finish()
+        except RuntimeError as e:  # the output could not be parsed into the protocol's chunks
+            raise APIError(500, f"output parsing failed: {e}", None, "server_error") from None
+        return out
 
 
 def _merge(bodies: list[dict]) -> dict:

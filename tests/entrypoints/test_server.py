@@ -1,0 +1,239 @@
+"""`deepinfer serve` as a real subprocess (a tiny random V4.1 checkpoint), driven by the official openai
+client: completions and chat (streaming and not), logprobs, n, stop, seeds under batch invariance,
+response_format, tools through deepseek-recipe, error bodies (400 / 401 / 429), client disconnects
+freeing the cache, graceful shutdown. One server for the module."""
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import httpx
+import jsonschema
+import openai
+import pytest
+from server_process import ServerProcess
+
+from deepinfer.tools.make_checkpoint import PRESETS, write_checkpoint
+
+KEY = "sk-test-key"
+MAX_MODEL_LEN = 1024
+MAX_NUM_SEQS, MAX_QUEUE_LEN = 4, 2
+NO_THINKING = {"thinking": {"type": "disabled"}}
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    ckpt = write_checkpoint(tmp_path_factory.mktemp("tiny41") / "ckpt", PRESETS["tiny41"], seed=5, dtype="fp8")
+    srv = ServerProcess(ckpt, tmp_path_factory.mktemp("log") / "server.log", "--served-model-name", "tiny",
+                        "--max-model-len", str(MAX_MODEL_LEN), "--max-num-seqs", str(MAX_NUM_SEQS),
+                        "--max-queue-len", str(MAX_QUEUE_LEN), "--kv-cache-memory", str(64 << 20),
+                        "--batch-invariant", api_key=KEY)
+    yield srv
+    if srv.proc.poll() is None:
+        assert srv.stop() == 0, srv.log()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(api_key=KEY, base_url=f"{server.url}/v1", max_retries=0, timeout=120)
+
+
+def test_models_and_health(server, client):
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+    assert httpx.get(f"{server.url}/health").status_code == 200
+
+
+def test_completion_logprobs_and_n(client):
+    out = client.completions.create(model="tiny", prompt="Once upon a time", max_tokens=6, logprobs=2, n=2, seed=3,
+                                    temperature=1.0)
+    assert [c.index for c in out.choices] == [0, 1]
+    assert out.usage.completion_tokens == sum(len(c.logprobs.tokens) for c in out.choices) == 12
+    for c in out.choices:
+        assert c.finish_reason == "length"
+        assert len(c.logprobs.token_logprobs) == 6 and all(lp <= 0 for lp in c.logprobs.token_logprobs)
+        assert all(2 <= len(top) <= 3 for top in c.logprobs.top_logprobs)
+
+
+def test_seed_gives_identical_outputs_streamed_or_not(client):
+    def run(seed, stream=False):
+        kw = dict(model="tiny", prompt="The quick brown fox", max_tokens=10, seed=seed, temperature=1.0)
+        if not stream:
+            return client.completions.create(**kw).choices[0].text
+        chunks = list(client.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+        assert chunks[-1].usage.completion_tokens == 10 and not chunks[-1].choices
+        assert chunks[-2].choices[0].finish_reason == "length"
+        return "".join(c.choices[0].text for c in chunks if c.choices)
+
+    a = run(7)
+    assert run(7) == a and run(7, stream=True) == a
+    assert len({a, run(8), run(9)}) > 1  # seeds matter
+
+
+def test_stop_string_cuts_the_text(client):
+    kw = dict(model="tiny", prompt="Machine learning models", max_tokens=16, seed=11, temperature=1.0)
+    full = client.completions.create(**kw).choices[0].text
+    assert len(full) >= 6, full
+    stop = full[3:5]
+    out = client.completions.create(**kw, stop=[stop]).choices[0]
+    assert out.text == full[:full.index(stop)] and out.finish_reason == "stop"
+
+
+def test_chat_thinking_on_and_off(client):
+    msgs = [{"role": "user", "content": "Say hi"}]
+    think = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=5, seed=1)
+    plain = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=5, seed=1, extra_body=NO_THINKING)
+    assert think.choices[0].message.model_extra.get("reasoning_content") is not None
+    assert plain.choices[0].message.model_extra.get("reasoning_content") is None
+    assert plain.usage.completion_tokens == 5 and 1 <= think.usage.completion_tokens <= 5
+    assert think.usage.prompt_tokens != plain.usage.prompt_tokens  # recipe renders the two modes differently
+
+
+def test_chat_stream_logprobs_and_n(client):
+    msgs = [{"role": "user", "content": "Tell me a story"}]
+    kw = dict(model="tiny", messages=msgs, max_tokens=6, seed=5, logprobs=True, top_logprobs=2, extra_body=NO_THINKING)
+    whole = client.chat.completions.create(**kw, n=2)
+    assert [c.index for c in whole.choices] == [0, 1]
+    assert whole.usage.completion_tokens == 12
+    stream = list(client.chat.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert text == whole.choices[0].message.content
+    assert [c.choices[0].finish_reason for c in stream if c.choices][-1] == "length"
+    assert stream[-1].usage.completion_tokens == 6
+    lps = [t for c in stream if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content or []]
+    assert lps and all(len(t.top_logprobs) == 2 for t in lps)
+
+
+def test_response_format_json_schema(client):
+    schema = {"type": "object", "properties": {"n": {"type": "integer"}, "ok": {"type": "boolean"}},
+              "required": ["n", "ok"], "additionalProperties": False}
+    out = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": "Give me JSON"}], max_tokens=120, seed=2,
+        response_format={"type": "json_schema", "json_schema": {"name": "r", "schema": schema}}, extra_body=NO_THINKING)
+    assert out.choices[0].finish_reason == "stop", out
+    jsonschema.validate(json.loads(out.choices[0].message.content), schema)
+
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
+                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                          "required": ["city"]}}}]
+
+
+def test_tools_round_trip_through_recipe(client):
+    msgs = [{"role": "user", "content": "Weather in Paris?"}]
+    bare = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=3, extra_body=NO_THINKING)
+    with_tools = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=3, tools=TOOLS,
+                                                tool_choice="auto", extra_body=NO_THINKING)
+    assert with_tools.usage.prompt_tokens > bare.usage.prompt_tokens + 50  # the tool schemas were rendered
+    history = msgs + [
+        {"role": "assistant", "content": "", "tool_calls": [{"id": "call_1", "type": "function", "function": {
+            "name": "get_weather", "arguments": json.dumps({"city": "Paris"})}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"}]
+    nxt = client.chat.completions.create(model="tiny", messages=history, max_tokens=3, tools=TOOLS,
+                                         extra_body=NO_THINKING)
+    assert nxt.usage.prompt_tokens > with_tools.usage.prompt_tokens  # the call and its result were rendered
+    assert nxt.choices[0].finish_reason == "length"
+
+
+def _error(server, path, body, headers=None):
+    r = httpx.post(f"{server.url}{path}", content=body if isinstance(body, bytes) else json.dumps(body),
+                   headers={**server.headers, "content-type": "application/json", **(headers or {})}, timeout=60)
+    return r.status_code, r.json()["error"], r.headers
+
+
+@pytest.mark.parametrize("path,body,param", [
+    ("/v1/completions", b"{not json", "body"),
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "temperature": "hot"}, "temperature"),
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "top_p": 2}, "top_p"),
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "n": 0}, "n"),
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": -1}, "max_tokens"),
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "logprobs": 50}, "logprobs"),
+    ("/v1/completions", {"model": "tiny"}, "prompt"),
+    ("/v1/completions", {"model": "tiny", "prompt": [5] * MAX_MODEL_LEN}, "prompt"),
+    ("/v1/completions", {"model": "tiny", "prompt": "hello", "max_tokens": MAX_MODEL_LEN}, "max_tokens"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": "hi"}, "messages"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "hi " * (2 * MAX_MODEL_LEN)}]}, "messages"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "top_k": 0}, "top_k"),
+])
+def test_bad_requests_are_400_naming_the_field(server, path, body, param):
+    status, err, _ = _error(server, path, body)
+    assert status == 400 and err["type"] == "invalid_request_error", err
+    assert err["param"] == param and err["message"], err
+
+
+def test_unknown_model_404_and_unknown_fields_ignored(server, client):
+    status, err, _ = _error(server, "/v1/completions", {"model": "nope", "prompt": "x"})
+    assert status == 404 and err["param"] == "model"
+    out = client.completions.create(model="tiny", prompt="hi", max_tokens=2, extra_body={"no_such_field": [1]})
+    assert out.usage.completion_tokens == 2
+
+
+def test_api_key_required(server):
+    for headers in ({}, {"Authorization": "Bearer wrong"}):
+        r = httpx.post(f"{server.url}/v1/completions", json={"model": "tiny", "prompt": "x"}, headers=headers)
+        assert r.status_code == 401 and r.json()["error"]["type"] == "authentication_error"
+    assert httpx.get(f"{server.url}/v1/models", headers={"x-api-key": KEY}).status_code == 200
+
+
+def test_messages_and_responses_endpoints(server, client):
+    r = httpx.post(f"{server.url}/v1/messages", headers=server.headers, timeout=60, json={
+        "model": "tiny", "max_tokens": 3, "messages": [{"role": "user", "content": "hi"}], **NO_THINKING})
+    assert r.status_code == 200 and r.json()["type"] == "message" and r.json()["usage"]["output_tokens"] == 3
+    resp = client.responses.create(model="tiny", input="hi", max_output_tokens=3)
+    assert resp.status == "incomplete" and 1 <= resp.usage.output_tokens <= 3
+
+
+def test_full_queue_429_then_disconnects_free_the_cache(server):
+    m0 = server.metrics()
+    body = {"model": "tiny", "prompt": "Tell me everything", "max_tokens": MAX_MODEL_LEN - 16, "stream": True,
+            "ignore_eos": True}
+    clients = [httpx.Client(base_url=server.url, headers=server.headers, timeout=60)
+               for _ in range(MAX_NUM_SEQS + MAX_QUEUE_LEN)]
+    streams = []
+    try:
+        for c in clients:
+            s = c.stream("POST", "/v1/completions", json=body)
+            r = s.__enter__()
+            assert r.status_code == 200
+            streams.append((s, r, r.iter_lines()))
+        for _, _, lines in streams[:MAX_NUM_SEQS]:
+            assert next(lines).startswith("data: ")  # decoding
+        status, err, headers = _error(server, "/v1/completions", {**body, "stream": False})
+        assert status == 429 and headers["retry-after"] and err["message"]
+        busy = server.metrics()
+        assert busy["deepinfer:kv_cache_free_blocks"] < busy["deepinfer:kv_cache_total_blocks"]
+    finally:
+        for s, _, _ in streams:
+            s.__exit__(None, None, None)
+        for c in clients:
+            c.close()
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 10:
+        m = server.metrics()
+        if m["deepinfer:kv_cache_free_blocks"] == m["deepinfer:kv_cache_total_blocks"] and \
+                m["deepinfer:num_requests_running"] == 0 and m["deepinfer:num_requests_in_flight"] == 0:
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail(f"the cache was not freed after the clients left: {m}")
+    aborted = m.get("deepinfer:request_success_total{abort}", 0) - m0.get("deepinfer:request_success_total{abort}", 0)
+    assert aborted == MAX_NUM_SEQS + MAX_QUEUE_LEN
+    generated = m["deepinfer:generation_tokens_total"] - m0["deepinfer:generation_tokens_total"]
+    assert generated < (MAX_NUM_SEQS + MAX_QUEUE_LEN) * body["max_tokens"] / 4  # stopped long before the end
+
+
+def test_graceful_shutdown_drains_requests_in_flight(server, client):
+    """Runs last: SIGTERM while a request decodes; it completes, then the server exits 0."""
+    result = {}
+
+    def call():
+        result["out"] = client.completions.create(model="tiny", prompt="hi", max_tokens=40,
+                                                  extra_body={"ignore_eos": True})
+
+    t = threading.Thread(target=call)
+    t.start()
+    time.sleep(0.5)
+    assert server.stop() == 0, server.log()
+    t.join(30)
+    out = result["out"]
+    assert out.choices[0].finish_reason == "length" and out.usage.completion_tokens == 40
