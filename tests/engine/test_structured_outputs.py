@@ -87,15 +87,75 @@ def _check_all(outs, check):
             check(c.text)
 
 
+class Modes:
+    """The property tests' engines: plain; thinking (prompts open a <think> block; </think> nudged so the
+    random model closes it soon; the grammar applies after it); speculative (prompt lookup, k = 3)."""
+
+    def __init__(self, ckpt):
+        self.ckpt, self.engines = ckpt, {}
+
+    def get(self, mode):
+        if mode not in self.engines:
+            spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2} if mode == "speculative" else None
+            llm = LLM(str(self.ckpt), device="cpu", dtype="float32", kv_cache_memory=64 << 20, seed=0, speculative_config=spec)
+            if mode == "thinking":
+                end, compute = llm.detokenizer.tok.token_to_id("</think>"), llm.model.compute_logits
+
+                def nudged(h):  # random weights would think ~vocab tokens long
+                    logits = compute(h)
+                    logits[..., end] += 6.0
+                    return logits
+                llm.model.compute_logits = nudged
+            self.engines[mode] = llm
+        return self.engines[mode]
+
+
+@pytest.fixture(scope="module")
+def modes(ckpt):
+    return Modes(ckpt)
+
+
+@pytest.fixture(params=["plain", "thinking", "speculative"])
+def run(request, modes):
+    """run(prompts, params) -> [(finish_reason, answer text)] of every completion; with thinking, the
+    answer is the text after the completion's </think> (which it must contain)."""
+    mode = request.param
+    llm = modes.get(mode)
+    tok = llm.detokenizer.tok
+    think, end = tok.token_to_id("<think>"), tok.token_to_id("</think>")
+
+    def go(prompts, params):
+        if mode == "thinking":
+            prompts = [p + [think] for p in prompts]
+        done = []
+        for o in llm.generate(prompts, params, use_tqdm=False):
+            for c in o.outputs:
+                if mode == "thinking":
+                    assert end in c.token_ids, c
+                    done.append((c.finish_reason, tok.decode(c.token_ids[c.token_ids.index(end) + 1:],
+                                                             skip_special_tokens=True)))
+                else:
+                    done.append((c.finish_reason, c.text))
+        return done
+    go.mode = mode
+    return go
+
+
+def _check_answers(answers, check):
+    for reason, text in answers:
+        assert reason == "stop", (reason, text)
+        check(text)
+
+
 @pytest.mark.parametrize("i", range(len(SCHEMAS)))
-def test_every_completion_validates_against_its_json_schema(llm, i):
+def test_every_completion_validates_against_its_json_schema(run, i):
     schema = SCHEMAS[i]
     params = [SamplingParams(temperature=t, max_tokens=MAX_TOKENS, seq_seed=s, so_args={"schema_type": "json", "schema": schema})
               for t, s in ((0.0, None), (1.0, 1), (1.0, 2), (1.5, 3))]
-    outs = llm.generate(_prompts(llm, 4, i), params, use_tqdm=False)
-    _check_all(outs, lambda text: _json_ok(text, schema))
-    for o in outs:  # compact by default: no whitespace outside string literals
-        assert not re.search(r"\s", re.sub(r'"(?:[^"\\]|\\.)*"', "", o.outputs[0].text)), o.outputs[0].text
+    answers = run(_prompts(None, 4, i), params)
+    _check_answers(answers, lambda text: _json_ok(text, schema))
+    for _, text in answers:  # compact by default: no whitespace outside string literals
+        assert not re.search(r"\s", re.sub(r'"(?:[^"\\]|\\.)*"', "", text)), text
 
 
 def test_json_schema_as_a_string_and_json_object(llm):
@@ -112,17 +172,16 @@ def test_json_schema_as_a_string_and_json_object(llm):
 
 
 @pytest.mark.parametrize("pattern", REGEXES)
-def test_every_completion_fully_matches_its_regex(llm, pattern):
+def test_every_completion_fully_matches_its_regex(run, pattern):
     params = [SamplingParams(temperature=t, max_tokens=MAX_TOKENS, seq_seed=s, so_args={"schema_type": "regex", "schema": pattern})
               for t, s in ((0.0, None), (1.0, 1), (1.0, 2))]
-    outs = llm.generate(_prompts(llm, 3), params, use_tqdm=False)
-    _check_all(outs, lambda text: re.fullmatch(pattern, text) or pytest.fail(f"{text!r} !~ {pattern}"))
+    _check_answers(run(_prompts(None, 3), params), lambda text: re.fullmatch(pattern, text) or pytest.fail(f"{text!r} !~ {pattern}"))
 
 
-def test_an_arithmetic_ebnf_always_parses(llm):
+def test_an_arithmetic_ebnf_always_parses(run):
     params = [SamplingParams(temperature=t, max_tokens=MAX_TOKENS, seq_seed=s, so_args={"schema_type": "ebnf", "schema": ARITH})
               for t, s in ((0.0, None), (1.0, 1), (1.0, 2), (1.0, 3))]
-    _check_all(llm.generate(_prompts(llm, 4), params, use_tqdm=False), _arith_ok)
+    _check_answers(run(_prompts(None, 4), params), _arith_ok)
 
 
 def test_n_siblings_chunked_prefill_and_preemption_stay_valid(ckpt):
@@ -146,38 +205,6 @@ def test_n_siblings_chunked_prefill_and_preemption_stay_valid(ckpt):
     assert all(len(o.outputs) == 2 for o in outs)
     _check_all(outs, lambda text: _json_ok(text, schema))
     assert small.get_metrics()["num_preemptions"] > 0 and small.scheduler.kv.all_free()
-
-
-def test_thinking_is_free_and_the_grammar_applies_after_it(ckpt):
-    llm = LLM(str(ckpt), device="cpu", dtype="float32", kv_cache_memory=64 << 20, seed=0)
-    tok = llm.detokenizer
-    think, end = (tok.tok.token_to_id(t) for t in ("<think>", "</think>"))
-    compute = llm.model.compute_logits
-
-    def nudged(h):  # random weights would think ~vocab tokens long; make </think> likely
-        logits = compute(h)
-        logits[..., end] += 6.0
-        return logits
-    llm.model.compute_logits = nudged
-    pattern = r"(yes|no)"
-    outs = llm.generate([p + [think] for p in _prompts(llm, 3)],
-                        SamplingParams(temperature=1.0, max_tokens=MAX_TOKENS, so_args={"schema_type": "regex", "schema": pattern}),
-                        use_tqdm=False)
-    for o in outs:
-        c = o.outputs[0]
-        assert c.finish_reason == "stop" and end in c.token_ids, c
-        after = c.token_ids[c.token_ids.index(end) + 1:]
-        assert re.fullmatch(pattern, tok.tok.decode(after, skip_special_tokens=True))
-
-
-@pytest.mark.parametrize("spec", [{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2}])
-def test_speculative_decoding_keeps_outputs_valid(ckpt, spec):
-    llm = LLM(str(ckpt), device="cpu", dtype="float32", kv_cache_memory=64 << 20, seed=0, speculative_config=spec)
-    schema = SCHEMAS[2]
-    params = [SamplingParams(temperature=t, max_tokens=MAX_TOKENS, seq_seed=s, so_args={"schema_type": "json", "schema": schema})
-              for t, s in ((0.0, None), (1.0, 1), (1.0, 2))]
-    _check_all(llm.generate(_prompts(llm, 3), params, use_tqdm=False), lambda text: _json_ok(text, schema))
-    assert llm.get_metrics()["num_drafts"] > 0
 
 
 def test_dspark_drafts_are_checked_against_the_grammar(ckpt41):
