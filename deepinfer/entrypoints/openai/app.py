@@ -24,6 +24,12 @@ def _param(loc: tuple) -> str:
     return ".".join(parts) if parts else "body"
 
 
+def _body_schema(properties: dict, required: list[str]) -> dict:
+    """OpenAPI request body of an endpoint whose body deepseek-recipe validates (the main fields only)."""
+    schema = {"type": "object", "properties": properties, "required": required, "additionalProperties": True}
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
+
+
 def build_app(state: ServerState, api_key: str | None = None) -> FastAPI:
     app = FastAPI(title="deepinfer", version="1", summary="OpenAI-compatible server for DeepSeek V4 / V4.1")
     app.state.server = state
@@ -97,12 +103,16 @@ def build_app(state: ServerState, api_key: str | None = None) -> FastAPI:
             raise APIError(400, "the body must be a JSON object", "body")
         return body
 
-    @app.post("/v1/messages", dependencies=guarded)
+    @app.post("/v1/messages", dependencies=guarded, openapi_extra=_body_schema(
+        {"model": {"type": "string"}, "max_tokens": {"type": "integer"}, "stream": {"type": "boolean"},
+         "messages": {"type": "array", "items": {"type": "object"}}}, ["model", "max_tokens", "messages"]))
     async def messages(raw: Request):
         """Anthropic Messages (deepseek-recipe converts the request and emits its events)."""
         return await serving_recipe.create(serving_recipe.MESSAGES, await _json_body(raw), raw, state)
 
-    @app.post("/v1/responses", dependencies=guarded)
+    @app.post("/v1/responses", dependencies=guarded, openapi_extra=_body_schema(
+        {"model": {"type": "string"}, "max_output_tokens": {"type": "integer"}, "stream": {"type": "boolean"},
+         "input": {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "object"}}]}}, ["model", "input"]))
     async def responses(raw: Request):
         """OpenAI Responses (deepseek-recipe converts the request and emits its events)."""
         return await serving_recipe.create(serving_recipe.RESPONSES, await _json_body(raw), raw, state)

@@ -13,6 +13,7 @@ delta with a finish_reason per sample, unless the process dies.
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import signal
 from dataclasses import dataclass, field
@@ -62,10 +63,14 @@ class EngineLoop:
         self.llm, self.inbox, self.outbox = llm, inbox, outbox
         self.families: dict[str, _Family] = {}
         self.running = True
+        self.parent = os.getppid()  # the API process: when it is gone (killed), this loop ends
 
     def run(self) -> None:
         log = logging.getLogger(__name__)
         while self.running:
+            if os.getppid() != self.parent:
+                log.error("the API process is gone; the engine stops")
+                return
             busy = self.llm.has_unfinished()
             changed = self._take_messages(block=not busy)
             if self.llm.has_unfinished():

@@ -71,7 +71,7 @@ async def create(proto: Protocol, body: dict, raw: Request, state: ServerState):
         body["max_tokens"] = body["max_completion_tokens"]
     try:
         conv = proto.request(body).convert(state.recipe_options)
-    except (recipe.ConversionError, ValueError) as e:
+    except (recipe.ConversionError, ValueError, OverflowError, TypeError) as e:  # all about the request body
         raise _conversion_error(e) from None
     try:
         ids = state.encoding(conv.model_version).encode(conv.conversation)
@@ -103,12 +103,15 @@ async def create(proto: Protocol, body: dict, raw: Request, state: ServerState):
             for c in parsers[d.index].push(d):
                 yield d.index, c
 
-    def with_index(j: int, text: str) -> str:
-        if not proto.n_choices or params.n == 1:
+    def chat_chunk(j: int, text: str) -> str:
+        """Chat chunks: choice index j; usage counts every token the engine generated."""
+        if not proto.n_choices or (params.n == 1 and '"usage":null' in text):
             return text
         obj = json.loads(text)
         for ch in obj.get("choices", []):
             ch["index"] = j
+        if obj.get("usage"):
+            _count_usage(obj["usage"], parsers[j].generated)
         return json.dumps(obj, ensure_ascii=False)
 
     if not body.get("stream"):
@@ -118,14 +121,17 @@ async def create(proto: Protocol, body: dict, raw: Request, state: ServerState):
             async for j, c in chunks():
                 resps[j].accumulate(c)
         await unless_disconnected(raw, collect())
-        return JSONResponse(_merge([json.loads(r.to_json()) for r in resps]))
+        body = _merge([json.loads(r.to_json()) for r in resps])
+        if proto.n_choices and body.get("usage"):
+            _count_usage(body["usage"], sum(p.generated for p in parsers))
+        return JSONResponse(body)
 
     _, stream = await unless_disconnected(raw, primed(chunks()))
 
     async def events():
         try:
             async for j, c in stream:
-                yield sse(with_index(j, c.to_json()), proto.response.sse_event_name(c))
+                yield sse(chat_chunk(j, c.to_json()), proto.response.sse_event_name(c))
             done = proto.response.sse_done_data()
             if done is not None:
                 yield sse(done)
@@ -143,6 +149,7 @@ class SampleParser:
         self.proc = recipe.StreamProcessor(proto.request.chunk_generator(conv, rid, model), conv.parsing_options,
                                            tokenizer)
         self.prompt_tokens, self.eos, self.top = prompt_tokens, eos_token_id, top_logprobs
+        self.generated = 0  # tokens the engine generated (recipe's usage leaves out some special tokens)
 
     def start(self) -> list:
         return self.proc.push(recipe.InferenceChunk.ready(prompt_usage=recipe.PromptUsage(
@@ -151,6 +158,7 @@ class SampleParser:
     def push(self, d) -> list:
         """Chunks for one Delta; APIError 500 for an aborted sample or output recipe cannot parse."""
         ids, lps = d.token_ids, d.logprobs
+        self.generated += len(ids)
         if d.finish_reason == "stop" and ids and ids[-1] == self.eos:  # EOS ends the turn; it is not output
             ids, lps = ids[:-1], (lps[:-1] if lps else lps)
         out = []
@@ -171,15 +179,17 @@ class SampleParser:
 
 
 def _merge(bodies: list[dict]) -> dict:
-    """n chat responses as one: choices j = sample j, usage summed over the completions."""
+    """n chat responses as one: choices j = sample j."""
     out = bodies[0]
     for j, b in enumerate(bodies[1:], 1):
         for ch in b["choices"]:
             out["choices"].append({**ch, "index": j})
-        if out.get("usage") and b.get("usage"):
-            out["usage"]["completion_tokens"] += b["usage"]["completion_tokens"]
-            out["usage"]["total_tokens"] = out["usage"]["prompt_tokens"] + out["usage"]["completion_tokens"]
     return out
+
+
+def _count_usage(usage: dict, generated: int) -> None:
+    usage["completion_tokens"] = generated
+    usage["total_tokens"] = usage["prompt_tokens"] + generated
 
 
 async def create_chat(req: ChatRequest, raw: Request, state: ServerState):
