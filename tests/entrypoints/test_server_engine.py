@@ -1,0 +1,96 @@
+"""The engine-core loop of `deepinfer serve` (engine_proc.EngineLoop) in-process, over plain queues: its
+deltas add up to what LLM.generate returns, each sample finishes exactly once, bad parameters are refused
+by name, and an abort frees the request's cache at once (LLM.add_request / step / abort / cache_stats)."""
+from __future__ import annotations
+
+import queue
+
+import pytest
+
+from deepinfer import LLM, SamplingParams
+from deepinfer.entrypoints.openai.engine_proc import EngineLoop
+from deepinfer.tools.make_checkpoint import PRESETS, write_checkpoint
+
+
+@pytest.fixture(scope="module")
+def llm(tmp_path_factory):
+    ckpt = write_checkpoint(tmp_path_factory.mktemp("tiny") / "ckpt", PRESETS["tiny"], seed=11, dtype="fp8")
+    return LLM(str(ckpt), device="cpu", dtype="float32", kv_cache_dtype="float32", kv_cache_memory=64 << 20)
+
+
+def _loop(llm):
+    inbox, outbox = queue.Queue(), queue.Queue()
+    return EngineLoop(llm, inbox, outbox), inbox, outbox
+
+
+def _drain(outbox) -> list:
+    out = []
+    while not outbox.empty():
+        out.append(outbox.get_nowait())
+    return out
+
+
+def _turn(loop) -> None:
+    """One iteration of EngineLoop.run: take messages, step, report."""
+    loop._take_messages(block=False)
+    if loop.llm.has_unfinished():
+        loop.llm.step()
+    loop.outbox.put(("step", loop._deltas(), loop.llm.cache_stats()))
+
+
+def test_deltas_add_up_to_generate_and_finish_once(llm):
+    loop, inbox, outbox = _loop(llm)
+    prompts = {"a": [0, 5, 9, 13], "b": [0, 7, 7, 7, 7, 7, 21]}
+    params = SamplingParams(temperature=1.0, max_tokens=9, n=2, seq_seed=4, logprobs=1)
+    for rid, ids in prompts.items():
+        inbox.put(("add", rid, ids, params))
+    got = {(rid, j): [] for rid in prompts for j in range(2)}
+    finishes = {k: [] for k in got}
+    lps = {k: 0 for k in got}
+    for _ in range(100):
+        _turn(loop)
+        for msg in _drain(outbox):
+            if msg[0] == "added":
+                assert msg[2] is None
+                continue
+            for rid, j, ids, lp, reason, _ in msg[1]:
+                got[rid, j] += ids
+                lps[rid, j] += len(lp)
+                if reason is not None:
+                    finishes[rid, j].append(reason)
+        if not loop.families:
+            break
+    assert all(f == ["length"] for f in finishes.values()), finishes
+    for rid, ids in prompts.items():
+        ref = llm.generate([ids], params, use_tqdm=False)[0].outputs
+        assert [got[rid, j] for j in range(2)] == [c.token_ids for c in ref]
+    assert all(n == 9 for n in lps.values())
+    assert llm.scheduler.kv.all_free()
+
+
+def test_bad_parameters_refused_by_name(llm):
+    loop, inbox, outbox = _loop(llm)
+    inbox.put(("add", "x", [0, 5], SamplingParams(logprobs=10_000)))
+    inbox.put(("add", "y", [0, 10_000_000], SamplingParams()))
+    loop._take_messages(block=False)
+    errors = {m[1]: m[2] for m in _drain(outbox)}
+    assert "logprobs" in errors["x"] and "vocabulary" in errors["y"]
+    assert not loop.families and not llm.has_unfinished()
+
+
+def test_abort_frees_the_cache_at_once(llm):
+    loop, inbox, outbox = _loop(llm)
+    inbox.put(("add", "long", [0] + [9] * 40, SamplingParams(max_tokens=200, ignore_eos=True)))
+    for _ in range(3):
+        _turn(loop)
+    held = llm.cache_stats()
+    assert held["num_running"] == 1 and held["free_blocks"] < held["total_blocks"]
+    _drain(outbox)
+    inbox.put(("abort", "long"))
+    _turn(loop)
+    (msg,) = _drain(outbox)
+    (delta,) = [d for d in msg[1] if d[4] is not None]
+    assert delta[4] == "abort" and "client" in delta[5]
+    stats = msg[2]
+    assert stats["free_blocks"] == stats["total_blocks"] and stats["num_running"] == 0
+    assert not loop.families
