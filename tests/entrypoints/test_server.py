@@ -112,6 +112,10 @@ def test_response_format_json_schema(client):
         response_format={"type": "json_schema", "json_schema": {"name": "r", "schema": schema}}, extra_body=NO_THINKING)
     assert out.choices[0].finish_reason == "stop", out
     jsonschema.validate(json.loads(out.choices[0].message.content), schema)
+    plain = client.completions.create(model="tiny", prompt="JSON:", max_tokens=120, seed=3, extra_body={
+        "response_format": {"type": "json_schema", "json_schema": {"name": "r", "schema": schema}}})
+    assert plain.choices[0].finish_reason == "stop", plain
+    jsonschema.validate(json.loads(plain.choices[0].text), schema)
 
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
@@ -154,6 +158,8 @@ def _error(server, path, body, headers=None):
     ("/v1/chat/completions", {"model": "tiny", "messages": "hi"}, "messages"),
     ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "hi " * (2 * MAX_MODEL_LEN)}]}, "messages"),
     ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "top_k": 0}, "top_k"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "json"}],
+                              "response_format": {"type": "json_object"}}, "response_format"),  # thinking on
 ])
 def test_bad_requests_are_400_naming_the_field(server, path, body, param):
     status, err, _ = _error(server, path, body)
@@ -179,6 +185,11 @@ def test_messages_and_responses_endpoints(server, client):
     r = httpx.post(f"{server.url}/v1/messages", headers=server.headers, timeout=60, json={
         "model": "tiny", "max_tokens": 3, "messages": [{"role": "user", "content": "hi"}], **NO_THINKING})
     assert r.status_code == 200 and r.json()["type"] == "message" and r.json()["usage"]["output_tokens"] == 3
+    with httpx.stream("POST", f"{server.url}/v1/messages", headers=server.headers, timeout=60, json={
+            "model": "tiny", "max_tokens": 3, "stream": True, "messages": [{"role": "user", "content": "hi"}],
+            **NO_THINKING}) as r:
+        events = [line.split(": ", 1)[1] for line in r.iter_lines() if line.startswith("event: ")]
+    assert events[0] == "message_start" and events[-1] == "message_stop" and "content_block_delta" in events
     resp = client.responses.create(model="tiny", input="hi", max_output_tokens=3)
     assert resp.status == "incomplete" and 1 <= resp.usage.output_tokens <= 3
 

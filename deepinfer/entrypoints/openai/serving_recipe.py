@@ -84,7 +84,12 @@ async def create(proto: Protocol, body: dict, raw: Request, state: ServerState):
         raise _conversion_error(e) from None
     io, po = conv.inference_options, conv.parsing_options
     top = (io.top_logprobs or 0) if io.logprobs else None
-    params = sampling_params(own, max_tokens=max_tokens, logprobs=top, so_args=_so_args(io), temperature=io.temperature,
+    so_args = _so_args(io)
+    if so_args is not None and conv.conversation.thinking_mode:
+        raise APIError(400, "response_format: constrained output in thinking mode is not supported yet (the "
+                            "constraint would apply to the reasoning too); disable thinking for this request",
+                       "response_format")
+    params = sampling_params(own, max_tokens=max_tokens, logprobs=top, so_args=so_args, temperature=io.temperature,
                              top_p=io.top_p, seed=io.seed)
     params.stop = list(po.stop_sequences)
     rid, model, created = new_id(proto.id_prefix), body.get("model") or state.model_name, int(time.time())
