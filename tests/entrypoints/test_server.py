@@ -102,6 +102,11 @@ def test_chat_stream_logprobs_and_n(client):
     assert stream[-1].usage.completion_tokens == 6
     lps = [t for c in stream if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content or []]
     assert lps and all(len(t.top_logprobs) == 2 for t in lps)
+    both = list(client.chat.completions.create(**kw, n=2, stream=True))
+    texts = ["".join(c.choices[0].delta.content or "" for c in both if c.choices and c.choices[0].index == j)
+             for j in range(2)]
+    assert texts == [c.message.content for c in whole.choices]  # seeded: sample j streams what it returned whole
+    assert sorted(c.choices[0].index for c in both if c.choices and c.choices[0].finish_reason) == [0, 1]
 
 
 def test_response_format_json_schema(client):

@@ -94,3 +94,13 @@ def test_abort_frees_the_cache_at_once(llm):
     stats = msg[2]
     assert stats["free_blocks"] == stats["total_blocks"] and stats["num_running"] == 0
     assert not loop.families
+
+
+def test_serve_with_a_missing_model_exits_2_with_one_line(tmp_path):
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "deepinfer.entrypoints.cli", "serve", "--model", str(tmp_path / "nope"),
+                        "--device", "cpu", "--port", "1"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stderr
+    assert "deepinfer: error:" in r.stderr and "nope" in r.stderr

@@ -28,6 +28,12 @@ class EngineDeadError(RuntimeError):
     pass
 
 
+class EngineStartError(RuntimeError):
+    def __init__(self, message: str, usage: bool):
+        super().__init__(message)
+        self.usage = usage  # a bad argument or missing model (the user's to fix), not a crash
+
+
 class RequestRejected(ValueError):
     """The engine refused the request's parameters (the message names the field)."""
 
@@ -60,18 +66,19 @@ class EngineClient:
     # --- start-up and shutdown (blocking; called outside the event loop or from lifespan) ---
 
     def start(self, timeout: float | None = None) -> dict:
-        """Start the engine process and wait for it to load the model; RuntimeError if it fails."""
+        """Start the engine process and wait for it to load the model; EngineStartError if it fails."""
         self.proc.start()
         while True:
             try:
                 msg = self.outbox.get(timeout=POLL_S)
             except queue.Empty:
                 if not self.proc.is_alive():
-                    raise RuntimeError(f"the engine-core process exited during start-up (code {self.proc.exitcode})")
+                    raise EngineStartError(f"the engine-core process exited during start-up (code {self.proc.exitcode})",
+                                           False)
                 continue
             if msg[0] == "fatal":
                 self.proc.join(10)
-                raise RuntimeError(msg[1])
+                raise EngineStartError(msg[1], msg[2])
             if msg[0] == "ready":
                 self.info = msg[1]
                 self.stats = self.info["stats"]

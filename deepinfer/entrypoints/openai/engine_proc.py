@@ -5,7 +5,8 @@ Messages in (API process -> engine, one multiprocessing queue):
   ("abort", rid)                                  -> the request's family is aborted and freed at once
   ("shutdown",)                                   -> the loop ends (the API process drains first)
 Messages out (one queue): ("ready", info) once, then ("step", deltas, stats) after every step (and after
-an abort, so the freed cache shows at once), ("fatal", error) if start-up fails.
+an abort, so the freed cache shows at once), ("fatal", error, usage) if start-up fails (usage: a problem
+the user can fix, a bad argument or a model that cannot be found, as the CLI's exit status 2).
 A delta is (rid, sample index, new token ids, their logprob dicts or None, finish_reason, error): only the
 tokens appended since the previous delta of that sample. Invariant: every added request gets exactly one
 delta with a finish_reason per sample, unless the process dies.
@@ -35,11 +36,16 @@ def engine_main(llm_kwargs: dict, inbox, outbox, log_level: int = logging.INFO) 
     logging.basicConfig(level=log_level, format="%(levelname)s %(asctime)s engine-core %(name)s: %(message)s")
     from deepinfer.llm import LLM
 
+    from deepinfer.loader.resolve import ModelNotFoundError
+
     try:
         llm = LLM(**llm_kwargs)
-    except Exception as e:  # a bad flag or model: the API process reports it and exits
+    except (ValueError, ModelNotFoundError) as e:  # a bad flag or model: the API process reports it and exits
+        outbox.put(("fatal", str(e), True))
+        return
+    except Exception as e:
         logging.getLogger(__name__).exception("engine start-up failed")
-        outbox.put(("fatal", f"{type(e).__name__}: {e}"))
+        outbox.put(("fatal", f"{type(e).__name__}: {e}", False))
         return
     mcfg = llm.model.config
     outbox.put(("ready", {"model_dir": str(llm.model_dir), "max_model_len": llm.max_model_len,

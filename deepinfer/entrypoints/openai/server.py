@@ -1,25 +1,28 @@
 """Start-up of `deepinfer serve`: the engine-core process first (the model loads there), then the HTTP
 server. Exit status: 0 after a requested shutdown (SIGINT / SIGTERM: requests in flight are drained
-first), 1 when the engine-core process died (every request then got 503) or failed to start."""
+first), 1 when the engine-core process died (every request then got 503) or failed to start, 2 (the CLI's
+usage error) when it refused its arguments or found no model (one line on stderr)."""
 from __future__ import annotations
 
 import asyncio
 import json
 import logging
 import signal
+import sys
 from pathlib import Path
 
 import deepseek_recipe as recipe
 import uvicorn
 
 from deepinfer.entrypoints.openai.app import build_app
-from deepinfer.entrypoints.openai.engine_client import EngineClient
+from deepinfer.entrypoints.openai.engine_client import EngineClient, EngineStartError
 from deepinfer.entrypoints.openai.metrics import ServerMetrics
 from deepinfer.entrypoints.openai.serving import ServerState
 from deepinfer.entrypoints.openai.tokenizer import ServingTokenizer
 
 logger = logging.getLogger(__name__)
 ENGINE_FAILED = 1
+USAGE_ERROR = 2
 
 
 def model_version(model_dir: str | Path):
@@ -52,7 +55,10 @@ def serve(llm_kwargs: dict, host: str, port: int, served_name: str, api_key: str
     client = EngineClient(llm_kwargs, level)
     try:
         client.start()
-    except RuntimeError as e:
+    except EngineStartError as e:
+        if e.usage:
+            print(f"deepinfer: error: {e}", file=sys.stderr)
+            return USAGE_ERROR
         logger.error("the engine failed to start: %s", e)
         return ENGINE_FAILED
     try:
