@@ -104,3 +104,27 @@ def test_serve_with_a_missing_model_exits_2_with_one_line(tmp_path):
                         "--device", "cpu", "--port", "1"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2, r.stderr
     assert "deepinfer: error:" in r.stderr and "nope" in r.stderr
+
+
+def test_engine_stats_become_metrics(llm):
+    from deepinfer.entrypoints.openai.engine_proc import _stats
+    from deepinfer.entrypoints.openai.metrics import ServerMetrics
+
+    stats = _stats(llm)
+    assert stats["free_blocks"] == stats["total_blocks"] > 0 and stats["spec_num_drafts"] == 0
+    m = ServerMetrics("tiny")
+    m.update_engine({**stats, "free_blocks": 25, "total_blocks": 100, "num_running": 3, "num_waiting": 2,
+                     "spec_num_drafts": 10, "spec_num_accepted_tokens": 17, "spec_mean_acceptance_length": 2.7})
+    m.finished("stop", prompt_tokens=5, output_tokens=4, start=0.0, first=0.5, end=2.0)
+    text = m.render().decode()
+    for line in ('deepinfer:kv_cache_usage_perc{model_name="tiny"} 0.75', 'deepinfer:num_requests_running{model_name="tiny"} 3.0',
+                 'deepinfer:num_requests_waiting{model_name="tiny"} 2.0',
+                 'deepinfer:spec_decode_num_accepted_tokens{model_name="tiny"} 17.0',
+                 'deepinfer:spec_decode_mean_acceptance_length{model_name="tiny"} 2.7',
+                 'deepinfer:prompt_tokens_total{model_name="tiny"} 5.0',
+                 'deepinfer:generation_tokens_total{model_name="tiny"} 4.0',
+                 'deepinfer:request_success_total{finished_reason="stop",model_name="tiny"} 1.0',
+                 'deepinfer:time_to_first_token_seconds_sum{model_name="tiny"} 0.5',
+                 'deepinfer:time_per_output_token_seconds_sum{model_name="tiny"} 0.5',
+                 'deepinfer:e2e_request_latency_seconds_sum{model_name="tiny"} 2.0'):
+        assert line in text, line

@@ -14,6 +14,8 @@ _TPOT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0
 _SPEC = {"spec_num_drafts": ("spec_decode_num_drafts", "Draft proposals made"),
          "spec_num_draft_tokens": ("spec_decode_num_draft_tokens", "Draft tokens proposed"),
          "spec_num_accepted_tokens": ("spec_decode_num_accepted_tokens", "Draft tokens accepted"),
+         "spec_mean_acceptance_length": ("spec_decode_mean_acceptance_length",
+                                         "Tokens per verification step, the target's own included"),
          "spec_num_preemptions": ("num_preemptions", "Requests preempted (their cache freed, recomputed later)")}
 
 
