@@ -161,7 +161,9 @@ def _error(server, path, body, headers=None):
     ("/v1/completions", {"model": "tiny", "prompt": [5] * MAX_MODEL_LEN}, "prompt"),
     ("/v1/completions", {"model": "tiny", "prompt": "hello", "max_tokens": MAX_MODEL_LEN}, "max_tokens"),
     ("/v1/chat/completions", {"model": "tiny", "messages": "hi"}, "messages"),
-    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "hi " * (2 * MAX_MODEL_LEN)}]}, "messages"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "hi " * (2 * MAX_MODEL_LEN)}]},
+     "messages"),
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "n": MAX_NUM_SEQS + MAX_QUEUE_LEN + 1}, "n"),
     ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "top_k": 0}, "top_k"),
     ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "json"}],
                               "response_format": {"type": "json_object"}}, "response_format"),  # thinking on

@@ -117,7 +117,8 @@ def test_engine_stats_become_metrics(llm):
                      "spec_num_drafts": 10, "spec_num_accepted_tokens": 17, "spec_mean_acceptance_length": 2.7})
     m.finished("stop", prompt_tokens=5, output_tokens=4, start=0.0, first=0.5, end=2.0)
     text = m.render().decode()
-    for line in ('deepinfer:kv_cache_usage_perc{model_name="tiny"} 0.75', 'deepinfer:num_requests_running{model_name="tiny"} 3.0',
+    for line in ('deepinfer:kv_cache_usage_perc{model_name="tiny"} 0.75',
+                 'deepinfer:num_requests_running{model_name="tiny"} 3.0',
                  'deepinfer:num_requests_waiting{model_name="tiny"} 2.0',
                  'deepinfer:spec_decode_num_accepted_tokens{model_name="tiny"} 17.0',
                  'deepinfer:spec_decode_mean_acceptance_length{model_name="tiny"} 2.7',

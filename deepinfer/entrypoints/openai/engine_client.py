@@ -73,8 +73,8 @@ class EngineClient:
                 msg = self.outbox.get(timeout=POLL_S)
             except queue.Empty:
                 if not self.proc.is_alive():
-                    raise EngineStartError(f"the engine-core process exited during start-up (code {self.proc.exitcode})",
-                                           False)
+                    code = self.proc.exitcode
+                    raise EngineStartError(f"the engine-core process exited during start-up (code {code})", False)
                 continue
             if msg[0] == "fatal":
                 self.proc.join(10)
@@ -106,9 +106,10 @@ class EngineClient:
         return len(self._streams)
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams) -> AsyncIterator[Delta | None]:
-        """None once the engine has accepted the request, then its deltas as the engine produces them. Raises
-        RequestRejected (bad parameters) instead of the None, EngineDeadError if the engine is or goes away. Closing the iterator early (a client
-        that went away) aborts the request in the engine, which frees its cache at once."""
+        """None once the engine has accepted the request, then its deltas as the engine produces them.
+        Raises RequestRejected (bad parameters) instead of the None, EngineDeadError if the engine is or
+        goes away. Closing the iterator early (a client that went away) aborts the request in the engine,
+        which frees its cache at once."""
         if self.dead:
             raise EngineDeadError(self.dead)
         rid = f"{next(self._ids)}"

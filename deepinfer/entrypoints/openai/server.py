@@ -64,8 +64,8 @@ def serve(llm_kwargs: dict, host: str, port: int, served_name: str, api_key: str
     try:
         state = build_state(client, served_name, max_queue_len, default_thinking)
         app = build_app(state, api_key)
-        config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=shutdown_timeout,
-                                access_log=False)
+        config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
+                                timeout_graceful_shutdown=shutdown_timeout)
         server = uvicorn.Server(config)
 
         def died(_why: str) -> None:

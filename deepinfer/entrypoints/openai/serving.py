@@ -55,8 +55,12 @@ class ServerState:
                                 f"max_model_len {self.max_model_len}", "max_tokens")
 
     async def run(self, ids: list[int], params: SamplingParams) -> AsyncIterator[Delta | None]:
-        """None once the engine accepted the prompt, then its deltas (params.n samples), recording metrics; APIError 429 when the
-        queue is full, 400 when the engine refuses the parameters, 503 when the engine is gone."""
+        """None once the engine accepted the prompt, then its deltas (params.n samples), recording metrics;
+        APIError 429 when the queue is full, 400 when the engine refuses the parameters, 503 when the engine
+        is gone."""
+        if params.n > self.max_num_seqs + self.max_queue_len:
+            raise APIError(400, f"n: {params.n} samples can never be admitted (max_num_seqs + max_queue_len is "
+                                f"{self.max_num_seqs + self.max_queue_len})", "n")
         if self.client.dead:
             raise APIError(503, f"engine unavailable: {self.client.dead}", None, "service_unavailable")
         if self.in_flight + params.n > self.max_num_seqs + self.max_queue_len:

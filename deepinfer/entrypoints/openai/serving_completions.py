@@ -84,7 +84,8 @@ async def create_completion(req: CompletionRequest, raw: Request, state: ServerS
     state.check_model(req.model)
     req.unsupported()
     prompts = _prompts(req, state)
-    params = sampling_params(req, max_tokens=req.max_tokens, logprobs=req.logprobs, so_args=so_args_of(req.response_format))
+    params = sampling_params(req, max_tokens=req.max_tokens, logprobs=req.logprobs,
+                             so_args=so_args_of(req.response_format))
     rid, created, model = new_id("cmpl"), int(time.time()), req.model or state.model_name
     detok = Detokenizer(state.tokenizer.hf)
     choices = [_Choice(i * params.n + j, detok, params.stop) for i in range(len(prompts)) for j in range(params.n)]
