@@ -201,6 +201,28 @@ def test_messages_and_responses_endpoints(server, client):
     assert resp.status == "incomplete" and 1 <= resp.usage.output_tokens <= 3
 
 
+def _wait_cache_free(server, within_s: float = 10) -> dict:
+    """The metrics once no request is in flight and every cache block is free (fails after within_s)."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < within_s:
+        m = server.metrics()
+        if m["deepinfer:kv_cache_free_blocks"] == m["deepinfer:kv_cache_total_blocks"] and \
+                m["deepinfer:num_requests_running"] == 0 and m["deepinfer:num_requests_in_flight"] == 0:
+            return m
+        time.sleep(0.1)
+    pytest.fail(f"the cache was not freed after the clients left: {m}")
+
+
+def test_non_streaming_client_that_leaves_is_aborted(server):
+    m0 = server.metrics()
+    body = {"model": "tiny", "prompt": "Tell me everything", "max_tokens": MAX_MODEL_LEN - 16, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{server.url}/v1/completions", json=body, headers=server.headers, timeout=1.0)
+    m = _wait_cache_free(server)
+    assert m["deepinfer:request_success_total{abort}"] - m0.get("deepinfer:request_success_total{abort}", 0) == 1
+    assert m["deepinfer:generation_tokens_total"] - m0["deepinfer:generation_tokens_total"] < body["max_tokens"] / 4
+
+
 def test_full_queue_429_then_disconnects_free_the_cache(server):
     m0 = server.metrics()
     body = {"model": "tiny", "prompt": "Tell me everything", "max_tokens": MAX_MODEL_LEN - 16, "stream": True,
@@ -225,15 +247,7 @@ def test_full_queue_429_then_disconnects_free_the_cache(server):
             s.__exit__(None, None, None)
         for c in clients:
             c.close()
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < 10:
-        m = server.metrics()
-        if m["deepinfer:kv_cache_free_blocks"] == m["deepinfer:kv_cache_total_blocks"] and \
-                m["deepinfer:num_requests_running"] == 0 and m["deepinfer:num_requests_in_flight"] == 0:
-            break
-        time.sleep(0.1)
-    else:
-        pytest.fail(f"the cache was not freed after the clients left: {m}")
+    m = _wait_cache_free(server)
     aborted = m.get("deepinfer:request_success_total{abort}", 0) - m0.get("deepinfer:request_success_total{abort}", 0)
     assert aborted == MAX_NUM_SEQS + MAX_QUEUE_LEN
     generated = m["deepinfer:generation_tokens_total"] - m0["deepinfer:generation_tokens_total"]

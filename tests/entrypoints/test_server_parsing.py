@@ -85,3 +85,7 @@ def test_aborted_sample_is_a_server_error(tok):
     with pytest.raises(APIError) as e:
         p.push(Delta(0, [40], None, "abort", "step failed"))
     assert e.value.status == 500 and "step failed" in e.value.message
+    p = SampleParser(CHAT, conv, "chatcmpl-2", "m", tok.recipe, 7, 1, None)
+    with pytest.raises(APIError) as e:  # a grammar that failed to compile: the request's fault
+        p.push(Delta(0, [], None, "abort", "so_args.schema: compiling the json grammar failed: x"))
+    assert e.value.status == 400 and e.value.param == "response_format"

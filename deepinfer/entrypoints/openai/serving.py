@@ -99,6 +99,14 @@ class ServerState:
                     finished(j, "abort")
 
 
+def aborted(error: str | None) -> APIError:
+    """The error of a sample the engine aborted: 400 when its structured-output grammar failed to compile (the
+    request's response_format), 500 otherwise (a failed step)."""
+    if error and error.startswith("so_args"):
+        return APIError(400, f"response_format: {error}", "response_format")
+    return APIError(500, f"generation failed: {error}", None, "server_error")
+
+
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 

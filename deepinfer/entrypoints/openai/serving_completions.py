@@ -9,7 +9,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 
 from deepinfer.engine.detokenizer import DecodeState, Detokenizer
 from deepinfer.entrypoints.openai.protocol import APIError, CompletionRequest, sampling_params, so_args_of
-from deepinfer.entrypoints.openai.serving import (ServerState, merged, new_id, primed, sse,
+from deepinfer.entrypoints.openai.serving import (ServerState, aborted, merged, new_id, primed, sse,
                                                   unless_disconnected)
 
 
@@ -26,6 +26,9 @@ class _Choice:
     finish_reason: str | None = None
 
     def add(self, delta) -> None:
+        """APIError for a sample the engine aborted."""
+        if delta.finish_reason == "abort":
+            raise aborted(delta.error)
         self.ids += delta.token_ids
         self.lps += delta.logprobs or []
         self.detok.update(self.st, self.ids, self.stop)

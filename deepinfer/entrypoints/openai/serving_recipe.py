@@ -13,7 +13,8 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from deepinfer.entrypoints.openai.protocol import APIError, ChatRequest, SamplingFields, sampling_params
-from deepinfer.entrypoints.openai.serving import ServerState, new_id, primed, sse, unless_disconnected
+from deepinfer.entrypoints.openai.serving import (ServerState, aborted, new_id, primed, sse,
+                                                  unless_disconnected)
 
 
 @dataclass(frozen=True)
@@ -173,7 +174,7 @@ class SampleParser:
                 out += self.proc.push(recipe.InferenceChunk.tokens(ids, lp))
             if d.finish_reason == "abort":
                 self.proc.close()
-                raise APIError(500, f"generation failed: {d.error}", None, "server_error")
+                raise aborted(d.error)
             if d.finish_reason is not None:
                 reason = recipe.InferenceFinishReason.Length if d.finish_reason == "length" \
                     else recipe.InferenceFinishReason.Stop
