@@ -5,6 +5,7 @@ freeing the cache, graceful shutdown. One server for the module."""
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 
@@ -123,6 +124,21 @@ def test_response_format_json_schema(client):
     jsonschema.validate(json.loads(plain.choices[0].text), schema)
 
 
+def test_structured_outputs_field(client):
+    """vLLM's structured_outputs extra field: regex and choice."""
+    def run(**so):
+        out = client.completions.create(model="tiny", prompt="Pick:", max_tokens=20, seed=4,
+                                        extra_body={"structured_outputs": so}).choices[0]
+        assert out.finish_reason == "stop", out
+        return out.text
+
+    assert re.fullmatch(r"[0-9]{3}-[a-z]{2}", run(regex="[0-9]{3}-[a-z]{2}"))
+    assert run(choice=["red fox", "a.b|c", "blue"]) in {"red fox", "a.b|c", "blue"}
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Pick"}], max_tokens=20,
+                                          extra_body={"structured_outputs": {"choice": ["yes", "no"]}, **NO_THINKING})
+    assert chat.choices[0].message.content in {"yes", "no"}
+
+
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
                                                           "required": ["city"]}}}]
@@ -167,6 +183,10 @@ def _error(server, path, body, headers=None):
     ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "x"}], "top_k": 0}, "top_k"),
     ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "json"}],
                               "response_format": {"type": "json_object"}}, "response_format"),  # thinking on
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "structured_outputs": {"regex": "a", "choice": ["b"]}},
+     "structured_outputs"),
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "structured_outputs": {"regex": "(unclosed"}},
+     "structured_outputs"),
 ])
 def test_bad_requests_are_400_naming_the_field(server, path, body, param):
     status, err, _ = _error(server, path, body)

@@ -49,6 +49,38 @@ class ResponseFormat(BaseModel):
     json_schema: JsonSchemaFormat | None = None
 
 
+class StructuredOutputs(BaseModel):
+    """vLLM's `structured_outputs` extra field: exactly one of json (a JSON schema), regex, choice, grammar
+    (EBNF as xgrammar reads it) or json_object."""
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+    json_schema: dict[str, Any] | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = Field(None, min_length=1)
+    grammar: str | None = None
+    json_object: bool | None = None
+
+    def so_args(self) -> dict:
+        given = [k for k in ("json_schema", "regex", "choice", "grammar", "json_object") if getattr(self, k)]
+        if len(given) != 1:
+            raise APIError(400, "structured_outputs: give exactly one of json, regex, choice, grammar, json_object "
+                                f"(got {len(given)})", "structured_outputs")
+        kind = given[0]
+        if kind == "json_schema":
+            return {"schema_type": "json", "schema": self.json_schema}
+        if kind == "choice":
+            return {"schema_type": "regex", "schema": "(" + "|".join(_regex_literal(c) for c in self.choice) + ")"}
+        if kind == "json_object":
+            return {"schema_type": "json_object"}
+        return {"schema_type": "ebnf" if kind == "grammar" else "regex", "schema": getattr(self, kind)}
+
+
+def _regex_literal(text: str) -> str:
+    return "".join("\\" + ch if ch in _REGEX_META else ch for ch in text)
+
+
+_REGEX_META = set(".^$*+?()[]{}|\\/")
+
+
 class SamplingFields(BaseModel):
     """Fields common to /v1/completions and /v1/chat/completions (vLLM's extras: top_k, min_p,
     ignore_eos, stop_token_ids)."""
@@ -69,6 +101,7 @@ class SamplingFields(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
     user: str | None = None
 
     @field_validator("top_k")
@@ -142,8 +175,12 @@ def sampling_params(req: SamplingFields, *, max_tokens: int, logprobs: int | Non
         raise APIError(400, str(e).removeprefix("SamplingParams."), field) from None
 
 
-def so_args_of(fmt: ResponseFormat | None) -> dict | None:
-    """response_format -> SamplingParams.so_args (None for text)."""
+def so_args_of(fmt: ResponseFormat | None, structured: StructuredOutputs | None = None) -> dict | None:
+    """response_format or structured_outputs -> SamplingParams.so_args (None for text)."""
+    if structured is not None:
+        if fmt is not None and fmt.type != "text":
+            raise APIError(400, "structured_outputs: give it or response_format, not both", "structured_outputs")
+        return structured.so_args()
     if fmt is None or fmt.type == "text":
         return None
     if fmt.type == "json_object":

@@ -54,10 +54,11 @@ class ServerState:
             raise APIError(400, f"max_tokens: {max_tokens} with a prompt of {len(ids)} tokens exceeds "
                                 f"max_model_len {self.max_model_len}", "max_tokens")
 
-    async def run(self, ids: list[int], params: SamplingParams) -> AsyncIterator[Delta | None]:
+    async def run(self, ids: list[int], params: SamplingParams,
+                  so_field: str = "response_format") -> AsyncIterator[Delta | None]:
         """None once the engine accepted the prompt, then its deltas (params.n samples), recording metrics;
         APIError 429 when the queue is full, 400 when the engine refuses the parameters, 503 when the engine
-        is gone."""
+        is gone. `so_field`: the request field params.so_args came from (named in its errors)."""
         if params.n > self.max_num_seqs + self.max_queue_len:
             raise APIError(400, f"n: {params.n} samples can never be admitted (max_num_seqs + max_queue_len is "
                                 f"{self.max_num_seqs + self.max_queue_len})", "n")
@@ -89,7 +90,11 @@ class ServerState:
         except RequestRejected as e:
             self.metrics.rejected.labels(self.model_name, "400").inc()
             done = [True] * params.n
-            raise APIError(400, str(e), str(e).split(":", 1)[0].split(" ", 1)[0].removeprefix("SamplingParams."))
+            msg = str(e).removeprefix("SamplingParams.")
+            param = msg.split(":", 1)[0].split(" ", 1)[0]
+            if param.startswith("so_args"):
+                msg, param = f"{so_field}: {msg}", so_field
+            raise APIError(400, msg, param)
         except EngineDeadError as e:
             raise APIError(503, f"engine unavailable: {e}", None, "service_unavailable") from None
         finally:

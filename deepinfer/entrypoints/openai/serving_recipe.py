@@ -31,7 +31,7 @@ RESPONSES = Protocol(recipe.ResponsesRequest, recipe.ResponsesResponse, "resp", 
 
 # fields this server reads itself (vLLM's sampling extras); recipe ignores them
 _OWN_FIELDS = ("n", "top_k", "min_p", "ignore_eos", "stop_token_ids", "seed", "presence_penalty",
-               "frequency_penalty")
+               "frequency_penalty", "structured_outputs")
 
 
 def _conversion_error(e: Exception) -> APIError:
@@ -85,11 +85,14 @@ async def create(proto: Protocol, body: dict, raw: Request, state: ServerState):
         raise _conversion_error(e) from None
     io, po = conv.inference_options, conv.parsing_options
     top = (io.top_logprobs or 0) if io.logprobs else None
-    so_args = _so_args(io)
+    so_args, field = _so_args(io), "response_format"
+    if own.structured_outputs is not None:
+        if so_args is not None:
+            raise APIError(400, "structured_outputs: give it or response_format, not both", "structured_outputs")
+        so_args, field = own.structured_outputs.so_args(), "structured_outputs"
     if so_args is not None and conv.conversation.thinking_mode:
-        raise APIError(400, "response_format: constrained output in thinking mode is not supported yet (the "
-                            "constraint would apply to the reasoning too); disable thinking for this request",
-                       "response_format")
+        raise APIError(400, f"{field}: constrained output in thinking mode is not supported yet (the constraint "
+                            "would apply to the reasoning too); disable thinking for this request", field)
     params = sampling_params(own, max_tokens=max_tokens, logprobs=top, so_args=so_args, temperature=io.temperature,
                              top_p=io.top_p, seed=io.seed)
     params.stop = list(po.stop_sequences)
@@ -100,7 +103,7 @@ async def create(proto: Protocol, body: dict, raw: Request, state: ServerState):
 
     async def chunks():
         """(sample index, recipe chunk) as the engine's tokens come."""
-        async for d in state.run(ids, params):
+        async for d in state.run(ids, params, field):
             if d is None:  # accepted: the chunks the stream opens with
                 for j, cs in enumerate(ready):
                     for c in cs:
