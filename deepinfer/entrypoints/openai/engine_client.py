@@ -52,7 +52,7 @@ class EngineClient:
         ctx = mp.get_context("spawn")
         self.inbox, self.outbox = ctx.Queue(), ctx.Queue()
         self.proc = ctx.Process(target=engine_main, args=(llm_kwargs, self.inbox, self.outbox, log_level),
-                                name="deepinfer-engine-core", daemon=True)
+                                name="deepinfer-engine-core", daemon=False)  # it spawns TP / DP ranks itself
         self.info: dict = {}
         self.stats: dict = {}
         self.dead: str | None = None  # why the engine is gone
