@@ -56,6 +56,15 @@ def test_completion_logprobs_and_n(client):
         assert all(2 <= len(top) <= 3 for top in c.logprobs.top_logprobs)
 
 
+def test_several_prompts_in_one_completion_request(client):
+    kw = dict(model="tiny", prompt=["Once upon", "A small model"], max_tokens=3, n=2, seed=6)
+    whole = client.completions.create(**kw, extra_body={"ignore_eos": True})
+    assert [c.index for c in whole.choices] == [0, 1, 2, 3] and whole.usage.completion_tokens == 12
+    chunks = list(client.completions.create(**kw, stream=True, extra_body={"ignore_eos": True}))
+    texts = ["".join(c.choices[0].text for c in chunks if c.choices[0].index == i) for i in range(4)]
+    assert texts == [c.text for c in whole.choices]
+
+
 def test_seed_gives_identical_outputs_streamed_or_not(client):
     def run(seed, stream=False):
         kw = dict(model="tiny", prompt="The quick brown fox", max_tokens=10, seed=seed, temperature=1.0)
@@ -174,6 +183,7 @@ def _error(server, path, body, headers=None):
     ("/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": -1}, "max_tokens"),
     ("/v1/completions", {"model": "tiny", "prompt": "x", "logprobs": 50}, "logprobs"),
     ("/v1/completions", {"model": "tiny"}, "prompt"),
+    ("/v1/completions", {"model": "tiny", "prompt": ["a", [1, 2]]}, "prompt"),
     ("/v1/completions", {"model": "tiny", "prompt": [5] * MAX_MODEL_LEN}, "prompt"),
     ("/v1/completions", {"model": "tiny", "prompt": "hello", "max_tokens": MAX_MODEL_LEN}, "max_tokens"),
     ("/v1/chat/completions", {"model": "tiny", "messages": "hi"}, "messages"),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hmac
 import json
+import re
 import time
 
 from fastapi import Depends, FastAPI, Request
@@ -19,8 +20,12 @@ from deepinfer.entrypoints.openai.serving_completions import create_completion
 CLIENT_CLOSED = 499  # nginx's status for a request whose client went away (never seen by that client)
 
 
+_UNION_MEMBER = re.compile(r"^(str|int|float|bool|none|[\w-]+\[.*\])$")  # pydantic's tag of a union's member
+
+
 def _param(loc: tuple) -> str:
-    parts = [str(p) for p in loc if p != "body"]
+    """The request field a validation error is about ("response_format.json_schema", "messages.0")."""
+    parts = [str(p) for p in loc if p != "body" and not _UNION_MEMBER.match(str(p))]
     return ".".join(parts) if parts else "body"
 
 
