@@ -8,6 +8,7 @@ import json
 import re
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import jsonschema
@@ -41,7 +42,8 @@ def client(server):
 
 
 def test_models_and_health(server, client):
-    assert [m.id for m in client.models.list().data] == ["tiny"]
+    (model,) = client.models.list().data
+    assert model.id == "tiny" and (Path(model.root) / "tokenizer.json").is_file()  # root: where bench finds it
     assert httpx.get(f"{server.url}/health").status_code == 200
 
 

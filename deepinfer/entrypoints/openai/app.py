@@ -88,7 +88,8 @@ def build_app(state: ServerState, api_key: str | None = None) -> FastAPI:
     @app.get("/v1/models", dependencies=guarded)
     async def models():
         return {"object": "list", "data": [{"id": name, "object": "model", "created": int(state.started),
-                                            "owned_by": "deepinfer", "max_model_len": state.max_model_len}
+                                            "owned_by": "deepinfer", "root": state.model_dir,
+                                            "max_model_len": state.max_model_len}
                                            for name in [state.model_name]]}
 
     @app.post("/v1/completions", dependencies=guarded)

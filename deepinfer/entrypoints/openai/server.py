@@ -43,7 +43,7 @@ def build_state(client: EngineClient, served_name: str, max_queue_len: int, defa
     client.on_stats = metrics.update_engine
     return ServerState(client, metrics, tok, served_name, info["max_model_len"], max_queue_len, info["max_num_seqs"],
                        info["vocab_size"], info["bos_token_id"], info["eos_token_id"], options, encodings,
-                       aliases={served_name, *options.model_versions_by_name})
+                       aliases={served_name, *options.model_versions_by_name}, model_dir=info["model_dir"])
 
 
 def serve(llm_kwargs: dict, host: str, port: int, served_name: str, api_key: str | None = None,

@@ -38,6 +38,7 @@ class ServerState:
     aliases: set[str] = field(default_factory=set)
     in_flight: int = 0  # samples admitted and not finished
     started: float = 0.0  # time.time() at start-up
+    model_dir: str = ""  # the checkpoint's directory (/v1/models reports it as `root`, as vLLM does)
 
     def encoding(self, version):
         return self.encodings[version]
