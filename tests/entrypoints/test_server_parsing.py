@@ -89,3 +89,22 @@ def test_aborted_sample_is_a_server_error(tok):
     with pytest.raises(APIError) as e:  # a grammar that failed to compile: the request's fault
         p.push(Delta(0, [], None, "abort", "so_args.schema: compiling the json grammar failed: x"))
     assert e.value.status == 400 and e.value.param == "response_format"
+
+
+def test_every_model_name_renders_as_the_served_model(tmp_path):
+    """A V4.1 checkpoint asked for by recipe's V4 name still gets the V4.1 encoding."""
+    from types import SimpleNamespace
+
+    from deepinfer.entrypoints.openai.server import build_state
+
+    write_tokenizer(tmp_path, VOCAB)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "deepseek_v41"}))
+    client = SimpleNamespace(info={"model_dir": str(tmp_path), "max_model_len": 512, "max_num_seqs": 4,
+                                   "vocab_size": VOCAB, "bos_token_id": 0, "eos_token_id": 1}, stats={})
+    state = build_state(client, "mine", 8, default_thinking=False)
+    assert {"mine", "DeepSeek-V4-Pro", "DeepSeek-V4.1-Flash"} <= state.aliases
+    for name in state.aliases:
+        conv = recipe.ChatCompletionRequest({"model": name, "messages": [{"role": "user", "content": "x"}]}).convert(
+            state.recipe_options)
+        assert conv.model_version == recipe.ModelVersion.DeepseekV41Flash
+        assert not conv.conversation.thinking_mode  # --no-thinking: the default for requests that do not ask

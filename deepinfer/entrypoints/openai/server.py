@@ -35,7 +35,9 @@ def build_state(client: EngineClient, served_name: str, max_queue_len: int, defa
     info = client.info
     tok = ServingTokenizer.load(info["model_dir"])
     version = model_version(info["model_dir"])
-    options = recipe.ConversionOptions(default_thinking_mode=default_thinking).with_model_alias(served_name, version)
+    options = recipe.ConversionOptions(default_thinking_mode=default_thinking)
+    # every accepted name (the served one and recipe's DeepSeek names) renders and parses as the model served
+    options = options.with_model_versions_by_name({n: version for n in [served_name, *options.model_versions_by_name]})
     encodings = {recipe.ModelVersion.DeepseekV4Pro: recipe.DeepseekV4Encoding().with_tokenizer(tok.recipe),
                  recipe.ModelVersion.DeepseekV41Flash: recipe.DeepseekV41Encoding().with_tokenizer(tok.recipe)}
     metrics = ServerMetrics(served_name)
