@@ -1,5 +1,5 @@
-"""`deepinfer serve -tp 2`: the engine-core process is itself the driver of a tensor-parallel group (it
-spawns the other rank), on the CPU (gloo)."""
+"""`deepinfer serve -tp 2` of a DeepSeek-V4 (not V4.1) checkpoint: the engine-core process is itself the
+driver of a tensor-parallel group (it spawns the other rank), on the CPU (gloo); chat uses V4's encoding."""
 from __future__ import annotations
 
 import openai
@@ -17,5 +17,7 @@ def test_serve_with_two_tensor_parallel_ranks(tmp_path):
         out = client.completions.create(model="tiny", prompt="Hello", max_tokens=4, seed=1,
                                         extra_body={"ignore_eos": True})
         assert out.usage.completion_tokens == 4 and out.choices[0].finish_reason == "length"
+        chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=3)
+        assert chat.choices[0].finish_reason in ("length", "stop") and chat.usage.prompt_tokens > 5  # V4's encoding
     finally:
         assert srv.stop() == 0, srv.log()
