@@ -11,7 +11,7 @@ from deepinfer.tools.make_checkpoint import PRESETS, write_checkpoint
 def test_serve_with_two_tensor_parallel_ranks(tmp_path):
     ckpt = write_checkpoint(tmp_path / "ckpt", PRESETS["tiny"], seed=11, dtype="fp8")
     srv = ServerProcess(ckpt, tmp_path / "server.log", "--served-model-name", "tiny", "--tensor-parallel-size", "2",
-                        "--max-model-len", "256", "--kv-cache-memory", str(32 << 20))
+                        "--max-model-len", "1024", "--kv-cache-memory", str(32 << 20))
     try:
         client = openai.OpenAI(api_key="none", base_url=f"{srv.url}/v1", max_retries=0, timeout=120)
         out = client.completions.create(model="tiny", prompt="Hello", max_tokens=4, seed=1,
