@@ -139,10 +139,10 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     s.set_defaults(run=_serve)
 
-    # ---- more subcommands register here: each module's register(sub) adds its parser, with
-    # set_defaults(run=callable(args)). The lead adds `deepinfer bench serve` as:
-    #     from deepinfer.entrypoints.bench_serve import register as _register_bench
-    #     _register_bench(sub)
+    # subcommands of other modules: register(sub) adds a parser with set_defaults(run=callable(args))
+    from deepinfer.entrypoints.bench_serve import register as register_bench
+
+    register_bench(sub)  # `deepinfer bench serve`
     return ap
 
 

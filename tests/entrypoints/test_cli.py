@@ -116,3 +116,11 @@ def test_eplb_config_flag_is_checked_before_the_model_is_looked_for(tmp_path):
     res = _cli(*common, "--eplb-config", "{not json")
     assert res.returncode == 2 and "--eplb-config" in res.stderr and "not JSON" in res.stderr
     _one_line_error(_cli(*common, "--eplb-config", '{"bogus": 1}'), "eplb_config", "unknown key", "bogus")
+
+
+def test_bench_serve_is_a_deepinfer_command():
+    import subprocess
+    import sys
+    res = subprocess.run([sys.executable, "-m", "deepinfer.entrypoints.cli", "bench", "serve", "--help"],
+                         capture_output=True, text=True, timeout=60)
+    assert res.returncode == 0 and "--max-concurrency" in res.stdout and "--request-rate" in res.stdout
