@@ -85,11 +85,8 @@ def reference(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: 
 
 
 def default_config(M: int, E: int) -> dict:
-    """64 x 128 x 128 tiles, 4 warps, 4 stages at every size. H200, V4 experts (256 x top-6, K 4096 /
-    2048), benchmarks/results/2026-12-01-h200-fp8-experts-1675cf6.json: at 8192 tokens (192 rows an
-    expert) 1761 / 1855 us for w3 / w2 against 2938 / 3106 with 128 x 128 tiles and 8 warps, the best
-    of the six configurations tried; at 64 tokens (1.5 rows an expert) these tiles ran the layer in
-    1434 us."""
+    """64 x 128 x 128 tiles, 4 warps, 4 stages at every size (the fastest of the configurations tried
+    at V4's expert shapes: benchmarks/NOTES.md, "Measurements behind the kernels' defaults")."""
     return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=4)
 
 

@@ -291,6 +291,11 @@ class RequestGrammar:
         self._scratch = np.zeros(backend.bitmask_width, dtype=np.int32)
         self._stop_mask = backend.stop_mask
 
+    @property
+    def backend(self) -> GrammarBackend:
+        """The backend that compiled it (its fill_bitmasks fills many requests' masks in one call)."""
+        return self._backend
+
     def ready(self) -> bool:
         """The compile is done (ok or failed); never blocks."""
         return self._future.done()

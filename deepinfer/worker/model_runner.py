@@ -248,12 +248,18 @@ class ModelRunner:
         row the grammar's next-token mask). The masks are filled on the host (while the device runs the
         forward), sent in one copy, applied in one launch; other rows allow everything."""
         host = self._mask_rows(logits.shape[0], -(-logits.shape[-1] // 32), logits.is_cuda)
+        first: dict[int, tuple[int, object]] = {}  # grammar -> (its row, it): an n > 1 fork's groups share one
+        for r0, _, grammar, drafts in groups:
+            if not drafts:
+                first.setdefault(id(grammar), (r0, grammar))
+        if first:  # next-token masks: one call, filled on the backend's threads
+            rows, grammars = zip(*first.values())
+            grammars[0].backend.fill_bitmasks(list(grammars), host, list(rows))
         for r0, n, grammar, drafts in groups:
             if drafts:
                 grammar.fill_bitmasks_along(list(drafts), host[r0:r0 + n])
             else:
-                grammar.fill_bitmask(host[r0])
-                host[r0 + 1:r0 + n] = host[r0]
+                host[r0:r0 + n] = host[first[id(grammar)][0]]
         masks = host.to(self.device, non_blocking=True)
         if logits.is_cuda:
             self._masks_sent = torch.cuda.Event()
