@@ -54,6 +54,9 @@ class EngineCore:
                 return failed
             so, handle = self._schedule(), None
             if not so.chunks:
+                failed += self._grammar_failures()  # a compile that failed since the check above
+                if failed:
+                    return failed
                 raise RuntimeError("scheduler made no progress: the cache cannot hold any waiting request")
         ahead = ahead_error = None
         try:
@@ -88,7 +91,8 @@ class EngineCore:
         (structured outputs, compiled on worker threads), waits for one of them."""
         while True:
             so = self.scheduler.schedule()
-            if so.chunks or not any(r.grammar is not None and not r.grammar.ready() for r in self.scheduler.waiting):
+            grammars = [r.grammar for r in self.scheduler.waiting if r.grammar is not None]
+            if so.chunks or all(g.ready() for g in grammars) or any(g.ready() and g.error for g in grammars):
                 return so
             time.sleep(GRAMMAR_POLL_S)
 

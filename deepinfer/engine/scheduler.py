@@ -45,6 +45,12 @@ class VarlenPolicy:
         return 1 / (1 + np.exp(-(np.log(c) - np.log1p(-c)) / t))
 
 
+def _admissible(req: Request) -> bool:
+    """A request may start unless its grammar is still compiling or failed to compile (EngineCore aborts
+    those with the grammar's error before the next schedule)."""
+    return req.grammar is None or (req.grammar.ready() and req.grammar.error is None)
+
+
 class Scheduler:
     def __init__(self, kv: KVCacheManager, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
                  proposer: NgramProposer | ModelDrafts | None = None):
@@ -162,13 +168,13 @@ class Scheduler:
             if req.status is Status.RUNNING:
                 out.chunks.append(self._chunk(req, n, drafts))
                 budget -= n + len(drafts)
-        for req in [r for r in self.waiting if r.grammar is not None and not r.grammar.ready()]:
+        for req in [r for r in self.waiting if not _admissible(r)]:
             self.waiting.remove(req)  # compiling: queued behind the rest until its grammar is ready
             self.waiting.append(req)
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
             req = self.waiting[0]
-            if req.grammar is not None and not req.grammar.ready():
-                break  # (only requests still compiling are left)
+            if not _admissible(req):
+                break  # (only requests still compiling, or whose compile failed, are left)
             n = min(req.num_pending, budget)
             if not self.kv.allocate(req, req.num_computed_tokens + n):
                 break

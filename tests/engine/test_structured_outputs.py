@@ -309,3 +309,29 @@ def test_async_steps_defer_only_the_constrained_sampling(ckpt):
 def LLM_TEXT(ckpt, ids):
     from tokenizers import Tokenizer
     return Tokenizer.from_file(str(ckpt / "tokenizer.json")).decode(ids, skip_special_tokens=True)
+
+
+def test_a_grammar_that_fails_to_compile_aborts_its_request_alone(ckpt, monkeypatch):
+    from deepinfer.llm import GenerationError
+    from deepinfer.structured import backend as be
+
+    llm = LLM(str(ckpt), device="cpu", dtype="float32", kv_cache_memory=64 << 20)
+    real = be.GrammarBackend.request_grammar
+
+    def failing(self, key, ids):
+        g = real(self, key, ids)
+        g.fails = key.schema_type == "regex"
+        return g
+    monkeypatch.setattr(be.GrammarBackend, "request_grammar", failing)
+    monkeypatch.setattr(be.RequestGrammar, "error", property(
+        lambda g: "so_args.schema: no token can start it" if g.ready() and g.fails else None))
+    free = SamplingParams(temperature=0.0, max_tokens=5)
+    with pytest.raises(GenerationError) as e:
+        llm.generate(_prompts(None, 3), [SamplingParams(so_args={"schema_type": "regex", "schema": "a+"}), free,
+                                         SamplingParams(max_tokens=200, so_args={"schema_type": "json", "schema": SCHEMAS[0]})],
+                     use_tqdm=False)
+    (i, c), = e.value.failed
+    assert i == 0 and c.finish_reason == "abort" and "no token can start it" in c.error
+    outs = e.value.outputs
+    assert outs[1].outputs[0].finish_reason == "length" and outs[2].outputs[0].finish_reason == "stop"
+    assert llm.scheduler.kv.all_free()

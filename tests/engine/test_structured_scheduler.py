@@ -139,3 +139,16 @@ def test_look_ahead_carries_a_constrained_request_with_its_grammar():
     sched.update(so, ModelOutput({"1": [9]}))
     ahead = sched.schedule_ahead(sched.schedule())
     assert ahead is not None and ahead.chunks[0].grammar is bound.grammar
+
+
+def test_a_grammar_that_failed_to_compile_is_never_admitted():
+    """(EngineCore aborts it with the grammar's error before the next schedule; between the two, a compile
+    that fails must not reach a step, whose other requests would fail with it.)"""
+    sched = _sched()
+    bad, ok = _req(0, [1, 2]), _req(1, [3, 4])
+    bad.grammar = FakeGrammar([9])
+    bad.grammar.error = "so_args.schema: cannot start"
+    sched.add(bad)
+    sched.add(ok)
+    so = sched.schedule()
+    assert [c.request_id for c in so.chunks] == ["1"] and bad in sched.waiting
