@@ -69,13 +69,11 @@ class EngineClient:
         """Start the engine process and wait for it to load the model; EngineStartError if it fails."""
         self.proc.start()
         while True:
-            try:
-                msg = self.outbox.get(timeout=POLL_S)
-            except queue.Empty:
-                if not self.proc.is_alive():
-                    code = self.proc.exitcode
-                    raise EngineStartError(f"the engine-core process exited during start-up (code {code})", False)
+            msg = self._poll()
+            if msg is None:
                 continue
+            if msg[0] == "exited":
+                raise EngineStartError(f"the engine-core process exited during start-up (code {msg[1]})", False)
             if msg[0] == "fatal":
                 self.proc.join(10)
                 raise EngineStartError(msg[1], msg[2])
@@ -141,17 +139,24 @@ class EngineClient:
     def _read(self) -> None:
         while True:
             try:
-                msg = self.outbox.get(timeout=POLL_S)
-            except queue.Empty:
-                if not self.proc.is_alive():
-                    code = self.proc.exitcode
-                    if not self._stopping:
-                        self._loop.call_soon_threadsafe(self._died, f"the engine-core process exited (code {code})")
-                    return
-                continue
+                msg = self._poll()
             except (EOFError, OSError):
                 continue
+            if msg is None:
+                continue
+            if msg[0] == "exited":
+                if not self._stopping:
+                    self._loop.call_soon_threadsafe(self._died, f"the engine-core process exited (code {msg[1]})")
+                return
             self._loop.call_soon_threadsafe(self._deliver, msg)
+
+    def _poll(self) -> tuple | None:
+        """The engine's next message, ("exited", exit code) once its process is gone, or None (nothing
+        within POLL_S)."""
+        try:
+            return self.outbox.get(timeout=POLL_S)
+        except queue.Empty:
+            return None if self.proc.is_alive() else ("exited", self.proc.exitcode)
 
     def _deliver(self, msg: tuple) -> None:
         if msg[0] == "added":
