@@ -173,6 +173,34 @@ def _kernel_format(store) -> str | None:
     return {"bfloat16": "bfloat16", "fp8": "v41fp8", "nvfp4": "nvfp4"}.get(store.fmt)
 
 
+DECODE_ONCE_READS = 4  # a quantised store is decoded up front when each decoded row is read >= this often
+
+
+def decoded_once(ring, ring_fmt: str, ring_reads: int, entries, ent_fmt: str | None, ent_reads: int,
+                 table: torch.Tensor | None):
+    """The stores the sparse-attention kernel reads, with a quantised one replaced by a bf16 copy where
+    that is cheaper than decoding in the kernel: the copy costs one decode per row, the kernel decodes a
+    row at every read (per token and head block), so prefill steps (thousands of tokens sharing a window
+    ring and a request's entries) gain and decode steps do not. Copies are exact: every stored value is a
+    bf16 (e4m3 / e2m1 codes times power-of-two or e4m3 scales), decoded as the kernel decodes it.
+    `*_reads`: the rows the kernel would read (tokens x window, tokens x entry ids); `table` [B, V]: the
+    entries' addresses (plan.addr). The whole ring is copied (its rows per slot are not known here);
+    entries only at the addresses in `table`, which then becomes the copy's row numbers (-1 kept).
+    -> ((ring tensors, ring format), (entry tensors, entry format, table))."""
+    ring_t = tuple(ring.tensors())
+    rows = ring_t[0].shape[0]
+    if _sa_kernel.FORMATS[ring_fmt][0] and rows * DECODE_ONCE_READS <= ring_reads:
+        ring_t, ring_fmt = (ring.read(torch.arange(rows, device=ring_t[0].device), torch.bfloat16),), "bfloat16"
+    if entries is None:
+        return (ring_t, ring_fmt), (None, ent_fmt, table)
+    ent_t = tuple(entries.tensors())
+    if _sa_kernel.FORMATS[ent_fmt][0] and table.numel() * DECODE_ONCE_READS <= ent_reads:
+        ent_t, ent_fmt = (entries.read(table.clamp(min=0).flatten(), torch.bfloat16),), "bfloat16"
+        copy_rows_of = torch.arange(table.numel(), device=table.device, dtype=table.dtype).view_as(table)
+        table = torch.where(table >= 0, copy_rows_of, -1)
+    return (ring_t, ring_fmt), (ent_t, ent_fmt, table)
+
+
 def sparse_attention(q: torch.Tensor, kv_new: torch.Tensor, batch: ForwardBatch, ring: EntryStore,
                      entry_ids: torch.Tensor | None, plan: CompressPlan | None, entries: EntryStore | None,
                      sinks: torch.Tensor, scale: float) -> torch.Tensor:
@@ -185,12 +213,17 @@ def sparse_attention(q: torch.Tensor, kv_new: torch.Tensor, batch: ForwardBatch,
     if (q.is_cuda and _sa_kernel.triton is not None and q.dtype == torch.bfloat16 and ring_fmt is not None
             and (not has_ent or ent_fmt is not None)
             and _sa_kernel.supported(q, kv_new, ring_fmt, ent_fmt, has_ent)):
-        # entry ids go in as they are: the kernel reads their addresses from plan.addr itself
-        return _sa_kernel.sparse_attention(q, kv_new, batch.win_new, batch.win_ring, tuple(ring.tensors()), ring_fmt,
-                                           entry_ids if has_ent else None,
-                                           tuple(entries.tensors()) if has_ent else None, ent_fmt, sinks, scale,
+        ring_t, ent_t = tuple(ring.tensors()), tuple(entries.tensors()) if has_ent else None
+        table = plan.addr if has_ent else None
+        if not invariant.enabled():  # invariant mode keeps one kernel path for every step shape
+            (ring_t, ring_fmt), (ent_t, ent_fmt, table) = decoded_once(ring, ring_fmt, batch.win_new.numel(),
+                                                                        entries if has_ent else None, ent_fmt,
+                                                                        entry_ids.numel() if has_ent else 0, table)
+        # entry ids go in as they are: the kernel reads their addresses from `table` itself
+        return _sa_kernel.sparse_attention(q, kv_new, batch.win_new, batch.win_ring, ring_t, ring_fmt,
+                                           entry_ids if has_ent else None, ent_t, ent_fmt, sinks, scale,
                                            **invariant.attention_tiles(),
-                                           indirect=(batch.token_req, plan.addr) if has_ent else None)
+                                           indirect=(batch.token_req, table) if has_ent else None)
     T, H, D = q.shape
     out = torch.empty_like(q)
     n_keys = batch.win_new.shape[1] + (entry_ids.shape[1] if entry_ids is not None else 0)

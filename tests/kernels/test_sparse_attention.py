@@ -315,3 +315,50 @@ def test_layers_path_names_v41_stores_for_the_kernel(fmt):
     if fmt in ("bfloat16", "float32", "fp8"):
         assert _kernel_format(EntryStore(4, 64, 16, fmt, "meta")) == (None if fmt == "float32" else fmt)
     assert _kernel_format(None) is None
+
+
+@pytest.mark.parametrize("fmt", ["fp8", V41, "nvfp4+v41fp8", "bfloat16+fp8"])
+def test_stores_decoded_once_give_the_same_attention(fmt):
+    """A prefill-shaped step (many tokens per ring row and entry): `decoded_once` hands the kernel bf16
+    copies of the quantised stores, and attention over them equals attention over the stores, bit for bit."""
+    from deepinfer.layers.attention import decoded_once
+
+    kargs, largs = make_case(64, 4, 64, 16, 8, 12, fmt, torch.bfloat16, seed=7, ring_rows=40, entry_rows=60,
+                             visible=24)
+    q, kv_new, batch, ring, ids, plan, entries, sinks, scale = largs
+    ring_fmt, ent_fmt = _kernel_format(ring), _kernel_format(entries)
+    (ring_t, ring_fmt2), (ent_t, ent_fmt2, table) = decoded_once(ring, ring_fmt, batch.win_new.numel(), entries,
+                                                                  ent_fmt, ids.numel(), plan.addr)
+    assert ring_fmt2 == "bfloat16" and ent_fmt2 == "bfloat16"  # 64 x 8 reads >= 4 x 40 rows; 64 x 12 >= 4 x 72
+    assert ring_t[0].dtype == ent_t[0].dtype == torch.bfloat16 and ent_t[0].shape[0] == plan.addr.numel()
+    assert torch.equal(table.flatten(), torch.arange(plan.addr.numel()))
+    copied = sa.reference(q, kv_new, batch.win_new, batch.win_ring, ring_t, ring_fmt2,
+                          sa.entry_addresses(ids, batch.token_req, table), ent_t, ent_fmt2, sinks, scale)
+    assert torch.equal(copied, sa.reference(*kargs))
+
+
+def test_decode_shaped_steps_keep_the_stores():
+    """Few reads per row (decode: one token per request over long histories): nothing is copied; a -1
+    address stays -1 in the copy's table."""
+    from deepinfer.layers.attention import decoded_once
+
+    _, largs = make_case(4, 4, 64, 16, 8, 12, "fp8", torch.bfloat16, seed=8, ring_rows=40, entry_rows=60, visible=24)
+    _, _, batch, ring, ids, plan, entries, _, _ = largs
+    (ring_t, ring_fmt), (ent_t, ent_fmt, table) = decoded_once(ring, "fp8", batch.win_new.numel(), entries, "fp8",
+                                                                ids.numel(), plan.addr)
+    assert (ring_fmt, ent_fmt) == ("fp8", "fp8") and table is plan.addr
+    assert all(a is b for a, b in zip(ring_t + ent_t, ring.tensors() + entries.tensors()))
+    addr = plan.addr.clone()
+    addr[0, -3:] = -1
+    _, (_, _, table) = decoded_once(ring, "fp8", 0, entries, "fp8", 10 ** 6, addr)
+    assert (table[0, -3:] == -1).all() and (table[addr >= 0] >= 0).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["fp8", V41])
+def test_layers_path_with_stores_decoded_once_on_gpu(fmt):
+    """The layers path at a prefill shape (stores copied to bf16, the bf16 tiles) against the reference."""
+    T = 1030
+    kargs, largs = make_case(T, 64, 512, 64, 128, 512, fmt, torch.bfloat16, device="cuda", seed=9,
+                             ring_rows=300, entry_rows=700, n_req=2, visible=256)
+    check_close(layers_sparse_attention(*largs), sa.reference(*kargs), 2e-2)
