@@ -22,6 +22,7 @@ class SamplingBatch:
     needs_sort: bool           # any row with top-k or top-p
     max_logprobs: int          # largest logprobs request (-1: none)
     seed_keys: list[int | None] = field(default_factory=list)  # per row: counter-based RNG key, or None
+    all_greedy: bool = False   # every row greedy (known on the host: sampling is one argmax)
 
     @classmethod
     def build(cls, params: list[SamplingParams], vocab: int, device,
@@ -35,6 +36,7 @@ class SamplingBatch:
             any(p.top_k > 0 or p.top_p < 1 for p in params if not p.greedy),
             max((p.logprobs for p in params if p.logprobs is not None), default=-1),
             [None if k is None else seed_key(*k) for k in (seeds or [None] * len(params))],
+            all(p.greedy for p in params),
         )
 
 
@@ -95,7 +97,10 @@ def race(weights: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
 
 
 def sample(logits: torch.Tensor, sb: SamplingBatch, generator: torch.Generator | None = None) -> torch.Tensor:
-    """logits [R, V] fp32 -> token ids [R]: argmax on greedy rows, race(filtered_probs, race_noise) on the others."""
+    """logits [R, V] fp32 -> token ids [R]: argmax on greedy rows, race(filtered_probs, race_noise) on the others.
+    An all-greedy batch is one argmax (no noise drawn: `generator` is left as it was)."""
+    if sb.all_greedy:
+        return logits.argmax(-1)
     probs = filtered_probs(logits, sb)
     drawn = race(probs, race_noise(probs, sb, generator))
     return torch.where(sb.temperature == 0, logits.argmax(-1), drawn)

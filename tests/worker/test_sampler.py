@@ -43,3 +43,16 @@ def test_sample_is_the_race_over_filtered_probs_and_race_noise():
     alone = SamplingBatch.build(params[1:2], 40, "cpu", seeds=[(1, 5, 0)])  # a seeded row's noise is its own
     assert torch.equal(race_noise(probs[1:2], alone, torch.Generator().manual_seed(99))[0], noise[1])
     assert race(torch.tensor([[0.0, 2.0, 0.0]]), torch.rand(1, 3) + 0.1).tolist() == [1]  # unnormalised weights
+
+
+def test_all_greedy_batches_are_one_argmax_and_draw_no_noise():
+    logits = torch.randn(5, 30, generator=torch.Generator().manual_seed(1))
+    greedy = SamplingBatch.build([SamplingParams(temperature=0)] * 5, 30, "cpu")
+    mixed = SamplingBatch.build([SamplingParams(temperature=0)] * 4 + [SamplingParams(temperature=1.0)], 30, "cpu")
+    assert greedy.all_greedy and not mixed.all_greedy
+    g = torch.Generator().manual_seed(7)
+    before = g.get_state()
+    assert torch.equal(sample(logits, greedy, g), logits.argmax(-1))
+    assert torch.equal(g.get_state(), before)  # no noise drawn
+    assert torch.equal(sample(logits, mixed, g)[:4], logits[:4].argmax(-1))
+    assert not torch.equal(g.get_state(), before)  # a sampled row draws
