@@ -3,7 +3,7 @@
     python -m training.plot_loss --run RUN_DIR [--out loss.png] [--smooth 20]
 
 Left: the target's next-token cross-entropy and the draft's cross-entropy per step (thin) and their
-moving averages over --smooth steps. Right: the draft's expected accepted length tau (NeMo's estimate
+moving averages over --smooth steps, and the held-out cross-entropy where it was measured. Right: the draft's expected accepted length tau (NeMo's estimate
 from the L1 distance to the target). Needs matplotlib; without it, says so and exits with status 2.
 """
 from __future__ import annotations
@@ -42,6 +42,9 @@ def plot(records: list[dict], out: str | Path, smooth: int = 20) -> Path:
         ys = [r[key] for r in records]
         ax.plot(steps, ys, color=color, alpha=0.25, linewidth=0.8)
         ax.plot(steps, moving_average(ys, smooth), color=color, label=label)
+    held = [(r["step"], r["heldout_loss"]) for r in records if "heldout_loss" in r]
+    if held:
+        ax.plot(*zip(*held), "o-", color="C3", markersize=3, label="target CE, held-out files")
     ax.set_xlabel("step")
     ax.set_ylabel("cross-entropy (nats / token)")
     ax.set_title("training loss")

@@ -188,6 +188,29 @@ def _truncate_log(path: Path, step: int) -> None:
     path.write_text("".join(ln + "\n" for ln in keep))
 
 
+@torch.no_grad()
+def heldout_loss(target, tokens: np.ndarray, seq_len: int, windows: int, batch: int, device: torch.device) -> float:
+    """The target's mean next-token cross-entropy over `windows` evenly spaced held-out windows (eval
+    mode: the routers' load counters do not see them)."""
+    n = len(tokens) // seq_len
+    starts = sorted({int(i) for i in np.linspace(0, n - 1, min(windows, n))})
+    amp = (torch.autocast("cuda", dtype=torch.bfloat16) if device.type == "cuda" else contextlib.nullcontext())
+    total, count = 0.0, 0
+    target.eval()
+    try:
+        for i in range(0, len(starts), batch):
+            ids = torch.from_numpy(np.stack([np.asarray(tokens[w * seq_len:(w + 1) * seq_len], dtype=np.int64)
+                                             for w in starts[i:i + batch]])).to(device)
+            with amp:
+                logits = target(ids).logits
+            total += F.cross_entropy(logits[:, :-1].float().flatten(0, 1), ids[:, 1:].flatten(),
+                                     reduction="sum").item()
+            count += ids[:, 1:].numel()
+    finally:
+        target.train()
+    return total / count
+
+
 def train_step(models, capture, ids: torch.Tensor, opt, lr: float, args, device: torch.device) -> dict:
     """One optimizer step on ids [B, S]; returns the step's log fields (losses, grad checks)."""
     from training.nemo_models import sync_draft_embeddings, update_router_biases
@@ -232,6 +255,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-steps", type=int, default=None, help="stop this run after this step")
     p.add_argument("--max-minutes", type=float, default=9.0, help="stop (and checkpoint) before this wall time")
     p.add_argument("--save-every", type=int, default=200)
+    p.add_argument("--eval-every", type=int, default=200, help="held-out loss every N steps (0: never)")
+    p.add_argument("--eval-windows", type=int, default=64, help="held-out windows of --seq-len per evaluation")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--num-anchors", type=int, default=8, help="DSpark draft blocks per row per step")
     p.add_argument("--draft-weight", type=float, default=1.0, help="weight of the DSpark objective")
@@ -305,6 +330,9 @@ def main(argv: list[str] | None = None, start: float | None = None) -> dict:
         torch.manual_seed(args.seed + 1)
     _truncate_log(out / LOG, step)
     windows = PackedWindows(read_tokens(data / "train.bin"), args.seq_len, args.batch_size, args.seed, state)
+    held = read_tokens(data / "heldout.bin") if (data / "heldout.bin").is_file() else np.zeros(0, np.int32)
+    if len(held) < args.seq_len:
+        args.eval_every = 0
     capture = FeatureCapture(models.target)
     start = time.monotonic() if start is None else start
     deadline = start + args.max_minutes * 60
@@ -339,6 +367,9 @@ def main(argv: list[str] | None = None, start: float | None = None) -> dict:
             rec = dict(step=step, lr=lr, tokens=step * tokens_per_step, step_s=round(dt, 4),
                        tokens_per_s=round(tokens_per_step / dt, 1), elapsed_s=round(time.monotonic() - start, 1),
                        **rec)
+            if args.eval_every and step % args.eval_every == 0:
+                rec["heldout_loss"] = heldout_loss(models.target, held, args.seq_len, args.eval_windows,
+                                                   args.batch_size, device)
             log.write(json.dumps(rec) + "\n")
             log.flush()
             if rec["nonfinite_grads"]:

@@ -13,7 +13,8 @@ from training.tokenizer import build, read_tokens
 
 SEQ, BATCH = 16, 2
 ARGS = ["--preset", "tiny41", "--seq-len", str(SEQ), "--batch-size", str(BATCH), "--total-steps", "3",
-        "--warmup-steps", "0", "--lr", "3e-3", "--num-anchors", "2", "--save-every", "1"]
+        "--warmup-steps", "0", "--lr", "3e-3", "--num-anchors", "2", "--save-every", "1", "--eval-every", "2",
+        "--eval-windows", "2"]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -26,10 +27,13 @@ def one_thread():
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
-    """Tokenizer (vocab 1024 = tiny41's) + a train.bin of exactly one batch: every step sees the same rows."""
+    """Tokenizer (vocab 1024 = tiny41's) + a train.bin of exactly one batch (every step sees the same
+    rows) and a heldout.bin of two other windows."""
     out = tmp_path_factory.mktemp("data")
     build(out, 1024, held_out_percent=0, max_files=6)
-    read_tokens(out / "train.bin")[:SEQ * BATCH].tofile(str(out / "train.bin"))
+    tokens = read_tokens(out / "train.bin")
+    tokens[:SEQ * BATCH].tofile(str(out / "train.bin"))
+    tokens[SEQ * BATCH:SEQ * BATCH + 2 * SEQ].tofile(str(out / "heldout.bin"))
     return out
 
 
@@ -61,6 +65,7 @@ def test_three_steps_lower_the_loss_with_finite_grads_everywhere(run, data):
             assert math.isfinite(r[key]) and r[key] > 0, (key, r)
         assert len(r["accept_rate"]) == 5 and 1 <= r["tau"] <= 6
     assert log[-1]["loss"] < log[0]["loss"] - 0.3
+    assert "heldout_loss" not in log[0] and math.isfinite(log[1]["heldout_loss"]) and log[1]["heldout_loss"] > 0
     # every trainable tensor of target and draft moved away from NeMo's initialisation
     ck = load_checkpoint(run)
     init = build_models(json.loads((run / "config.json").read_text()), run / "tokenizer.json", num_anchors=2)
@@ -81,7 +86,8 @@ def test_an_interrupted_run_resumes_to_the_same_state(run, data, tmp_path):
     with pytest.raises(ValueError, match="--lr"):
         _train(data, out, "--lr", "1e-3")
     assert _train(data, out)["finished"]
-    assert [r["loss"] for r in _log(out)] == [r["loss"] for r in _log(run)]
+    assert _log(out) and [(r["loss"], r["draft_loss"], r.get("heldout_loss")) for r in _log(out)] == \
+        [(r["loss"], r["draft_loss"], r.get("heldout_loss")) for r in _log(run)]
     a, b = load_checkpoint(out), load_checkpoint(run)
     assert a["data"] == b["data"] and a["step"] == b["step"] == 3
     for tag in ("target", "draft"):
