@@ -43,6 +43,13 @@ class KVCacheManager:
 
     def allocate(self, req: Request, num_tokens: int) -> bool:
         """Grow `req`'s holdings to cover `num_tokens` computed tokens; all or nothing."""
+        if req.slot is not None:  # steady decode: the tables already cover it (no block boundary crossed)
+            tables, bs = req.block_tables, self.block_size
+            for m in self.num_blocks:
+                if num_tokens // m > len(tables.get(m, ())) * bs:
+                    break
+            else:
+                return True
         need = {m: n - len(req.block_tables.get(m, [])) for m, n in self.blocks_for(num_tokens).items()}
         if req.slot is None and not self.free_slots:
             return False

@@ -22,6 +22,8 @@ rewritten by the step that recomputes that position before any read.
 """
 from __future__ import annotations
 
+import itertools
+
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -152,17 +154,22 @@ def _keep_last(tok, pos, end, slot, size: int):
     return tok[keep], _ring_rows(slot[keep], pos[keep], size)
 
 
-def _entry_addresses(chunks: list[SeqChunk], m: int, n_entries: int, block_size: int) -> np.ndarray:
-    """[B, n_entries] address of entry w of each request (its block table must cover it)."""
-    tables = [c.block_tables.get(m, []) for c in chunks]
-    for c, table in zip(chunks, tables):
-        need = -(-((c.start + len(c.token_ids)) // m) // block_size)
-        if len(table) < need:
-            raise ValueError(f"slot {c.slot}: block table for ratio {m} has {len(table)} blocks, needs {need}")
-    width = max([-(-n_entries // block_size)] + [len(t) for t in tables])
+def _entry_addresses(chunks: list[SeqChunk], m: int, n_entries: int, block_size: int,
+                     req_end: np.ndarray) -> np.ndarray:
+    """[B, n_entries] address of entry w of each request (its block table must cover its entries up to
+    req_end, the position after its chunk)."""
+    tables = [c.block_tables.get(m, ()) for c in chunks]
+    counts = np.fromiter(map(len, tables), dtype=np.int64, count=len(tables))
+    need = -(-(req_end // m) // block_size)
+    short = np.flatnonzero(counts < need)
+    if short.size:
+        b = int(short[0])
+        raise ValueError(f"slot {chunks[b].slot}: block table for ratio {m} has {counts[b]} blocks, needs {need[b]}")
+    width = max(-(-n_entries // block_size), int(counts.max()) if counts.size else 0)
     padded = np.zeros((len(chunks), width), dtype=np.int64)
-    for b, t in enumerate(tables):
-        padded[b, :len(t)] = t
+    if counts.any():  # row-major: the mask's True cells are the tables' blocks in order
+        padded[np.arange(width) < counts[:, None]] = np.fromiter(itertools.chain.from_iterable(tables),
+                                                                  dtype=np.int64, count=int(counts.sum()))
     w = np.arange(n_entries)
     return padded[:, w // block_size] * block_size + w % block_size
 
@@ -190,7 +197,7 @@ def _compress_plan(m: int, overlap: bool, chunks: list[SeqChunk], tok, pos, req,
         if max_vis > fixed.visible[m]:
             raise ValueError(f"FixedShape.visible[{m}]={fixed.visible[m]} < {max_vis} entries")
         max_vis = fixed.visible[m]
-    addr = _entry_addresses(chunks, m, max_vis, block_size)
+    addr = _entry_addresses(chunks, m, max_vis, block_size, req_end)
     dst = addr[req[rows], np.minimum(w, max(max_vis - 1, 0))] if max_vis else w
     if fixed:
         dst = np.where(closing, dst, fixed.scratch[m])

@@ -62,3 +62,28 @@ def test_window_tables_are_the_same_on_the_host_and_on_the_device_path():
                                None if low is None else torch.from_numpy(low))
             for h, d in zip(host, dev):
                 assert h.dtype == np.int64 and torch.equal(torch.from_numpy(h), d)
+
+
+def test_entry_addresses_follow_each_block_table_and_refuse_short_ones():
+    """addr[b, w] = table_b[w // bs] * bs + w % bs for every visible entry w (random tables, some empty),
+    and a table that does not cover a chunk's closed entries is refused, naming its slot."""
+    import random
+
+    from deepinfer.state.forward_batch import FixedShape
+
+    rng = random.Random(0)
+    bs, m = 4, 2
+    chunks = []
+    for b in range(9):
+        start = rng.choice([0, 1, 7, 30])
+        blocks = -(-((start + 1) // m) // bs)
+        chunks.append(SeqChunk(b, start, [3], {m: rng.sample(range(100), blocks)} if blocks else {}))
+    batch = build_forward_batch(chunks, 4, {(m, False)}, bs, "cpu", fixed=FixedShape({m: 0}, {m: 16}))
+    addr = batch.plans[(m, False)].addr
+    assert addr.shape == (9, 16)
+    for b, c in enumerate(chunks):
+        for w in range((c.start + 1) // m):
+            assert addr[b, w] == c.block_tables[m][w // bs] * bs + w % bs
+    chunks[5] = SeqChunk(5, 30, [3], {m: [1]})
+    with pytest.raises(ValueError, match="slot 5: block table for ratio 2 has 1 blocks, needs 4"):
+        build_forward_batch(chunks, 4, {(m, False)}, bs, "cpu")
