@@ -247,7 +247,8 @@ class LLM:
                 self.engine.release(r)
             raise
         outs = [RequestOutput(g[0].request_id, _text_of(p), ids,
-                              [self.engine.completion(r, k) for k, r in enumerate(g)])
+                              [self.engine.completion(r, k) for k, r in enumerate(g)],
+                              prompt_logprobs=g[0].prompt_logprobs)
                 for g, p, (ids, _) in zip(groups, prompts, inputs)]
         failed = [(i, c) for i, o in enumerate(outs) for c in o.outputs if c.finish_reason == "abort"]
         if failed:
@@ -296,9 +297,13 @@ class LLM:
         limit = min(self.config.max_logprobs, vocab)
         if sp.stop and self.detokenizer is None:
             raise ValueError(f"prompts[{i}]: SamplingParams.stop needs a tokenizer (skip_tokenizer_init=True)")
-        if sp.logprobs is not None and sp.logprobs > limit:
-            raise ValueError(f"prompts[{i}]: SamplingParams.logprobs {sp.logprobs} is above the limit {limit} "
-                             f"(max_logprobs={self.config.max_logprobs}, vocab_size={vocab})")
+        for name in ("logprobs", "prompt_logprobs"):
+            k = getattr(sp, name)
+            if k is not None and k > limit:
+                raise ValueError(f"prompts[{i}]: SamplingParams.{name} {k} is above the limit {limit} "
+                                 f"(max_logprobs={self.config.max_logprobs}, vocab_size={vocab})")
+        if sp.prompt_logprobs is not None:
+            self._check_prompt_logprobs(i)
         bad = [t for t in sp.stop_token_ids if t >= vocab]
         if bad:
             raise ValueError(f"prompts[{i}]: SamplingParams.stop_token_ids {bad[:5]} are outside the vocabulary "
@@ -308,6 +313,19 @@ class LLM:
                 self._grammar_backend().validate(sp.so_args)
             except ValueError as e:
                 raise ValueError(f"prompts[{i}]: SamplingParams.{e}") from None
+
+    def _check_prompt_logprobs(self, i: int) -> None:
+        """prompt_logprobs are computed by the single-process runner's prefill (worker/model_runner.py); the
+        engines that do not compute them refuse the request rather than return nothing."""
+        cfg = self.config
+        parallel = [n for n in ("tensor_parallel_size", "data_parallel_size", "context_parallel_size")
+                    if getattr(cfg, n) > 1]
+        if parallel:
+            raise ValueError(f"prompts[{i}]: SamplingParams.prompt_logprobs is not supported with {parallel[0]} > 1 "
+                             "yet")
+        if cfg.speculation is not None:
+            raise ValueError(f"prompts[{i}]: SamplingParams.prompt_logprobs is not supported with speculative "
+                             f"decoding (speculative_config {cfg.speculation}) yet")
 
     def _grammar_backend(self):
         """The structured-output backend (xgrammar, compiled from the model's tokenizer), built once."""
@@ -402,6 +420,8 @@ class LLM:
         eos = self.model.config.eos_token_id
         reqs = [Request(f"{next(self._ids)}", ids, sp, eos, images=images, sample_index=j) for j in range(sp.n)]
         leader = reqs[0]
+        if sp.prompt_logprobs is not None:  # position 0 stays None: nothing predicts it
+            leader.prompt_logprobs = [None] * len(ids)
         if sp.so_args is not None:  # compiled on a worker thread; the request waits in the queue until it is
             backend = self._grammar_backend()
             leader.grammar = backend.request_grammar(backend.validate(sp.so_args), ids)

@@ -18,6 +18,8 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     logprobs: int | None = None
+    # vLLM's: per prompt position after the first, the prompt token's logprob and the top-k (raw model)
+    prompt_logprobs: int | None = None
     n: int = 1
     seq_seed: int | None = None          # DeepInfer: per-request seed for deterministic sampling
     so_args: dict[str, Any] | None = None  # DeepInfer: structured-output arguments
@@ -36,6 +38,8 @@ class SamplingParams:
         _check(_is_int(self.n) and self.n >= 1, "n", f"must be an integer >= 1, got {self.n}")
         _check(self.logprobs is None or (_is_int(self.logprobs) and self.logprobs >= 0), "logprobs",
                f"must be None or an integer >= 0, got {self.logprobs}")
+        _check(self.prompt_logprobs is None or (_is_int(self.prompt_logprobs) and self.prompt_logprobs >= 0),
+               "prompt_logprobs", f"must be None or an integer >= 0, got {self.prompt_logprobs!r}")
         _check(self.seq_seed is None or _is_int(self.seq_seed), "seq_seed",
                f"must be None or an integer, got {self.seq_seed!r}")
         _check(self.so_args is None or isinstance(self.so_args, dict), "so_args",

@@ -32,6 +32,9 @@ class ScheduledChunk:
     # structured outputs: the request's grammar state (structured/backend.py RequestGrammar); the runner
     # masks the logits of the chunk's sampled (and verified) positions by it
     grammar: Any = None
+    # prompt_logprobs: the chunk's first `prompt_rows` rows give the logprobs of the prompt tokens at positions
+    # start + 1 .. start + prompt_rows (0: none; never the row that samples)
+    prompt_rows: int = 0
 
 
 # input token of a chunk scheduled ahead (async scheduling): the token its request samples in the step
@@ -71,6 +74,8 @@ class ModelOutput:
     logprobs: dict[str, list[dict[int, float]]] = field(default_factory=dict)
     drafts: dict[str, list[int]] = field(default_factory=dict)  # the model's drafts for the next step
     draft_confidence: dict[str, list[float]] = field(default_factory=dict)  # and their confidences
+    # request id -> (first position, one logprob dict per prompt position from it on) of its chunk's prompt_rows
+    prompt_logprobs: dict[str, tuple[int, list[dict[int, float]]]] = field(default_factory=dict)
 
 
 @dataclass
@@ -90,3 +95,6 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool = True
+    # SamplingParams.prompt_logprobs: per prompt position, {token id: logprob} of the prompt token and the top-k
+    # (None at position 0, which nothing predicts); None when not asked for
+    prompt_logprobs: list[dict[int, float] | None] | None = None

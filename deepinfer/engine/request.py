@@ -39,6 +39,8 @@ class Request:
     # structured outputs (so_args): its grammar matcher (structured/backend.py RequestGrammar), advanced
     # by every token the request emits; None when unconstrained
     grammar: Any = None
+    # SamplingParams.prompt_logprobs (the leader only): one entry per prompt position, filled as prefill computes them
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -91,10 +91,14 @@ class Scheduler:
         ids = req.all_token_ids
         lo = start - CONTEXT_TOKENS
         images = [(s0, img) for s0, img in req.images if s0 < start + n and s0 + img.num_tokens > lo]
+        # prompt_logprobs: rows start .. start + n - 1 predict positions start + 1 .. start + n; the prompt's last
+        # position predicts an output token (a recompute after preemption computes them again)
+        prompt_rows = 0 if req.prompt_logprobs is None else \
+            max(0, min(start + n, len(req.prompt_token_ids) - 1) - start)
         return ScheduledChunk(req.request_id, req.slot, start, ids[start:start + n] + list(drafts),
                               {m: list(t) for m, t in req.block_tables.items()}, samples, req.params,
                               ids[max(0, lo):start], req.num_tokens, images, req.sample_index, len(drafts),
-                              -1 if at_end else ids[start + n], req.grammar)
+                              -1 if at_end else ids[start + n], req.grammar, prompt_rows)
 
     def _drafts(self, req: Request, budget: int) -> list[int]:
         """Draft tokens for a decoding request (one pending token): at most what the step's token budget
@@ -223,6 +227,9 @@ class Scheduler:
             if req is None:
                 continue
             req.num_computed_tokens += len(c.token_ids) - c.num_draft
+            if c.request_id in mo.prompt_logprobs and req.prompt_logprobs is not None:
+                first, lps = mo.prompt_logprobs[c.request_id]
+                req.prompt_logprobs[first:first + len(lps)] = lps
             if c.num_samples == 0:
                 continue
             toks = mo.sampled[c.request_id]

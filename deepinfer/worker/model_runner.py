@@ -48,10 +48,24 @@ class StepHandle:
     # (SchedulerOutput, logits, rows) of a step launched ahead whose structured-output masks wait for the
     # step before it (ModelRunner.complete samples it)
     deferred: tuple | None = None
+    # prompt_logprobs of the step's chunks with prompt_rows, computed at launch (see _prompt_logprobs)
+    prompt: "PromptLogprobs | None" = None
+
+
+@dataclass
+class PromptLogprobs:
+    """The step's prompt rows: spans[i] = (request id, first position, rows, top-k) in row order; targets the
+    prompt token each row predicts; top = (their logprobs [N], top-k values [N, k], top-k ids [N, k]) on the device."""
+
+    spans: list[tuple[str, int, int, int]]
+    targets: list[int]
+    top: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 # images whose embeddings are kept between the chunks of a prompt (most recent first out)
 IMAGE_CACHE_SIZE = 32
+# prompt_logprobs: rows whose full-vocabulary logits are materialised at once (1024 x 129280 fp32: 0.5 GB)
+PROMPT_LOGPROBS_ROWS = 1024
 
 
 class ModelRunner:
@@ -118,12 +132,13 @@ class ModelRunner:
             self.cache.copy_state(f.src_slot, f.dst_slot, f.src_blocks, f.dst_blocks)
         fill = self._fill(so, prev)
         if self.graphs is not None and self.graphs.fits(len(so.chunks)) and \
-                all(len(c.token_ids) == 1 and not c.images for c in so.chunks):
+                all(len(c.token_ids) == 1 and not c.images and not c.prompt_rows for c in so.chunks):
             return self._sample_or_defer(so, self.graphs.run([SeqChunk(c.slot, c.start, c.token_ids, c.block_tables)
                                                               for c in so.chunks], fill), list(range(len(so.chunks))), prev)
         keep = self.replay_keep
+        # a chunk with prompt rows is prefilled exactly (no bounded replay): each of its rows needs every layer
         chunks = [SeqChunk(c.slot, c.start, c.token_ids, c.block_tables, c.prev_tokens,
-                           0 if keep is None else max(0, c.num_tokens - keep),
+                           0 if keep is None or c.prompt_rows else max(0, c.num_tokens - keep),
                            [(s0, img.num_tokens) for s0, img in c.images]) for c in so.chunks]
         host_w, dev_w = self._history()
         batch = build_forward_batch(chunks, self.model.config.sliding_window, self.cache.compress_kinds,
@@ -143,6 +158,14 @@ class ModelRunner:
             streams = self.model(batch, self.cache.layers, token_history=self.cache.token_history)
         if self.drafter is not None:
             self.drafter.observe(so.chunks, batch, streams, features)
+        h = self._sample_streams(so, batch, streams, prev)
+        if any(c.prompt_rows for c in so.chunks):
+            h.prompt = self._prompt_logprobs(so, streams)
+        return h
+
+    def _sample_streams(self, so: SchedulerOutput, batch, streams: torch.Tensor,
+                        prev: StepHandle | None) -> StepHandle:
+        """Samples (or verifies) the chunks that ask for it from the forward's final states [T, ...]."""
         rows = [i for i, c in enumerate(so.chunks) if c.num_samples]
         if not rows:
             if self.drafter is not None:  # (the MTP layer still runs over the step's rows)
@@ -153,6 +176,25 @@ class ModelRunner:
             return self._verify(so, streams, rows)
         last = batch.logits_idx[torch.tensor(rows, device=self.device)]
         return self._sample_or_defer(so, self.model.compute_logits(streams[last]), rows, prev)
+
+    def _prompt_logprobs(self, so: SchedulerOutput, streams: torch.Tensor) -> PromptLogprobs:
+        """Raw-model logprobs (as the sampler's logits, before temperature, penalties or grammar masks) of the
+        prompt tokens each chunk's prompt rows predict: row j of a chunk predicts its position start + j + 1,
+        the chunk's next token for its last row. The head runs on PROMPT_LOGPROBS_ROWS rows at a time, apart
+        from the sampled rows' (their logits, and every other request's, are computed as without this)."""
+        rows, targets, spans, off = [], [], [], 0
+        for c in so.chunks:
+            if c.prompt_rows:
+                rows += range(off, off + c.prompt_rows)
+                targets += (c.token_ids + [c.next_token])[1:c.prompt_rows + 1]
+                spans.append((c.request_id, c.start + 1, c.prompt_rows, c.params.prompt_logprobs))
+            off += len(c.token_ids)
+        k = max(s[3] for s in spans)
+        idx = to_device(torch.tensor(rows, dtype=torch.long), self.device)
+        tgt = to_device(torch.tensor(targets, dtype=torch.long), self.device)
+        parts = [top_logprobs(self.model.compute_logits(streams[idx[i:i + PROMPT_LOGPROBS_ROWS]]),
+                              tgt[i:i + PROMPT_LOGPROBS_ROWS], k) for i in range(0, len(rows), PROMPT_LOGPROBS_ROWS)]
+        return PromptLogprobs(spans, targets, tuple(torch.cat(t) for t in zip(*parts)))
 
     def _sample_or_defer(self, so: SchedulerOutput, logits: torch.Tensor, rows: list[int],
                          prev: StepHandle | None) -> StepHandle:
@@ -309,7 +351,8 @@ class ModelRunner:
             for rid, j in h.drafts.items():
                 out.drafts[rid] = drafted[j * w:(j + 1) * w]
                 out.draft_confidence[rid] = conf[j * w:(j + 1) * w]
-        lp = self._logprobs(h.logprobs, [max(t, 0) for t in token_list], h.params) if h.logprobs is not None else None
+        lp = self._logprobs(h.logprobs, [max(t, 0) for t in token_list], [p.logprobs for p in h.params]) \
+            if h.logprobs is not None else None
         for rid, gs in h.groups.items():
             take = [r for g in gs for r in range(h.offsets[g], h.offsets[g] + accepted[g] + 1)]
             out.sampled[rid] = [token_list[r] for r in take]
@@ -320,6 +363,16 @@ class ModelRunner:
     @torch.inference_mode()
     def collect(self, h: StepHandle) -> ModelOutput:
         """Waits for the step's sampled tokens; the one host sync of a step."""
+        out = self._collect(h)
+        if h.prompt is not None:
+            p, r = h.prompt, 0
+            lps = self._logprobs(p.top, p.targets, [k for _, _, n, k in p.spans for _ in range(n)])
+            for rid, first, n, _ in p.spans:
+                out.prompt_logprobs[rid] = (first, lps[r:r + n])
+                r += n
+        return out
+
+    def _collect(self, h: StepHandle) -> ModelOutput:
         out = ModelOutput({})
         if h.tokens is None:
             return out
@@ -330,7 +383,7 @@ class ModelRunner:
         token_list = h.host_tokens.tolist()
         lp = None
         if h.logprobs is not None:
-            lp = self._logprobs(h.logprobs, token_list, h.params)
+            lp = self._logprobs(h.logprobs, token_list, [p.logprobs for p in h.params])
         for rid, (i, n) in h.rows.items():
             out.sampled[rid] = token_list[i:i + n]
             c_params = h.params[i]
@@ -363,11 +416,12 @@ class ModelRunner:
         return torch.cat(rows).to(self.device), torch.cat(values)
 
     @staticmethod
-    def _logprobs(top, token_list: list[int], params) -> list[dict[int, float]]:
+    def _logprobs(top, token_list: list[int], ks: list[int | None]) -> list[dict[int, float]]:
+        """Per row r: the top ks[r] (None: 0) and token_list[r]'s logprob."""
         chosen, vals, ids = (t.tolist() for t in top)
         out = []
-        for r, p in enumerate(params):
-            n = p.logprobs or 0
+        for r, n in enumerate(ks):
+            n = n or 0
             d = dict(zip(ids[r][:n], vals[r][:n]))
             d[token_list[r]] = chosen[r]
             out.append(d)
