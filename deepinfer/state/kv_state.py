@@ -18,8 +18,9 @@ from dataclasses import dataclass, field
 import torch
 
 from deepinfer.kernels.copy_rows import copy_rows
+from deepinfer.kernels.index_query import index_query
 from deepinfer.formats import group_quant
-from deepinfer.formats.quant import fp4_roundtrip, hadamard, quant_fp4, dequant_fp4, FP8_MAX
+from deepinfer.formats.quant import hadamard, quant_fp4, dequant_fp4, FP8_MAX
 
 EXACT_FORMATS = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 KV_CACHE_DTYPES = ("auto", "fp8", "bfloat16", "float32")
@@ -129,9 +130,10 @@ class IndexKeyStore:
         return self.data[rows].to(dtype)
 
     def prepare_query(self, q: torch.Tensor) -> torch.Tensor:
-        """Queries go through the same rotation + FP4 rounding as the keys."""
+        """Queries go through the same rotation + FP4 rounding as the keys (one kernel on CUDA, bit-equal
+        to fp4_roundtrip(hadamard(q.float()), 32).to(q.dtype))."""
         if self.fmt == "fp4":
-            return fp4_roundtrip(hadamard(q.float()), 32).to(q.dtype)
+            return index_query(q)
         return q
 
 

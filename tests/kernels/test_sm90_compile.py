@@ -14,6 +14,7 @@ from sm90 import compile_sm90, record  # noqa: E402
 from deepinfer.kernels import (compress_pool, copy_rows, grouped_gemm, index_scores, index_topk,  # noqa: E402
                                invariant_matmul, mhc_coeffs, mhc_collapse, mhc_expand, mhc_mix, moe_align,
                                moe_combine, rms_norm, rope, router, sparse_attention, split_sum, swiglu)
+from deepinfer.kernels import index_query  # noqa: E402
 from deepinfer.layers import invariant  # noqa: E402
 
 BF = torch.bfloat16
@@ -99,6 +100,8 @@ def dense_launches():
                        (_e(16, 1024, dtype=torch.float32), _e(8, 1024, dtype=torch.float32))), _i(8), _i(8))
     index_scores._launch(_e(4, 64, 128), _e(512, 128), _e(4, 64, dtype=torch.float32), _i(4))
     index_topk._launch(_e(4, 512, dtype=torch.float32), _i(4), 64)
+    index_query._launch(_e(4, 64, 128), cuda_log2=True)                       # V4's queries; tiny models' fp32
+    index_query._launch(_e(4, 16, 64, dtype=torch.float32), cuda_log2=True)
     for T in (1, 64):
         index_scores._launch_per_token(_e(T, 64, 128), _e(4096, 128), _i(T, 1024), _i(T),
                                        _e(T, 64, dtype=torch.float32), _i(T))

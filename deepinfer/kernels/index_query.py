@@ -1,0 +1,139 @@
+"""The lightning indexer's FP4 query preparation in one kernel: Walsh-Hadamard rotation, then the FP4
+round trip (E2M1 codes, a power-of-two E8M0 scale per group of 32), as the keys are stored.
+
+    q [..., D] (bf16 / fp16 / fp32, D a power of two in [32, 1024])  ->  out [..., D] in q's dtype
+    out = fp4_roundtrip(hadamard(q.float()), 32).to(q.dtype)          (`reference`, plain torch)
+
+The torch form's arithmetic on CUDA, bit for bit, per row of D values in fp32:
+  * rotation: log2(D) butterfly stages h = 1, 2, ..., D/2; stage h maps the pair (i, i + h), bit h
+    of i clear, to (y[i] + y[i+h], y[i] - y[i+h]): the same fp32 adds in the same order (reshape /
+    permute / split / join only move values); then one multiply by fp32(D ** -0.5);
+  * scale per group of 32: e = clamp(ceil(log2(max(amax, 1e-30) * fp32(1 / 6))), -127, 127), s = 2^e,
+    with libdevice's log2f (torch.log2 on CUDA; torch on CUDA divides by a Python scalar as a multiply
+    by its fp32 reciprocal). 1e-30 keeps e >= -102, so s and 1/s are normal except 2^-127 (amax = inf);
+  * codes: r = x / s, taken as x * 2^-e (exact wherever |r| >= 2^-126; anything smaller has code 0);
+    |r| clamped to 6 and rounded to the E2M1 grid {0, .5, 1, 1.5, 2, 3, 4, 6}, to nearest, ties to the
+    even code (.75 -> 1, 1.75 -> 2, 3.5 -> 4 up; .25 -> 0, 1.25 -> 1, 2.5 -> 2, 5 -> 4 down), as
+    `_fp4_codes`' nudged bucket bounds do; the sign only on non-zero codes (|r| <= .25 gives +0.0);
+  * out = code value * s (exact), cast to q's dtype.
+NaN: a group holding one (after the rotation a NaN fills its row) gives +6.0 everywhere, the torch form's
+result on CUDA: there a NaN scale's E8M0 byte is 127 (NaN -> int32 is 0) and bucketize puts NaN codes
+last (+6; GPU NaNs are positive). The torch form on the CPU differs in two ways the kernel does not
+follow: a NaN scale's byte is 0 (x86 NaN -> int32 is INT_MIN), and amax / 6 is a true division, so
+where fp32 log2 rounds onto an integer (amax / 6 just above a power of two, |e| >= 3) its e can differ.
+Under the interpreter (CPU tensors) numpy's log2 stands in for libdevice's.
+
+Grid: one program per ROWS rows; q is read once and the output written once.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from deepinfer.formats.quant import fp4_roundtrip, hadamard
+
+try:
+    import triton
+    import triton.language as tl
+    from triton.language.extra import libdevice
+except ImportError:  # CPU-only installs: the torch reference is used
+    triton = None
+
+GROUP = 32
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def reference(q: torch.Tensor) -> torch.Tensor:
+    """Plain torch: IndexKeyStore's FP4 query preparation."""
+    return fp4_roundtrip(hadamard(q.float()), GROUP).to(q.dtype)
+
+
+def supported(q: torch.Tensor) -> bool:
+    """The kernel's shapes and dtypes: width a power of two from 32 to 1024, float rows."""
+    D = q.shape[-1] if q.dim() else 0
+    return q.dtype in DTYPES and GROUP <= D <= 1024 and D & (D - 1) == 0
+
+
+@functools.lru_cache(maxsize=None)
+def _fp32(v: float) -> float:
+    """v rounded to fp32, as torch rounds a Python scalar operand of an fp32 op."""
+    return float(torch.tensor(v, dtype=torch.float32))
+
+
+if triton is not None:
+    @triton.jit
+    def _butterfly(x, ROWS: tl.constexpr, D: tl.constexpr, H: tl.constexpr):
+        """One stage: pairs (i, i + H) with bit H of i clear -> (x[i] + x[i+H], x[i] - x[i+H])."""
+        y = tl.permute(tl.reshape(x, (ROWS, D // (2 * H), 2, H)), (0, 1, 3, 2))   # [.., H, pair]
+        a, b = tl.split(y)
+        y = tl.permute(tl.join(a + b, a - b), (0, 1, 3, 2))                       # [.., pair, H]
+        return tl.reshape(y, (ROWS, D))
+
+    @triton.jit
+    def _index_query_kernel(q_ptr, out_ptr, n_rows, stride_q,
+                            D: tl.constexpr, LOG_D: tl.constexpr, ROWS: tl.constexpr, NORM: tl.constexpr,
+                            INV_FMT_MAX: tl.constexpr, CUDA_LOG2: tl.constexpr):
+        rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+        cols = tl.arange(0, D)
+        m = (rows < n_rows)[:, None]
+        x = tl.load(q_ptr + rows.to(tl.int64)[:, None] * stride_q + cols[None, :], mask=m, other=0.0)
+        x = x.to(tl.float32)
+        for s in tl.static_range(LOG_D):
+            x = _butterfly(x, ROWS, D, 1 << s)
+        x = tl.reshape(x * NORM, (ROWS, D // 32, 32))
+        # amax as the max of |x|'s bit patterns: ordered as the values, and above inf's for a NaN
+        top = tl.max(x.to(tl.int32, bitcast=True) & 0x7FFFFFFF, axis=2)           # [ROWS, D / 32]
+        nan = top > 0x7F800000
+        amax = top.to(tl.float32, bitcast=True)
+        v = tl.maximum(amax, 1e-30) * INV_FMT_MAX
+        if CUDA_LOG2:  # log2f of CUDA's math library, as torch.log2 on CUDA
+            lg = libdevice.log2(v)
+        else:  # the interpreter has no libdevice: numpy's log2
+            lg = tl.log2(v)
+        e = tl.minimum(tl.maximum(tl.ceil(lg), -127.0), 127.0).to(tl.int32)
+        e = tl.where(nan, 0, e)                                                  # in [-102, 127]
+        scale = ((e + 127) << 23).to(tl.float32, bitcast=True)[:, :, None]       # 2^e
+        # r = x / 2^e as (x * 2^-min(e, 126)) * (1 or 1/2): exact wherever |r| >= 2^-126, and a value that
+        # comes out subnormal has code 0 either way
+        inv = ((127 - tl.minimum(e, 126)) << 23).to(tl.float32, bitcast=True)[:, :, None]
+        r = (x * inv) * tl.where(e == 127, 0.5, 1.0)[:, :, None]
+        # E2M1 round to nearest even of a = min(|r|, 6): steps of .5 below 2, 1 below 4, 2 above
+        # (adding 1.5 * 2^(23 + log2 step) rounds to the step, ties to the even multiple; the even
+        # multiples are the even codes)
+        a = tl.minimum(tl.abs(r), 6.0)
+        magic = tl.where(a < 2.0, 6291456.0, tl.where(a < 4.0, 12582912.0, 25165824.0))
+        val = (a + magic) - magic
+        val = tl.where(r < -0.25, -val, val)                                     # |r| <= .25 -> +0.0
+        val = tl.where(nan[:, :, None], 6.0, val)
+        out = tl.reshape(val * scale, (ROWS, D))
+        tl.store(out_ptr + rows.to(tl.int64)[:, None] * D + cols[None, :], out.to(out_ptr.dtype.element_ty), mask=m)
+
+
+def _launch(q: torch.Tensor, ROWS: int = 32, num_warps: int = 8, cuda_log2: bool | None = None) -> torch.Tensor:
+    """The Triton launch on whatever device q is on (CPU only under TRITON_INTERPRET=1). `cuda_log2`
+    (default: q is on CUDA) takes the scale's log2 from libdevice, which the interpreter lacks."""
+    if not supported(q):
+        raise ValueError(f"index_query: q must be bf16/fp16/fp32 [..., D] with D a power of two in [32, 1024], "
+                         f"got {q.dtype} {tuple(q.shape)}")
+    D = q.shape[-1]
+    x = q.reshape(-1, D)
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    n = x.shape[0]
+    if n == 0:
+        return out
+    _index_query_kernel[(triton.cdiv(n, ROWS),)](x, out, n, x.stride(0), D=D, LOG_D=D.bit_length() - 1,
+                                                 ROWS=ROWS, NORM=_fp32(D ** -0.5), INV_FMT_MAX=_fp32(1 / 6),
+                                                 CUDA_LOG2=q.is_cuda if cuda_log2 is None else cuda_log2,
+                                                 num_warps=num_warps, enable_fp_fusion=False)
+    return out
+
+
+def index_query(q: torch.Tensor) -> torch.Tensor:
+    """fp4_roundtrip(hadamard(q.float()), 32).to(q.dtype): Triton on CUDA, `reference` elsewhere or for
+    shapes the kernel does not take. No host sync (CUDA-graph capturable)."""
+    if triton is None or not q.is_cuda or not supported(q):
+        return reference(q)
+    return _launch(q)
