@@ -15,8 +15,9 @@ deepseek-recipe's other special tokens (sorted, `<｜image｜>` aside); then the
 (the presets' dspark_noise_token_id). Every special deepseek-recipe renders is present, so the API
 server takes no padding entry over.
 
-Writes into --out: tokenizer.json + tokenizer_config.json, train.bin / heldout.bin (little-endian int32
-token ids: each file is BOS + its tokens + EOS, files concatenated), heldout.txt (the held-out files'
+Writes into --out: tokenizer.json + tokenizer_config.json, train.bin / heldout.bin (token ids, little-endian
+uint16 up to a 65536-token vocabulary, else int32, as manifest.json's token_dtype says: each file is
+BOS + its tokens + EOS, files concatenated), heldout.txt (the held-out files'
 text, for `deepinfer.tools.calibrate_dspark --file` and perplexity), manifest.json (files, counts).
 """
 from __future__ import annotations
@@ -35,19 +36,24 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, 
 from deepinfer.tools.tiny_tokenizer import SPECIAL_TOKENS, write_tokenizer
 
 IMAGE_TOKEN = "<｜image｜>"
-TOKEN_DTYPE = np.dtype("<i4")
-
-
-def recipe_specials() -> list[str]:
-    """deepseek-recipe's spelling of every special token it renders or parses."""
-    from deepinfer.entrypoints.openai.tokenizer import special_spellings
-    return special_spellings()
+# deepseek-recipe 0.2.0's spelling of every special token it renders or parses (written out so that the
+# trainer's machine needs no deepseek-recipe; tests/training checks it against
+# deepinfer.entrypoints.openai.tokenizer.special_spellings()).
+RECIPE_SPECIALS = ("<｜Assistant｜>", "<｜begin▁of▁sentence｜>", "<｜box｜>", "<｜/box｜>", "｜DSML｜",
+                   "<｜end▁of▁sentence｜>", IMAGE_TOKEN, "<｜latest_reminder｜>", "<｜point｜>", "<｜/point｜>",
+                   "<｜polygon｜>", "<｜/polygon｜>", "<｜ref｜>", "<｜/ref｜>", "<｜System｜>", "</think>", "<think>",
+                   "<｜User｜>")
 
 
 def leading_specials() -> list[str]:
     """The special tokens at ids 0..n-1: the demo tokenizer's seven, then recipe's others but <｜image｜>."""
-    rest = sorted(s for s in recipe_specials() if s not in SPECIAL_TOKENS and s != IMAGE_TOKEN)
+    rest = sorted(s for s in RECIPE_SPECIALS if s not in SPECIAL_TOKENS and s != IMAGE_TOKEN)
     return list(SPECIAL_TOKENS) + rest
+
+
+def token_dtype(vocab_size: int) -> np.dtype:
+    """Little-endian uint16 while every id fits, else int32."""
+    return np.dtype("<u2") if vocab_size <= 1 << 16 else np.dtype("<i4")
 
 
 def stdlib_dir() -> Path:
@@ -119,16 +125,22 @@ def train_tokenizer(texts: list[str], vocab_size: int) -> Tokenizer:
 
 
 def encode_files(tok: Tokenizer, files: list[SourceFile]) -> np.ndarray:
-    """BOS + tokens + EOS of each file, concatenated, as int32."""
+    """BOS + tokens + EOS of each file, concatenated (dtype: token_dtype of the vocabulary)."""
+    dtype = token_dtype(tok.get_vocab_size(with_added_tokens=True))
     bos, eos = tok.token_to_id(SPECIAL_TOKENS[0]), tok.token_to_id(SPECIAL_TOKENS[1])
     parts = []
     for enc in tok.encode_batch([f.text for f in files], add_special_tokens=False):
-        parts.append(np.asarray([bos, *enc.ids, eos], dtype=TOKEN_DTYPE))
-    return np.concatenate(parts) if parts else np.zeros(0, TOKEN_DTYPE)
+        parts.append(np.asarray([bos, *enc.ids, eos], dtype=dtype))
+    return np.concatenate(parts) if parts else np.zeros(0, dtype)
 
 
 def read_tokens(path: str | Path) -> np.ndarray:
-    return np.fromfile(str(path), dtype=TOKEN_DTYPE)
+    """A token file (memory-mapped) in the dtype its directory's manifest.json names."""
+    path = Path(path)
+    manifest = path.parent / "manifest.json"
+    if not manifest.is_file():
+        raise ValueError(f"{path}: no manifest.json beside it (python -m training.tokenizer writes both)")
+    return np.memmap(str(path), dtype=np.dtype(json.loads(manifest.read_text())["token_dtype"]), mode="r")
 
 
 def build(out_dir: str | Path, vocab_size: int, *, held_out_percent: float = 2.0, max_files: int | None = None,
@@ -148,6 +160,7 @@ def build(out_dir: str | Path, vocab_size: int, *, held_out_percent: float = 2.0
     held_ids.tofile(str(out / "heldout.bin"))
     (out / "heldout.txt").write_text("".join(f.text for f in held))
     manifest = dict(python=sys.version.split()[0], stdlib=str(root or stdlib_dir()), vocab_size=vocab_size,
+                    token_dtype=token_dtype(vocab_size).str,
                     held_out_percent=held_out_percent, train_files=len(train), held_out_files=[f.rel for f in held],
                     train_tokens=int(train_ids.size), held_out_tokens=int(held_ids.size),
                     train_bytes=sum(len(f.text.encode()) for f in train))

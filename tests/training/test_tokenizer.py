@@ -10,7 +10,8 @@ from tokenizers import Tokenizer
 
 from deepinfer.entrypoints.openai.tokenizer import complete_specials, special_spellings
 from deepinfer.tools.tiny_tokenizer import SPECIAL_TOKENS
-from training.tokenizer import IMAGE_TOKEN, build, corpus_files, is_held_out, read_tokens, train_tokenizer
+from training.tokenizer import (IMAGE_TOKEN, RECIPE_SPECIALS, build, corpus_files, is_held_out, read_tokens,
+                                train_tokenizer)
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +29,7 @@ def test_specials_have_the_demo_ids_and_every_recipe_token(tok_dir):
     assert tok.id_to_token(1023) == "<｜tok_1023｜>"     # presets' dspark_noise_token_id = vocab - 1
     spec, added = complete_specials(json.loads((tok_dir / "tokenizer.json").read_text()))
     assert added == [], "the API server would have to take padding entries over"
-    assert {a["content"] for a in spec["added_tokens"]} >= set(special_spellings())
+    assert {a["content"] for a in spec["added_tokens"]} >= set(special_spellings()) == set(RECIPE_SPECIALS)
 
 
 def test_round_trips_unseen_source_and_learns_python(tok_dir):
@@ -49,7 +50,7 @@ def test_split_and_token_files(tok_dir):
     assert all(is_held_out(r, 30) for r in held)
     assert [f.rel for f in files] == sorted(f.rel for f in files)
     train = read_tokens(tok_dir / "train.bin")
-    assert train.dtype == np.int32 and train.size == manifest["train_tokens"]
+    assert train.dtype == np.uint16 and manifest["token_dtype"] == "<u2" and train.size == manifest["train_tokens"]
     assert train[0] == 0 and (train == 0).sum() == (train == 1).sum() == manifest["train_files"]  # BOS ... EOS
     assert (tok_dir / "heldout.txt").read_text() == "".join(f.text for f in files if f.held_out)
 

@@ -31,7 +31,7 @@ def data(tmp_path_factory):
     rows) and a heldout.bin of two other windows."""
     out = tmp_path_factory.mktemp("data")
     build(out, 1024, held_out_percent=0, max_files=6)
-    tokens = read_tokens(out / "train.bin")
+    tokens = read_tokens(out / "train.bin").copy()  # not a map of the file rewritten below
     tokens[:SEQ * BATCH].tofile(str(out / "train.bin"))
     tokens[SEQ * BATCH:SEQ * BATCH + 2 * SEQ].tofile(str(out / "heldout.bin"))
     return out
@@ -141,3 +141,16 @@ def test_export_loads_in_the_engine_and_greedy_matches_nemo(run, tmp_path):
     nemo, _ = nemo_v41_model(ckpt)
     want = _nemo_greedy(lambda ids: nemo_v41_logits(nemo, ids, exact=True), prompt, 6)
     assert _engine_greedy(ckpt, prompt, 6) == want
+
+
+@pytest.mark.gpu
+def test_cuda_bf16_autocast_steps_train_and_resume(data, tmp_path):
+    out = tmp_path / "cuda"
+    assert _train(data, out, "--device", "cuda", "--max-steps", "2")["step"] == 2
+    assert _train(data, out, "--device", "cuda")["finished"]
+    log = _log(out)
+    assert [r["step"] for r in log] == [1, 2, 3]
+    for r in log:
+        assert r["missing_grads"] == [] and r["nonfinite_grads"] == []
+        assert all(math.isfinite(r[k]) for k in ("loss", "draft_ce", "draft_l1", "confidence_loss"))
+    assert log[-1]["loss"] < log[0]["loss"]
