@@ -204,17 +204,21 @@ class Scheduler:
         if any(c.num_samples != 1 or c.request_id not in by_id for c in inflight.chunks):
             return None
         out = SchedulerOutput()
+        chunks, allocate, max_len = out.chunks, self.kv.allocate, self.max_model_len
         for c in inflight.chunks:
             req = by_id[c.request_id]
-            if len(req.output_token_ids) + 1 >= req.params.max_tokens or req.num_tokens + 1 >= self.max_model_len:
+            n_out = len(req.output_token_ids)
+            if n_out + 1 >= req.params.max_tokens or len(req.prompt_token_ids) + n_out + 1 >= max_len:
                 continue  # it finishes by length in `inflight`
             start = c.start + len(c.token_ids)
-            if not self.kv.allocate(req, start + 1):
+            if not allocate(req, start + 1):
                 return None
-            out.chunks.append(ScheduledChunk(req.request_id, req.slot, start, [PLACEHOLDER],
-                                             {m: list(t) for m, t in req.block_tables.items()}, 1, req.params,
-                                             [], start + 1, sample_index=req.sample_index, grammar=req.grammar))
-        return out if out.chunks else None
+            # the tables' lists are shared, not copied: blocks are only ever appended to them, and entries
+            # past this chunk's are never read by its plan
+            chunks.append(ScheduledChunk(req.request_id, req.slot, start, [PLACEHOLDER], dict(req.block_tables), 1,
+                                         req.params, [], start + 1, sample_index=req.sample_index,
+                                         grammar=req.grammar))
+        return out if chunks else None
 
     def update(self, so: SchedulerOutput, mo: ModelOutput) -> list[Request]:
         """Advance counters, append sampled tokens, finish on token-level stops. Returns the

@@ -108,13 +108,15 @@ class ModelRunner:
         """(flat token rows, device values) replacing this step's PLACEHOLDER inputs, or None."""
         dst, src, off = [], [], 0
         for c in so.chunks:
-            for j, t in enumerate(c.token_ids):
-                if t == PLACEHOLDER:
-                    if prev is None or c.request_id not in prev.rows:
-                        raise ValueError(f"request {c.request_id}: placeholder input without a step before it")
-                    dst.append(off + j)
-                    src.append(prev.rows[c.request_id][0])
-            off += len(c.token_ids)
+            ids = c.token_ids
+            if PLACEHOLDER in ids:  # (a C-level scan: most chunks have none)
+                for j, t in enumerate(ids):
+                    if t == PLACEHOLDER:
+                        if prev is None or c.request_id not in prev.rows:
+                            raise ValueError(f"request {c.request_id}: placeholder input without a step before it")
+                        dst.append(off + j)
+                        src.append(prev.rows[c.request_id][0])
+            off += len(ids)
         if not dst:
             return None
         if not self.supports_placeholders:
