@@ -31,7 +31,7 @@ import functools
 
 import torch
 
-from deepinfer.formats.quant import fp4_roundtrip, hadamard
+from deepinfer.formats.quant import fp4_roundtrip, hadamard, quant_fp4
 
 try:
     import triton
@@ -47,6 +47,12 @@ DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 def reference(q: torch.Tensor) -> torch.Tensor:
     """Plain torch: IndexKeyStore's FP4 query preparation."""
     return fp4_roundtrip(hadamard(q.float()), GROUP).to(q.dtype)
+
+
+def reference_keys(k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Plain torch: IndexKeyStore's FP4 key encoding, (int8 packed [..., D/2], uint8 E8M0 [..., D/32])."""
+    packed, scale = quant_fp4(hadamard(k.float()), GROUP)
+    return packed, scale.view(torch.uint8)
 
 
 def supported(q: torch.Tensor) -> bool:
@@ -71,9 +77,11 @@ if triton is not None:
         return tl.reshape(y, (ROWS, D))
 
     @triton.jit
-    def _index_query_kernel(q_ptr, out_ptr, n_rows, stride_q,
-                            D: tl.constexpr, LOG_D: tl.constexpr, ROWS: tl.constexpr, NORM: tl.constexpr,
-                            INV_FMT_MAX: tl.constexpr, CUDA_LOG2: tl.constexpr):
+    def _rotated_fp4(q_ptr, n_rows, stride_q, D: tl.constexpr, LOG_D: tl.constexpr, ROWS: tl.constexpr,
+                     NORM: tl.constexpr, INV_FMT_MAX: tl.constexpr, CUDA_LOG2: tl.constexpr):
+        """ROWS rows of q from program_id(0) * ROWS, rotated and rounded to FP4: (rows, mask [ROWS, 1],
+        code magnitudes [ROWS, D/32, 32] in {0, .5, .., 6}, negative [ROWS, D/32, 32] (set on non-zero
+        codes only), scale exponents e [ROWS, D/32]). NaN groups: magnitude 6, positive, e = 0."""
         rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
         cols = tl.arange(0, D)
         m = (rows < n_rows)[:, None]
@@ -93,7 +101,6 @@ if triton is not None:
             lg = tl.log2(v)
         e = tl.minimum(tl.maximum(tl.ceil(lg), -127.0), 127.0).to(tl.int32)
         e = tl.where(nan, 0, e)                                                  # in [-102, 127]
-        scale = ((e + 127) << 23).to(tl.float32, bitcast=True)[:, :, None]       # 2^e
         # r = x / 2^e as (x * 2^-min(e, 126)) * (1 or 1/2): exact wherever |r| >= 2^-126, and a value that
         # comes out subnormal has code 0 either way
         inv = ((127 - tl.minimum(e, 126)) << 23).to(tl.float32, bitcast=True)[:, :, None]
@@ -103,32 +110,74 @@ if triton is not None:
         # multiples are the even codes)
         a = tl.minimum(tl.abs(r), 6.0)
         magic = tl.where(a < 2.0, 6291456.0, tl.where(a < 4.0, 12582912.0, 25165824.0))
-        val = (a + magic) - magic
-        val = tl.where(r < -0.25, -val, val)                                     # |r| <= .25 -> +0.0
-        val = tl.where(nan[:, :, None], 6.0, val)
-        out = tl.reshape(val * scale, (ROWS, D))
+        mag = tl.where(nan[:, :, None], 6.0, (a + magic) - magic)
+        neg = r < -0.25                                                          # |r| <= .25, NaN: code +0 / +6
+        return rows, m, mag, neg, e
+
+    @triton.jit
+    def _index_query_kernel(q_ptr, out_ptr, n_rows, stride_q,
+                            D: tl.constexpr, LOG_D: tl.constexpr, ROWS: tl.constexpr, NORM: tl.constexpr,
+                            INV_FMT_MAX: tl.constexpr, CUDA_LOG2: tl.constexpr):
+        rows, m, mag, neg, e = _rotated_fp4(q_ptr, n_rows, stride_q, D, LOG_D, ROWS, NORM, INV_FMT_MAX, CUDA_LOG2)
+        scale = ((e + 127) << 23).to(tl.float32, bitcast=True)[:, :, None]       # 2^e
+        out = tl.reshape(tl.where(neg, -mag, mag) * scale, (ROWS, D))
+        cols = tl.arange(0, D)
         tl.store(out_ptr + rows.to(tl.int64)[:, None] * D + cols[None, :], out.to(out_ptr.dtype.element_ty), mask=m)
+
+    @triton.jit
+    def _index_keys_kernel(k_ptr, packed_ptr, scale_ptr, n_rows, stride_k,
+                           D: tl.constexpr, LOG_D: tl.constexpr, ROWS: tl.constexpr, NORM: tl.constexpr,
+                           INV_FMT_MAX: tl.constexpr, CUDA_LOG2: tl.constexpr):
+        rows, m, mag, neg, e = _rotated_fp4(k_ptr, n_rows, stride_k, D, LOG_D, ROWS, NORM, INV_FMT_MAX, CUDA_LOG2)
+        # E2M1 code: magnitude index (0, .5, 1, 1.5, 2 -> 0..4; 3, 4, 6 -> 5, 6, 7) | sign << 3
+        idx = tl.where(mag <= 2.0, mag * 2.0, tl.where(mag < 5.0, mag + 2.0, 7.0)).to(tl.int32)
+        codes = tl.reshape(idx | (neg.to(tl.int32) << 3), (ROWS, D // 2, 2))
+        lo, hi = tl.split(codes)                                                 # even column: low nibble
+        half = tl.arange(0, D // 2)
+        tl.store(packed_ptr + rows.to(tl.int64)[:, None] * (D // 2) + half[None, :],
+                 (lo | (hi << 4)).to(tl.int8), mask=m)
+        groups = tl.arange(0, D // 32)
+        tl.store(scale_ptr + rows.to(tl.int64)[:, None] * (D // 32) + groups[None, :], (e + 127).to(tl.uint8), mask=m)
+
+
+def _rows(x: torch.Tensor, name: str) -> torch.Tensor:
+    """x [..., D] as [rows, D] with unit column stride (a view where one exists)."""
+    if not supported(x):
+        raise ValueError(f"index_query: {name} must be bf16/fp16/fp32 [..., D] with D a power of two in "
+                         f"[32, 1024], got {x.dtype} {tuple(x.shape)}")
+    rows = x.reshape(-1, x.shape[-1])
+    return rows if rows.stride(-1) == 1 else rows.contiguous()
+
+
+def _consts(D: int, cuda_log2: bool, ROWS: int, num_warps: int) -> dict:
+    return dict(D=D, LOG_D=D.bit_length() - 1, ROWS=ROWS, NORM=_fp32(D ** -0.5), INV_FMT_MAX=_fp32(1 / 6),
+                CUDA_LOG2=cuda_log2, num_warps=num_warps, enable_fp_fusion=False)
 
 
 def _launch(q: torch.Tensor, ROWS: int = 32, num_warps: int = 8, cuda_log2: bool | None = None) -> torch.Tensor:
     """The Triton launch on whatever device q is on (CPU only under TRITON_INTERPRET=1). `cuda_log2`
     (default: q is on CUDA) takes the scale's log2 from libdevice, which the interpreter lacks."""
-    if not supported(q):
-        raise ValueError(f"index_query: q must be bf16/fp16/fp32 [..., D] with D a power of two in [32, 1024], "
-                         f"got {q.dtype} {tuple(q.shape)}")
-    D = q.shape[-1]
-    x = q.reshape(-1, D)
-    if x.stride(-1) != 1:
-        x = x.contiguous()
+    x = _rows(q, "q")
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
-    n = x.shape[0]
-    if n == 0:
-        return out
-    _index_query_kernel[(triton.cdiv(n, ROWS),)](x, out, n, x.stride(0), D=D, LOG_D=D.bit_length() - 1,
-                                                 ROWS=ROWS, NORM=_fp32(D ** -0.5), INV_FMT_MAX=_fp32(1 / 6),
-                                                 CUDA_LOG2=q.is_cuda if cuda_log2 is None else cuda_log2,
-                                                 num_warps=num_warps, enable_fp_fusion=False)
+    if x.shape[0]:
+        _index_query_kernel[(triton.cdiv(x.shape[0], ROWS),)](
+            x, out, x.shape[0], x.stride(0), **_consts(q.shape[-1], q.is_cuda if cuda_log2 is None else cuda_log2,
+                                                       ROWS, num_warps))
     return out
+
+
+def _launch_keys(k: torch.Tensor, ROWS: int = 32, num_warps: int = 8,
+                 cuda_log2: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`index_keys`' Triton launch (as `_launch`)."""
+    x = _rows(k, "k")
+    D = k.shape[-1]
+    packed = torch.empty(*k.shape[:-1], D // 2, dtype=torch.int8, device=k.device)
+    scale = torch.empty(*k.shape[:-1], D // GROUP, dtype=torch.uint8, device=k.device)
+    if x.shape[0]:
+        _index_keys_kernel[(triton.cdiv(x.shape[0], ROWS),)](
+            x, packed, scale, x.shape[0], x.stride(0), **_consts(D, k.is_cuda if cuda_log2 is None else cuda_log2,
+                                                                 ROWS, num_warps))
+    return packed, scale
 
 
 def index_query(q: torch.Tensor) -> torch.Tensor:
@@ -137,3 +186,11 @@ def index_query(q: torch.Tensor) -> torch.Tensor:
     if triton is None or not q.is_cuda or not supported(q):
         return reference(q)
     return _launch(q)
+
+
+def index_keys(k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The keys' side of the same rounding, as stored: quant_fp4(hadamard(k.float()), 32) with the scale as
+    uint8 E8M0 bytes (`reference_keys`); Triton on CUDA, as `index_query`."""
+    if triton is None or not k.is_cuda or not supported(k):
+        return reference_keys(k)
+    return _launch_keys(k)

@@ -18,9 +18,9 @@ from dataclasses import dataclass, field
 import torch
 
 from deepinfer.kernels.copy_rows import copy_rows
-from deepinfer.kernels.index_query import index_query
+from deepinfer.kernels.index_query import index_keys, index_query
 from deepinfer.formats import group_quant
-from deepinfer.formats.quant import hadamard, quant_fp4, dequant_fp4, FP8_MAX
+from deepinfer.formats.quant import dequant_fp4, FP8_MAX
 
 EXACT_FORMATS = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 KV_CACHE_DTYPES = ("auto", "fp8", "bfloat16", "float32")
@@ -119,8 +119,7 @@ class IndexKeyStore:
 
     def write(self, rows: torch.Tensor, k: torch.Tensor) -> None:
         if self.fmt == "fp4":
-            p, s = quant_fp4(hadamard(k.float()), 32)
-            self.packed[rows], self.scale[rows] = p, s.view(torch.uint8)
+            self.packed[rows], self.scale[rows] = index_keys(k)  # quant_fp4(hadamard(k.float()), 32)
         else:
             self.data[rows] = k.to(self.data.dtype)
 

@@ -102,6 +102,7 @@ def dense_launches():
     index_topk._launch(_e(4, 512, dtype=torch.float32), _i(4), 64)
     index_query._launch(_e(4, 64, 128), cuda_log2=True)                       # V4's queries; tiny models' fp32
     index_query._launch(_e(4, 16, 64, dtype=torch.float32), cuda_log2=True)
+    index_query._launch_keys(_e(4, 128), cuda_log2=True)
     for T in (1, 64):
         index_scores._launch_per_token(_e(T, 64, 128), _e(4096, 128), _i(T, 1024), _i(T),
                                        _e(T, 64, dtype=torch.float32), _i(T))
