@@ -1,8 +1,10 @@
-"""The lightning indexer's FP4 query preparation in one kernel: Walsh-Hadamard rotation, then the FP4
-round trip (E2M1 codes, a power-of-two E8M0 scale per group of 32), as the keys are stored.
+"""The lightning indexer's FP4 rotation in one kernel: Walsh-Hadamard rotation, then FP4 (E2M1 codes, a
+power-of-two E8M0 scale per group of 32). Queries take the round trip, keys are stored as codes:
 
     q [..., D] (bf16 / fp16 / fp32, D a power of two in [32, 1024])  ->  out [..., D] in q's dtype
-    out = fp4_roundtrip(hadamard(q.float()), 32).to(q.dtype)          (`reference`, plain torch)
+    index_query: out = fp4_roundtrip(hadamard(q.float()), 32).to(q.dtype)                 (`reference`)
+    index_keys:  (packed int8 [..., D/2], E8M0 uint8 [..., D/32]) = quant_fp4(hadamard(k.float()), 32)
+                 (even column in the low nibble, sign in bit 3)                          (`reference_keys`)
 
 The torch form's arithmetic on CUDA, bit for bit, per row of D values in fp32:
   * rotation: log2(D) butterfly stages h = 1, 2, ..., D/2; stage h maps the pair (i, i + h), bit h
@@ -15,15 +17,16 @@ The torch form's arithmetic on CUDA, bit for bit, per row of D values in fp32:
     |r| clamped to 6 and rounded to the E2M1 grid {0, .5, 1, 1.5, 2, 3, 4, 6}, to nearest, ties to the
     even code (.75 -> 1, 1.75 -> 2, 3.5 -> 4 up; .25 -> 0, 1.25 -> 1, 2.5 -> 2, 5 -> 4 down), as
     `_fp4_codes`' nudged bucket bounds do; the sign only on non-zero codes (|r| <= .25 gives +0.0);
-  * out = code value * s (exact), cast to q's dtype.
-NaN: a group holding one (after the rotation a NaN fills its row) gives +6.0 everywhere, the torch form's
-result on CUDA: there a NaN scale's E8M0 byte is 127 (NaN -> int32 is 0) and bucketize puts NaN codes
-last (+6; GPU NaNs are positive). The torch form on the CPU differs in two ways the kernel does not
-follow: a NaN scale's byte is 0 (x86 NaN -> int32 is INT_MIN), and amax / 6 is a true division, so
-where fp32 log2 rounds onto an integer (amax / 6 just above a power of two, |e| >= 3) its e can differ.
+  * out = code value * s (exact), cast to q's dtype; keys: the codes and the byte e + 127.
+NaN: a group holding one (after the rotation a NaN fills its row) gives +6.0 everywhere (codes 7, byte
+127), the torch form's result on CUDA: there a NaN scale's E8M0 byte is 127 (NaN -> int32 is 0) and
+bucketize puts NaN codes last (+6; GPU NaNs are positive). The torch form on the CPU differs in two
+ways the kernel does not follow: a NaN scale's byte is 0 (x86 NaN -> int32 is INT_MIN), and amax / 6
+is a true division, so where fp32 log2 rounds onto an integer (amax / 6 just above a power of two,
+|e| >= 3) its e can differ.
 Under the interpreter (CPU tensors) numpy's log2 stands in for libdevice's.
 
-Grid: one program per ROWS rows; q is read once and the output written once.
+Grid: one program per ROWS rows; the input is read once and each output written once.
 """
 from __future__ import annotations
 
