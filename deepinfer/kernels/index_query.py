@@ -152,34 +152,34 @@ def _rows(x: torch.Tensor, name: str) -> torch.Tensor:
     return rows if rows.stride(-1) == 1 else rows.contiguous()
 
 
-def _consts(D: int, cuda_log2: bool, ROWS: int, num_warps: int) -> dict:
-    return dict(D=D, LOG_D=D.bit_length() - 1, ROWS=ROWS, NORM=_fp32(D ** -0.5), INV_FMT_MAX=_fp32(1 / 6),
-                CUDA_LOG2=cuda_log2, num_warps=num_warps, enable_fp_fusion=False)
+def _consts(x: torch.Tensor, ROWS: int | None, num_warps: int, cuda_log2: bool | None) -> dict:
+    """The kernels' constexprs and options for rows x [..., D]: ROWS rows a program (default 4096 values:
+    16 a thread at 8 warps); libdevice's log2 unless told (default: x is on CUDA; the interpreter has none)."""
+    D = x.shape[-1]
+    return dict(D=D, LOG_D=D.bit_length() - 1, ROWS=ROWS or 4096 // D, NORM=_fp32(D ** -0.5),
+                INV_FMT_MAX=_fp32(1 / 6), CUDA_LOG2=x.is_cuda if cuda_log2 is None else cuda_log2,
+                num_warps=num_warps, enable_fp_fusion=False)
 
 
-def _launch(q: torch.Tensor, ROWS: int = 32, num_warps: int = 8, cuda_log2: bool | None = None) -> torch.Tensor:
-    """The Triton launch on whatever device q is on (CPU only under TRITON_INTERPRET=1). `cuda_log2`
-    (default: q is on CUDA) takes the scale's log2 from libdevice, which the interpreter lacks."""
-    x = _rows(q, "q")
+def _launch(q: torch.Tensor, ROWS: int | None = None, num_warps: int = 8,
+            cuda_log2: bool | None = None) -> torch.Tensor:
+    """`index_query`'s Triton launch on whatever device q is on (CPU only under TRITON_INTERPRET=1)."""
+    x, c = _rows(q, "q"), _consts(q, ROWS, num_warps, cuda_log2)
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     if x.shape[0]:
-        _index_query_kernel[(triton.cdiv(x.shape[0], ROWS),)](
-            x, out, x.shape[0], x.stride(0), **_consts(q.shape[-1], q.is_cuda if cuda_log2 is None else cuda_log2,
-                                                       ROWS, num_warps))
+        _index_query_kernel[(triton.cdiv(x.shape[0], c["ROWS"]),)](x, out, x.shape[0], x.stride(0), **c)
     return out
 
 
-def _launch_keys(k: torch.Tensor, ROWS: int = 32, num_warps: int = 8,
+def _launch_keys(k: torch.Tensor, ROWS: int | None = None, num_warps: int = 8,
                  cuda_log2: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """`index_keys`' Triton launch (as `_launch`)."""
-    x = _rows(k, "k")
+    x, c = _rows(k, "k"), _consts(k, ROWS, num_warps, cuda_log2)
     D = k.shape[-1]
     packed = torch.empty(*k.shape[:-1], D // 2, dtype=torch.int8, device=k.device)
     scale = torch.empty(*k.shape[:-1], D // GROUP, dtype=torch.uint8, device=k.device)
     if x.shape[0]:
-        _index_keys_kernel[(triton.cdiv(x.shape[0], ROWS),)](
-            x, packed, scale, x.shape[0], x.stride(0), **_consts(D, k.is_cuda if cuda_log2 is None else cuda_log2,
-                                                                 ROWS, num_warps))
+        _index_keys_kernel[(triton.cdiv(x.shape[0], c["ROWS"]),)](x, packed, scale, x.shape[0], x.stride(0), **c)
     return packed, scale
 
 
