@@ -3,8 +3,9 @@
     python -m training.plot_loss --run RUN_DIR [--out loss.png] [--smooth 20]
 
 Left: the target's next-token cross-entropy and the draft's cross-entropy per step (thin) and their
-moving averages over --smooth steps, and the held-out cross-entropy where it was measured. Right: the draft's expected accepted length tau (NeMo's estimate
-from the L1 distance to the target). Needs matplotlib; without it, says so and exits with status 2.
+moving averages over --smooth steps, and the held-out cross-entropy where it was measured. Right: the
+draft's expected accepted length tau (NeMo's estimate from the L1 distance to the target). Needs
+matplotlib; without it, says so and exits with status 2.
 """
 from __future__ import annotations
 

@@ -103,6 +103,14 @@ def lr_at(step: int, args, total: int) -> float:
     return args.lr * (args.min_lr_ratio + (1 - args.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * t)))
 
 
+def auto_total_steps(step_times: list[float], budget_minutes: float, step: int) -> int:
+    """--total-steps auto: the schedule length whose steps take budget_minutes at the median time of
+    steps 6..15 (the first five warm caches and allocators up); never below step + 1."""
+    if len(step_times) < 15:
+        raise ValueError("--total-steps auto needs the times of 15 steps")
+    return max(step + 1, int(budget_minutes * 60 / float(np.median(step_times[5:15]))))
+
+
 def model_config(preset: str, tokenizer_json: Path) -> dict:
     """The released config.json of `preset` with the tokenizer's Engram compressed vocabulary."""
     from tokenizers import Tokenizer
@@ -361,9 +369,8 @@ def main(argv: list[str] | None = None, start: float | None = None) -> dict:
             step += 1
             timed.append(dt)
             if total == "auto" and len(timed) == 15:
-                per = float(np.median(timed[5:]))
-                total = max(step + 1, int(args.budget_minutes * 60 / per))
-                print(f"--total-steps auto: {per:.3f} s/step -> total_steps {total}", file=sys.stderr)
+                total = auto_total_steps(timed, args.budget_minutes, step)
+                print(f"--total-steps auto: {args.budget_minutes} min of steps -> total_steps {total}", file=sys.stderr)
             rec = dict(step=step, lr=lr, tokens=step * tokens_per_step, step_s=round(dt, 4),
                        tokens_per_s=round(tokens_per_step / dt, 1), elapsed_s=round(time.monotonic() - start, 1),
                        **rec)
