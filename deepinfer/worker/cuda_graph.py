@@ -32,16 +32,22 @@ def _field_names(cls: type) -> tuple[str, ...]:
     return names
 
 
-def _tensors(obj, prefix=""):
+def _tensors(obj, prefix: str = "") -> list[tuple[str, torch.Tensor]]:
     """(name, tensor) of every tensor in a ForwardBatch, its plans included, in a fixed order."""
+    out: list[tuple[str, torch.Tensor]] = []
+    _walk(obj, prefix, out)
+    return out
+
+
+def _walk(obj, prefix: str, out: list) -> None:
     if isinstance(obj, torch.Tensor):
-        yield prefix, obj
+        out.append((prefix, obj))
     elif isinstance(obj, dict):
         for k in sorted(obj):
-            yield from _tensors(obj[k], f"{prefix}[{k}]")
-    elif dataclasses.is_dataclass(obj):
+            _walk(obj[k], f"{prefix}[{k}]", out)
+    elif obj is not None and (type(obj) in _FIELDS or dataclasses.is_dataclass(obj)):
         for name in _field_names(type(obj)):
-            yield from _tensors(getattr(obj, name), f"{prefix}.{name}")
+            _walk(getattr(obj, name), f"{prefix}.{name}", out)
 
 
 def _rebuild(obj, tensors):
@@ -70,6 +76,10 @@ class DecodeGraphs:
 
     def plan(self, chunks: list[SeqChunk]) -> tuple[tuple, ForwardBatch]:
         """(graph key, fixed-shape batch) of a pure-decode step, padded with scratch requests."""
+        return self._plan(chunks)[:2]
+
+    def _plan(self, chunks: list[SeqChunk]) -> tuple[tuple, ForwardBatch, list[tuple[str, torch.Tensor]]]:
+        """`plan`, and the batch's `_tensors` (walked once a step: the key and the staging read them)."""
         B = len(chunks)
         padded = next(b for b in self.batch_buckets if b >= B)
         # a padding row is position 0 of the scratch slot: with ratio 1 it closes entry 0, stored in the
@@ -85,13 +95,18 @@ class DecodeGraphs:
         batch = build_forward_batch(chunks, cfg.sliding_window, self.cache.compress_kinds, self.cache.block_size,
                                     "cpu", fixed=fixed, device_history=self.model.token_history,
                                     ring_slack=self.cache.ring_slack)
-        # the input layout (which tensors, their shapes) is part of the key: a graph reads exactly those
-        layout = tuple((name, tuple(t.shape)) for name, t in _tensors(batch))
-        return (padded, tuple(sorted(visible.items())), layout), batch
+        named = _tensors(batch)
+        return self._key(padded, visible, named), batch, named
 
-    def _stage(self, batch: ForwardBatch) -> torch.Tensor:
-        """The batch's index tensors packed into the next free pinned buffer (a flat int64 view)."""
-        parts = [t.reshape(-1) for _, t in _tensors(batch)]
+    @staticmethod
+    def _key(padded: int, visible: dict[int, int], named: list[tuple[str, torch.Tensor]]) -> tuple:
+        # the input layout (which tensors, their shapes) is part of the key: a graph reads exactly those
+        return padded, tuple(sorted(visible.items())), tuple((name, tuple(t.shape)) for name, t in named)
+
+    def _stage(self, batch: ForwardBatch, named: list[tuple[str, torch.Tensor]] | None = None) -> torch.Tensor:
+        """The batch's index tensors (`named`: `_tensors(batch)`, when the caller has it) packed into the
+        next free pinned buffer (a flat int64 view)."""
+        parts = [t.reshape(-1) for _, t in (named if named is not None else _tensors(batch))]
         if any(p.dtype != torch.long for p in parts):
             raise TypeError("decode graph inputs must all be int64 index tensors")
         n = sum(p.numel() for p in parts)
@@ -129,8 +144,8 @@ class DecodeGraphs:
         device token ids) overwrites those rows' input ids after the upload (placeholder inputs)."""
         if any(len(c.token_ids) != 1 for c in chunks):
             raise ValueError("DecodeGraphs runs pure-decode steps only (one token per request)")
-        key, batch = self.plan(chunks)
-        staged = self._stage(batch)
+        key, batch, named = self._plan(chunks)
+        staged = self._stage(batch, named)
         entry = self.graphs.get(key)
         if entry is None:
             inputs = torch.empty(staged.numel(), dtype=torch.long, device=self.device)
