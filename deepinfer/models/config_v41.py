@@ -70,6 +70,9 @@ class DeepseekV41Config:
     dspark_markov_rank: int | None = None
     dspark_n_routed_experts: int | None = None
     dspark_num_experts_per_tok: int | None = None
+    # what the confidence head reads: "residual" (the released drafts: the collapsed stream before the final
+    # norm) or "normalized" (drafts trained with NeMo AutoModel: the final RMSNorm's output)
+    dspark_confidence_input: str = "residual"
     image_token_id: int = 129264
     bos_token_id: int = 0
     eos_token_id: int = 1
@@ -145,4 +148,7 @@ class DeepseekV41Config:
                   model_type="deepseek_v41")
         kw.update(read_rope(text, rope_dim, head_dim, "text_config."))
         kw.pop("torch_dtype", None)
+        if kw.get("dspark_confidence_input", "residual") not in ("residual", "normalized"):
+            raise ConfigError(f"text_config.dspark_confidence_input: {kw['dspark_confidence_input']!r} is not "
+                              "'residual' or 'normalized'")
         return cls(**kw)

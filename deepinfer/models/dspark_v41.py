@@ -140,12 +140,14 @@ def _draft(model, stage_keys: list[torch.Tensor], ctx_valid: torch.Tensor, ancho
         x, pre = stage.draft_forward(x, pre, keys, ctx_valid, rope, kv_fmt, ids)
     last = stages[-1]
     hidden = collapse(x.flatten(0, 1), pre.flatten(0, 1)).view(B, blk, -1)
-    base = model.head(last.norm(hidden).float()).float()  # the target's head on the draft's own norm
+    normed = last.norm(hidden)
+    base = model.head(normed.float()).float()  # the target's head on the draft's own norm
+    conf_in = normed if cfg.dspark_confidence_input == "normalized" else hidden
     prev, toks, logits, conf = ids[:, 0], [], [], []
     for i in range(blk):
         emb = last.markov_head.embed(prev)
         li = base[:, i] + last.markov_head.head(emb).float()
-        conf.append(torch.sigmoid(last.confidence_head.proj(torch.cat((hidden[:, i].float(), emb.float()), -1))[:, 0]))
+        conf.append(torch.sigmoid(last.confidence_head.proj(torch.cat((conf_in[:, i].float(), emb.float()), -1))[:, 0]))
         prev = li.argmax(-1)
         toks.append(prev)
         logits.append(li)

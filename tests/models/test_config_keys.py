@@ -184,3 +184,13 @@ def test_presets_still_parse(preset):
 def test_a_list_of_eos_ids_stops_on_the_first():
     assert DeepseekV4Config.from_dict({**TINY, "eos_token_id": [7, 9]}).eos_token_id == 7
     assert DeepseekV41Config.from_dict({**TINY41, "eos_token_id": [7, 9]}).eos_token_id == 7
+
+
+def test_v41_dspark_confidence_input_is_read_or_refused():
+    cfg = copy.deepcopy(TINY41)
+    assert DeepseekV41Config.from_dict(cfg).dspark_confidence_input == "residual"
+    cfg["text_config"]["dspark_confidence_input"] = "normalized"
+    assert DeepseekV41Config.from_dict(cfg).dspark_confidence_input == "normalized"
+    cfg["text_config"]["dspark_confidence_input"] = "pre_norm"
+    with pytest.raises(ConfigError, match=r"text_config\.dspark_confidence_input"):
+        DeepseekV41Config.from_dict(cfg)

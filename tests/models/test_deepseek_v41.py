@@ -1,8 +1,10 @@
 """DeepSeek-V4.1 against NeMo AutoModel's deepseek_v41 (fp32, CPU), prefill and incremental decode."""
 from __future__ import annotations
 
+import dataclasses
 import io
 import re
+from unittest import mock
 
 import pytest
 import torch
@@ -208,6 +210,14 @@ def test_dspark_draft_block_matches_nemo(ckpt, ours, nemo, kv, exact):
         _close(got.logits, ref.logits, 1e-4)
         assert torch.equal(got.tokens, ref.tokens)
         assert torch.allclose(got.confidence, ref.confidence_raw, atol=1e-5)
+        # a NeMo-trained draft (config dspark_confidence_input "normalized") scores the final norm's output
+        normalized = dataclasses.replace(cfg, dspark_confidence_input="normalized")
+        with mock.patch.object(ours, "config", normalized):
+            got_n = draft_block(ours, feats[:, lo:anchor], pos, torch.ones_like(pos, dtype=torch.bool),
+                                ids[:, anchor], torch.full((2,), anchor), cache.mtp[0].ring.fmt)
+        assert torch.allclose(got_n.confidence, ref.confidence_norm, atol=1e-5)
+        assert not torch.allclose(got_n.confidence, got.confidence, atol=1e-3)
+        assert torch.equal(got_n.tokens, got.tokens)
 
 
 def test_host_resident_engram_tables_are_mmapped_and_give_identical_logits(ckpt, ours):
