@@ -23,8 +23,9 @@ import pytest
 import torch
 
 from deepinfer import LLM, SamplingParams
-from deepinfer.distributed.context_parallel import (CPArgs, CPRunner, aligned_prefix, causal_work, generate_cp,
-                                                    generate_cp_spawn, load_rank, run_on_ranks, zigzag_split)
+from deepinfer.distributed.context_parallel import (CPArgs, CPRunner, _generate_rank, aligned_prefix, causal_work,
+                                                    generate_cp, generate_cp_spawn, load_rank, run_on_ranks,
+                                                    zigzag_split)
 from deepinfer.engine.outputs import ScheduledChunk, SchedulerOutput
 from deepinfer.layers import invariant
 from deepinfer.tools.make_checkpoint import PRESETS, write_checkpoint
@@ -36,6 +37,8 @@ ALIGN = 16  # the tiny model's largest compression ratio; sliding window 8
 PROMPT = [0] + [(i * 37 + 11) % 1000 + 2 for i in range(255)]
 MAX_TOKENS = 4
 LOGPROB_TOL = 1e-5
+TAIL = PROMPT + [7, 8, 9, 10, 11]  # 256 rows in CP at cp=2, 5 as an ordinary step
+SPAWN_TIMEOUT_S = 600.0  # a hang guard for the several runs a spawn does
 
 
 @pytest.fixture(scope="module")
@@ -83,9 +86,13 @@ def test_misaligned_lengths_are_refused_and_the_aligned_prefix_is_given():
 
 
 @pytest.mark.parametrize("cp", [2, 4])
-def test_ranks_match_one_process_bit_for_bit(ckpt, one_process, cp):
+def test_ranks_match_one_process_bit_for_bit(ckpt, one_process, cp, request):
     want_tokens, want_lps, want_first, want_cache = one_process(PROMPT)
-    ranks = generate_cp_spawn(CPArgs(str(ckpt), cp), PROMPT, MAX_TOKENS)
+    if cp == 2:  # generate_cp_spawn itself; cp=4 shares a spawn with V4.1's run
+        ranks = generate_cp_spawn(CPArgs(str(ckpt), cp), PROMPT, MAX_TOKENS)
+    else:
+        ranks = request.getfixturevalue("cp4")["prompt"]
+    assert len(ranks) == cp
     for tokens, lps, first, stats, cache in ranks:
         assert tokens == want_tokens and lps == want_lps
         assert torch.equal(first, want_first)
@@ -97,12 +104,12 @@ def test_ranks_match_one_process_bit_for_bit(ckpt, one_process, cp):
         assert stats["rows"] == 256 and stats["cp_rows"] == 256 // cp and stats["collectives"] == 12
 
 
-def test_a_misaligned_tail_runs_as_a_second_step(ckpt, one_process):
+def test_a_misaligned_tail_runs_as_a_second_step(one_process, cp2):
     """PROMPT + 5 tokens at cp=2: 256 rows in CP, 5 as an ordinary step on every rank (chunked
     prefill: equal to one process's single step up to fp32 summation order)."""
-    prompt = PROMPT + [7, 8, 9, 10, 11]
-    want_tokens, want_lps, want_first, want_cache = one_process(prompt)
-    for tokens, lps, first, stats, cache in generate_cp_spawn(CPArgs(str(ckpt), 2), prompt, MAX_TOKENS):
+    want_tokens, want_lps, want_first, want_cache = one_process(TAIL)
+    assert len(cp2["tail"]) == 2
+    for tokens, lps, first, stats, cache in cp2["tail"]:
         assert tokens == want_tokens and stats["rows"] == 256
         assert max(abs(a - b) for a, b in zip(lps, want_lps)) <= LOGPROB_TOL
         assert torch.allclose(first, want_first, rtol=0, atol=LOGPROB_TOL)
@@ -147,12 +154,13 @@ def _engine_steps(rank: int, group, args: CPArgs, batch_invariant: bool = False)
     return tokens, lps, getattr(run, "cp_steps", 0)
 
 
-def test_engine_runner_prefills_in_cp_and_decodes_like_one_process(ckpt):
+def test_engine_runner_prefills_in_cp_and_decodes_like_one_process(ckpt, cp2):
     """CPRunner (ModelRunner's execute) at cp=2: both prefill chunks in CP, bit-identical sampled
     tokens and logprob dicts to one process's runner on the same SchedulerOutputs."""
     want = _engine_steps(0, None, CPArgs(str(ckpt), 1))
     assert want[2] == 0
-    for tokens, lps, cp_steps in run_on_ranks(2, _engine_steps, (CPArgs(str(ckpt), 2),)):
+    assert len(cp2["runner"]) == 2
+    for tokens, lps, cp_steps in cp2["runner"]:
         assert (tokens, lps) == want[:2] and cp_steps == 2
 
 
@@ -162,6 +170,34 @@ def ckpt41(tmp_path_factory):
 
 
 PROMPT41 = PROMPT[:128]  # sliding window 16, ratios 2 and 1; at cp=4 chunks of 16
+
+
+def _runs(rank: int, group, runs: list) -> list:
+    """Several runs on one set of spawned ranks, one after another, each loading its own model and
+    cache: a spawn costs every rank a fresh interpreter and its imports, more than a tiny model's run."""
+    return [fn(rank, group, *args) for fn, args in runs]
+
+
+def _spawn(cp: int, runs: dict) -> dict:
+    """name -> (fn, args) run on `cp` ranks -> name -> per rank, in rank order, fn's result."""
+    ranks = run_on_ranks(cp, _runs, (list(runs.values()),), timeout_s=SPAWN_TIMEOUT_S)
+    return {name: [r[i] for r in ranks] for i, name in enumerate(runs)}
+
+
+@pytest.fixture(scope="module")
+def cp2(ckpt, ckpt41):
+    """The cp=2 runs of this module on one spawn of 2 ranks, but PROMPT's (generate_cp_spawn's own)."""
+    a, a41 = CPArgs(str(ckpt), 2), CPArgs(str(ckpt41), 2)
+    return _spawn(2, {"tail": (_generate_rank, (a, TAIL, MAX_TOKENS)), "runner": (_engine_steps, (a,)),
+                      "v41_plain": (_v41_rank, (a41, False)), "v41": (_v41_rank, (a41, True)),
+                      "v41_runner": (_engine_steps, (a41, True))})
+
+
+@pytest.fixture(scope="module")
+def cp4(ckpt, ckpt41):
+    """Every cp=4 run of this module on one spawn of 4 ranks."""
+    return _spawn(4, {"prompt": (_generate_rank, (CPArgs(str(ckpt), 4), PROMPT, MAX_TOKENS)),
+                      "v41": (_v41_rank, (CPArgs(str(ckpt41), 4), True))})
 
 
 def _v41_rank(rank: int, group, args: CPArgs, batch_invariant: bool) -> tuple:
@@ -175,12 +211,15 @@ def _v41_rank(rank: int, group, args: CPArgs, batch_invariant: bool) -> tuple:
 
 
 @pytest.mark.parametrize("cp", [2, 4])
-def test_v41_ranks_match_one_process(ckpt41, cp):
+def test_v41_ranks_match_one_process(ckpt41, cp, request):
     """Batch-invariant mode: bit for bit (tokens, logprobs, every cache row, the token history).
     Plain mode (cp=2): tokens equal, logprobs within 1e-5 (see the module docstring)."""
+    spawned = request.getfixturevalue(f"cp{cp}")
     for inv in (True, False) if cp == 2 else (True,):
         want = _v41_rank(0, None, CPArgs(str(ckpt41), 1), inv)
-        for tokens, lps, first, cache in run_on_ranks(cp, _v41_rank, (CPArgs(str(ckpt41), cp), inv)):
+        ranks = spawned["v41" if inv else "v41_plain"]
+        assert len(ranks) == cp
+        for tokens, lps, first, cache in ranks:
             assert tokens == want[0]
             if not inv:
                 assert max(abs(a - b) for a, b in zip(lps, want[1])) <= LOGPROB_TOL
@@ -190,11 +229,12 @@ def test_v41_ranks_match_one_process(ckpt41, cp):
                 assert torch.equal(g, w), f"cache tensor {i} differs from one process"
 
 
-def test_v41_engine_runner_prefills_in_cp_like_one_process(ckpt41):
+def test_v41_engine_runner_prefills_in_cp_like_one_process(ckpt41, cp2):
     """CPRunner over a batch-invariant V4.1 runner at cp=2: both prefill chunks in CP (the second
     reads the first's cache and token history), then the runner's decode steps: bit-identical."""
     want = _engine_steps(0, None, CPArgs(str(ckpt41), 1), True)
-    for tokens, lps, cp_steps in run_on_ranks(2, _engine_steps, (CPArgs(str(ckpt41), 2), True)):
+    assert len(cp2["v41_runner"]) == 2
+    for tokens, lps, cp_steps in cp2["v41_runner"]:
         assert (tokens, lps) == want[:2] and cp_steps == 2
 
 
