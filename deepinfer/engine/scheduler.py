@@ -238,8 +238,10 @@ class Scheduler:
                 continue
             toks = mo.sampled[c.request_id]
             lps = mo.logprobs.get(c.request_id) or [None] * len(toks)
-            req.spec_token_ids = mo.drafts.get(c.request_id, [])
-            req.spec_confidence = mo.draft_confidence.get(c.request_id, [])
+            if mo.drafts or req.spec_token_ids:  # (steady decode without a proposer: nothing to reset)
+                req.spec_token_ids = mo.drafts.get(c.request_id, [])
+            if mo.draft_confidence or req.spec_confidence:
+                req.spec_confidence = mo.draft_confidence.get(c.request_id, [])
             if c.num_draft:  # accepted drafts, then the target's token: appended until the request stops
                 accepted = len(toks) - 1
                 req.num_computed_tokens += accepted
@@ -252,12 +254,13 @@ class Scheduler:
                         break
                 touched.append(req)
                 continue
-            for sib, tok, lp in zip(req.siblings, toks[1:], lps[1:]):
-                if req.grammar is not None:  # the leader's state before its own token
-                    sib.grammar = req.grammar.fork()
-                self._start_sibling(req, sib, tok, lp)
-                touched.append(sib)
-            req.siblings = []
+            if req.siblings:
+                for sib, tok, lp in zip(req.siblings, toks[1:], lps[1:]):
+                    if req.grammar is not None:  # the leader's state before its own token
+                        sib.grammar = req.grammar.fork()
+                    self._start_sibling(req, sib, tok, lp)
+                    touched.append(sib)
+                req.siblings = []
             self._append(req, toks[0], lps[0])
             touched.append(req)
         return touched
