@@ -27,12 +27,13 @@ class SamplingBatch:
     @classmethod
     def build(cls, params: list[SamplingParams], vocab: int, device,
               seeds: list[tuple[int, ...] | None] | None = None) -> "SamplingBatch":
-        t = lambda xs, dt=torch.float32: to_device(torch.tensor(xs, dtype=dt), device)  # noqa: E731
+        # one host -> device copy for the four per-row rows (top-k as float: exact, vocab < 2^24)
+        rows = to_device(torch.tensor([[0.0 if p.greedy else p.temperature for p in params],
+                                       [p.top_k if p.top_k > 0 else vocab for p in params],
+                                       [p.top_p for p in params], [p.min_p for p in params]],
+                                      dtype=torch.float32).view(4, len(params)), device)
         return cls(
-            t([0.0 if p.greedy else p.temperature for p in params]),
-            t([p.top_k if p.top_k > 0 else vocab for p in params], torch.long),
-            t([p.top_p for p in params]),
-            t([p.min_p for p in params]),
+            rows[0], rows[1].long(), rows[2], rows[3],
             any(p.top_k > 0 or p.top_p < 1 for p in params if not p.greedy),
             max((p.logprobs for p in params if p.logprobs is not None), default=-1),
             [None if k is None else seed_key(*k) for k in (seeds or [None] * len(params))],
