@@ -15,7 +15,7 @@ class Status(enum.Enum):
     FINISHED = "finished"    # stopped, hit its length, or aborted (finish_reason says which)
 
 
-@dataclass
+@dataclass(eq=False)  # identity: `req in running` / `remove` would otherwise compare every field of every request
 class Request:
     request_id: str
     prompt_token_ids: list[int]

@@ -34,3 +34,11 @@ def test_allocate_holds_exactly_the_blocks_for_the_longest_length_asked():
         assert slots + len(held) == 3
         for m, total in kv.num_blocks.items():
             assert free[m] + sum(len(q.block_tables.get(m, [])) for q in held) == total
+
+
+def test_requests_compare_by_identity():
+    """Scheduler lists find a request by identity: two requests with equal fields are different requests
+    (and membership tests do not compare every field of every request)."""
+    a, b = (Request("x", [1, 2], SamplingParams()) for _ in range(2))
+    assert a != b and a == a and len({a, b}) == 2
+    assert [a].count(b) == 0
