@@ -27,13 +27,14 @@ def server(tmp_path_factory):
 
 
 async def _one(client: openai.AsyncOpenAI, i: int) -> tuple[int, int]:
-    """One streaming request (completions or chat, alternately); checks the stream and returns its usage."""
+    """One streaming request (completions or chat, alternately); checks the stream and returns its usage.
+    Prompts are a few tokens (distinct per request): the prefill of 200 of them is this test's cost."""
     kw = dict(model="demo", max_tokens=MAX_TOKENS, stream=True, stream_options={"include_usage": True}, seed=i)
     if i % 2:
-        stream = await client.completions.create(prompt=f"Request {i}: once upon a time", **kw,
+        stream = await client.completions.create(prompt=f"{i}:", **kw,
                                                  extra_body={"ignore_eos": True})
     else:
-        stream = await client.chat.completions.create(messages=[{"role": "user", "content": f"Hello number {i}"}],
+        stream = await client.chat.completions.create(messages=[{"role": "user", "content": f"{i}"}],
                                                       **kw, extra_body={"ignore_eos": True, **NO_THINKING})
     chunks = [c async for c in stream]
     reasons = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
