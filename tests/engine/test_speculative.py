@@ -2,6 +2,7 @@
 with chunked prefill, preemption and seeded sampling; the proposer and its counters on their own."""
 from __future__ import annotations
 
+import functools
 from dataclasses import replace
 
 import pytest
@@ -37,11 +38,19 @@ def _llm(ckpt, spec: int | None, **kw) -> LLM:
     return LLM(str(ckpt), **{**base, **kw})
 
 
+@functools.cache
+def _greedy_off(ckpt: str, n: int, seed: int, max_tokens: int) -> tuple[list[list[int]], list[list[int]]]:
+    """(prompts, greedy tokens with speculation off) for n _prompts of the seed: computed once for the
+    k-parametrized tests below, which compare against the same reference."""
+    prompts = _prompts(n, read_model_config(ckpt).vocab_size, seed=seed)
+    greedy = SamplingParams(temperature=0, max_tokens=max_tokens)
+    return prompts, [o.outputs[0].token_ids for o in _llm(ckpt, None).generate(prompts, greedy, use_tqdm=False)]
+
+
 @pytest.mark.parametrize("k", [1, 3, 5])
 def test_greedy_tokens_equal_speculation_off_v4(ckpt, k):
-    prompts = _prompts(6, CFG["vocab_size"])
+    prompts, want = _greedy_off(str(ckpt), 6, 0, 24)
     greedy = SamplingParams(temperature=0, max_tokens=24)
-    want = [o.outputs[0].token_ids for o in _llm(ckpt, None).generate(prompts, greedy, use_tqdm=False)]
     llm = _llm(ckpt, k)
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
     assert got == want
@@ -149,9 +158,8 @@ def test_spec_stats():
 def test_dspark_drafts_keep_greedy_tokens_v41(ckpt41, k):
     """V4.1's own draft stages propose (context KV kept in the stages' rings): greedy outputs equal
     speculation off (random stages: their drafts are rejected)."""
-    prompts = _prompts(4, read_model_config(ckpt41).vocab_size, seed=6)
+    prompts, want = _greedy_off(str(ckpt41), 4, 6, 20)
     greedy = SamplingParams(temperature=0, max_tokens=20)
-    want = [o.outputs[0].token_ids for o in _llm(ckpt41, None).generate(prompts, greedy, use_tqdm=False)]
     llm = _llm(ckpt41, None, speculative_config={"method": "dspark", "num_speculative_tokens": k})
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)] == want
     m = llm.get_metrics()
