@@ -21,7 +21,7 @@ def test_calibrate_from_held_out_text(ckpt41, tmp_path, capsys):
     text = tmp_path / "held_out.txt"
     text.write_text(TEXT)
     summary = calibrate_dspark.main(["--model", str(ckpt41), "--file", str(text), "--gamma", "3", "--prompt-len",
-                                     "24", "--max-tokens", "16", "--max-prompts", "6", "--device", "cpu",
+                                     "24", "--max-tokens", "8", "--max-prompts", "3", "--device", "cpu",
                                      "--dtype", "float32", "--out", str(tmp_path)])
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == summary
     cal = Calibration.load(tmp_path / CALIBRATION_FILE)
