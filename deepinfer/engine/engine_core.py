@@ -91,13 +91,15 @@ class EngineCore:
         (structured outputs, compiled on worker threads), waits for one of them."""
         while True:
             so = self.scheduler.schedule()
-            grammars = [r.grammar for r in self.scheduler.waiting if r.grammar is not None]
+            grammars = [r.grammar for r in self.scheduler.waiting_grammars]
             if so.chunks or all(g.ready() for g in grammars) or any(g.ready() and g.error for g in grammars):
                 return so
             time.sleep(GRAMMAR_POLL_S)
 
     def _grammar_failures(self) -> list[Request]:
         """Waiting requests whose grammar failed to compile (or admits no token): aborted with its error."""
+        if not self.scheduler.waiting_grammars:
+            return []
         bad = [r for r in self.scheduler.waiting if r.grammar is not None and r.grammar.ready() and r.grammar.error]
         return [done for r in bad for done in self.abort([r.request_id], r.grammar.error)]
 

@@ -57,6 +57,9 @@ class Scheduler:
         self.kv = kv
         self.max_num_seqs, self.budget, self.max_model_len = max_num_seqs, max_num_batched_tokens, max_model_len
         self.waiting: deque[Request] = deque()
+        # the waiting requests with a grammar (structured outputs): what the per-step grammar checks scan,
+        # instead of the whole queue
+        self.waiting_grammars: set[Request] = set()
         self.running: list[Request] = []
         self.pending_forks: list[ForkOp] = []
         self.num_preemptions = 0
@@ -70,7 +73,12 @@ class Scheduler:
         self._verifying: dict[str, list[float]] = {}  # request id -> the confidences of the drafts it verifies
 
     def add(self, req: Request) -> None:
-        self.waiting.append(req)
+        self._enqueue(req)
+
+    def _enqueue(self, req: Request, front: bool = False) -> None:
+        (self.waiting.appendleft if front else self.waiting.append)(req)
+        if req.grammar is not None:
+            self.waiting_grammars.add(req)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -81,7 +89,7 @@ class Scheduler:
         req.num_computed_tokens = 0
         req.spec_token_ids, req.spec_confidence = [], []
         req.status = Status.WAITING
-        self.waiting.appendleft(req)
+        self._enqueue(req, front=True)
         self.num_preemptions += 1
 
     def _chunk(self, req: Request, n: int, drafts: list[int] = ()) -> ScheduledChunk:
@@ -172,9 +180,10 @@ class Scheduler:
             if req.status is Status.RUNNING:
                 out.chunks.append(self._chunk(req, n, drafts))
                 budget -= n + len(drafts)
-        for req in [r for r in self.waiting if not _admissible(r)]:
-            self.waiting.remove(req)  # compiling: queued behind the rest until its grammar is ready
-            self.waiting.append(req)
+        if any(not _admissible(r) for r in self.waiting_grammars):
+            for req in [r for r in self.waiting if not _admissible(r)]:
+                self.waiting.remove(req)  # compiling: queued behind the rest until its grammar is ready
+                self.waiting.append(req)
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
             req = self.waiting[0]
             if not _admissible(req):
@@ -183,6 +192,7 @@ class Scheduler:
             if not self.kv.allocate(req, req.num_computed_tokens + n):
                 break
             self.waiting.popleft()
+            self.waiting_grammars.discard(req)
             req.status = Status.RUNNING
             self.running.append(req)
             out.chunks.append(self._chunk(req, n))
@@ -292,7 +302,7 @@ class Scheduler:
             sib.status = Status.RUNNING
             self.running.append(sib)
         else:
-            self.waiting.appendleft(sib)
+            self._enqueue(sib, front=True)
         self._append(sib, tok, lp)
 
     def abort(self, req: Request, error: str) -> None:
@@ -315,4 +325,5 @@ class Scheduler:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
+            self.waiting_grammars.discard(req)
         self.kv.free(req)
