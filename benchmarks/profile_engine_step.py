@@ -22,12 +22,14 @@ import argparse
 import collections
 import itertools
 import json
+import sys
 import time
 import warnings
 
 import torch
 
 import flash_slice as fs
+from common import add_commit_arg, recorded_commit
 
 
 def model_and_kv(args):
@@ -163,7 +165,9 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=2, help="the sweep's REPS (its decode rows time DECODE_STEPS_PER_REP x reps steps)")
     ap.add_argument("--sweep-rows", type=int, default=2, help="times to run the sweep's own decode row first")
     ap.add_argument("--smoke", action="store_true")
+    add_commit_arg(ap)
     args = ap.parse_args()
+    print(f"# commit {recorded_commit(args)}: profile_engine_step.py {' '.join(sys.argv[1:])}", flush=True)
     if args.smoke:
         fs.use_smoke_settings()
         args.context, args.seq, args.steps, args.rows, args.reps = 40, 32, 3, 5, 1
