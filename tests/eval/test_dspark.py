@@ -9,8 +9,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from deepinfer.tools.make_checkpoint import PRESETS, write_checkpoint
-
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 from eval.common import cut_prompts  # noqa: E402
@@ -41,12 +39,11 @@ def test_prompts_cut_from_tokens():
 TEXT = " ".join(f"def f{i}(x): return x + {i}" for i in range(60))
 
 
-def test_dspark_acceptance_and_ece_on_tiny_v41(tmp_path, capsys):
-    ckpt = write_checkpoint(tmp_path / "ckpt41", PRESETS["tiny41"], seed=5, dtype="fp8")
+def test_dspark_acceptance_and_ece_on_tiny_v41(tiny41, tmp_path, capsys):
     text = tmp_path / "held_out.txt"
     text.write_text(TEXT)
-    result = main(["--model", str(ckpt), "--file", str(text), "--prompt-len", "16", "--max-prompts", "2",
-                   "--max-tokens", "10", "--gamma", "3", "--bins", "10", "--device", "cpu",
+    result = main(["--model", str(tiny41), "--file", str(text), "--prompt-len", "16", "--max-prompts", "2",
+                   "--max-tokens", "6", "--gamma", "3", "--bins", "10", "--device", "cpu",
                    "--kv-cache-dtype", "float32", "--kv-cache-memory", str(32 << 20)])
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == result
     assert result["prompts"] == 2 and result["gamma"] == 3 and result["method"] == "dspark"

@@ -13,7 +13,7 @@ import torch
 from tokenizers import Tokenizer
 
 from deepinfer.loader.model_loader import load_model
-from deepinfer.tools.make_checkpoint import PRESETS, write_checkpoint
+from deepinfer.tools.make_checkpoint import PRESETS
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
@@ -36,8 +36,8 @@ def test_deviation_fields_of_hand_made_runs():
     assert kl(lp(0.3, 0.7), lp(0.3, 0.7)) == 0 and common_prefix([1, 2], [1, 2, 3]) == 2
 
 
-def test_replay_deviation_per_keep_on_tiny_v41(tmp_path, capsys):
-    ckpt = write_checkpoint(tmp_path / "ckpt41", PRESETS["tiny41"], seed=7, dtype="fp8")
+def test_replay_deviation_per_keep_on_tiny_v41(tiny41, tmp_path, capsys):
+    ckpt = tiny41
     text = tmp_path / "held_out.txt"
     text.write_text(TEXT)
     # window 16 + draft block 5: KEEP >= 21; 64 covers the 41-token prompts (then replay is exact)
@@ -61,9 +61,3 @@ def test_replay_deviation_per_keep_on_tiny_v41(tmp_path, capsys):
     assert short["kl_mean"] == pytest.approx(sum(kls) / 2, rel=1e-3, abs=1e-7)
     assert short["kl_max"] == pytest.approx(max(kls), rel=1e-3, abs=1e-7)
 
-
-def test_keep_below_the_window_is_refused(tmp_path):
-    ckpt = write_checkpoint(tmp_path / "ckpt41", PRESETS["tiny41"], seed=7, dtype="fp8")
-    with pytest.raises(ValueError, match="yoco_prefill_keep_tokens"):
-        main(["--model", str(ckpt), "--prompts", "def f(x):", "--keep", "10", "--device", "cpu",
-              "--kv-cache-memory", str(32 << 20)])

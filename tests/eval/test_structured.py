@@ -8,12 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from deepinfer.tools.make_checkpoint import PRESETS, write_checkpoint
-
 pytest.importorskip("xgrammar")
 pytest.importorskip("jsonschema")
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
+from eval import structured  # noqa: E402
 from eval.structured import CASES, evaluate, main, why_invalid  # noqa: E402
 
 BY_NAME = {c.name: c for c in CASES}
@@ -36,8 +35,8 @@ def test_validity_check_of_hand_made_texts(name, text, ok):
 
 
 @pytest.fixture(scope="module")
-def ckpt(tmp_path_factory):
-    return write_checkpoint(tmp_path_factory.mktemp("so") / "ckpt", PRESETS["tiny"], seed=1, dtype="fp8")
+def ckpt(tiny):
+    return tiny
 
 
 ENGINE = ["--device", "cpu", "--kv-cache-memory", str(32 << 20)]
@@ -63,7 +62,9 @@ def test_json_completions_under_a_grammar_are_valid_and_cut_ones_are_not(llm):
     assert {f["why"] for f in cut["failures"]} == {"cut at --max-tokens"}
 
 
-def test_command_prints_one_json_object(ckpt, capsys):
+def test_command_prints_one_json_object(ckpt, llm, capsys, monkeypatch):
+    monkeypatch.setattr(structured, "engine", lambda args: llm)  # the module's engine, not a second one
+    monkeypatch.setattr(llm, "close", lambda: None)
     result = main(["--model", str(ckpt), "--cases", "regex", "--max-tokens", "60", *ENGINE])
     assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == result
     regexes = [c.name for c in CASES if c.kind == "regex"]
