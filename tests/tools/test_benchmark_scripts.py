@@ -380,9 +380,10 @@ def test_host_step_stub_times_both_models(tmp_path):
 
 @pytest.mark.parametrize("arch", ["v4", "v41"])
 def test_profile_engine_step_smoke(arch):
-    res = run([sys.executable, "benchmarks/profile_engine_step.py", "--arch", arch, "--smoke"])
+    res = run([sys.executable, "benchmarks/profile_engine_step.py", "--arch", arch, "--smoke", "--commit", "abcdef1"])
     assert res.returncode == 0, res.stderr[-3000:]
-    lines = res.stdout.splitlines()
+    head, *lines = res.stdout.splitlines()
+    assert head == f"# commit abcdef1: profile_engine_step.py --arch {arch} --smoke --commit abcdef1"
     rows = [json.loads(line.split(": ", 1)[1]) for line in lines if line.startswith("sweep decode row")]
     steps = {"v4": 10, "v41": 5}[arch]  # flash_slice.DECODE_STEPS_PER_REP, --reps 1
     assert len(rows) == 2 and all(len(r["step_ms_each"]) == steps and r["graphs_captured"] == 0 for r in rows)
@@ -393,7 +394,7 @@ def test_profile_engine_step_smoke(arch):
 def test_profile_engine_step_prefill_smoke():
     res = run([sys.executable, "benchmarks/profile_engine_step.py", "--arch", "v41", "--phase", "prefill", "--smoke"])
     assert res.returncode == 0, res.stderr[-3000:]
-    assert res.stdout.startswith("v41 fp8=False prefill 1 x 32: engine step ")
+    assert res.stdout.splitlines()[1].startswith("v41 fp8=False prefill 1 x 32: engine step ")
     assert "aten::" in res.stdout  # the profiler's op table of one prefill step
 
 
