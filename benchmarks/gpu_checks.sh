@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks of a device session in one call: every gpu-marked test (kernels first; a failure
 # does not stop the rest), then the batch-invariance "1000 completions" run. Logs go to $1 (default benchmarks/results/gpu-checks);
-# $2 picks a part (tests | tests-kernels | tests-other | identical | probes | spec | all, default all;
+# $2 picks a part (tests | tests-kernels | tests-other | tests-more | identical | probes | spec | all, default all;
 # spec, the speculative decoding runs of benchmarks/spec_decode.py, only when named);
 # probes = the decode-size kernel sweep, the GEMM tile probe (benchmarks/mma_rows_probe.py) and a decode
 # batch 1 profile with GEMM shapes.
@@ -25,17 +25,20 @@ python3 -c "import nemo_automodel" 2>/dev/null \
   || echo "nemo_automodel not importable: the NeMo-backed GPU tests will error" | tee -a "$out/summary.txt"
 # tests-kernels / tests-other: the two halves of `tests` (all of it takes more than one 600 s device call:
 # tests/kernels alone ran past 330 s on the H200 at 80721a5)
-parts=(tests/kernels "tests/models tests/layers" tests/engine "tests/state tests/spec tests/worker tests/structured")
+# (tests-more: the distributed ranks sharing one GPU, training's bf16 steps (needs nemo_automodel), eval)
+parts=(tests/kernels "tests/models tests/layers" tests/engine "tests/state tests/spec tests/worker tests/structured"
+       "tests/distributed tests/training tests/eval")
 [ "$what" = tests-kernels ] && parts=(tests/kernels)
-[ "$what" = tests-other ] && parts=("${parts[@]:1}")
-if [ "$what" = tests ] || [ "$what" = all ] || [ "$what" = tests-kernels ] || [ "$what" = tests-other ]; then
+[ "$what" = tests-other ] && parts=("${parts[@]:1:3}")
+[ "$what" = tests-more ] && parts=("${parts[@]:4}")
+if [[ "$what" =~ ^(tests|all|tests-kernels|tests-other|tests-more)$ ]]; then
   for part in "${parts[@]}"; do
     # shellcheck disable=SC2086
     timeout 400 python -m pytest -q -m gpu $part -rfE > "$out/pytest-$(echo $part | tr ' /' '__').log" 2>&1
     echo "pytest -m gpu $part: $(tail -1 "$out/pytest-$(echo $part | tr ' /' '__').log")" | tee -a "$out/summary.txt"
   done
 fi
-case "$what" in tests|tests-kernels|tests-other) exit 0 ;; esac
+case "$what" in tests|tests-kernels|tests-other|tests-more) exit 0 ;; esac
 if [ "$what" = spec ]; then  # speculative decoding on the V4.1 demo: greedy equality in bf16, then speed
   timeout 250 python benchmarks/spec_decode.py --model demo --ks 5 --oracle-rates 0.8 --methods oracle \
     --concurrency 1,16,128 --reps 1 --batch-invariant --out-dir "$out" "${commit_arg[@]}" > "$out/spec-equal.log" 2>&1
