@@ -326,6 +326,7 @@ class TPEngine:
     def _start_ranks(self, args: EngineArgs, target: Callable, *extra) -> str:
         """Spawn ranks 1..world-1 as target(rank, args, init_method, reports, *extra); -> init_method."""
         self.args, self._error = args, None
+        self._threads = torch.get_num_threads()  # rank 0 (this process) may set its own; close() restores it
         self._tmp = None
         init_method = ps.init_method_from_env()
         if init_method is None:
@@ -406,6 +407,7 @@ class TPEngine:
         if self._tmp is not None:
             shutil.rmtree(self._tmp, ignore_errors=True)
             self._tmp = None
+        torch.set_num_threads(self._threads)
 
     def __enter__(self) -> TPEngine:
         return self

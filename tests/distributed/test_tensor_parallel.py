@@ -67,7 +67,13 @@ def _one_process(ckpt, params) -> list:
 
 def test_two_ranks_match_one_process(ckpt):
     params = [GREEDY, FORKED, GREEDY]
-    _assert_same(generate_tp(_args(ckpt, 2), PROMPTS, params), _one_process(ckpt, params))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)  # rank 0 runs in this process with num_threads=1 ...
+    try:
+        _assert_same(generate_tp(_args(ckpt, 2), PROMPTS, params), _one_process(ckpt, params))
+        assert torch.get_num_threads() == 2  # ... and closing the engine gives the process its own back
+    finally:
+        torch.set_num_threads(threads)
     assert parallel_state.rank_info() is None  # the group was left
 
 
