@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -15,9 +16,15 @@ ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
 
 
-def _cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "deepinfer.entrypoints.cli", *args], env=ENV,
+def _cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "deepinfer.entrypoints.cli", *args], env=env or ENV,
                           capture_output=True, text=True, timeout=300)
+
+
+def _clis(*arg_lists: tuple[str, ...], env: dict | None = None) -> list[subprocess.CompletedProcess]:
+    """_cli of each argument list, the processes running at the same time (each is a real `deepinfer` run)."""
+    with ThreadPoolExecutor(len(arg_lists)) as pool:
+        return list(pool.map(lambda args: _cli(*args, env=env), arg_lists))
 
 
 def test_help_does_not_import_torch():
@@ -36,10 +43,10 @@ def _one_line_error(res: subprocess.CompletedProcess, *words: str) -> None:
 
 
 def test_a_model_that_cannot_be_found_is_one_line(tmp_path):
-    _one_line_error(_cli("generate", "--model", str(tmp_path / "nowhere"), "--prompt", "hi", "--device", "cpu"),
-                    "not found", "nowhere")
-    _one_line_error(_cli("generate", "--model", "no-such-org/no-such-model", "--prompt", "hi", "--device", "cpu"),
-                    "not found", "no-such-model")
+    local, hub = _clis(("generate", "--model", str(tmp_path / "nowhere"), "--prompt", "hi", "--device", "cpu"),
+                       ("generate", "--model", "no-such-org/no-such-model", "--prompt", "hi", "--device", "cpu"))
+    _one_line_error(local, "not found", "nowhere")
+    _one_line_error(hub, "not found", "no-such-model")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a build or machine without CUDA")
@@ -50,10 +57,12 @@ def test_cuda_without_a_cuda_device_is_one_line(tmp_path):
 
 def test_sampling_flags_are_checked_before_the_model_is_looked_for(tmp_path):
     # the model does not exist: the error must be the flag's, found before any loading
-    for flag, value, field in [("--top-p", "2", "top_p"), ("--temperature", "-1", "temperature"),
-                               ("--max-tokens", "0", "max_tokens"), ("--n", "0", "n")]:
-        _one_line_error(_cli("generate", "--model", str(tmp_path / "nowhere"), "--prompt", "hi", flag, value),
-                        field)
+    cases = [("--top-p", "2", "top_p"), ("--temperature", "-1", "temperature"), ("--max-tokens", "0", "max_tokens"),
+             ("--n", "0", "n")]
+    runs = _clis(*[("generate", "--model", str(tmp_path / "nowhere"), "--prompt", "hi", flag, value)
+                   for flag, value, _ in cases])
+    for res, (_, _, field) in zip(runs, cases):
+        _one_line_error(res, field)
 
 
 @pytest.fixture(scope="module")
@@ -69,10 +78,8 @@ def test_quantization_flag_reaches_the_engine(fp8_ckpt):
     common = ("generate", "--model", str(fp8_ckpt), "--prompt", "hello", "--device", "cpu", "--dtype", "float32",
               "--temperature", "0", "--max-tokens", "4")
     env = {**ENV, "DEEPINFER_CONFIGURE_LOGGING": "1"}  # the deepinfer logger's own stderr handler
-    runs = {}
-    for q, said in (("fp8", "as the checkpoint stores them"), ("none", "dequantised to float32")):
-        res = subprocess.run([sys.executable, "-m", "deepinfer.entrypoints.cli", *common, "--quantization", q],
-                             env=env, capture_output=True, text=True, timeout=300)
+    runs, cases = {}, (("fp8", "as the checkpoint stores them"), ("none", "dequantised to float32"))
+    for res, (q, said) in zip(_clis(*[(*common, "--quantization", q) for q, _ in cases], env=env), cases):
         assert res.returncode == 0, res.stderr[-2000:]
         assert said in res.stderr and "request(s) of max_model_len=" in res.stderr, res.stderr[-2000:]
         runs[q] = json.loads(res.stdout.splitlines()[0])["token_ids"]
@@ -88,22 +95,19 @@ def test_quantization_and_parallel_flags_are_checked_before_any_weight_is_read(f
     _one_line_error(_cli("generate", "--model", str(bf16), "--prompt", "hi", "--device", "cpu",
                          "--quantization", "fp8"), "quantization", "no quantization_config")
     # the model does not exist: the parallel sizes are refused before it is looked for
-    nowhere = str(tmp_path / "nowhere")
-    _one_line_error(_cli("generate", "--model", nowhere, "--prompt", "hi", "--device", "cpu", "-dp", "2",
-                         "-tp", "2"), "data_parallel_size=2", "tensor_parallel_size=2")
-    _one_line_error(_cli("generate", "--model", nowhere, "--prompt", "hi", "--device", "cpu",
-                         "--context-parallel-size", "0"), "context_parallel_size")
-    _one_line_error(_cli("generate", "--model", nowhere, "--prompt", "hi", "--device", "cpu", "--enable-eplb"),
-                    "enable_eplb", "enable_expert_parallel")
+    common = ("generate", "--model", str(tmp_path / "nowhere"), "--prompt", "hi", "--device", "cpu")
+    dp_tp, cp, eplb = _clis((*common, "-dp", "2", "-tp", "2"), (*common, "--context-parallel-size", "0"),
+                            (*common, "--enable-eplb"))
+    _one_line_error(dp_tp, "data_parallel_size=2", "tensor_parallel_size=2")
+    _one_line_error(cp, "context_parallel_size")
+    _one_line_error(eplb, "enable_eplb", "enable_expert_parallel")
 
 
 def test_tensor_parallel_flag_runs_two_ranks_with_the_same_greedy_tokens(fp8_ckpt):
     common = ("generate", "--model", str(fp8_ckpt), "--prompt", "hello", "--device", "cpu", "--dtype", "float32",
               "--kv-cache-dtype", "float32", "--temperature", "0", "--max-tokens", "4")
     runs = {}
-    for tp in ("1", "2"):
-        res = subprocess.run([sys.executable, "-m", "deepinfer.entrypoints.cli", *common, "-tp", tp],
-                             env=ENV, capture_output=True, text=True, timeout=300)
+    for tp, res in zip(("1", "2"), _clis((*common, "-tp", "1"), (*common, "-tp", "2"))):
         assert res.returncode == 0, res.stderr[-2000:]
         runs[tp] = json.loads(res.stdout.splitlines()[0])["token_ids"]
     assert runs["2"] == runs["1"] and len(runs["1"]) == 4
@@ -113,9 +117,9 @@ def test_eplb_config_flag_is_checked_before_the_model_is_looked_for(tmp_path):
     nowhere = str(tmp_path / "nowhere")
     common = ("generate", "--model", nowhere, "--prompt", "hi", "--device", "cpu", "-dp", "2",
               "--enable-expert-parallel", "--enable-eplb")
-    res = _cli(*common, "--eplb-config", "{not json")
+    res, bogus = _clis((*common, "--eplb-config", "{not json"), (*common, "--eplb-config", '{"bogus": 1}'))
     assert res.returncode == 2 and "--eplb-config" in res.stderr and "not JSON" in res.stderr
-    _one_line_error(_cli(*common, "--eplb-config", '{"bogus": 1}'), "eplb_config", "unknown key", "bogus")
+    _one_line_error(bogus, "eplb_config", "unknown key", "bogus")
 
 
 def test_bench_serve_is_a_deepinfer_command():
