@@ -6,6 +6,11 @@ os.environ.setdefault("DEEPINFER_CONFIGURE_LOGGING", "0")  # records reach pytes
 import pytest
 import torch
 
+# The suite starts many processes of its own (servers, parallel ranks, CLI runs) on a 2-core CI machine:
+# the pytest process computes single-threaded (the tests took 729 s of a CI run before TP/DP engines restored
+# the process's thread count on close, 755 and 774 s after).
+torch.set_num_threads(1)
+
 
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
