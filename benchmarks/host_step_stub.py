@@ -15,28 +15,17 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
-
 from deepinfer import LLM, SamplingParams
 from deepinfer.engine.request import Request
 from deepinfer.tools.make_checkpoint import PRESETS, write_checkpoint
-from deepinfer.worker.cuda_graph import DecodeGraphs, _tensors
-
-
-class StubGraphs(DecodeGraphs):
-    """DecodeGraphs' host side (plan, inputs packed into one buffer) with the replay replaced by zeros."""
-
-    def run(self, chunks, fill=None):
-        _, batch = self.plan(chunks)
-        torch.cat([t.reshape(-1) for _, t in _tensors(batch)])
-        return torch.zeros(len(chunks), self.model.config.vocab_size)
+from engine_overhead import NoOpGraphs
 
 
 def measure(name: str, preset: str, batches: list[int], steps: int, rows: int, root: Path) -> list[str]:
     ckpt = write_checkpoint(root / name, PRESETS[preset], seed=0, dtype="fp8")
     llm = LLM(str(ckpt), device="cpu", dtype="float32", kv_cache_memory=256 << 20, max_num_seqs=max(batches))
     r = llm.engine.runner
-    r.graphs = StubGraphs(r.model, r.cache, r.cache.scratch_slot, r.cache.scratch_addr, device="cpu")
+    r.graphs = NoOpGraphs(r.model, r.cache, r.cache.scratch_slot, r.cache.scratch_addr, device="cpu")
     out = []
     for B in batches:
         params = SamplingParams(temperature=0, max_tokens=steps + 32, ignore_eos=True)

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 # The suite starts many processes of its own (servers, parallel ranks, CLI runs) on a 2-core CI machine:
-# the pytest process computes single-threaded (the tests took 729 s of a CI run before TP/DP engines restored
-# the process's thread count on close, 755 and 774 s after).
+# the pytest process computes single-threaded (as it did before TP/DP engines restored the thread count on
+# close: with two threads here the suite ran slower).
 torch.set_num_threads(1)
 
 
