@@ -32,9 +32,14 @@ parts=(tests/kernels "tests/models tests/layers" tests/engine "tests/state tests
 [ "$what" = tests-other ] && parts=("${parts[@]:1:3}")
 [ "$what" = tests-more ] && parts=("${parts[@]:4}")
 if [[ "$what" =~ ^(tests|all|tests-kernels|tests-other|tests-more)$ ]]; then
+  # GPU_WORKERS pytest-xdist workers share the GPU where xdist is importable (carry its wheel): most of a
+  # part's time is Triton compiling on the host's cores; PART_TIMEOUT bounds each part (seconds)
+  xdist=()
+  python3 -c "import xdist" 2>/dev/null && xdist=(-n "${GPU_WORKERS:-4}")
   for part in "${parts[@]}"; do
     # shellcheck disable=SC2086
-    timeout 400 python -m pytest -q -m gpu $part -rfE > "$out/pytest-$(echo $part | tr ' /' '__').log" 2>&1
+    timeout "${PART_TIMEOUT:-400}" python -m pytest -q -m gpu "${xdist[@]}" $part -rfE \
+      > "$out/pytest-$(echo $part | tr ' /' '__').log" 2>&1
     echo "pytest -m gpu $part: $(tail -1 "$out/pytest-$(echo $part | tr ' /' '__').log")" | tee -a "$out/summary.txt"
   done
 fi
