@@ -178,8 +178,10 @@ def test_a_preempted_request_computes_its_prompt_rows_again_and_never_past_the_p
 @pytest.mark.parametrize("arch", ["v4", "v41"])
 def test_cuda_prompt_logprobs_match_the_cpu_and_leave_the_others_unchanged(request, arch):
     """fp32 on CUDA: the CPU's values; bf16 (Triton kernels, decode graphs, batch-invariant): within bf16 rounding
-    of them on average (bf16 on the CPU: 0.03 - 0.07 nats mean, 0.4 - 1.2 max; a misaligned row is off by
-    nats), and every other request's tokens and logprobs bit for bit those of the same batch without them."""
+    of them on average (bf16 on the CPU: 0.03 - 0.07 nats mean, 0.4 - 1.2 max; on the H200 at c61a567 V4.1's
+    160-token prompt 0.18 mean, 1.12 max: benchmarks/results/2026-12-01-h200-gpu-tests-c61a567.log; the fp32 leg,
+    which shares the bf16 leg's row alignment, checks that alignment to 1e-3), and every
+    other request's tokens and logprobs bit for bit those of the same batch without them."""
     ck = request.getfixturevalue("ckpt" if arch == "v4" else "ckpt41")
     vocab = CFG["vocab_size"] if arch == "v4" else 1000
     prompts = [_prompt(50 + i, n, vocab) for i, n in enumerate([90, 33, 160, 12])]
@@ -187,7 +189,7 @@ def test_cuda_prompt_logprobs_match_the_cpu_and_leave_the_others_unchanged(reque
             for i in range(4)]
     plain = [replace(p, prompt_logprobs=None) for p in want]
     ref = _llm(ck).generate(prompts, want, use_tqdm=False)
-    for dtype, tol, worst in (("float32", 1e-3, 1e-3), ("bfloat16", 0.15, 3.0)):
+    for dtype, tol, worst in (("float32", 1e-3, 1e-3), ("bfloat16", 0.3, 3.0)):
         gpu = LLM(str(ck), device=DEVICE, dtype=dtype, kv_cache_dtype=dtype, kv_cache_memory=64 << 20,
                   max_num_batched_tokens=64, batch_invariant=dtype == "bfloat16")
         got, base = (gpu.generate(prompts, ps, use_tqdm=False) for ps in (want, plain))
