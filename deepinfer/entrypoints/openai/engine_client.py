@@ -45,6 +45,8 @@ class Delta:
     logprobs: list[dict[int, float]] | None
     finish_reason: str | None   # "stop" | "length" | "abort" on a sample's last delta
     error: str | None = None
+    # SamplingParams.prompt_logprobs: on the leader's (index 0) first delta only, one entry per prompt position
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
 
 class EngineClient:
@@ -164,11 +166,11 @@ class EngineClient:
             if q is not None:
                 q.put_nowait(msg[2])
         elif msg[0] == "step":
-            _, deltas, stats = msg
+            _, deltas, stats, prompt = msg
             for rid, j, ids, lps, reason, error in deltas:
                 q = self._streams.get(rid)
                 if q is not None:
-                    q.put_nowait(Delta(j, ids, lps, reason, error))
+                    q.put_nowait(Delta(j, ids, lps, reason, error, prompt.get(rid) if j == 0 else None))
             self.stats = stats
             if self.on_stats is not None:
                 self.on_stats(stats)

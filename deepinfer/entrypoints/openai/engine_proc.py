@@ -4,11 +4,13 @@ Messages in (API process -> engine, one multiprocessing queue):
   ("add", rid, prompt_token_ids, SamplingParams)  -> replies ("added", rid, None) or ("added", rid, error)
   ("abort", rid)                                  -> the request's family is aborted and freed at once
   ("shutdown",)                                   -> the loop ends (the API process drains first)
-Messages out (one queue): ("ready", info) once, then ("step", deltas, stats) after every step (and after
-an abort, so the freed cache shows at once), ("fatal", error, usage) if start-up fails (usage: a problem
+Messages out (one queue): ("ready", info) once, then ("step", deltas, stats, prompt_logprobs) after every step
+(and after an abort, so the freed cache shows at once), ("fatal", error, usage) if start-up fails (usage: a problem
 the user can fix, a bad argument or a model that cannot be found, as the CLI's exit status 2).
 A delta is (rid, sample index, new token ids, their logprob dicts or None, finish_reason, error): only the
-tokens appended since the previous delta of that sample. Invariant: every added request gets exactly one
+tokens appended since the previous delta of that sample. prompt_logprobs: {rid: the request's
+SamplingParams.prompt_logprobs list} for each request whose leader's first delta is in this message (complete
+by then: a request samples only once its whole prompt is prefilled). Invariant: every added request gets exactly one
 delta with a finish_reason per sample, unless the process dies.
 """
 from __future__ import annotations
@@ -87,7 +89,8 @@ class EngineLoop:
                     self._abort_all(f"engine step failed: {type(e).__name__}: {e}")
                 changed = True
             if changed:
-                self.outbox.put(("step", self._deltas(), _stats(self.llm)))
+                prompt: dict[str, list] = {}
+                self.outbox.put(("step", self._deltas(prompt), _stats(self.llm), prompt))
 
     def _take_messages(self, block: bool) -> bool:
         """Handle every queued message (waiting up to IDLE_WAIT_S for one when `block`); True if any came."""
@@ -123,7 +126,8 @@ class EngineLoop:
         for fam in self.families.values():
             self.llm.abort([r for r in fam.reqs if not r.finished], error)
 
-    def _deltas(self) -> list[tuple]:
+    def _deltas(self, prompt: dict[str, list] | None = None) -> list[tuple]:
+        """The deltas since the last call; `prompt` (when given) gets the prompt_logprobs due with them."""
         out = []
         for rid, fam in list(self.families.items()):
             for j, r in enumerate(fam.reqs):
@@ -133,6 +137,8 @@ class EngineLoop:
                 if n == fam.sent[j] and not r.finished:
                     continue
                 lps = r.logprobs[fam.sent[j]:n] if r.params.logprobs is not None else None
+                if prompt is not None and j == 0 and fam.sent[0] == 0 and r.prompt_logprobs is not None:
+                    prompt[rid] = r.prompt_logprobs
                 out.append((rid, j, r.output_token_ids[fam.sent[j]:n], lps, r.finish_reason if r.finished else None,
                             r.error))
                 fam.sent[j], fam.done[j] = n, r.finished

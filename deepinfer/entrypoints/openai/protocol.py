@@ -83,7 +83,7 @@ _REGEX_META = set(".^$*+?()[]{}|\\/")
 
 class SamplingFields(BaseModel):
     """Fields common to /v1/completions and /v1/chat/completions (vLLM's extras: top_k, min_p,
-    ignore_eos, stop_token_ids)."""
+    ignore_eos, stop_token_ids, prompt_logprobs)."""
     model_config = ConfigDict(extra="allow")
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
@@ -102,6 +102,8 @@ class SamplingFields(BaseModel):
     stream_options: StreamOptions | None = None
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
+    # vLLM's: the top-k logprobs (and the prompt token's) at every prompt position, not streamed
+    prompt_logprobs: int | None = Field(None, ge=0)
     user: str | None = None
 
     @field_validator("top_k")
@@ -169,10 +171,17 @@ def sampling_params(req: SamplingFields, *, max_tokens: int, logprobs: int | Non
             top_p=top_p if top_p is not None else (1.0 if req.top_p is None else req.top_p),
             top_k=-1 if req.top_k is None else req.top_k, min_p=req.min_p or 0.0, max_tokens=max_tokens,
             stop=req.stop, stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos, logprobs=logprobs,
-            n=req.n, seq_seed=seed if seed is not None else req.seed, so_args=so_args)
+            prompt_logprobs=req.prompt_logprobs, n=req.n, seq_seed=seed if seed is not None else req.seed,
+            so_args=so_args)
     except ValueError as e:  # "SamplingParams.<field> ..."
         field = str(e).split(" ", 1)[0].removeprefix("SamplingParams.")
         raise APIError(400, str(e).removeprefix("SamplingParams."), field) from None
+
+
+def check_prompt_logprobs(req: SamplingFields, stream: bool) -> None:
+    """prompt_logprobs are returned whole, in the response body: refused with stream=true, as vLLM refuses them."""
+    if req.prompt_logprobs is not None and stream:
+        raise APIError(400, "prompt_logprobs: not available with stream=true", "prompt_logprobs")
 
 
 def so_args_of(fmt: ResponseFormat | None, structured: StructuredOutputs | None = None) -> dict | None:

@@ -105,6 +105,31 @@ class ServerState:
                     finished(j, "abort")
 
 
+def prompt_logprobs_json(lps: list[dict[int, float] | None], prompt: list[int], k: int, hf) -> list[dict | None]:
+    """The engine's prompt_logprobs in vLLM's response shape: per prompt position None (position 0: nothing
+    predicts it) or {str(token id): {"logprob", "rank", "decoded_token"}} for the top-k and the prompt token.
+    rank: 1-based among the top-k; None for a prompt token outside them (the engine ranks no further)."""
+    names: dict[int, str] = {}
+
+    def entry(d: dict[int, float], t: int, rank: int | None) -> dict:
+        if t not in names:
+            names[t] = hf.decode([t], skip_special_tokens=False)
+        return {"logprob": d[t], "rank": rank, "decoded_token": names[t]}
+
+    out: list[dict | None] = []
+    for tok, d in zip(prompt, lps):
+        if d is None:
+            out.append(None)
+            continue
+        outside = len(d) > k  # the prompt token is not among the top-k: the engine added it
+        top = sorted((t for t in d if not (outside and t == tok)), key=lambda t: -d[t])
+        one = {str(t): entry(d, t, r) for r, t in enumerate(top, 1)}
+        if outside:
+            one[str(tok)] = entry(d, tok, None)
+        out.append(one)
+    return out
+
+
 def aborted(error: str | None) -> APIError:
     """The error of a sample the engine aborted: 400 when its structured-output grammar failed to compile (the
     request's response_format), 500 otherwise (a failed step)."""

@@ -8,9 +8,10 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from deepinfer.engine.detokenizer import DecodeState, Detokenizer
-from deepinfer.entrypoints.openai.protocol import APIError, CompletionRequest, sampling_params, so_args_of
-from deepinfer.entrypoints.openai.serving import (ServerState, aborted, merged, new_id, primed, sse,
-                                                  unless_disconnected)
+from deepinfer.entrypoints.openai.protocol import (APIError, CompletionRequest, check_prompt_logprobs,
+                                                   sampling_params, so_args_of)
+from deepinfer.entrypoints.openai.serving import (ServerState, aborted, merged, new_id, primed, prompt_logprobs_json,
+                                                  sse, unless_disconnected)
 
 
 @dataclass
@@ -86,6 +87,7 @@ def _logprobs_json(choice: _Choice, hf, lo: int, hi: int, offset: int) -> dict:
 async def create_completion(req: CompletionRequest, raw: Request, state: ServerState):
     state.check_model(req.model)
     req.unsupported()
+    check_prompt_logprobs(req, req.stream)
     prompts = _prompts(req, state)
     params = sampling_params(req, max_tokens=req.max_tokens, logprobs=req.logprobs,
                              so_args=so_args_of(req.response_format, req.structured_outputs))
@@ -102,14 +104,22 @@ async def create_completion(req: CompletionRequest, raw: Request, state: ServerS
         return {"prompt_tokens": n_in, "completion_tokens": n_out, "total_tokens": n_in + n_out}
 
     if not req.stream:
+        prompt_lps: list[list | None] = [None] * len(prompts)  # per prompt: the engine's, from its leader
+
         async def collect():
             async for i, d in source:
                 if d is not None:
                     choices[i * params.n + d.index].add(d)
+                    if d.prompt_logprobs is not None:
+                        prompt_lps[i] = d.prompt_logprobs
         await unless_disconnected(raw, collect())
+        k = params.prompt_logprobs
+        per_prompt = [None if k is None else prompt_logprobs_json(lps or [], ids, k, state.tokenizer.hf)
+                      for lps, ids in zip(prompt_lps, prompts)]
         body = {"id": rid, "object": "text_completion", "created": created, "model": model, "usage": usage(),
                 "choices": [{"index": c.index, "text": c.st.text, "finish_reason": c.finish_reason,
-                             "logprobs": _logprobs_json(c, state.tokenizer.hf, 0, len(c.ids), 0) if want_lps else None}
+                             "logprobs": _logprobs_json(c, state.tokenizer.hf, 0, len(c.ids), 0) if want_lps else None,
+                             "prompt_logprobs": per_prompt[c.index // params.n]}
                             for c in choices]}
         return JSONResponse(body)
 

@@ -12,8 +12,9 @@ import deepseek_recipe as recipe
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
-from deepinfer.entrypoints.openai.protocol import APIError, ChatRequest, SamplingFields, sampling_params
-from deepinfer.entrypoints.openai.serving import (ServerState, aborted, new_id, primed, sse,
+from deepinfer.entrypoints.openai.protocol import (APIError, ChatRequest, SamplingFields, check_prompt_logprobs,
+                                                   sampling_params)
+from deepinfer.entrypoints.openai.serving import (ServerState, aborted, new_id, primed, prompt_logprobs_json, sse,
                                                   unless_disconnected)
 
 
@@ -31,7 +32,7 @@ RESPONSES = Protocol(recipe.ResponsesRequest, recipe.ResponsesResponse, "resp", 
 
 # fields this server reads itself (vLLM's sampling extras); recipe ignores them
 _OWN_FIELDS = ("n", "top_k", "min_p", "ignore_eos", "stop_token_ids", "seed", "presence_penalty",
-               "frequency_penalty", "structured_outputs")
+               "frequency_penalty", "structured_outputs", "prompt_logprobs")
 
 
 def _conversion_error(e: Exception) -> APIError:
@@ -67,6 +68,10 @@ async def create(proto: Protocol, body: dict, raw: Request, state: ServerState):
     state.check_model(body.get("model"))
     own = SamplingFields.model_validate({k: body[k] for k in _OWN_FIELDS if k in body})
     own.unsupported()
+    if own.prompt_logprobs is not None and proto is not CHAT:
+        raise APIError(400, "prompt_logprobs: only /v1/completions and /v1/chat/completions return them",
+                       "prompt_logprobs")
+    check_prompt_logprobs(own, bool(body.get("stream")))
     body = {k: v for k, v in body.items() if k != "n"}
     if proto is CHAT and body.get("max_tokens") is None and body.get("max_completion_tokens") is not None:
         body["max_tokens"] = body["max_completion_tokens"]
@@ -100,6 +105,7 @@ async def create(proto: Protocol, body: dict, raw: Request, state: ServerState):
     parsers = [SampleParser(proto, conv, rid, model, state.tokenizer.recipe, len(ids), state.eos_token_id, top)
                for _ in range(params.n)]
     ready = [p.start() for p in parsers]
+    prompt_lps: list = []  # the engine's prompt_logprobs (from the leader's first delta)
 
     async def chunks():
         """(sample index, recipe chunk) as the engine's tokens come."""
@@ -109,6 +115,8 @@ async def create(proto: Protocol, body: dict, raw: Request, state: ServerState):
                     for c in cs:
                         yield j, c
                 continue
+            if d.prompt_logprobs is not None:
+                prompt_lps[:] = d.prompt_logprobs
             for c in parsers[d.index].push(d):
                 yield d.index, c
 
@@ -133,6 +141,10 @@ async def create(proto: Protocol, body: dict, raw: Request, state: ServerState):
         body = _merge([json.loads(r.to_json()) for r in resps])
         if proto.n_choices and body.get("usage"):
             _count_usage(body["usage"], sum(p.generated for p in parsers))
+        if proto is CHAT:  # vLLM's place for them in a chat response: the response, not its choices
+            k = params.prompt_logprobs
+            body["prompt_logprobs"] = None if k is None else prompt_logprobs_json(prompt_lps, ids, k,
+                                                                                  state.tokenizer.hf)
         return JSONResponse(body)
 
     _, stream = await unless_disconnected(raw, primed(chunks()))
