@@ -29,7 +29,7 @@ from common import add_commit_arg, recorded_commit
 from deepinfer import LLM, SamplingParams
 from deepinfer.engine.request import Request
 from deepinfer.tools.make_checkpoint import PRESETS, write_checkpoint
-from deepinfer.worker.cuda_graph import DecodeGraphs, _tensors
+from deepinfer.worker.cuda_graph import DecodeGraphs
 
 PRESET = {"v4": "tiny", "v41": "tiny41"}
 PROMPT_LEN, MIXED_PROMPT_LEN = 32, 256
@@ -53,12 +53,15 @@ class NoOpModel:
 
 
 class NoOpGraphs(DecodeGraphs):
-    """DecodeGraphs' host side (plan, inputs packed into a pinned-style buffer) with zeros for the replay."""
+    """DecodeGraphs' host side (planning, inputs packed into the staging buffer and copied to the graph's
+    input buffer) with no capture and no replay: the logits are zeros."""
 
-    def run(self, chunks, fill=None):
-        _, batch = self.plan(chunks)
-        torch.cat([t.reshape(-1) for _, t in _tensors(batch)])
-        return torch.zeros(len(chunks), self.model.config.vocab_size, device=self.device)
+    def _capture(self, host_batch, inputs):
+        return None, inputs, torch.zeros(host_batch.input_ids.shape[0], self.model.config.vocab_size,
+                                         device=self.device)
+
+    def _launch_graph(self, entry) -> None:
+        pass
 
 
 def _engine(arch: str, root: Path, device: str, model: str, max_seqs: int) -> LLM:

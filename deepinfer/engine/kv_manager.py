@@ -3,12 +3,21 @@
 A running request holds one slot (its window ring + compressor carry rows) and, for each
 compressor ratio m, enough blocks for the entries its computed tokens have closed:
 ceil((tokens // m) / block_size). Invariant: for every pool, free + held == total.
+
+The block tables are also kept as arrays with a row per slot (`tables[m][slot]`: the slot's request's
+ratio-m blocks in order, zeros after the first `table_len[m][slot]`; a free slot's row is all zeros),
+updated in place as blocks are granted and freed, so a decode step's tables are one fancy index
+(Scheduler.schedule_ahead's DecodeRows) instead of a walk over the requests' lists.
 """
 from __future__ import annotations
 
 from collections import deque
 
+import numpy as np
+
 from deepinfer.engine.request import Request
+
+TABLE_WIDTH = 16  # initial columns of the table arrays (doubled as a request needs more blocks)
 
 
 class KVCacheManager:
@@ -16,6 +25,9 @@ class KVCacheManager:
         self.num_slots, self.num_blocks, self.block_size = num_slots, dict(num_blocks), block_size
         self.free_slots: deque[int] = deque(range(num_slots))
         self.free_blocks: dict[int, deque[int]] = {m: deque(range(n)) for m, n in num_blocks.items()}
+        self.tables: dict[int, np.ndarray] = {m: np.zeros((num_slots, TABLE_WIDTH), dtype=np.int64)
+                                              for m in num_blocks}
+        self.table_len: dict[int, np.ndarray] = {m: np.zeros(num_slots, dtype=np.int64) for m in num_blocks}
 
     def blocks_for(self, num_tokens: int) -> dict[int, int]:
         return {m: -(-(num_tokens // m) // self.block_size) for m in self.num_blocks}
@@ -59,15 +71,30 @@ class KVCacheManager:
             req.slot = self.free_slots.popleft()
         for m, n in need.items():
             table = req.block_tables.setdefault(m, [])
-            table.extend(self.free_blocks[m].popleft() for _ in range(max(0, n)))
+            if n > 0:
+                old = len(table)
+                table.extend(self.free_blocks[m].popleft() for _ in range(n))
+                self._set_row(m, req.slot, old, table[old:])
         return True
 
+    def _set_row(self, m: int, slot: int, first: int, blocks: list[int]) -> None:
+        arr, end = self.tables[m], first + len(blocks)
+        if end > arr.shape[1]:
+            wide = np.zeros((arr.shape[0], max(end, 2 * arr.shape[1])), dtype=np.int64)
+            wide[:, :arr.shape[1]] = arr
+            arr = self.tables[m] = wide
+        arr[slot, first:end] = blocks
+        self.table_len[m][slot] = end
+
     def free(self, req: Request) -> None:
+        for m, table in req.block_tables.items():
+            self.free_blocks[m].extend(table)
+            if req.slot is not None:
+                self.tables[m][req.slot, :len(table)] = 0
+                self.table_len[m][req.slot] = 0
         if req.slot is not None:
             self.free_slots.append(req.slot)
             req.slot = None
-        for m, table in req.block_tables.items():
-            self.free_blocks[m].extend(table)
         req.block_tables = {}
 
     def num_free(self) -> tuple[int, dict[int, int]]:

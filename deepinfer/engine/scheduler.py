@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from deepinfer.engine.kv_manager import KVCacheManager
-from deepinfer.engine.outputs import (CONTEXT_TOKENS, PLACEHOLDER, ForkOp, ModelOutput, ScheduledChunk,
+from deepinfer.engine.outputs import (CONTEXT_TOKENS, PLACEHOLDER, DecodeRows, ForkOp, ModelOutput, ScheduledChunk,
                                      SchedulerOutput)
 from deepinfer.engine.request import Request, Status
 from deepinfer.spec.ngram import ModelDrafts, NgramProposer, SpecStats
@@ -197,6 +197,8 @@ class Scheduler:
             self.running.append(req)
             out.chunks.append(self._chunk(req, n))
             budget -= n
+        if out.chunks:
+            out.decode = self._decode_rows(out.chunks)
         return out
 
     def schedule_ahead(self, inflight: SchedulerOutput) -> SchedulerOutput | None:
@@ -228,7 +230,22 @@ class Scheduler:
             chunks.append(ScheduledChunk(req.request_id, req.slot, start, [PLACEHOLDER], dict(req.block_tables), 1,
                                          req.params, [], start + 1, sample_index=req.sample_index,
                                          grammar=req.grammar))
-        return out if chunks else None
+        if not chunks:
+            return None
+        out.decode = self._decode_rows(chunks)
+        return out
+
+    def _decode_rows(self, chunks: list[ScheduledChunk]) -> DecodeRows | None:
+        """The step's DecodeRows when every chunk is one token sampled once (else None): the chunks' tables
+        are the cache manager's rows for their slots, copied here (the step may run after they grow)."""
+        if not all(len(c.token_ids) == 1 and c.num_samples == 1 and not c.num_draft for c in chunks):
+            return None
+        n = len(chunks)
+        slots = np.fromiter((c.slot for c in chunks), dtype=np.int64, count=n)
+        kv = self.kv
+        return DecodeRows(np.fromiter((c.token_ids[0] for c in chunks), dtype=np.int64, count=n), slots,
+                          np.fromiter((c.start for c in chunks), dtype=np.int64, count=n),
+                          {m: t[slots] for m, t in kv.tables.items()}, {m: t[slots] for m, t in kv.table_len.items()})
 
     def update(self, so: SchedulerOutput, mo: ModelOutput) -> list[Request]:
         """Advance counters, append sampled tokens, finish on token-level stops. Returns the

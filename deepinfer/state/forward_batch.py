@@ -140,6 +140,14 @@ def _gather_plan(tok, pos, start, slot, span: int, ring: int, lo=None):
     Positions below `lo` (per row; default 0) do not exist. numpy arrays, or torch tensors on the
     device that reads the [T, span] result."""
     xp = torch if isinstance(pos, torch.Tensor) else np
+    if xp is np and start is pos and lo is None:  # decode (each row its request's only token): a shorter path
+        q = pos[:, None] + np.arange(1 - span, 1)
+        ring_idx = _ring_rows(slot[:, None], q, ring)
+        ring_idx[q < 0] = -1
+        ring_idx[:, -1] = -1
+        new_idx = np.full(q.shape, -1, dtype=np.int64)
+        new_idx[:, -1] = tok
+        return new_idx, ring_idx
     k = torch.arange(span, device=pos.device) if xp is torch else np.arange(span)
     q = pos[:, None] - (span - 1) + k
     valid = q >= (0 if lo is None else lo[:, None])
@@ -154,24 +162,31 @@ def _keep_last(tok, pos, end, slot, size: int):
     return tok[keep], _ring_rows(slot[keep], pos[keep], size)
 
 
-def _entry_addresses(chunks: list[SeqChunk], m: int, n_entries: int, block_size: int,
-                     req_end: np.ndarray) -> np.ndarray:
-    """[B, n_entries] address of entry w of each request (its block table must cover its entries up to
-    req_end, the position after its chunk)."""
+def _padded_tables(chunks: list[SeqChunk], m: int) -> tuple[np.ndarray, np.ndarray]:
+    """([B, width] each request's ratio-m block table, zeros past its length; [B] the lengths)."""
     tables = [c.block_tables.get(m, ()) for c in chunks]
     counts = np.fromiter(map(len, tables), dtype=np.int64, count=len(tables))
+    padded = np.zeros((len(chunks), int(counts.max()) if counts.size else 0), dtype=np.int64)
+    if counts.any():  # row-major: the mask's True cells are the tables' blocks in order
+        padded[np.arange(padded.shape[1]) < counts[:, None]] = np.fromiter(itertools.chain.from_iterable(tables),
+                                                                            dtype=np.int64, count=int(counts.sum()))
+    return padded, counts
+
+
+def _entry_addresses(padded: np.ndarray, counts: np.ndarray, m: int, n_entries: int, block_size: int,
+                     req_end: np.ndarray, slots: np.ndarray) -> np.ndarray:
+    """[B, n_entries] address of entry w of each request, from its zero-padded block table [B, width] (which
+    must cover its entries up to req_end, the position after its chunk)."""
     need = -(-(req_end // m) // block_size)
     short = np.flatnonzero(counts < need)
     if short.size:
         b = int(short[0])
-        raise ValueError(f"slot {chunks[b].slot}: block table for ratio {m} has {counts[b]} blocks, needs {need[b]}")
-    width = max(-(-n_entries // block_size), int(counts.max()) if counts.size else 0)
-    padded = np.zeros((len(chunks), width), dtype=np.int64)
-    if counts.any():  # row-major: the mask's True cells are the tables' blocks in order
-        padded[np.arange(width) < counts[:, None]] = np.fromiter(itertools.chain.from_iterable(tables),
-                                                                  dtype=np.int64, count=int(counts.sum()))
-    w = np.arange(n_entries)
-    return padded[:, w // block_size] * block_size + w % block_size
+        raise ValueError(f"slot {slots[b]}: block table for ratio {m} has {counts[b]} blocks, needs {need[b]}")
+    width = -(-n_entries // block_size)
+    if padded.shape[1] < width:
+        padded = np.pad(padded, ((0, 0), (0, width - padded.shape[1])))
+    addr = padded[:, :width, None] * block_size + np.arange(block_size)
+    return addr.reshape(len(padded), width * block_size)[:, :n_entries]
 
 
 @dataclass(frozen=True)
@@ -184,25 +199,35 @@ class FixedShape:
     visible: dict[int, int]
 
 
-def _compress_plan(m: int, overlap: bool, chunks: list[SeqChunk], tok, pos, req, start, end, slot,
-                   req_end, block_size: int, to, fixed: FixedShape | None = None, slack: int = 0) -> CompressPlan:
+def _compress_plan(m: int, overlap: bool, tables: tuple[np.ndarray, np.ndarray], tok, pos, req, start, end, slot,
+                   req_end, req_slot, block_size: int, to, fixed: FixedShape | None = None,
+                   slack: int = 0) -> CompressPlan:
+    return CompressPlan(m, *map(to, _compress_arrays(m, overlap, tables, tok, pos, req, start, end, slot, req_end,
+                                                     req_slot, block_size, fixed, slack)))
+
+
+def _compress_arrays(m: int, overlap: bool, tables: tuple[np.ndarray, np.ndarray], tok, pos, req, start, end, slot,
+                     req_end, req_slot, block_size: int, fixed: FixedShape | None, slack: int) -> tuple[np.ndarray, ...]:
+    """CompressPlan's tensors (src_new .. addr, in field order) as numpy arrays; `tables`: the requests'
+    zero-padded ratio-m block tables and their lengths (_padded_tables)."""
     span = 2 * m if overlap else m
     closing = (pos + 1) % m == 0
-    rows = np.ones_like(closing) if fixed else closing
-    w = pos[rows] // m
-    src_new, src_carry = _gather_plan(tok[rows], pos[rows], start[rows], slot[rows], span, span + slack)
+    # fixed shapes: every token has a row (the arrays passed as they are: _gather_plan tests `start is pos`)
+    rows = slice(None) if fixed else closing
+    picked = (tok, pos, start, slot) if fixed else (tok[rows], pos[rows], start[rows], slot[rows])
+    w = picked[1] // m
+    src_new, src_carry = _gather_plan(*picked, span, span + slack)
     carry_src, carry_dst = _keep_last(tok, pos, end, slot, span + slack)
     max_vis = int((req_end // m).max()) if req_end.size else 0
     if fixed:
         if max_vis > fixed.visible[m]:
             raise ValueError(f"FixedShape.visible[{m}]={fixed.visible[m]} < {max_vis} entries")
         max_vis = fixed.visible[m]
-    addr = _entry_addresses(chunks, m, max_vis, block_size, req_end)
+    addr = _entry_addresses(*tables, m, max_vis, block_size, req_end, req_slot)
     dst = addr[req[rows], np.minimum(w, max(max_vis - 1, 0))] if max_vis else w
     if fixed:
         dst = np.where(closing, dst, fixed.scratch[m])
-    return CompressPlan(m, to(src_new), to(src_carry), to(dst), to(w * m), to(carry_src), to(carry_dst),
-                        to((pos + 1) // m), to(addr))
+    return src_new, src_carry, dst, w * m, carry_src, carry_dst, (pos + 1) // m, addr
 
 
 def _in_spans(pos: np.ndarray, spans: list[tuple[int, int]]) -> np.ndarray:
@@ -282,8 +307,9 @@ def build_forward_batch(chunks: list[SeqChunk], window: int, compress_kinds: set
     else:  # the [T, window] tables are expanded where they are read: only [T] vectors cross to a GPU
         win_new, win_ring = _gather_plan(to(tok), d_pos, to(start), to(slot), window, ring)
     ring_src, ring_dst = _keep_last(tok, pos, end, slot, ring)
-    plans = {(m, ov): _compress_plan(m, ov, chunks, tok, pos, req, start, end, slot, req_end, block_size, to, fixed,
-                                     ring_slack)
+    tables = {m: _padded_tables(chunks, m) for m in {m for m, _ in compress_kinds}}
+    plans = {(m, ov): _compress_plan(m, ov, tables[m], tok, pos, req, start, end, slot, req_end, req_slot, block_size,
+                                     to, fixed, ring_slack)
              for m, ov in sorted(compress_kinds)}
     ids = np.array([t for c in chunks for t in c.token_ids], dtype=np.int64)
     windows = _token_windows(chunks, history) if history else None

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import torch
 
+from deepinfer.state.decode_plan import decode_inputs
 from deepinfer.state.forward_batch import FixedShape, ForwardBatch, SeqChunk, build_forward_batch
 from deepinfer.worker.kv_cache import V4Cache
 
@@ -73,6 +75,8 @@ class DecodeGraphs:
         self.pool = None
         self.pinned: list[tuple[torch.Tensor, torch.cuda.Event | None]] = []
         self.turn = 0
+        # (padded batch, visible widths) -> the graph key `_plan` made for them (the input layout)
+        self.layouts: dict[tuple, tuple] = {}
 
     def plan(self, chunks: list[SeqChunk]) -> tuple[tuple, ForwardBatch]:
         """(graph key, fixed-shape batch) of a pure-decode step, padded with scratch requests."""
@@ -81,22 +85,63 @@ class DecodeGraphs:
     def _plan(self, chunks: list[SeqChunk]) -> tuple[tuple, ForwardBatch, list[tuple[str, torch.Tensor]]]:
         """`plan`, and the batch's `_tensors` (walked once a step: the key and the staging read them)."""
         B = len(chunks)
-        padded = next(b for b in self.batch_buckets if b >= B)
+        padded = self._bucket(B)
         # a padding row is position 0 of the scratch slot: with ratio 1 it closes entry 0, stored in the
         # scratch block (the block whose first row is scratch_addr[m])
         bs = self.cache.block_size
         dummy = SeqChunk(self.scratch_slot, 0, [0], {m: [a // bs] for m, a in self.scratch_addr.items()})
         chunks = chunks + [dummy] * (padded - B)
-        # entry widths round up to a power of two (>= visible_bucket): O(log context) graphs per batch size
-        need = {m: max((c.start + 1) // m for c in chunks) for m in self.scratch_addr}
-        visible = {m: max(self.visible_bucket, 1 << max(n - 1, 0).bit_length()) for m, n in need.items()}
-        fixed = FixedShape(self.scratch_addr, visible)
+        visible = self._visible(max(c.start for c in chunks))
         cfg = self.model.config
         batch = build_forward_batch(chunks, cfg.sliding_window, self.cache.compress_kinds, self.cache.block_size,
-                                    "cpu", fixed=fixed, device_history=self.model.token_history,
-                                    ring_slack=self.cache.ring_slack)
+                                    "cpu", fixed=FixedShape(self.scratch_addr, visible),
+                                    device_history=self.model.token_history, ring_slack=self.cache.ring_slack)
         named = _tensors(batch)
-        return self._key(padded, visible, named), batch, named
+        key = self._key(padded, visible, named)
+        self.layouts[padded, tuple(sorted(visible.items()))] = key
+        return key, batch, named
+
+    def _bucket(self, num_requests: int) -> int:
+        return next(b for b in self.batch_buckets if b >= num_requests)
+
+    def _visible(self, max_position: int) -> dict[int, int]:
+        """Entry-table widths: each ratio's entries visible at the furthest position, rounded up to a power of
+        two (>= visible_bucket): O(log context) graphs per batch size."""
+        need = {m: (max_position + 1) // m for m in self.scratch_addr}
+        return {m: max(self.visible_bucket, 1 << max(n - 1, 0).bit_length()) for m, n in need.items()}
+
+    @torch.inference_mode()
+    def run_rows(self, rows, fill: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """`run` for a step given as engine/outputs.py DecodeRows: planned from the arrays (state/decode_plan.py)
+        into the pinned buffer once a graph of its layout exists; the first step of a layout goes through
+        `run` (build_forward_batch, capture)."""
+        B = len(rows.slots)
+        padded = self._bucket(B)
+        # padding rows (see _plan): position 0 of the scratch slot, token 0, the scratch block as table
+        visible = self._visible(int(rows.positions.max()) if B else 0)
+        key = self.layouts.get((padded, tuple(sorted(visible.items()))))
+        entry = None if key is None else self.graphs.get(key)
+        if entry is None:
+            return self.run([SeqChunk(int(s), int(p), [int(t)], {m: rows.tables[m][b, :rows.table_len[m][b]].tolist()
+                                                                 for m in rows.tables})
+                             for b, (s, p, t) in enumerate(zip(rows.slots, rows.positions, rows.tokens))], fill)
+        pad, bs = padded - B, self.cache.block_size
+        tables, lens = {}, {}
+        for m, a in self.scratch_addr.items():
+            t = rows.tables[m]
+            tables[m] = np.concatenate((t, np.zeros((pad, t.shape[1]), dtype=np.int64)))
+            if pad:
+                tables[m][B:, 0] = a // bs
+            lens[m] = np.concatenate((rows.table_len[m], np.ones(pad, dtype=np.int64)))
+        cfg = self.model.config
+        arrays = decode_inputs(np.concatenate((rows.tokens, np.zeros(pad, dtype=np.int64))),
+                               np.concatenate((rows.slots, np.full(pad, self.scratch_slot, dtype=np.int64))),
+                               np.concatenate((rows.positions, np.zeros(pad, dtype=np.int64))), tables, lens,
+                               cfg.sliding_window, self.cache.compress_kinds, self.cache.block_size,
+                               FixedShape(self.scratch_addr, visible), self.model.token_history, self.cache.ring_slack)
+        buf = self._buffer(entry[1].numel())
+        np.concatenate([a.reshape(-1) for a in arrays], out=buf.numpy())
+        return self._replay(entry, buf, fill, B)
 
     @staticmethod
     def _key(padded: int, visible: dict[int, int], named: list[tuple[str, torch.Tensor]]) -> tuple:
@@ -109,21 +154,28 @@ class DecodeGraphs:
         parts = [t.reshape(-1) for _, t in (named if named is not None else _tensors(batch))]
         if any(p.dtype != torch.long for p in parts):
             raise TypeError("decode graph inputs must all be int64 index tensors")
-        n = sum(p.numel() for p in parts)
+        buf = self._buffer(sum(p.numel() for p in parts))
+        torch.cat(parts, out=buf)
+        return buf
+
+    def _buffer(self, n: int) -> torch.Tensor:
+        """The next pinned buffer's first n int64 (its previous upload done)."""
+        pin = torch.device(self.device).type == "cuda"
         if len(self.pinned) < PINNED_BUFFERS:
-            self.pinned.append((torch.empty(0, dtype=torch.long).pin_memory(), None))
+            self.pinned.append((torch.empty(0, dtype=torch.long, pin_memory=pin), None))
         buf, done = self.pinned[self.turn]
         if done is not None:
             done.synchronize()  # the copy that last read this buffer has run
         if buf.numel() < n:
-            buf = torch.empty(max(n, 2 * buf.numel()), dtype=torch.long).pin_memory()
-        torch.cat(parts, out=buf[:n])
+            buf = torch.empty(max(n, 2 * buf.numel()), dtype=torch.long, pin_memory=pin)
         return buf[:n]
 
     def _upload(self, staged: torch.Tensor, dst: torch.Tensor) -> None:
         dst.copy_(staged, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
+        event = None
+        if dst.is_cuda:
+            event = torch.cuda.Event()
+            event.record()
         self.pinned[self.turn] = (staged._base if staged._base is not None else staged, event)
         self.turn = (self.turn + 1) % PINNED_BUFFERS
 
@@ -154,22 +206,34 @@ class DecodeGraphs:
                 inputs[fill[0]] = fill[1]
             entry = self._capture(batch, inputs)
             self.graphs[key] = entry
-        else:
-            self._upload(staged, entry[1])
-            if fill is not None:
-                entry[1][fill[0]] = fill[1]
-        graph, _, out = entry
-        graph.replay()
-        return out[:len(chunks)]
+            self._launch_graph(entry)
+            return entry[2][:len(chunks)]
+        return self._replay(entry, staged, fill, len(chunks))
 
-    def _capture(self, host_batch: ForwardBatch, inputs: torch.Tensor):
-        """The batch rebuilt as views of `inputs`; warm up on a side stream (the cache rows written
-        belong to this very step, so the repeated writes are idempotent), then capture the launches."""
+    def _replay(self, entry, staged: torch.Tensor, fill, num_requests: int) -> torch.Tensor:
+        inputs = entry[1]
+        self._upload(staged, inputs)
+        if fill is not None:  # input_ids lead the packed buffer
+            inputs[fill[0]] = fill[1]
+        self._launch_graph(entry)
+        return entry[2][:num_requests]
+
+    def _launch_graph(self, entry) -> None:
+        entry[0].replay()
+
+    @staticmethod
+    def input_views(host_batch: ForwardBatch, inputs: torch.Tensor) -> ForwardBatch:
+        """The batch rebuilt as views of the packed input buffer (what a captured graph reads)."""
         views, off = [], 0
         for _, t in _tensors(host_batch):
             views.append(inputs[off:off + t.numel()].view(t.shape))
             off += t.numel()
-        batch = _rebuild(host_batch, iter(views))
+        return _rebuild(host_batch, iter(views))
+
+    def _capture(self, host_batch: ForwardBatch, inputs: torch.Tensor):
+        """The batch rebuilt as views of `inputs`; warm up on a side stream (the cache rows written
+        belong to this very step, so the repeated writes are idempotent), then capture the launches."""
+        batch = self.input_views(host_batch, inputs)
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):

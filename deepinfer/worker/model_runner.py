@@ -135,8 +135,11 @@ class ModelRunner:
         fill = self._fill(so, prev)
         if self.graphs is not None and self.graphs.fits(len(so.chunks)) and \
                 all(len(c.token_ids) == 1 and not c.images and not c.prompt_rows for c in so.chunks):
-            return self._sample_or_defer(so, self.graphs.run([SeqChunk(c.slot, c.start, c.token_ids, c.block_tables)
-                                                              for c in so.chunks], fill), list(range(len(so.chunks))), prev)
+            if so.decode is not None:  # planned from the scheduler's arrays
+                logits = self.graphs.run_rows(so.decode, fill)
+            else:
+                logits = self.graphs.run([SeqChunk(c.slot, c.start, c.token_ids, c.block_tables) for c in so.chunks], fill)
+            return self._sample_or_defer(so, logits, list(range(len(so.chunks))), prev)
         keep = self.replay_keep
         # a chunk with prompt rows is prefilled exactly (no bounded replay): each of its rows needs every layer
         chunks = [SeqChunk(c.slot, c.start, c.token_ids, c.block_tables, c.prev_tokens,

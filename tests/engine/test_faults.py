@@ -150,6 +150,8 @@ class _FailingGraphs:
         self.runner.graphs = None  # the next decode steps run eagerly
         raise RuntimeError("injected fault in graph replay")
 
+    run_rows = run  # (a step planned from the scheduler's arrays)
+
 
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 def test_a_failing_graph_replay_aborts_its_step(ckpt, fresh, async_scheduling):

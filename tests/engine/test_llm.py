@@ -170,15 +170,27 @@ def test_cuda_engine_matches_cpu_greedy(ckpt, llm):
 
 
 class _HostGraphs(DecodeGraphs):
-    """DecodeGraphs' step planning (batch padded with scratch rows, entry widths bucketed,
-    placeholder inputs filled) run eagerly on the CPU in place of capture and replay."""
+    """DecodeGraphs' step planning (batch padded with scratch rows, entry widths bucketed, inputs packed into
+    the staging buffer and copied into the graph's input buffer, placeholder inputs filled there) with the
+    capture and each replay replaced by an eager forward over that input buffer, on the CPU. `planned` logs
+    each step's entry point: ("rows", B) planned from the scheduler's arrays, ("chunks", B) from its chunks."""
+
+    planned: list
 
     def run(self, chunks, fill=None):
-        key, batch = self.plan(chunks)
-        if fill is not None:
-            batch.input_ids[fill[0]] = fill[1]
-        self.graphs[key] = None
-        return self.forward(batch)[:len(chunks)]
+        self.planned.append(("chunks", len(chunks)))
+        return super().run(chunks, fill)
+
+    def run_rows(self, rows, fill=None):
+        self.planned.append(("rows", len(rows.slots)))
+        return super().run_rows(rows, fill)
+
+    def _capture(self, host_batch, inputs):
+        views = self.input_views(host_batch, inputs)
+        return views, inputs, self.forward(views)
+
+    def _launch_graph(self, entry) -> None:
+        entry[2].copy_(self.forward(entry[0]))
 
 
 def _check_graph_decode_matches_eager(ckpt, device: str) -> None:
@@ -195,14 +207,20 @@ def _check_graph_decode_matches_eager(ckpt, device: str) -> None:
         if device == "cpu" and not eager:
             runner.graphs = _HostGraphs(runner.model, runner.cache, runner.cache.scratch_slot,
                                         runner.cache.scratch_addr, device="cpu")
+            runner.graphs.planned = steps
         assert (runner.graphs is None) == eager
-        if not eager:
-            run = runner.graphs.run
-            runner.graphs.run = lambda chunks, fill=None: steps.append(len(chunks)) or run(chunks, fill)
+        if not eager and device != "cpu":
+            run, run_rows = runner.graphs.run, runner.graphs.run_rows
+            runner.graphs.run = lambda chunks, fill=None: steps.append(("chunks", len(chunks))) or run(chunks, fill)
+            runner.graphs.run_rows = lambda rows, fill=None: steps.append(("rows", len(rows.slots))) or \
+                run_rows(rows, fill)
         outs[eager] = [(o.outputs[0].token_ids, o.outputs[0].logprobs)
                        for o in llm.generate(prompts, params, use_tqdm=False)]
         assert llm.scheduler.kv.all_free()
-    assert steps == [5] * 11 and runner.graphs.graphs  # one prefill step, then every decode step on graphs
+    # one prefill step, then every decode step on graphs, planned from the scheduler's arrays; the first step of
+    # each graph layout (batch bucket, entry widths) also from its chunks: that one builds the batch it captures
+    assert [s for s in steps if s[0] == "rows"] == [("rows", 5)] * 11
+    assert steps.count(("chunks", 5)) == len(runner.graphs.graphs) < 11
     for toks, lps in outs[True]:  # greedy: each token is its own logprobs' argmax
         assert len(toks) == len(lps) == 12 and all(lp[t] == max(lp.values()) for t, lp in zip(toks, lps))
     assert outs[False] == outs[True]

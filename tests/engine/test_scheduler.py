@@ -82,3 +82,70 @@ def test_plan_capacity_trades_slots_for_block_room_when_memory_is_tight():
                                   max_num_seqs=256, expected_len=1024)
     assert slots == 7  # 10000 // (100 + 1024 * 1.2597)
     assert blocks[4] * 32 >= 7 * 1024 * 0.99
+
+
+def _assert_arrays_match_requests(kv: KVCacheManager, sched: Scheduler) -> None:
+    """The cache manager's per-slot table arrays hold exactly the block tables of the requests owning the slots
+    (zeros elsewhere)."""
+    held = {r.slot: r for r in sched.running if r.slot is not None}
+    assert not any(r.slot is not None for r in sched.waiting)
+    for slot in range(kv.num_slots):
+        for m in kv.num_blocks:
+            want = held[slot].block_tables.get(m, []) if slot in held else []
+            n, row = kv.table_len[m][slot], kv.tables[m][slot]
+            assert n == len(want) and row[:n].tolist() == want and not row[n:].any(), (slot, m)
+
+
+def _assert_decode_rows_match_chunks(kv: KVCacheManager, so) -> None:
+    """A step's DecodeRows, when it is made, are its chunks' slots, positions, tokens and tables."""
+    d = so.decode
+    if d is None:
+        assert not all(len(c.token_ids) == 1 and c.num_samples == 1 for c in so.chunks)
+        return
+    assert d.slots.tolist() == [c.slot for c in so.chunks]
+    assert d.positions.tolist() == [c.start for c in so.chunks]
+    assert d.tokens.tolist() == [c.token_ids[0] for c in so.chunks]
+    for b, c in enumerate(so.chunks):
+        for m in kv.num_blocks:
+            n = d.table_len[m][b]
+            assert d.tables[m][b, :n].tolist() == c.block_tables.get(m, [])[:n] and not d.tables[m][b, n:].any()
+            assert n == len(c.block_tables.get(m, []))
+
+
+def test_slot_arrays_match_the_request_objects_under_random_workloads_with_preemption_and_forks():
+    """Random prompts (some n > 1: forks of the leader's prefill), stop tokens, a cache small enough to preempt,
+    steps scheduled ahead as the async engine does: after every step the array-backed state equals the objects'."""
+    for seed in range(4):  # odd seeds: every request admitted at once, so most steps are scheduled ahead
+        rng = random.Random(seed)
+        # eos: P(sampling the stop token)
+        slots, n, eos, blocks = (6, 30, 0.25, {4: 14, 16: 4}) if seed % 2 == 0 else (24, 10, 0.03, {4: 64, 16: 16})
+        kv = KVCacheManager(num_slots=slots, num_blocks=blocks, block_size=4)
+        sched = Scheduler(kv, max_num_seqs=slots, max_num_batched_tokens=41, max_model_len=160)
+        reqs = []
+        for i in range(n):
+            leader = Request(str(i), list(range(1, rng.randint(2, 60))),
+                             SamplingParams(max_tokens=rng.randint(1, 40)), eos_token_id=0)
+            leader.siblings = [Request(f"{i}.{j}", list(leader.prompt_token_ids), leader.params, eos_token_id=0,
+                                       sample_index=j) for j in range(1, rng.choice([1, 1, 2, 3]))]
+            reqs += [leader] + leader.siblings
+            sched.add(leader)
+        inflight, steps, ahead = None, 0, 0
+        while sched.has_unfinished():
+            if inflight is None:
+                so = sched.schedule()
+                _assert_decode_rows_match_chunks(kv, so)
+            else:
+                so = inflight
+            assert so.chunks
+            inflight = sched.schedule_ahead(so) if seed else None
+            if inflight is not None:
+                ahead += 1
+                _assert_decode_rows_match_chunks(kv, inflight)
+            sched.update(so, ModelOutput({c.request_id: [0 if rng.random() < eos else 7] * c.num_samples
+                                          for c in so.chunks if c.num_samples}))
+            _assert_arrays_match_requests(kv, sched)
+            steps += 1
+            assert steps < 10_000
+        assert (sched.num_preemptions > 0) if seed % 2 == 0 else (ahead >= 10), (sched.num_preemptions, ahead)
+        assert all(r.finished for r in reqs)
+        assert kv.all_free() and not any(t.any() for t in kv.tables.values())
