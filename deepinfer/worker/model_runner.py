@@ -8,6 +8,7 @@ samples in the step before", filled on the device from that step's sampled token
 from __future__ import annotations
 
 import itertools
+import operator
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -88,6 +89,7 @@ class ModelRunner:
         self.image_cache: OrderedDict[tuple[str, int], torch.Tensor] = OrderedDict()
         self._masks: torch.Tensor | None = None  # structured outputs: host token masks (see _constrain)
         self._masks_sent: torch.cuda.Event | None = None
+        self._sb_cache: tuple | None = None  # (vocab, params, SamplingBatch) of the last sampled step
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(seed if seed is not None else torch.seed())
 
@@ -106,6 +108,8 @@ class ModelRunner:
 
     def _fill(self, so: SchedulerOutput, prev: StepHandle | None):
         """(flat token rows, device values) replacing this step's PLACEHOLDER inputs, or None."""
+        if so.decode is not None:  # one token a chunk: the placeholder rows are the array's
+            return self._fill_rows(so, prev)
         dst, src, off = [], [], 0
         for c in so.chunks:
             ids = c.token_ids
@@ -123,6 +127,22 @@ class ModelRunner:
             raise ValueError("this model hashes input tokens on the host: placeholder inputs are not supported")
         to = lambda xs: to_device(torch.tensor(xs, dtype=torch.long), self.device)  # noqa: E731
         return to(dst), prev.tokens[to(src)]
+
+    def _fill_rows(self, so: SchedulerOutput, prev: StepHandle | None):
+        """_fill for a step with DecodeRows: row b's input is chunk b's only token."""
+        dst = np.flatnonzero(so.decode.tokens == PLACEHOLDER)
+        if not dst.size:
+            return None
+        rows = {} if prev is None else prev.rows
+        chunks = so.chunks
+        try:
+            src = [rows[chunks[b].request_id][0] for b in dst.tolist()]
+        except KeyError as e:
+            raise ValueError(f"request {e.args[0]}: placeholder input without a step before it") from None
+        if not self.supports_placeholders:
+            raise ValueError("this model hashes input tokens on the host: placeholder inputs are not supported")
+        both = to_device(torch.from_numpy(np.stack((dst, np.asarray(src, dtype=np.int64)))), self.device)
+        return both[0], prev.tokens[both[1]]
 
     def launch(self, so: SchedulerOutput, prev: StepHandle | None = None) -> StepHandle:
         with invariant.mode(self.batch_invariant):
@@ -242,7 +262,7 @@ class ModelRunner:
         # seeded rows draw from a generator keyed by (seq_seed, position sampled, sample index)
         seeds = [None if c.params.seq_seed is None else (c.params.seq_seed, c.start + len(c.token_ids), c.sample_index + j)
                  for c in sampled for j in range(c.num_samples)]
-        sb = SamplingBatch.build(params, logits.shape[-1], self.device, seeds)
+        sb = self._sampling_batch(params, logits.shape[-1], seeds)
         tokens = sample(logits, sb, self.generator)
         row_of, i = {}, 0
         for c in sampled:
@@ -251,6 +271,20 @@ class ModelRunner:
         h = StepHandle(row_of, tokens, params=params, max_logprobs=sb.max_logprobs,
                        logprobs=top_logprobs(logits, tokens, sb.max_logprobs) if sb.max_logprobs >= 0 else None)
         return _copy_to_host(h, tokens)
+
+    def _sampling_batch(self, params: list, vocab: int, seeds: list) -> SamplingBatch:
+        """SamplingBatch.build, reused while steps sample the very same SamplingParams objects in the same order
+        and no row is seeded (decode's steady state). The cache holds the params list, so no id in its key can be
+        reused by another object while it is cached; its device tensors are only ever read."""
+        if any(k is not None for k in seeds):
+            return SamplingBatch.build(params, vocab, self.device, seeds)
+        cached = self._sb_cache
+        if cached is not None and cached[0] == vocab and len(cached[1]) == len(params) and \
+                all(map(operator.is_, cached[1], params)):
+            return cached[2]
+        sb = SamplingBatch.build(params, vocab, self.device, seeds)
+        self._sb_cache = (vocab, params, sb)
+        return sb
 
     def _verify(self, so: SchedulerOutput, streams: torch.Tensor, rows: list[int]) -> StepHandle:
         """A step with draft tokens: the logits of every verified position, one spec/verify.py call over

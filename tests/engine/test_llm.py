@@ -287,12 +287,17 @@ def test_async_scheduling_matches_synchronous_steps(ckpt, llm):
 
 
 def test_scheduled_ahead_placeholders_need_a_step_before():
-    from deepinfer.engine.outputs import PLACEHOLDER, SchedulerOutput, ScheduledChunk
+    import numpy as np
+
+    from deepinfer.engine.outputs import PLACEHOLDER, DecodeRows, SchedulerOutput, ScheduledChunk
     from deepinfer.worker.model_runner import ModelRunner
 
     runner = ModelRunner.__new__(ModelRunner)
     so = SchedulerOutput([ScheduledChunk("r", 0, 5, [PLACEHOLDER], {}, 1, GREEDY)])
     with pytest.raises(ValueError, match="placeholder"):
+        runner._fill(so, None)
+    so.decode = DecodeRows(np.array([PLACEHOLDER]), np.array([0]), np.array([5]), {}, {})  # the array path
+    with pytest.raises(ValueError, match="request r: placeholder input without a step before it"):
         runner._fill(so, None)
 
 
@@ -319,3 +324,20 @@ def test_logprobs_survive_a_reused_logits_buffer(ckpt):
         return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in eng.generate(prompts, params, use_tqdm=False)]
 
     assert run(static=True) == run(static=False)
+
+
+def test_the_sampling_batch_is_reused_only_for_the_same_params_objects_unseeded():
+    from deepinfer.worker.model_runner import ModelRunner
+
+    runner = ModelRunner.__new__(ModelRunner)
+    runner.device, runner._sb_cache = torch.device("cpu"), None
+    a, b = SamplingParams(temperature=0), SamplingParams(temperature=0.5, top_k=3)
+    first = runner._sampling_batch([a, b], 100, [None, None])
+    assert runner._sampling_batch([a, b], 100, [None, None]) is first
+    c = SamplingParams(temperature=0.5, top_k=4)  # another object: rebuilt, whatever its values
+    again = runner._sampling_batch([a, c], 100, [None, None])
+    assert again is not first and again.top_k.tolist() == [100, 4]
+    assert runner._sampling_batch([a], 100, [None]) is not again  # fewer rows
+    assert runner._sampling_batch([a, c], 50, [None, None]) is not again  # another vocabulary
+    seeded = runner._sampling_batch([a, c], 50, [None, (1, 7, 0)])
+    assert seeded.seed_keys[1] is not None and runner._sampling_batch([a, c], 50, [None, (1, 8, 0)]) is not seeded
