@@ -408,3 +408,25 @@ def test_offline_throughput_runs_a_parallel_layout(tmp_path):
     row = json.loads(out.read_text())["rows"][0]
     assert row["parallel"] == {"tensor_parallel_size": 1, "data_parallel_size": 2, "enable_expert_parallel": True}
     assert row["output_tokens"] == 9
+
+
+def test_weights_memory_smoke_holds_the_kept_formats_at_their_size_on_disk(bench, tmp_path, monkeypatch):
+    """The H200 weights-memory measurement's script, on tiny / tiny41 (CPU, in this process): the kept
+    formats at their bytes on disk, the dequantised model at its bf16 bytes."""
+    import weights_memory
+
+    out = tmp_path / "wm.json"
+    monkeypatch.setattr(sys, "argv", ["weights_memory.py", "--smoke", "--commit", "abcdef1", "--out", str(out)])
+    weights_memory.main()
+    result = json.loads(out.read_text())
+    assert result["commit"] == "abcdef1" and result["command"].endswith(f"--smoke --commit abcdef1 --out {out}")
+    rows = result["rows"]
+    assert [(r["arch"], r["preset"], r["quantization"], r["keeps_formats"]) for r in rows] == [
+        ("v4", "tiny", "fp8", True), ("v4", "tiny", "none", False),
+        ("v41", "tiny41", "fp8", True), ("v41", "tiny41", "none", False)]
+    for kept, dense in (rows[:2], rows[2:]):
+        assert kept["allocated_bytes"] == kept["loaded"]["total"] and "CPU" in kept["allocated_source"]
+        assert abs(kept["allocated_bytes"] - kept["disk_bytes"]) < 0.03 * kept["disk_bytes"]
+        assert kept["loaded"]["packed_fp4"] > 0 and kept["allocated_bytes"] < 0.8 * kept["bf16_equiv_bytes"]
+        assert dense["allocated_bytes"] == pytest.approx(dense["bf16_equiv_bytes"], rel=0.01)  # + Engram's id map
+        assert dense["loaded"]["packed_fp4"] == 0 and dense["loaded"]["experts"] > 2 * kept["loaded"]["experts"]
