@@ -217,22 +217,39 @@ class Scheduler:
             return None
         out = SchedulerOutput()
         chunks, allocate, max_len = out.chunks, self.kv.allocate, self.max_model_len
-        for c in inflight.chunks:
+        # a pure-decode `inflight`: which of its requests cross a block boundary (the others' allocate is a no-op)
+        crossing = None if inflight.decode is None else self._crossing(inflight.decode.slots,
+                                                                       inflight.decode.positions + 2)
+        slots, starts = [], []
+        for b, c in enumerate(inflight.chunks):
             req = by_id[c.request_id]
             n_out = len(req.output_token_ids)
             if n_out + 1 >= req.params.max_tokens or len(req.prompt_token_ids) + n_out + 1 >= max_len:
                 continue  # it finishes by length in `inflight`
             start = c.start + len(c.token_ids)
-            if not allocate(req, start + 1):
+            if (crossing is None or crossing[b]) and not allocate(req, start + 1):
                 return None
             # the tables' lists are shared, not copied: blocks are only ever appended to them, and entries
             # past this chunk's are never read by its plan
             chunks.append(ScheduledChunk(req.request_id, req.slot, start, [PLACEHOLDER], dict(req.block_tables), 1,
                                          req.params, [], start + 1, sample_index=req.sample_index,
                                          grammar=req.grammar))
+            slots.append(req.slot)
+            starts.append(start)
         if not chunks:
             return None
-        out.decode = self._decode_rows(chunks)
+        n = len(chunks)
+        out.decode = self._rows(np.full(n, PLACEHOLDER, dtype=np.int64), np.array(slots, dtype=np.int64),
+                                np.array(starts, dtype=np.int64))
+        return out
+
+    def _crossing(self, slots: np.ndarray, num_tokens: np.ndarray) -> np.ndarray:
+        """[B] whether growing slot b's request to num_tokens[b] computed tokens needs a block it does not hold
+        (KVCacheManager.allocate's test, on the cache manager's arrays)."""
+        kv = self.kv
+        out = np.zeros(len(slots), dtype=bool)
+        for m, lens in kv.table_len.items():
+            out |= num_tokens // m > lens[slots] * kv.block_size
         return out
 
     def _decode_rows(self, chunks: list[ScheduledChunk]) -> DecodeRows | None:
@@ -241,11 +258,14 @@ class Scheduler:
         if not all(len(c.token_ids) == 1 and c.num_samples == 1 and not c.num_draft for c in chunks):
             return None
         n = len(chunks)
-        slots = np.fromiter((c.slot for c in chunks), dtype=np.int64, count=n)
+        return self._rows(np.fromiter((c.token_ids[0] for c in chunks), dtype=np.int64, count=n),
+                          np.fromiter((c.slot for c in chunks), dtype=np.int64, count=n),
+                          np.fromiter((c.start for c in chunks), dtype=np.int64, count=n))
+
+    def _rows(self, tokens: np.ndarray, slots: np.ndarray, positions: np.ndarray) -> DecodeRows:
         kv = self.kv
-        return DecodeRows(np.fromiter((c.token_ids[0] for c in chunks), dtype=np.int64, count=n), slots,
-                          np.fromiter((c.start for c in chunks), dtype=np.int64, count=n),
-                          {m: t[slots] for m, t in kv.tables.items()}, {m: t[slots] for m, t in kv.table_len.items()})
+        return DecodeRows(tokens, slots, positions, {m: t[slots] for m, t in kv.tables.items()},
+                          {m: t[slots] for m, t in kv.table_len.items()})
 
     def update(self, so: SchedulerOutput, mo: ModelOutput) -> list[Request]:
         """Advance counters, append sampled tokens, finish on token-level stops. Returns the

@@ -97,7 +97,11 @@ def _assert_arrays_match_requests(kv: KVCacheManager, sched: Scheduler) -> None:
 
 
 def _assert_decode_rows_match_chunks(kv: KVCacheManager, so) -> None:
-    """A step's DecodeRows, when it is made, are its chunks' slots, positions, tokens and tables."""
+    """When a step is made, each chunk's block tables cover the entries its tokens close, and the step's
+    DecodeRows are its chunks' slots, positions, tokens and tables."""
+    for c in so.chunks:
+        for m in kv.num_blocks:
+            assert len(c.block_tables.get(m, [])) * kv.block_size >= (c.start + len(c.token_ids)) // m
     d = so.decode
     if d is None:
         assert not all(len(c.token_ids) == 1 and c.num_samples == 1 for c in so.chunks)
