@@ -38,7 +38,7 @@ if [[ "$what" =~ ^(tests|all|tests-kernels|tests-other|tests-more)$ ]]; then
   python3 -c "import xdist" 2>/dev/null && xdist=(-n "${GPU_WORKERS:-4}")
   for part in "${parts[@]}"; do
     # shellcheck disable=SC2086
-    timeout "${PART_TIMEOUT:-400}" python -m pytest -q -m gpu "${xdist[@]}" $part -rfE \
+    timeout "${PART_TIMEOUT:-400}" python -m pytest -q -m gpu "${xdist[@]}" $part -rfEs \
       > "$out/pytest-$(echo $part | tr ' /' '__').log" 2>&1
     echo "pytest -m gpu $part: $(tail -1 "$out/pytest-$(echo $part | tr ' /' '__').log")" | tee -a "$out/summary.txt"
   done
