@@ -65,7 +65,8 @@ class DecodeRows:
     tokens: np.ndarray    # [B] int64 input token (PLACEHOLDER: filled on the device)
     slots: np.ndarray     # [B] int64
     positions: np.ndarray  # [B] int64 the token's position (= the chunk's start)
-    # ratio m -> [B, width] int64 the requests' block tables, zero past table_len[m] (KVCacheManager.tables rows)
+    # ratio m -> [B, width >= 1] int64 the requests' block tables, zero past table_len[m] (KVCacheManager.tables rows;
+    # the decode graphs put the scratch block in column 0 of their padding rows)
     tables: dict[int, np.ndarray]
     table_len: dict[int, np.ndarray]  # ratio m -> [B] int64
 

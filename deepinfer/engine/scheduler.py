@@ -263,9 +263,12 @@ class Scheduler:
                           np.fromiter((c.start for c in chunks), dtype=np.int64, count=n))
 
     def _rows(self, tokens: np.ndarray, slots: np.ndarray, positions: np.ndarray) -> DecodeRows:
+        """DecodeRows with the rows' tables cut to the longest of them, at least one column (the arrays' width
+        is the longest table any slot has held; a step travels to every rank of a parallel engine)."""
         kv = self.kv
-        return DecodeRows(tokens, slots, positions, {m: t[slots] for m, t in kv.tables.items()},
-                          {m: t[slots] for m, t in kv.table_len.items()})
+        lens = {m: t[slots] for m, t in kv.table_len.items()}
+        return DecodeRows(tokens, slots, positions,
+                          {m: t[slots, :max(1, int(lens[m].max(initial=0)))] for m, t in kv.tables.items()}, lens)
 
     def update(self, so: SchedulerOutput, mo: ModelOutput) -> list[Request]:
         """Advance counters, append sampled tokens, finish on token-level stops. Returns the

@@ -109,6 +109,7 @@ def _assert_decode_rows_match_chunks(kv: KVCacheManager, so) -> None:
     assert d.slots.tolist() == [c.slot for c in so.chunks]
     assert d.positions.tolist() == [c.start for c in so.chunks]
     assert d.tokens.tolist() == [c.token_ids[0] for c in so.chunks]
+    assert all(t.shape[1] >= 1 for t in d.tables.values())
     for b, c in enumerate(so.chunks):
         for m in kv.num_blocks:
             n = d.table_len[m][b]
@@ -153,3 +154,17 @@ def test_slot_arrays_match_the_request_objects_under_random_workloads_with_preem
         assert (sched.num_preemptions > 0) if seed % 2 == 0 else (ahead >= 10), (sched.num_preemptions, ahead)
         assert all(r.finished for r in reqs)
         assert kv.all_free() and not any(t.any() for t in kv.tables.values())
+
+
+def test_decode_rows_keep_a_table_column_where_no_request_holds_a_block():
+    """Short requests hold no ratio-128 block: their DecodeRows table for 128 still has one (zero) column, where the
+    decode graphs write the scratch block of their padding rows."""
+    kv = KVCacheManager(num_slots=4, num_blocks={4: 8, 128: 2}, block_size=4)
+    sched = Scheduler(kv, max_num_seqs=4, max_num_batched_tokens=64, max_model_len=64)
+    for i in range(3):
+        sched.add(_req(i, 5, 4))
+    so = sched.schedule()
+    sched.update(so, _fake_execute(so))
+    d = sched.schedule().decode
+    assert d is not None and d.tables[128].shape == (3, 1) and not d.tables[128].any()
+    assert d.table_len[128].tolist() == [0, 0, 0] and d.tables[4].shape == (3, 1)
