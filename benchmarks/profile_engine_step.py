@@ -51,8 +51,9 @@ def sweep_row(model, kv: str, args) -> dict:
 
 
 def build(model, kv: str, args):
-    engine = fs.deepinfer_engine(model, args.batch, args.context + args.steps + 64, kv, 8192, False,
-                                 fs.DEVICE == "cuda")
+    # the made-up prefill takes every prompt in one step: the token budget holds them all
+    engine = fs.deepinfer_engine(model, args.batch, args.context + args.steps + 64, kv,
+                                 max(8192, args.batch * args.context), False, fs.DEVICE == "cuda")
     prompt = [5 + i % 1000 for i in range(args.context)]
     reqs = fs.start_decoding(engine, [list(prompt) for _ in range(args.batch)], 3 * args.steps + 16)
     for _ in range(fs.DECODE_WARMUP):
