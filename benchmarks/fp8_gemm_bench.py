@@ -24,6 +24,10 @@ uniform at random. Weights are FP4-origin FP8 codes as layers/moe.py holds them;
   w8a16-folded  the same on (1, 128) scales (folded: what decode runs after the fold);
   w8a8          act_quant (1 x 128, pow2) + kernels/grouped_gemm_fp8.py on the folded codes;
   w8a8-gemm     the grouped FP8 GEMM alone (w1 and w3 share one act_quant).
+  cublas-loop   (CUDA, a measurement, not an engine path) the same quantised rows as w8a8-gemm, one cuBLAS
+                blockwise torch._scaled_mm per expert with (1, 128) scales on both operands, launched from
+                Python; cublas-graph: that loop replayed from a CUDA graph (its GPU time without the host's
+                launches). A path the device refuses is a row with its error.
 Each row: median microseconds (do_bench, L2 flushed), TFLOP/s (2 rows N K), the relative Frobenius
 distance of the path's output from bf16's. The summary sums a layer (w1 + w3 + w2; W8A8 with act_quant
 once per input) with ratios to bf16, and says which path Experts takes at that row count
@@ -212,9 +216,54 @@ def expert_paths(xs: torch.Tensor, offs: torch.Tensor, E: int, N: int, K: int) -
         a, a_s = act_quant(xs, ACT_GROUP)
         return grouped_gemm_fp8(a, a_s, codes, s128, offs, ACT_GROUP, (1, 128))
 
-    return {"bf16": bf16, "w8a16": lambda: grouped_gemm(xs, codes, offs, s32, (1, 32)),
-            "w8a16-folded": lambda: grouped_gemm(xs, codes, offs, s128, (1, 128)), "w8a8": w8a8,
-            "w8a8-gemm": lambda: grouped_gemm_fp8(q, qs, codes, s128, offs, ACT_GROUP, (1, 128))}
+    out = {"bf16": bf16, "w8a16": lambda: grouped_gemm(xs, codes, offs, s32, (1, 32)),
+           "w8a16-folded": lambda: grouped_gemm(xs, codes, offs, s128, (1, 128)), "w8a8": w8a8,
+           "w8a8-gemm": lambda: grouped_gemm_fp8(q, qs, codes, s128, offs, ACT_GROUP, (1, 128))}
+    if xs.is_cuda:
+        out["cublas-loop"] = lambda: cublas_loop(q, qs, codes, s128, offs)()
+        out["cublas-graph"] = _graphed(lambda: cublas_loop(q, qs, codes, s128, offs))
+    return out
+
+
+def cublas_loop(q: torch.Tensor, qs: torch.Tensor, codes: torch.Tensor, s128: torch.Tensor, offs: torch.Tensor):
+    """The routed experts as one cuBLAS blockwise torch._scaled_mm per expert ((1, 128) scales on both operands)
+    over act_quant's expert-sorted rows q [M, K] (scales qs) and codes [E, N, K]. Prepared here (host offsets, each
+    expert's scales copied into the layouts the blockwise recipe takes: A's (rows, K / 128) column-major, W's
+    (K / 128, N)); returns the call that runs the loop into one [M, N] bf16 output."""
+    bounds = [0] + offs.tolist()
+    out = torch.zeros(q.shape[0], codes.shape[1], dtype=torch.bfloat16, device=q.device)
+    calls = []
+    for e in range(codes.shape[0]):
+        lo, hi = bounds[e], bounds[e + 1]
+        if hi > lo:
+            sa = qs[lo:hi].float().t().contiguous().t()
+            sb = s128[e].float().t().contiguous()
+            calls.append((q[lo:hi], codes[e].t(), sa, sb, out[lo:hi]))
+
+    def run() -> torch.Tensor:
+        for a, b, sa, sb, o in calls:
+            o.copy_(torch._scaled_mm(a, b, scale_a=sa, scale_b=sb, out_dtype=torch.bfloat16))
+        return out
+    return run
+
+
+def _graphed(make):
+    """A path that builds its call with `make()` on first use, warms it up, captures it in a CUDA graph and then
+    replays it (the output buffer is the call's own)."""
+    state = {}
+
+    def replay() -> torch.Tensor:
+        if "graph" not in state:
+            run = make()
+            out = run()
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                run()
+            state.update(graph=graph, out=out)
+        state["graph"].replay()
+        return state["out"]
+    return replay
 
 
 def sweep_rows(fn_for, base: dict, time_us) -> list[dict]:
@@ -249,7 +298,15 @@ def bench_experts(tokens: list[int], device: str, smoke: bool, sweep: bool = Fal
                     aq[K] = time_us(lambda: act_quant(xs, ACT_GROUP))
                 ref = None
                 for path, fn in expert_paths(xs, offs, E, N, K).items():
-                    out = fn().float()  # every path's result against bf16's: FP8 activation rounding only
+                    try:
+                        out = fn().float()  # every path's result against bf16's: FP8 activation rounding only
+                    except Exception as e:  # noqa: BLE001 - a measurement path the device refuses is a result too
+                        if path in EXPERT_PATHS:
+                            raise
+                        rows.append(dict(slice=sl, experts=E, topk=k, tokens=T, M=M, name=name, N=N, K=K, count=count,
+                                         path=path, error=f"{type(e).__name__}: {str(e)[:300]}"))
+                        print(f"{sl:4} experts {name:3} tokens={T:6} {path:13} failed: {rows[-1]['error']}", flush=True)
+                        continue
                     ref = out if ref is None else ref
                     err = float((out - ref).norm() / ref.norm())
                     us = time_us(fn)
@@ -273,6 +330,10 @@ def bench_experts(tokens: list[int], device: str, smoke: bool, sweep: bool = Fal
                             and r["path"] == p and "config" not in r) for p in EXPERT_PATHS}
             # as Experts runs W8A8: one act_quant per input width (x for w1 and w3, the swiglu output for w2)
             layer["w8a8"] = layer.pop("w8a8-gemm") + sum(aq.values())
+            for p in ("cublas-loop", "cublas-graph"):  # the measurement paths, where every projection ran
+                mine = [r for r in rows if r["slice"] == sl and r["tokens"] == T and r["path"] == p]
+                if mine and all("us" in r for r in mine):
+                    layer[p] = sum(r["us"] * r["count"] for r in mine) + sum(aq.values())
             summary.append(dict(slice=sl, tokens=T, M=M, layer_us={p: round(v, 1) for p, v in layer.items()},
                                 act_quant_us={str(K): round(v, 2) for K, v in aq.items()}, experts_path=picked,
                                 **{f"{p}_vs_bf16": round(v / layer["bf16"], 3) for p, v in layer.items()
