@@ -137,7 +137,9 @@ class Calibration:
                 **{k: list(v) if isinstance(v, tuple) else v for k, v in d.items()}}
 
     def save(self, checkpoint_dir) -> Path:
+        """Writes CALIBRATION_FILE into `checkpoint_dir` (created if missing)."""
         path = Path(checkpoint_dir) / CALIBRATION_FILE
+        path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(self.to_json(), indent=2) + "\n")
         return path
 

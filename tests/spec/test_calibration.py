@@ -78,6 +78,7 @@ def test_save_and_load_round_trip(tmp_path):
                                   "num_blocks", "accepted_per_position"])
     assert doc["gamma"] == 2 and doc["num_blocks"] == 500
     assert Calibration.load(tmp_path) == cal == Calibration.load(path)
+    assert Calibration.load(cal.save(tmp_path / "new" / "dir")) == cal  # `calibrate_dspark --out` a fresh directory
 
 
 def _good() -> dict:
