@@ -31,7 +31,6 @@ import json
 import os
 import shlex
 import shutil
-import struct
 import sys
 import tempfile
 import time
@@ -86,16 +85,6 @@ def write(config: dict, out_dir: str, threads: int) -> tuple[str, float]:
     t0 = time.perf_counter()
     write_checkpoint(out_dir, config, seed=0, dtype="fp8")
     return out_dir, time.perf_counter() - t0
-
-
-def tensor_bytes_on_disk(path: Path) -> int:
-    """The bytes of every tensor in a checkpoint's safetensors shards (headers left out)."""
-    total = 0
-    for shard in sorted(Path(path).glob("*.safetensors")):
-        with open(shard, "rb") as f:
-            header = json.loads(f.read(struct.unpack("<Q", f.read(8))[0]))
-        total += sum(v["data_offsets"][1] - v["data_offsets"][0] for k, v in header.items() if k != "__metadata__")
-    return total
 
 
 def _breakdown(net) -> dict:
@@ -165,6 +154,7 @@ def measure(path: Path, quantization: str | None, device: str) -> dict:
 
 def rows_for(arch: str, preset: str, experts: int, path: Path, write_s: float, device: str) -> list[dict]:
     from deepinfer.engine.memory_fit import format_bytes
+    from deepinfer.loader.checkpoint import tensor_bytes_on_disk
     from deepinfer.loader.model_loader import meta_model, weight_bytes
 
     disk = tensor_bytes_on_disk(path)

@@ -10,6 +10,16 @@ from safetensors import safe_open
 
 INDEX_FILE = "model.safetensors.index.json"
 
+
+def tensor_bytes_on_disk(path: str | Path) -> int:
+    """The bytes of every tensor in a checkpoint directory's safetensors shards (their headers left out)."""
+    total = 0
+    for shard in sorted(Path(path).glob("*.safetensors")):
+        with open(shard, "rb") as f:
+            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+        total += sum(v["data_offsets"][1] - v["data_offsets"][0] for k, v in header.items() if k != "__metadata__")
+    return total
+
 _ST_DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
     "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,

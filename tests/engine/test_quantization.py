@@ -3,11 +3,8 @@ start-up figures, the memory-fit check before any weight is read, and the parall
 turns down."""
 from __future__ import annotations
 
-import json
 import logging
 import re
-import struct
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -20,6 +17,7 @@ from deepinfer.engine.kv_manager import KVCacheManager
 from deepinfer.engine.memory_fit import WORKSPACE_BYTES
 from deepinfer.layers.linear import Linear
 from deepinfer.layers.moe import Experts
+from deepinfer.loader.checkpoint import tensor_bytes_on_disk
 from deepinfer.loader.model_loader import weight_bytes
 from deepinfer.tools.make_checkpoint import PRESETS, write_checkpoint
 
@@ -37,16 +35,6 @@ def _llm(path, **kw) -> LLM:
     kw = {"device": "cpu", "dtype": "float32", "kv_cache_dtype": "float32", "kv_cache_memory": 16 << 20,
           "skip_tokenizer_init": True, **kw}
     return LLM(str(path), **kw)
-
-
-def tensor_bytes_on_disk(path: Path) -> int:
-    """The bytes of every tensor in a checkpoint's safetensors shards (headers left out)."""
-    total = 0
-    for shard in Path(path).glob("*.safetensors"):
-        with open(shard, "rb") as f:
-            header = json.loads(f.read(struct.unpack("<Q", f.read(8))[0]))
-        total += sum(v["data_offsets"][1] - v["data_offsets"][0] for k, v in header.items() if k != "__metadata__")
-    return total
 
 
 def _experts(llm: LLM) -> list[Experts]:
