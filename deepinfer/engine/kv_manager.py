@@ -77,6 +77,20 @@ class KVCacheManager:
                 self._set_row(m, req.slot, old, table[old:])
         return True
 
+    def crossing(self, slots: np.ndarray, num_tokens: np.ndarray) -> np.ndarray:
+        """[B] whether growing slot b's request to num_tokens[b] computed tokens needs a block it does not hold
+        (`allocate`'s test, on the arrays: where it is False, allocate would return at once)."""
+        out = np.zeros(len(slots), dtype=bool)
+        for m, lens in self.table_len.items():
+            out |= num_tokens // m > lens[slots] * self.block_size
+        return out
+
+    def table_rows(self, slots: np.ndarray) -> tuple[dict[int, np.ndarray], dict[int, np.ndarray]]:
+        """(ratio -> [B, width] these slots' tables, ratio -> [B] their lengths): copies, cut to the longest of
+        them and at least one column wide (the arrays' width is the longest table any slot has held)."""
+        lens = {m: t[slots] for m, t in self.table_len.items()}
+        return {m: t[slots, :max(1, int(lens[m].max(initial=0)))] for m, t in self.tables.items()}, lens
+
     def _set_row(self, m: int, slot: int, first: int, blocks: list[int]) -> None:
         arr, end = self.tables[m], first + len(blocks)
         if end > arr.shape[1]:

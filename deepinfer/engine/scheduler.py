@@ -218,8 +218,8 @@ class Scheduler:
         out = SchedulerOutput()
         chunks, allocate, max_len = out.chunks, self.kv.allocate, self.max_model_len
         # a pure-decode `inflight`: which of its requests cross a block boundary (the others' allocate is a no-op)
-        crossing = None if inflight.decode is None else self._crossing(inflight.decode.slots,
-                                                                       inflight.decode.positions + 2)
+        crossing = None if inflight.decode is None else self.kv.crossing(inflight.decode.slots,
+                                                                         inflight.decode.positions + 2)
         slots, starts = [], []
         for b, c in enumerate(inflight.chunks):
             req = by_id[c.request_id]
@@ -243,15 +243,6 @@ class Scheduler:
                                 np.array(starts, dtype=np.int64))
         return out
 
-    def _crossing(self, slots: np.ndarray, num_tokens: np.ndarray) -> np.ndarray:
-        """[B] whether growing slot b's request to num_tokens[b] computed tokens needs a block it does not hold
-        (KVCacheManager.allocate's test, on the cache manager's arrays)."""
-        kv = self.kv
-        out = np.zeros(len(slots), dtype=bool)
-        for m, lens in kv.table_len.items():
-            out |= num_tokens // m > lens[slots] * kv.block_size
-        return out
-
     def _decode_rows(self, chunks: list[ScheduledChunk]) -> DecodeRows | None:
         """The step's DecodeRows when every chunk is one token sampled once (else None): the chunks' tables
         are the cache manager's rows for their slots, copied here (the step may run after they grow)."""
@@ -263,12 +254,9 @@ class Scheduler:
                           np.fromiter((c.start for c in chunks), dtype=np.int64, count=n))
 
     def _rows(self, tokens: np.ndarray, slots: np.ndarray, positions: np.ndarray) -> DecodeRows:
-        """DecodeRows with the rows' tables cut to the longest of them, at least one column (the arrays' width
-        is the longest table any slot has held; a step travels to every rank of a parallel engine)."""
-        kv = self.kv
-        lens = {m: t[slots] for m, t in kv.table_len.items()}
-        return DecodeRows(tokens, slots, positions,
-                          {m: t[slots, :max(1, int(lens[m].max(initial=0)))] for m, t in kv.tables.items()}, lens)
+        """DecodeRows with the cache manager's table rows of these slots (cut to the longest: a step travels to
+        every rank of a parallel engine)."""
+        return DecodeRows(tokens, slots, positions, *self.kv.table_rows(slots))
 
     def update(self, so: SchedulerOutput, mo: ModelOutput) -> list[Request]:
         """Advance counters, append sampled tokens, finish on token-level stops. Returns the
