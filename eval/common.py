@@ -2,7 +2,8 @@
 as strings) so that every evaluation reads the same prompts from the same arguments.
 
 Prompts from `--file F`: F is tokenized whole without BOS and cut into consecutive, non-overlapping pieces
-of `--prompt-len` tokens (a shorter tail is dropped), the first `--max-prompts` of them kept; each prompt
+of `--prompt-len` tokens (a shorter tail is dropped), the first `--skip-prompts` of them dropped (e.g. the
+pieces `calibrate_dspark` fitted its temperatures on) and the next `--max-prompts` kept; each prompt
 is BOS (where the model has one) and its piece. `--prompts S [S ...]`: each string encoded as one prompt,
 BOS first.
 """
@@ -27,6 +28,7 @@ def add_prompt_args(ap: argparse.ArgumentParser, prompt_len: int = 64, max_promp
     src.add_argument("--prompts", nargs="+", help="prompt strings (instead of --file)")
     ap.add_argument("--prompt-len", type=int, default=prompt_len, help="tokens per prompt cut from --file")
     ap.add_argument("--max-prompts", type=int, default=max_prompts, help="prompts cut from --file, at most")
+    ap.add_argument("--skip-prompts", type=int, default=0, help="pieces of --file dropped before the first prompt")
 
 
 def check_positive(ap: argparse.ArgumentParser, args: argparse.Namespace, *names: str) -> None:
@@ -48,11 +50,14 @@ def engine(args: argparse.Namespace, **options):
                max_model_len=args.max_model_len, kv_cache_memory=args.kv_cache_memory, **options)
 
 
-def cut_prompts(tokens: list[int], prompt_len: int, max_prompts: int, bos: int | None) -> list[list[int]]:
-    """Consecutive non-overlapping pieces of `prompt_len` tokens (a shorter tail dropped), the first
-    `max_prompts`, each after BOS (None: none)."""
+def cut_prompts(tokens: list[int], prompt_len: int, max_prompts: int, bos: int | None,
+                skip: int = 0) -> list[list[int]]:
+    """Consecutive non-overlapping pieces of `prompt_len` tokens (a shorter tail dropped), the first `skip`
+    dropped and the next `max_prompts` kept, each after BOS (None: none)."""
+    if skip < 0:
+        raise ValueError(f"--skip-prompts must be >= 0, got {skip}")
     prefix = [] if bos is None else [bos]
-    starts = range(0, len(tokens) - prompt_len + 1, prompt_len)
+    starts = range(skip * prompt_len, len(tokens) - prompt_len + 1, prompt_len)
     return [prefix + tokens[i:i + prompt_len] for i in starts][:max_prompts]
 
 
@@ -64,7 +69,8 @@ def prompts(llm, args: argparse.Namespace) -> list[list[int]]:
     if args.prompts is not None:
         return [llm.detokenizer.encode(p, bos) for p in args.prompts]
     tokens = llm.detokenizer.encode(args.file.read_text(encoding="utf-8"), None)
-    out = cut_prompts(tokens, args.prompt_len, args.max_prompts, bos)
+    out = cut_prompts(tokens, args.prompt_len, args.max_prompts, bos, args.skip_prompts)
     if not out:
-        raise ValueError(f"--file: {len(tokens)} tokens, fewer than --prompt-len={args.prompt_len}")
+        raise ValueError(f"--file: {len(tokens)} tokens, fewer than (--skip-prompts={args.skip_prompts} + 1) x "
+                         f"--prompt-len={args.prompt_len}")
     return out

@@ -34,6 +34,8 @@ def test_prompts_cut_from_tokens():
     assert cut_prompts(list(range(10)), 4, 5, 1) == [[1, 0, 1, 2, 3], [1, 4, 5, 6, 7]]
     assert cut_prompts(list(range(10)), 3, 2, None) == [[0, 1, 2], [3, 4, 5]]
     assert cut_prompts(list(range(3)), 4, 5, 1) == []
+    assert cut_prompts(list(range(10)), 3, 5, None, skip=2) == [[6, 7, 8]]  # the pieces after the first 2
+    assert cut_prompts(list(range(10)), 3, 5, None, skip=3) == []
 
 
 TEXT = " ".join(f"def f{i}(x): return x + {i}" for i in range(60))
