@@ -1,11 +1,11 @@
 """End to end, V4.1 against V4: output tokens/s of LLM.generate on the V4 demo model and on the
 V4.1 demo model in one run, and their ratio (V4.1 / V4).
 
-The checkpoints: V4.1's is the one `LLM(model="demo")` serves (deepinfer/tools/demo.py: the demo41
-preset, 10 layers, hidden 256, every CSA2 role, Engram, DSpark stages, in the released layout: FP8
-32x32 blocks, FP4 experts, FP8 Engram rows, its tokenizer); V4's is the `demo` preset (8 layers,
-hidden 256) in DeepSeek's layout (FP8 64x64 blocks). Both are written into a temporary directory and
-loaded through the real loader. Every LLM setting is its default (bf16, kv_cache_dtype "auto" = the
+The checkpoints: V4.1's is the one `LLM(model="demo-random")` serves (deepinfer/tools/demo.py: the
+demo41 preset, the trained demo's widths with random weights: 10 layers, hidden 256, every CSA2 role,
+Engram, DSpark stages, in the released layout: FP8 32x32 blocks, FP4 experts, FP8 Engram rows, its
+tokenizer); V4's is the `demo` preset (8 layers, hidden 256) in DeepSeek's layout (FP8 64x64 blocks).
+Both are written into a temporary directory and loaded through the real loader. Every LLM setting is its default (bf16, kv_cache_dtype "auto" = the
 reference cache formats, async scheduling on, CUDA graphs on, tokenizer loaded) except max_num_seqs,
 the number of requests. The engine decides what it runs for each model; each row records whether it
 used async scheduling and CUDA graphs.
@@ -45,11 +45,11 @@ ENGRAM_DEVICE = {"v41-host": "cpu"}
 
 def write_demo(model: str, preset: str, root: Path) -> Path:
     """The model's demo checkpoint under `root` (V4.1: demo.py's own writer for the demo41 preset)."""
-    from deepinfer.tools.demo import demo_checkpoint
+    from deepinfer.tools.demo import random_demo_checkpoint
     from deepinfer.tools.make_checkpoint import PRESETS, write_checkpoint
 
     if model.startswith("v41") and preset == "demo41":
-        return demo_checkpoint(root)
+        return random_demo_checkpoint(root)
     return write_checkpoint(root / f"{preset}-{model}", PRESETS[preset], seed=0, dtype="fp8")
 
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# `deepinfer bench serve` against `deepinfer serve` on the demo models (V4.1: `demo`; V4: the writer's
+# `deepinfer bench serve` against `deepinfer serve` on the demo models (V4.1: `demo-random`; V4: the writer's
 # demo preset), one server per model, at several concurrencies; a JSON per row in OUT.
 #
 #   COMMIT=<hash> bash benchmarks/serve_bench.sh OUT [MODELS] [CONCURRENCIES]
@@ -25,7 +25,7 @@ trap stop_server EXIT
 
 for m in ${MODELS//,/ }; do
   case "$m" in
-    v41) model=demo; tok=${DEEPINFER_CACHE:-$HOME/.cache/deepinfer}/demo-deepseek_v41 ;;
+    v41) model=demo-random; tok=${DEEPINFER_CACHE:-$HOME/.cache/deepinfer}/demo-deepseek_v41 ;;
     v4) model=/tmp/deepinfer-demo-v4; tok=$model
         [[ -f "$model/config.json" ]] || python -m deepinfer.tools.make_checkpoint --preset demo --out "$model" ;;
     *) echo "unknown model $m (v41 or v4)" >&2; exit 2 ;;

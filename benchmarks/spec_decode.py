@@ -353,7 +353,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--child-out", help=argparse.SUPPRESS)
     ap.add_argument("--child-varlen", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--model", default="demo",
-                    help="checkpoint directory, or 'demo' (the V4.1 demo checkpoint, random weights); default demo")
+                    help="checkpoint directory, 'demo' (the trained V4.1 demo) or 'demo-random'; default demo")
     ap.add_argument("--preset", default=None,
                     help="instead of --model: a random checkpoint of this make_checkpoint preset (e.g. tiny41)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -411,11 +411,13 @@ def resolve_model(args, tmp: Path) -> tuple[str, str]:
 
         return str(write_checkpoint(tmp / args.preset, PRESETS[args.preset], seed=5, dtype="fp8")), \
             f"preset {args.preset} (random weights, seed 5, fp8 layout)"
-    if args.model == "demo":
-        from deepinfer.tools.demo import demo_checkpoint
+    from deepinfer.tools.demo import resolve_demo
 
-        return str(demo_checkpoint()), "demo (deepinfer.tools.demo: V4.1 demo41 preset, random weights)"
-    return args.model, args.model
+    path = resolve_demo(args.model)
+    if path is None:
+        return args.model, args.model
+    weights = "random weights" if args.model == "demo-random" else "trained weights"
+    return path, f"{args.model} (deepinfer.tools.demo: V4.1 demo41 widths, {weights})"
 
 
 def main() -> None:

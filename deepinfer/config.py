@@ -184,7 +184,7 @@ class LoggingConfig:
 
 
 def default_cache_dir() -> Path:
-    """Where deepinfer keeps what it builds itself (the demo checkpoint): $XDG_CACHE_HOME/deepinfer."""
+    """Where deepinfer keeps what it builds itself (the random demo checkpoint): $XDG_CACHE_HOME/deepinfer."""
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "deepinfer"
 
 

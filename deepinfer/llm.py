@@ -23,7 +23,7 @@ from deepinfer.engine.scheduler import Scheduler, VarlenPolicy
 from deepinfer.layers.moe import Experts, repack_fp4_experts
 from deepinfer.loader.model_loader import load_model, weight_bytes
 from deepinfer.sampling_params import SamplingParams
-from deepinfer.tools.demo import DEMO_NAME, demo_checkpoint
+from deepinfer.tools.demo import resolve_demo
 from deepinfer.worker.drafter import DSparkDrafter, MTPDrafter
 from deepinfer.worker.kv_cache import allocate_v4_cache, cache_spec, default_cache_memory
 from deepinfer.worker.model_runner import ModelRunner
@@ -80,8 +80,7 @@ class LLM:
         _require_one_process(cfg)
         self.config = cfg
         ref = cfg.model or cfg.hf_model_dir or DEFAULT_MODEL
-        if ref == DEMO_NAME:
-            ref = str(demo_checkpoint())
+        ref = resolve_demo(ref) or ref
         self._ids = itertools.count()
         self._grammars = None  # structured outputs: built at the first request with so_args
         if cfg.data_parallel_size > 1:

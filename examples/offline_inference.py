@@ -1,6 +1,6 @@
 """Offline inference with deepinfer.
 
-    python examples/offline_inference.py --model demo          # small random model, CPU is fine
+    python examples/offline_inference.py --model demo          # small trained model, CPU is fine
     python examples/offline_inference.py --model /path/to/DeepSeek-V4-Flash --device cuda
 
 --model defaults to DEEPINFER_HF_MODEL_DIR, else the hub id deepseek-ai/DeepSeek-V4.1-Flash-1017.
@@ -15,10 +15,10 @@ import torch
 from deepinfer import LLM, SamplingParams
 
 PROMPTS = [
-    "The capital of France is",
-    "In a distant galaxy, a small robot",
     "def fibonacci(n):",
-    "The three laws of thermodynamics are",
+    "import os\n\n\ndef list_python_files(root):\n",
+    'class Stack:\n    """A last-in, first-out collection."""\n\n    def __init__(self):\n',
+    "The capital of France is",
 ]
 
 

@@ -17,13 +17,13 @@ from deepinfer.loader import resolve
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_the_demo_checkpoint_is_announced_once(tmp_path, monkeypatch, caplog):
+def test_the_random_demo_checkpoint_is_announced_once(tmp_path, monkeypatch, caplog):
     def fake_write(out, preset, seed, dtype):
         (out / "model.safetensors.index.json").write_text("{}")
     monkeypatch.setattr(demo, "write_checkpoint", fake_write)
     with caplog.at_level(logging.INFO, logger="deepinfer"):
-        path = demo.demo_checkpoint(tmp_path)
-        demo.demo_checkpoint(tmp_path)
+        path = demo.random_demo_checkpoint(tmp_path)
+        demo.random_demo_checkpoint(tmp_path)
     said = [r.getMessage() for r in caplog.records if "demo" in r.getMessage()]
     assert any(str(path) in m and "writing" in m for m in said), said
     assert sum("writing" in m for m in said) == 1  # the second call finds it written
