@@ -3,8 +3,8 @@ lookup (ngram) and an acceptance oracle, on the same model and prompts, at sever
 
 Rows. `off` (no speculation; the reference every other row is compared with), `dspark` (the checkpoint's
 own DSpark draft stages, speculative_config {"method": "dspark", "num_speculative_tokens": k}; the `demo`
-model's stages have random weights, so their drafts are nearly always rejected: the row shows what drafting
-and verifying cost), `oracle` (below) and `ngram` (prompt lookup, {"method": "ngram",
+model's stages are trained, on Python source, not on this benchmark's noise prompts; `demo-random`'s drafts
+are nearly always rejected, so its row shows what drafting and verifying cost), `oracle` (below) and `ngram` (prompt lookup, {"method": "ngram",
 "num_speculative_tokens": k, "prompt_lookup_max": 4}). Each row is one (method, k, r, concurrency).
 
 The oracle is a benchmark device, not a proposer: drafts of a controlled acceptance rate r, to show where
