@@ -1,6 +1,6 @@
 """Structured outputs (`so_args`): grammars compiled with xgrammar, per-request matchers filling
 token bitmasks on the host. CPU-only; xgrammar is imported on first use."""
 from deepinfer.structured.backend import (SCHEMA_TYPES, GrammarBackend, GrammarKey, RequestGrammar,
-                                          parse_so_args)
+                                          opens_thinking, parse_so_args)
 
-__all__ = ["SCHEMA_TYPES", "GrammarBackend", "GrammarKey", "RequestGrammar", "parse_so_args"]
+__all__ = ["SCHEMA_TYPES", "GrammarBackend", "GrammarKey", "RequestGrammar", "opens_thinking", "parse_so_args"]

@@ -49,6 +49,20 @@ class GrammarKey:
     any_whitespace: bool = False  # json / json_object only: False = compact JSON, no free whitespace
 
 
+def opens_thinking(prompt: list[int], think_start_id: int | None, think_end_id: int | None) -> bool:
+    """Whether the prompt opens a thinking block: its last <think> comes after its last </think>. False
+    when the tokenizer lacks either token. A request's grammar applies only after the output's first
+    </think> when this is true, from its first token otherwise."""
+    if think_start_id is None or think_end_id is None:
+        return False
+    for t in reversed(prompt):  # the last of the two decides
+        if t == think_start_id:
+            return True
+        if t == think_end_id:
+            return False
+    return False
+
+
 def parse_so_args(so_args: dict) -> GrammarKey:
     """DeepInfer's API: {"schema_type": "regex"|"json"|"ebnf"|"json_object", "schema": ...} (a JSON
     schema as a dict or a JSON string; none for json_object), optional "any_whitespace": bool (json
@@ -216,14 +230,7 @@ class GrammarBackend:
         return RequestGrammar(self, fut, self._opens_thinking(prompt_token_ids))
 
     def _opens_thinking(self, prompt: list[int]) -> bool:
-        if self.think_start_id is None or self.think_end_id is None:
-            return False
-        for t in reversed(prompt):  # the last of the two decides
-            if t == self.think_start_id:
-                return True
-            if t == self.think_end_id:
-                return False
-        return False
+        return opens_thinking(prompt, self.think_start_id, self.think_end_id)
 
     def _compile(self, key: GrammarKey) -> _Compiled:
         xgr = _xgrammar()

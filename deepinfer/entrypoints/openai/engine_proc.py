@@ -49,15 +49,19 @@ def engine_main(llm_kwargs: dict, inbox, outbox, log_level: int = logging.INFO) 
         logging.getLogger(__name__).exception("engine start-up failed")
         outbox.put(("fatal", f"{type(e).__name__}: {e}", False))
         return
-    mcfg = llm.model.config
-    outbox.put(("ready", {"model_dir": str(llm.model_dir), "max_model_len": llm.max_model_len,
-                          "vocab_size": mcfg.vocab_size, "eos_token_id": mcfg.eos_token_id,
-                          "bos_token_id": mcfg.bos_token_id, "max_logprobs": llm.config.max_logprobs,
-                          "max_num_seqs": llm.config.max_num_seqs, "stats": _stats(llm)}))
+    outbox.put(("ready", engine_info(llm)))
     try:
         EngineLoop(llm, inbox, outbox).run()
     finally:
         llm.close()
+
+
+def engine_info(llm) -> dict:
+    """The "ready" message's payload: what the API process needs to know of the engine."""
+    mcfg = llm.model.config
+    return {"model_dir": str(llm.model_dir), "max_model_len": llm.max_model_len, "vocab_size": mcfg.vocab_size,
+            "eos_token_id": mcfg.eos_token_id, "bos_token_id": mcfg.bos_token_id,
+            "max_logprobs": llm.config.max_logprobs, "max_num_seqs": llm.config.max_num_seqs, "stats": _stats(llm)}
 
 
 def _stats(llm) -> dict:

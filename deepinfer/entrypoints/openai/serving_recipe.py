@@ -16,6 +16,7 @@ from deepinfer.entrypoints.openai.protocol import (APIError, ChatRequest, Sampli
                                                    sampling_params)
 from deepinfer.entrypoints.openai.serving import (ServerState, aborted, new_id, primed, prompt_logprobs_json, sse,
                                                   unless_disconnected)
+from deepinfer.structured.backend import opens_thinking
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,19 @@ def _recipe_logprobs(ids: list[int], lps: list[dict], k: int):
     return [(d.get(t, 0.0), sorted(d.items(), key=lambda kv: -kv[1])[:k]) for t, d in zip(ids, lps)]
 
 
+def _check_constraint_follows_reasoning(po, ids: list[int], think_ids: tuple[int | None, int | None],
+                                        field: str) -> None:
+    """In thinking mode the engine keeps the output free until its first </think> when the prompt opens a
+    thinking block (structured.opens_thinking); recipe's parser puts that part in reasoning_content. Both
+    must agree, or the constraint would apply to the reasoning (or never apply): APIError 400 if not."""
+    stage = po.thinking_initial_stage
+    parsed_as_reasoning = stage is not None and stage.starts_in_reasoning() and not po.starts_in_tool_calls
+    if parsed_as_reasoning != opens_thinking(ids, *think_ids):
+        raise APIError(400, f"{field}: the engine cannot tell this response's reasoning from its answer (the "
+                            "model's tokenizer.json needs <think> and </think> tokens for that), so the constraint "
+                            "would not apply to the answer alone; disable thinking for this request", field)
+
+
 async def create(proto: Protocol, body: dict, raw: Request, state: ServerState):
     """`body`: the request JSON (a chat body already validated by ChatRequest)."""
     state.check_model(body.get("model"))
@@ -95,9 +109,8 @@ async def create(proto: Protocol, body: dict, raw: Request, state: ServerState):
         if so_args is not None:
             raise APIError(400, "structured_outputs: give it or response_format, not both", "structured_outputs")
         so_args, field = own.structured_outputs.so_args(), "structured_outputs"
-    if so_args is not None and conv.conversation.thinking_mode:
-        raise APIError(400, f"{field}: constrained output in thinking mode is not supported yet (the constraint "
-                            "would apply to the reasoning too); disable thinking for this request", field)
+    if so_args is not None:
+        _check_constraint_follows_reasoning(po, ids, state.tokenizer.think_ids, field)
     params = sampling_params(own, max_tokens=max_tokens, logprobs=top, so_args=so_args, temperature=io.temperature,
                              top_p=io.top_p, seed=io.seed)
     params.stop = list(po.stop_sequences)

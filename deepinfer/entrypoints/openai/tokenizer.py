@@ -18,6 +18,8 @@ from pathlib import Path
 import deepseek_recipe as recipe
 import tokenizers
 
+from deepinfer.structured.backend import THINK_END, THINK_START
+
 logger = logging.getLogger(__name__)
 
 _PADDING = re.compile(r"^<｜tok_\d+｜>$")
@@ -52,6 +54,9 @@ def complete_specials(spec: dict) -> tuple[dict, list[str]]:
 class ServingTokenizer:
     recipe: recipe.Tokenizer      # encodes prompts (through the encoding) and decodes outputs for recipe
     hf: tokenizers.Tokenizer      # the same vocabulary, for /v1/completions' own text
+    # ids of <think> and </think> as the engine sees them (tokenizer.json as written): None for one that
+    # took a padding entry here, which the engine's grammar backend does not know as a thinking token
+    think_ids: tuple[int | None, int | None] = (None, None)
 
     @classmethod
     def load(cls, model_dir: str | Path) -> "ServingTokenizer":
@@ -63,4 +68,6 @@ class ServingTokenizer:
             logger.warning("tokenizer.json lacks %d of DeepSeek's special tokens; they take padding entries "
                            "(%s)", len(added), ", ".join(added))
         text = json.dumps(spec, ensure_ascii=False)
-        return cls(recipe.Tokenizer.from_str(text), tokenizers.Tokenizer.from_str(text))
+        hf = tokenizers.Tokenizer.from_str(text)
+        think = tuple(None if s in added else hf.token_to_id(s) for s in (THINK_START, THINK_END))
+        return cls(recipe.Tokenizer.from_str(text), hf, think)
