@@ -141,7 +141,7 @@ def test_text_prompts_get_bos_and_decoded_text(llm):
 
 
 def test_offline_example_runs_with_the_demo_model(tmp_path):
-    """The demo is written on first use (an empty cache dir), then 2 tokens a prompt: a prefill and a
+    """The shipped trained demo (an empty cache dir: nothing is written), 2 tokens a prompt: a prefill and a
     decode step of the demo's bf16 CPU forward, the costly part of this test."""
     env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path), "PYTHONPATH": str(ROOT)}
     res = subprocess.run([sys.executable, str(ROOT / "examples" / "offline_inference.py"), "--model", "demo",
