@@ -20,6 +20,17 @@ The grid is one axis, output column tiles fastest: the programs running at once 
 tiles (each A tile read from memory once) and walk their experts' weights, which the row tiles of
 the same expert read back from L2.
 
+Variants (`variant=`; "pointer" is the default and what the engine runs):
+  * "pointer": A and W tiles loaded through pointer tensors (cp.async pipelined by Triton);
+  * "tma": Hopper's tensor memory accelerator. Host-side tensor descriptors over A [M, K] and W viewed
+    as [E * N, K] (block [BLOCK_M, BLOCK_K] and [BLOCK_N, BLOCK_K]); a tile's rows past its expert's end
+    (or its columns past N) are the next expert's rows, read and multiplied but never stored (the store
+    is masked as in "pointer"); reads past M / E * N / K are zero-filled by the hardware. The address
+    arithmetic leaves the registers. Needs W's experts contiguous (stride(0) == N * stride(1)) and
+    16-byte aligned strides (K % 16 == 0).
+    With `programs=P` the "tma" grid is persistent: P programs (e.g. the SM count), program p taking
+    tiles p, p + P, ... of the same tile order until it meets the first tile past the real count.
+
 Products of two e4m3 values are exact in fp32; only summation order differs from `reference`
 (both operands dequantised in fp32, fp32 matmul, bf16). Under TRITON_INTERPRET=1 the operands are
 widened to fp32 before the dot (the interpreter's tl.dot cannot multiply fp8 bit patterns).
@@ -36,6 +47,7 @@ from deepinfer.kernels.grouped_gemm import max_m_tiles
 try:
     import triton
     import triton.language as tl
+    from triton.tools.tensor_descriptor import TensorDescriptor
 
     from deepinfer.kernels.grouped_gemm import _e8m0, group_tile
 except ImportError:  # CPU-only installs: the torch reference is used
@@ -43,6 +55,7 @@ except ImportError:  # CPU-only installs: the torch reference is used
 
 
 E8M0_DTYPES = (torch.float8_e8m0fnu, torch.uint8)  # weight scales as exponent bytes
+VARIANTS = ("pointer", "tma")
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -126,12 +139,69 @@ if triton is not None:
         tl.store(out_ptr + rows.to(tl.int64)[:, None] * s_om + cols[None, :], acc.to(out_ptr.dtype.element_ty),
                  mask=rmask[:, None] & nmask[None, :])
 
+    @triton.jit
+    def _tma_tile(tile, a_desc, as_ptr, w_desc, ws_ptr, offs_ptr, out_ptr, M, N, E, n_tiles,
+                  s_asm, s_asg, s_wse, s_wsn, s_wsk, s_om,
+                  K: tl.constexpr, GA: tl.constexpr, BO: tl.constexpr, BI: tl.constexpr, E8M0: tl.constexpr,
+                  E_PAD: tl.constexpr, OP: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """One output tile of the "tma" variant; returns 0 for a tile past the real count (nothing done)."""
+        pid_m = tile // n_tiles
+        pid_n = tile % n_tiles
+        # weight "base" 0 with stride 1: group_tile hands back the tile's expert index itself
+        live, row0, row_end, e, ws_base = group_tile(pid_m, offs_ptr, M, E, 0, ws_ptr, 1, s_wse, False, E_PAD,
+                                                     BLOCK_M)
+        if live != 0:
+            rows, cols = row0 + tl.arange(0, BLOCK_M), pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+            rmask, nmask = (rows < row_end) & (rows < M), cols < N
+            w_row = (e * N + pid_n * BLOCK_N).to(tl.int32)  # in W viewed as [E * N, K]
+            as_ptrs = as_ptr + rows.to(tl.int64) * s_asm
+            ws_ptrs = ws_base + (cols // BO) * s_wsn
+            acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for t in range(0, tl.cdiv(K, BLOCK_K)):
+                # whole tiles: rows of the next expert (or past M / E * N / K: zeros) are multiplied, never stored
+                a_t = a_desc.load([row0, t * BLOCK_K]).to(OP)
+                w_t = w_desc.load([w_row, t * BLOCK_K]).to(OP)
+                a_s = tl.load(as_ptrs + (t * BLOCK_K // GA) * s_asg, mask=rmask, other=0.0)
+                w_s = tl.load(ws_ptrs + (t * BLOCK_K // BI) * s_wsk, mask=nmask, other=0)
+                w_s = _e8m0(w_s) if E8M0 else w_s.to(tl.float32)
+                acc += tl.dot(a_t, tl.trans(w_t)) * (a_s[:, None] * w_s[None, :])
+            tl.store(out_ptr + rows.to(tl.int64)[:, None] * s_om + cols[None, :], acc.to(out_ptr.dtype.element_ty),
+                     mask=rmask[:, None] & nmask[None, :])
+        return live
+
+    @triton.jit
+    def _grouped_gemm_fp8_tma_kernel(a_desc, as_ptr, w_desc, ws_ptr, offs_ptr, out_ptr, M, N, E, n_tiles, n_programs,
+                                     s_asm, s_asg, s_wse, s_wsn, s_wsk, s_om,
+                                     K: tl.constexpr, GA: tl.constexpr, BO: tl.constexpr, BI: tl.constexpr,
+                                     E8M0: tl.constexpr, E_PAD: tl.constexpr, OP: tl.constexpr,
+                                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                                     PERSISTENT: tl.constexpr):
+        if PERSISTENT:  # tiles pid, pid + n_programs, ... up to the first one past the real count
+            tile = tl.program_id(0)
+            live = 1
+            while live != 0:
+                live = _tma_tile(tile, a_desc, as_ptr, w_desc, ws_ptr, offs_ptr, out_ptr, M, N, E, n_tiles,
+                                 s_asm, s_asg, s_wse, s_wsn, s_wsk, s_om, K, GA, BO, BI, E8M0, E_PAD, OP,
+                                 BLOCK_M, BLOCK_N, BLOCK_K)
+                tile += n_programs
+        else:
+            _tma_tile(tl.program_id(0), a_desc, as_ptr, w_desc, ws_ptr, offs_ptr, out_ptr, M, N, E, n_tiles,
+                      s_asm, s_asg, s_wse, s_wsn, s_wsk, s_om, K, GA, BO, BI, E8M0, E_PAD, OP,
+                      BLOCK_M, BLOCK_N, BLOCK_K)
+
 
 def _launch(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, offs: torch.Tensor,
-            group: int = 128, block: tuple[int, int] = (1, 128), **tiles) -> torch.Tensor:
+            group: int = 128, block: tuple[int, int] = (1, 128), variant: str = "pointer", programs: int | None = None,
+            **tiles) -> torch.Tensor:
     """The Triton launch on whatever device the tensors are on (CPU only under TRITON_INTERPRET=1).
-    `tiles`: BLOCK_M / BLOCK_N / BLOCK_K / num_warps / num_stages over default_config's."""
+    `tiles`: BLOCK_M / BLOCK_N / BLOCK_K / num_warps / num_stages over default_config's. `variant`: one of
+    VARIANTS; `programs` (variant "tma" only): a persistent grid of that many programs."""
     _check(a, a_scale, w, w_scale, offs, group, block)
+    if variant not in VARIANTS:
+        raise ValueError(f"grouped_gemm_fp8: variant {variant!r} is not one of {VARIANTS}")
+    if programs is not None and (variant != "tma" or programs < 1):
+        raise ValueError(f"grouped_gemm_fp8: programs {programs} needs variant 'tma' and at least 1 program")
     M, K = a.shape
     E, N = w.shape[0], w.shape[1]
     cfg = default_config(M, E)
@@ -149,6 +219,9 @@ def _launch(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: to
     ws = w_scale.view(torch.uint8) if e8m0 else w_scale
     n_tiles = triton.cdiv(N, cfg["BLOCK_N"])
     grid = (max_m_tiles(M, E, cfg["BLOCK_M"]) * n_tiles,)
+    if variant == "tma":
+        _launch_tma(a, a_scale, w, ws, offs, out, group, block, e8m0, n_tiles, grid[0], programs, cfg)
+        return out
     _grouped_gemm_fp8_kernel[grid](
         a, a_scale, w, ws, offs, out, M, N, E, n_tiles,
         a.stride(0), a_scale.stride(0), a_scale.stride(1), w.stride(0), w.stride(1),
@@ -158,11 +231,33 @@ def _launch(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: to
     return out
 
 
+def _launch_tma(a, a_scale, w, ws, offs, out, group, block, e8m0, n_tiles, tiles_bound, programs, cfg) -> None:
+    """Variant "tma": descriptors over A [M, K] and W as [E * N, K]; a persistent grid when `programs`."""
+    M, K = a.shape
+    E, N = w.shape[0], w.shape[1]
+    if w.stride(0) != N * w.stride(1):
+        raise ValueError(f"grouped_gemm_fp8: variant 'tma' needs the weight's experts contiguous, got strides "
+                         f"{tuple(w.stride())} for {tuple(w.shape)}")
+    if a.stride(0) % 16 or w.stride(1) % 16 or a.data_ptr() % 16 or w.data_ptr() % 16:
+        raise ValueError(f"grouped_gemm_fp8: variant 'tma' needs 16-byte aligned A / weight bases and row strides, "
+                         f"got A stride {a.stride(0)}, weight stride {w.stride(1)}")
+    a_desc = TensorDescriptor(a, [M, K], [a.stride(0), 1], [cfg["BLOCK_M"], cfg["BLOCK_K"]])
+    w_desc = TensorDescriptor(w, [E * N, K], [w.stride(1), 1], [cfg["BLOCK_N"], cfg["BLOCK_K"]])
+    n_programs = tiles_bound if programs is None else min(programs, tiles_bound)
+    _grouped_gemm_fp8_tma_kernel[(n_programs,)](
+        a_desc, a_scale, w_desc, ws, offs, out, M, N, E, n_tiles, n_programs,
+        a_scale.stride(0), a_scale.stride(1), ws.stride(0), ws.stride(1), ws.stride(2), out.stride(0),
+        K=K, GA=group, BO=block[0], BI=block[1], E8M0=e8m0, E_PAD=max(16, triton.next_power_of_2(E)),
+        OP=tl.float32 if _interpreted() else tl.float8e4nv, PERSISTENT=programs is not None, **cfg)
+
+
 def grouped_gemm_fp8(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
-                     offs: torch.Tensor, group: int = 128, block: tuple[int, int] = (1, 128), **tiles) -> torch.Tensor:
+                     offs: torch.Tensor, group: int = 128, block: tuple[int, int] = (1, 128), variant: str = "pointer",
+                     programs: int | None = None, **tiles) -> torch.Tensor:
     """out [M, N] bf16 for act_quant's (A, s_a) and block-scaled FP8 weights [E, N, K], rows grouped by
     `offs`. Triton on CUDA, `reference` elsewhere. `tiles` (BLOCK_M/N/K, num_warps, num_stages)
-    override default_config. No host sync (CUDA-graph capturable)."""
+    override default_config; `variant` / `programs`: the opt-in kernel variants (module docstring).
+    No host sync (CUDA-graph capturable)."""
     if triton is None or not a.is_cuda:
         return reference(a, a_scale, w, w_scale, offs, group, block)
-    return _launch(a, a_scale, w, w_scale, offs, group, block, **tiles)
+    return _launch(a, a_scale, w, w_scale, offs, group, block, variant, programs, **tiles)

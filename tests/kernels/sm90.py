@@ -5,6 +5,12 @@ shapes the model uses records (kernel, argument types, constexprs, options) inst
 `compile_sm90()` then compiles each record ahead of time for GPUTarget("cuda", 90, 32) with the
 ptxas bundled in Triton's wheel: type errors, unsupported ops and shared-memory overflows that the
 interpreter cannot see show up here, before a device session.
+
+By default a record compiles generically (no argument specialisation). `compile_sm90(launch,
+specialize=True)` compiles what the JIT would build on a GPU for the same argument values: pointers
+16-byte aligned and integers divisible by 16 carry tt.divisibility, integers equal to 1 become
+constexprs. Only that build vectorises the loads and pipelines them through shared memory (cp.async /
+TMA with num_stages buffers), so its registers, spills and shared memory are the device's.
 """
 from __future__ import annotations
 
@@ -13,9 +19,12 @@ from dataclasses import dataclass
 
 import torch
 import triton
+from triton._C.libtriton import native_specialize_impl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
+from triton.compiler.compiler import make_backend
 from triton.runtime.jit import JITFunction
+from triton.tools.tensor_descriptor import TensorDescriptor
 
 SM90 = GPUTarget("cuda", 90, 32)
 OPTIONS = ("num_warps", "num_stages", "enable_fp_fusion", "num_ctas")
@@ -30,6 +39,7 @@ class Launch:
     signature: dict
     constexprs: dict
     options: dict
+    specialized: tuple = ()  # (signature, constexprs, attrs) as the JIT specialises these values on a GPU
 
     @property
     def key(self) -> tuple:
@@ -38,6 +48,8 @@ class Launch:
 
 
 def _type(v) -> str:
+    if isinstance(v, TensorDescriptor):  # host-side TMA descriptor: its type names dtype and block shape
+        return native_specialize_impl(type(make_backend(SM90)), v, False, False, False)[0]
     if isinstance(v, torch.Tensor):
         return "*" + _TYPES[v.dtype]
     if isinstance(v, bool):
@@ -47,6 +59,24 @@ def _type(v) -> str:
     if isinstance(v, float):
         return "fp32"
     raise TypeError(f"no Triton type for {type(v).__name__}")
+
+
+def _specialize(fn: JITFunction, sig: dict, consts: dict, bound: dict, kwargs: dict) -> tuple:
+    """The JIT's specialisation of the recorded values (CPU tensors stand for device ones: their data
+    pointers are at least 16-byte aligned, as the CUDA caching allocator's are)."""
+    backend = make_backend(SM90)
+    sig, consts, attrs = dict(sig), dict(consts), {}
+    for i, p in enumerate(fn.params):
+        if sig[p.name] == "constexpr":
+            continue
+        v = kwargs[p.name] if p.name in kwargs else bound.get(p.name, p.default)
+        ty, attr = native_specialize_impl(type(backend), v, False, not p.do_not_specialize,
+                                          not p.do_not_specialize_on_alignment)
+        if ty == "constexpr":       # an integer equal to 1
+            sig[p.name], consts[p.name] = "constexpr", attr
+        elif isinstance(attr, str) and attr:
+            attrs[(i,)] = backend.parse_attr(attr)
+    return sig, consts, attrs
 
 
 @contextlib.contextmanager
@@ -70,7 +100,8 @@ def record():
                 sig[name], consts[name] = "constexpr", v
             else:
                 sig[name] = _type(v)
-        launches.append(Launch(self, sig, consts, {k: kwargs[k] for k in OPTIONS if k in kwargs}))
+        launches.append(Launch(self, sig, consts, {k: kwargs[k] for k in OPTIONS if k in kwargs},
+                               _specialize(self, sig, consts, bound, kwargs)))
 
     JITFunction.run = fake
     try:
@@ -79,7 +110,10 @@ def record():
         JITFunction.run = real
 
 
-def compile_sm90(launch: Launch):
-    """The compiled kernel (raises on a compile error)."""
+def compile_sm90(launch: Launch, specialize: bool = False):
+    """The compiled kernel (raises on a compile error); specialize: as the JIT would build it on a GPU."""
+    if specialize:
+        sig, consts, attrs = launch.specialized
+        return triton.compile(ASTSource(launch.fn, sig, consts, attrs), target=SM90, options=launch.options)
     return triton.compile(ASTSource(launch.fn, launch.signature, launch.constexprs), target=SM90,
                           options=launch.options)

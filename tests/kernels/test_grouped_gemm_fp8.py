@@ -96,6 +96,18 @@ test_kernel_in_the_triton_interpreter, test_kernel_on_gpu = interpreted_and_gpu(
     "         ([64, 0, 70, 3] * 8, 4096, 2048, (1, 128), 'e8m0', 0, {}),\n"        # 64-row tiles
     "         ([200, 0, 90], 2048, 4096, (128, 128), 'e8m0', 0, {})]\n")
 
+# The opt-in "tma" variant on the same cases (tensor descriptors: whole tiles read across expert ends and
+# zero-filled past M / E * N / K, stores masked), one-program-per-tile and persistent grids (3 programs:
+# each takes several tiles, some programs meet the end of the tile list at once).
+test_tma_variant_in_the_triton_interpreter, test_tma_variant_on_gpu = interpreted_and_gpu(
+    CHECK, "DEV = 'cpu'\nREL = 8e-3\nTILES = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, num_warps=1, num_stages=1, "
+    "variant='tma')\nEXTRA = [([0, 1, 37, 0, 5, 0], 40, 256, (1, 128), 'e8m0', 3, dict(TILES, programs=3)),\n"
+    "         ([2, 0, 19], 40, 320, (128, 128), 'fp32', 0, dict(TILES, programs=2))]\n",
+    "DEV = 'cuda'\nREL = 4e-3\nTILES = dict(variant='tma')\n"
+    "EXTRA = [([300, 0, 500, 129, 1] * 4, 2048, 4096, (1, 128), 'e8m0', 7, TILES),\n"
+    "         ([64, 0, 70, 3] * 8, 4096, 2048, (1, 128), 'e8m0', 0, dict(TILES, programs=132)),\n"
+    "         ([200, 0, 90], 2048, 4096, (128, 128), 'e8m0', 0, dict(TILES, programs=7))]\n")
+
 
 def test_tile_choices_are_checked():
     pytest.importorskip("triton")
@@ -138,6 +150,28 @@ def test_expert_launches_compile_for_sm90():
     seen = {launch.key: launch for launch in got}
     for launch in seen.values():
         compile_sm90(launch)
+
+
+def test_sm90_resources_of_the_expert_tiles(monkeypatch):
+    """benchmarks/sm90_kernel_resources.py on three builds for sm_90 at V4's w1 shape (no GPU): default_config's
+    tiles pipeline num_stages A + W buffers through shared memory without spilling; 128 x 128 x 128 tiles on
+    4 warps spill (two fp32 128 x 128 accumulators in 128 threads); the "tma" variant's loads are TMA copies."""
+    pytest.importorskip("triton")
+    from pathlib import Path
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    from sm90_kernel_resources import resources
+    from deepinfer.kernels.grouped_gemm_fp8 import default_config
+
+    cfg = default_config(49152, 256)
+    base = resources("pointer", cfg)
+    stage = (cfg["BLOCK_M"] + cfg["BLOCK_N"]) * cfg["BLOCK_K"]  # e4m3 bytes of one A and one W tile
+    assert base["spill_stores"] == 0 and base["async_copies"] > 0 and base["tma_copies"] == 0
+    assert base["shared"] >= cfg["num_stages"] * stage and base["ctas_per_sm"] >= 1 and base["fits"]
+    assert 0 < base["registers"] <= 255
+    wide = resources("pointer", dict(cfg, BLOCK_M=128))
+    assert wide["spill_stores"] > 0 and wide["spill_loads"] > 0
+    tma = resources("tma", cfg)
+    assert tma["tma_copies"] > 0 and tma["async_copies"] == 0 and tma["spill_stores"] == 0
 
 
 # ---------------------------------------------------------------- GPU only

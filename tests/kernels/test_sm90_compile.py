@@ -221,3 +221,29 @@ def fp8_linear_launches():
 
 def test_fp8_linear_kernels_compile_for_sm90():
     test_kernels_compile_for_sm90(fp8_linear_launches)
+
+
+def fp8_expert_variant_launches():
+    """grouped_gemm_fp8's opt-in variant "tma" (tensor descriptors) at V4-Flash's routed-expert prefill shapes
+    (8192 and ~2.7k tokens x top-6 of 256; w1 / w3 N=2048 K=4096, w2 N=4096 K=2048, folded (1, 128) E8M0
+    scales): default tiles, 128-row tiles, and a persistent grid of two programs per H200 SM."""
+    from deepinfer.kernels import grouped_gemm_fp8 as g8
+    E4, E = torch.float8_e4m3fn, 256
+    for M in (8192 * 6, 2731 * 6):
+        for N, K in ((2048, 4096), (4096, 2048)):
+            args = (_e(M, K, dtype=E4), _e(K // 128, M, dtype=torch.float32).t(), _e(E, N, K, dtype=E4),
+                    _i(E, N, K // 128, dtype=torch.uint8).view(torch.float8_e8m0fnu), _i(E, dtype=torch.int32))
+            g8._launch(*args, variant="tma")
+            g8._launch(*args, variant="tma", programs=264)
+            g8._launch(*args, variant="tma", BLOCK_M=128, num_warps=8, num_stages=3)
+
+
+def test_fp8_expert_variants_compile_for_sm90():
+    """Compiled generically and as the JIT specialises them on the device (16-byte aligned pointers, strides
+    divisible by 16, a unit stride as constexpr): the build the H200 runs moves its tiles by TMA."""
+    from sm90 import compile_sm90
+    test_kernels_compile_for_sm90(fp8_expert_variant_launches)
+    with record() as got:
+        fp8_expert_variant_launches()
+    for launch in {launch.key: launch for launch in got}.values():
+        assert "ttng.async_tma_copy_global_to_local" in compile_sm90(launch, specialize=True).asm["ttgir"]
