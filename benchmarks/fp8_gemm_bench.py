@@ -24,17 +24,22 @@ uniform at random. Weights are FP4-origin FP8 codes as layers/moe.py holds them;
   w8a16-folded  the same on (1, 128) scales (folded: what decode runs after the fold);
   w8a8          act_quant (1 x 128, pow2) + kernels/grouped_gemm_fp8.py on the folded codes;
   w8a8-gemm     the grouped FP8 GEMM alone (w1 and w3 share one act_quant).
+  w8a8-gemm-tma, w8a8-gemm-tma-persistent  (opt-in kernel variants, not engine paths) the same GEMM through
+                grouped_gemm_fp8's variant "tma" (tensor descriptors), one program per tile and persistent
+                (two programs per SM: default_config's tiles fit two CTAs an SM).
   cublas-loop   (CUDA, a measurement, not an engine path) the same quantised rows as w8a8-gemm, one cuBLAS
                 blockwise torch._scaled_mm per expert with (1, 128) scales on both operands, launched from
                 Python; cublas-graph: that loop replayed from a CUDA graph (its GPU time without the host's
                 launches). A path the device refuses is a row with its error.
 Each row: median microseconds (do_bench, L2 flushed), TFLOP/s (2 rows N K), the relative Frobenius
-distance of the path's output from bf16's. The summary sums a layer (w1 + w3 + w2; W8A8 with act_quant
-once per input) with ratios to bf16, and says which path Experts takes at that row count
-(layers/moe.py W8A8_ROWS_PER_EXPERT).
+distance of the path's output from bf16's. --sweep adds SWEEP's tile choices and variants of the grouped FP8
+GEMM (path "w8a8-gemm", `config` and `variant` set) once per distinct projection shape (w1 and w2; w3 is w1's).
+The summary sums a layer (w1 + w3 + w2; W8A8 with act_quant once per input) with ratios to bf16, and says
+which path Experts takes at that row count (layers/moe.py W8A8_ROWS_PER_EXPERT).
 
     python benchmarks/fp8_gemm_bench.py --experts --tokens 1024,2048,4096,8192 \
         --out benchmarks/results/2026-12-01-h200-fp8-experts.json
+    python benchmarks/fp8_gemm_bench.py --experts --tokens 8192 --sweep --out fp8-experts-sweep.json
 """
 from __future__ import annotations
 
@@ -51,6 +56,7 @@ import torch.nn.functional as F
 from common import add_commit_arg, recorded_commit
 
 from deepinfer.formats.quant import FP4_VALUES, dequant_fp8_blocks
+from deepinfer.kernels import sm_count
 from deepinfer.kernels.act_quant import act_quant
 from deepinfer.kernels.fp8_gemm import fp8_gemm, use_scaled_mm
 from deepinfer.kernels.grouped_gemm import grouped_gemm
@@ -175,13 +181,29 @@ def summary(rows: list[dict]) -> list[dict]:
 EXPERTS = {"v4": (256, 6, [("w1", 2048, 4096, 1), ("w3", 2048, 4096, 1), ("w2", 4096, 2048, 1)])}
 SMOKE_EXPERTS = {"v4": (8, 2, [("w1", 128, 256, 1), ("w3", 128, 256, 1), ("w2", 256, 128, 1)])}
 EXPERT_PATHS = ("bf16", "w8a16", "w8a16-folded", "w8a8", "w8a8-gemm")
-# --sweep: grouped_gemm_fp8 tile choices timed beside its default (path "w8a8-gemm", `config` set)
-SWEEP = [dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=8, num_stages=3),
-         dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=4),
-         dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=128, num_warps=8, num_stages=3),
-         dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=4),
-         dict(BLOCK_M=64, BLOCK_N=256, BLOCK_K=128, num_warps=8, num_stages=3),
+# rows beside them (a failure is recorded, not raised): the opt-in kernel variants and cuBLAS (CUDA only)
+MEASURED_PATHS = ("w8a8-gemm-tma", "w8a8-gemm-tma-persistent", "cublas-loop", "cublas-graph")
+# --sweep: grouped_gemm_fp8 tile choices and opt-in variants timed beside its default (path "w8a8-gemm", `config`
+# and `variant` set; programs_per_sm: variant "tma" on a persistent grid of that many programs per SM). None of
+# them spills registers when compiled for sm_90 at these shapes (benchmarks/sm90_kernel_resources.py; results
+# .../2026-12-02-sm90-grouped-gemm-fp8-resources-*.json), except the pointer variant's 128 x 128 x 128 / 8 warps
+# (8 bytes); the two spilling choices of the first sweep (128 x 128 x 128 / 4 warps, 128 x 256 x 128) are left out.
+_T = dict(BLOCK_K=128)
+SWEEP = [dict(_T, BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=4),          # default_config
+         dict(_T, BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=3),
+         dict(_T, BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=4),           # 3 CTAs an SM
+         dict(_T, BLOCK_M=64, BLOCK_N=128, num_warps=8, num_stages=4),
+         dict(_T, BLOCK_M=64, BLOCK_N=256, num_warps=8, num_stages=3),
+         dict(_T, BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=4),
+         dict(_T, BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3),
          dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64, num_warps=8, num_stages=5)]
+SWEEP += [dict(c, variant="tma") for c in SWEEP[:6]]
+SWEEP += [dict(_T, BLOCK_M=64, BLOCK_N=64, num_warps=8, num_stages=4, variant="tma"),
+          dict(_T, BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3, variant="tma"),
+          dict(_T, BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=4, variant="tma"),
+          dict(_T, BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=4, variant="tma", programs_per_sm=2),
+          dict(_T, BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=4, variant="tma", programs_per_sm=3),
+          dict(_T, BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3, variant="tma", programs_per_sm=1)]
 
 
 def expert_offs(T: int, E: int, k: int, device: str) -> torch.Tensor:
@@ -219,6 +241,9 @@ def expert_paths(xs: torch.Tensor, offs: torch.Tensor, E: int, N: int, K: int) -
     out = {"bf16": bf16, "w8a16": lambda: grouped_gemm(xs, codes, offs, s32, (1, 32)),
            "w8a16-folded": lambda: grouped_gemm(xs, codes, offs, s128, (1, 128)), "w8a8": w8a8,
            "w8a8-gemm": lambda: grouped_gemm_fp8(q, qs, codes, s128, offs, ACT_GROUP, (1, 128))}
+    programs = 2 * (sm_count(xs.device) if xs.is_cuda else 1)
+    for name, kw in (("w8a8-gemm-tma", {}), ("w8a8-gemm-tma-persistent", dict(programs=programs))):
+        out[name] = lambda kw=kw: grouped_gemm_fp8(q, qs, codes, s128, offs, ACT_GROUP, (1, 128), variant="tma", **kw)
     if xs.is_cuda:
         out["cublas-loop"] = lambda: cublas_loop(q, qs, codes, s128, offs)()
         out["cublas-graph"] = _graphed(lambda: cublas_loop(q, qs, codes, s128, offs))
@@ -266,19 +291,37 @@ def _graphed(make):
     return replay
 
 
-def sweep_rows(fn_for, base: dict, time_us) -> list[dict]:
-    """SWEEP's tile choices of the grouped FP8 GEMM; a choice that fails (compile, shared memory) is
-    recorded with its error instead of a time."""
+def sweep_launch_args(entry: dict, sms: int) -> tuple[str, dict]:
+    """A SWEEP entry -> (label, keyword arguments of grouped_gemm_fp8._launch): tiles, `variant`, and for a
+    persistent grid `programs` = programs_per_sm x the device's SMs."""
+    cfg = {k: v for k, v in entry.items() if k != "programs_per_sm"}
+    label = "{BLOCK_M}x{BLOCK_N}x{BLOCK_K}/w{num_warps}/s{num_stages}".format(**cfg)
+    if "programs_per_sm" in entry:
+        cfg["programs"] = entry["programs_per_sm"] * sms
+        label += f"/p{entry['programs_per_sm']}"
+    return label, cfg
+
+
+def sweep_rows(fn_for, base: dict, time_us, sms: int, check=None) -> list[dict]:
+    """SWEEP's tile choices and variants of the grouped FP8 GEMM; a choice that fails (compile, shared memory)
+    is recorded with its error instead of a time. `check(out)`: the output's relative distance from the
+    default's (recorded as rel_err_vs_default)."""
     rows = []
-    for cfg in SWEEP:
-        label = "{BLOCK_M}x{BLOCK_N}x{BLOCK_K}/w{num_warps}/s{num_stages}".format(**cfg)
+    for entry in SWEEP:
+        label, cfg = sweep_launch_args(entry, sms)
+        variant = cfg.get("variant", "pointer")
+        row = dict(base, config=label, variant=variant)
         try:
-            us = time_us(fn_for(cfg))
+            fn = fn_for(cfg)
+            err = None if check is None else check(fn())
+            us = time_us(fn)
         except Exception as e:  # noqa: BLE001 - a tile choice the device refuses is a result too
-            rows.append(dict(base, config=label, error=f"{type(e).__name__}: {str(e)[:200]}"))
+            rows.append(dict(row, error=f"{type(e).__name__}: {str(e)[:200]}"))
+            print(f"     sweep {variant:7} {label:25} failed: {rows[-1]['error']}", flush=True)
             continue
-        rows.append(dict(base, config=label, us=round(us, 2), tflops=round(base["flops"] / us / 1e6, 3)))
-        print(f"     sweep {label:22} {us:10.1f} us {rows[-1]['tflops']:8.1f} TFLOP/s", flush=True)
+        rows.append(dict(row, us=round(us, 2), tflops=round(base["flops"] / us / 1e6, 3),
+                         **({} if err is None else dict(rel_err_vs_default=round(err, 6)))))
+        print(f"     sweep {variant:7} {label:25} {us:10.1f} us {rows[-1]['tflops']:8.1f} TFLOP/s", flush=True)
     return rows
 
 
@@ -291,7 +334,7 @@ def bench_experts(tokens: list[int], device: str, smoke: bool, sweep: bool = Fal
             offs = expert_offs(T, E, k, device)
             M = T * k
             picked = "w8a8" if M >= W8A8_ROWS_PER_EXPERT * E else "w8a16-folded"
-            aq = {}
+            aq, swept = {}, set()
             for name, N, K, count in projs:
                 xs = torch.randn(M, K, device=device).to(torch.bfloat16)
                 if K not in aq:
@@ -317,20 +360,24 @@ def bench_experts(tokens: list[int], device: str, smoke: bool, sweep: bool = Fal
                     print(f"{sl:4} experts {name:3} N={N:5} K={K:5} tokens={T:6} rows={M:6} {path:13} {us:10.1f} us "
                           f"{rows[-1]['tflops']:8.1f} TFLOP/s  rel.err {err:.4f}", flush=True)
                     del out
-                if sweep and device == "cuda":
+                if sweep and device == "cuda" and (N, K) not in swept:  # w3 has w1's shape
+                    swept.add((N, K))
                     from deepinfer.kernels.grouped_gemm_fp8 import _launch
                     q, qs = act_quant(xs, ACT_GROUP)
                     w, ws = expert_weights(E, N, K, device)
+                    want = _launch(q, qs, w, ws, offs, ACT_GROUP, (1, 128)).float()
                     rows += sweep_rows(lambda cfg: lambda: _launch(q, qs, w, ws, offs, ACT_GROUP, (1, 128), **cfg),
                                        dict(slice=sl, experts=E, topk=k, tokens=T, M=M, name=name, N=N, K=K,
-                                            count=0, path="w8a8-gemm", flops=2 * M * N * K), time_us)
-                    del q, qs, w, ws
+                                            count=0, path="w8a8-gemm", flops=2 * M * N * K), time_us,
+                                       sm_count(xs.device),
+                                       lambda out: float((out.float() - want).norm() / want.norm()))
+                    del q, qs, w, ws, want
                 del xs
             layer = {p: sum(r["us"] * r["count"] for r in rows if r["slice"] == sl and r["tokens"] == T
                             and r["path"] == p and "config" not in r) for p in EXPERT_PATHS}
             # as Experts runs W8A8: one act_quant per input width (x for w1 and w3, the swiglu output for w2)
             layer["w8a8"] = layer.pop("w8a8-gemm") + sum(aq.values())
-            for p in ("cublas-loop", "cublas-graph"):  # the measurement paths, where every projection ran
+            for p in MEASURED_PATHS:  # the measurement paths, where every projection ran
                 mine = [r for r in rows if r["slice"] == sl and r["tokens"] == T and r["path"] == p]
                 if mine and all("us" in r for r in mine):
                     layer[p] = sum(r["us"] * r["count"] for r in mine) + sum(aq.values())
