@@ -118,6 +118,13 @@ def test_tile_choices_are_checked():
     x, q, s, w, ws, offs = make_case([3, 2], 48, 256, block=(1, 32))
     with pytest.raises(ValueError, match="BLOCK_K"):
         _launch(q, s, w, ws, offs, 128, (1, 32))        # weight scale blocks narrower than the K step
+    x, q, s, w, ws, offs = make_case([3, 2], 48, 256)
+    with pytest.raises(ValueError, match="variant"):
+        _launch(q, s, w, ws, offs, variant="tmaa")
+    with pytest.raises(ValueError, match="programs"):
+        _launch(q, s, w, ws, offs, programs=4)          # a persistent grid is variant "tma"'s
+    with pytest.raises(ValueError, match="experts contiguous"):
+        _launch(q, s, torch.cat([w, w], 1)[:, :48], ws, offs, variant="tma")  # W [E, N, K] not [E * N, K]
 
 
 def test_expert_launches_compile_for_sm90():
@@ -176,9 +183,13 @@ def test_sm90_resources_of_the_expert_tiles(monkeypatch):
 
 # ---------------------------------------------------------------- GPU only
 
+VARIANTS = [{}, dict(variant="tma"), dict(variant="tma", programs=264)]  # default, opt-in TMA, persistent
+
+
 @pytest.mark.gpu
+@pytest.mark.parametrize("kw", VARIANTS)
 @pytest.mark.parametrize("N,K", [(2048, 4096), (4096, 2048)])
-def test_prefill_shape_matches_the_reference_on_gpu(N, K):
+def test_prefill_shape_matches_the_reference_on_gpu(N, K, kw):
     """256 experts, ~192 rows each on average (8192 tokens x top-6), some empty."""
     from deepinfer.kernels.act_quant import act_quant as act_quant_gpu
     torch.manual_seed(N)
@@ -190,19 +201,20 @@ def test_prefill_shape_matches_the_reference_on_gpu(N, K):
         q, s = act_quant_gpu(torch.randn(49152, K, dtype=torch.bfloat16))
         w = (torch.randn(256, N, K) * 4).to(torch.float8_e4m3fn)
         ws = torch.randint(119, 125, (256, N, K // 128), dtype=torch.uint8).view(torch.float8_e8m0fnu)
-    got = grouped_gemm_fp8(q, s, w, ws, offs)
+    got = grouped_gemm_fp8(q, s, w, ws, offs, **kw)
     want = reference(q, s, w, ws, offs)
     assert rel_err(got, want) < 4e-3
     torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=1.6e-2)
 
 
 @pytest.mark.gpu
-def test_replays_in_a_cuda_graph_with_new_offsets():
+@pytest.mark.parametrize("kw", VARIANTS)
+def test_replays_in_a_cuda_graph_with_new_offsets(kw):
     x, q, s, w, ws, offs = make_case([300, 0, 500, 224], 1024, 2048, device="cuda")
-    grouped_gemm_fp8(q, s, w, ws, offs)  # compile outside the capture
+    grouped_gemm_fp8(q, s, w, ws, offs, **kw)  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = grouped_gemm_fp8(q, s, w, ws, offs)
+        out = grouped_gemm_fp8(q, s, w, ws, offs, **kw)
     for counts in ([1024, 0, 0, 0], [0, 0, 0, 1024], [100, 700, 24, 200]):
         offs.copy_(torch.tensor(counts, device="cuda").cumsum(0))
         graph.replay()
