@@ -47,11 +47,14 @@ from deepinfer.kernels.grouped_gemm import max_m_tiles
 try:
     import triton
     import triton.language as tl
-    from triton.tools.tensor_descriptor import TensorDescriptor
 
     from deepinfer.kernels.grouped_gemm import _e8m0, group_tile
 except ImportError:  # CPU-only installs: the torch reference is used
     triton = None
+try:  # variant "tma" only: a Triton without host tensor descriptors still runs the default variant
+    from triton.tools.tensor_descriptor import TensorDescriptor
+except ImportError:
+    TensorDescriptor = None
 
 
 E8M0_DTYPES = (torch.float8_e8m0fnu, torch.uint8)  # weight scales as exponent bytes
@@ -235,6 +238,8 @@ def _launch_tma(a, a_scale, w, ws, offs, out, group, block, e8m0, n_tiles, tiles
     """Variant "tma": descriptors over A [M, K] and W as [E * N, K]; a persistent grid when `programs`."""
     M, K = a.shape
     E, N = w.shape[0], w.shape[1]
+    if TensorDescriptor is None:
+        raise ValueError("grouped_gemm_fp8: variant 'tma' needs triton.tools.tensor_descriptor (Triton >= 3.4)")
     if w.stride(0) != N * w.stride(1):
         raise ValueError(f"grouped_gemm_fp8: variant 'tma' needs the weight's experts contiguous, got strides "
                          f"{tuple(w.stride())} for {tuple(w.shape)}")
