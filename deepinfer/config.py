@@ -14,6 +14,9 @@ DTYPES = ("bfloat16", "float32")
 # weights, FP4 routed experts) on any device; "none" dequantises every weight to `dtype`
 QUANTIZATIONS = (None, "fp8", "none")
 # vLLM's parallel-size arguments (and context_parallel_size), with their single-process defaults
+# vLLM's `load_format` values this build understands: "auto" / "safetensors" read the checkpoint's shards;
+# "dummy" builds the model from config.json alone with random weights (loader/dummy.py)
+LOAD_FORMATS = ("auto", "safetensors", "dummy")
 PARALLEL_DEFAULTS = {"tensor_parallel_size": 1, "data_parallel_size": 1, "context_parallel_size": 1,
                      "enable_expert_parallel": False, "enable_eplb": False}
 
@@ -62,6 +65,7 @@ class EngineConfig:
     # (fixed-tile GEMMs, fixed-block attention reductions); costs speed, so off by default
     batch_invariant: bool = False
     quantization: str | None = None   # one of QUANTIZATIONS
+    load_format: str = "auto"         # one of LOAD_FORMATS
     tensor_parallel_size: int = 1     # attention heads split over this many ranks
     data_parallel_size: int = 1       # attention data parallelism: ranks that own their own requests
     enable_expert_parallel: bool = False  # routed experts split over the tp x dp ranks
@@ -103,6 +107,7 @@ class EngineConfig:
         for name in ("max_model_len", "kv_cache_memory"):
             if getattr(self, name) is not None:
                 _check_positive(name, getattr(self, name))
+        _check_choice("load_format", self.load_format, LOAD_FORMATS)
         if self.quantization not in QUANTIZATIONS:
             raise ValueError(f"quantization: {self.quantization!r} is not one of None, 'fp8', 'none'")
         for name in ("tensor_parallel_size", "data_parallel_size", "context_parallel_size"):

@@ -48,7 +48,7 @@ class LLM:
                  tensor_parallel_size: int = 1, data_parallel_size: int = 1, enable_expert_parallel: bool = False,
                  enable_eplb: bool = False, context_parallel_size: int = 1, eplb_config: dict | None = None,
                  speculative_config: dict | None = None, num_speculative_tokens: int | None = None,
-                 enable_mtp_varlen: bool | None = None):
+                 enable_mtp_varlen: bool | None = None, load_format: str = "auto"):
         """`quantization` (vLLM's name): None keeps the checkpoint's FP8/FP4 formats on CUDA and dequantises
         to `dtype` on the CPU; "fp8" keeps them on any device; "none" dequantises. Before any weight is
         read, the model's bytes (built on the meta device) are checked against the GPU's free memory;
@@ -60,7 +60,9 @@ class LLM:
         checkpoint's draft layers pick the method), and verifies them in the next step (greedy output unchanged,
         sampled output distributed as without it); one process only. `enable_mtp_varlen`
         (DEEPINFER_ENABLE_MTP_VARLEN): each step verifies as many of each request's drafts as its
-        confidences make worth it (DSpark's scheduler over a steps-per-second table measured at start-up)."""
+        confidences make worth it (DSpark's scheduler over a steps-per-second table measured at start-up).
+        `load_format` (vLLM's name): "auto" reads the checkpoint; "dummy" builds the model from config.json
+        alone with random weights in the same formats (deepinfer/loader/dummy.py), for benchmarks."""
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
         cfg = EngineConfig.from_env(
             model=model, device=device, dtype=dtype, kv_cache_dtype=kv_cache_dtype, max_model_len=max_model_len,
@@ -73,7 +75,7 @@ class LLM:
             data_parallel_size=data_parallel_size, enable_expert_parallel=enable_expert_parallel,
             enable_eplb=enable_eplb, context_parallel_size=context_parallel_size, eplb_config=eplb_config,
             speculative_config=speculative_config, num_speculative_tokens=num_speculative_tokens,
-            enable_mtp_varlen=enable_mtp_varlen)
+            enable_mtp_varlen=enable_mtp_varlen, load_format=load_format)
         if cfg.device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError(f"device: {cfg.device!r} needs a CUDA device, and this torch ({torch.__version__}) "
                              "sees none; use device='cpu'")
@@ -98,7 +100,8 @@ class LLM:
                                                 quantized=cfg.keeps_checkpoint_formats,
                                                 hf_model_dir=cfg.hf_model_dir, offline=cfg.hf_hub_offline,
                                                 engram_device=cfg.engram_device,
-                                                check=lambda meta: repack.append(_check_before_load(cfg, meta)))
+                                                check=lambda meta: repack.append(_check_before_load(cfg, meta)),
+                                                load_format=cfg.load_format, seed=cfg.seed or 0)
         if repack and repack[0]:
             repack_fp4_experts(self.model)
         mcfg = self.model.config
@@ -183,7 +186,7 @@ class LLM:
         self.model_dir, checked = _resolve_checked(cfg, ref, lambda meta: _check_ranks_fit(cfg, meta))
         if not checked and cfg.device.startswith("cuda"):
             _check_ranks_fit(cfg, meta_model(self.model_dir, dtype=getattr(torch, cfg.dtype),
-                                             quantized=cfg.keeps_checkpoint_formats))
+                                             quantized=cfg.keeps_checkpoint_formats, load_format=cfg.load_format))
         self.detokenizer = None if cfg.skip_tokenizer_init else _load_detokenizer(self.model_dir)
         keep = _replay_keep(cfg, read_model_config(self.model_dir))
         parallel = ParallelConfig(tensor_parallel_size=cfg.tensor_parallel_size,
@@ -195,7 +198,7 @@ class LLM:
                           kv_cache_memory=cfg.kv_cache_memory, max_model_len=cfg.max_model_len,
                           max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
                           block_size=cfg.block_size, seed=cfg.seed, replay_keep=keep,
-                          batch_invariant=cfg.batch_invariant)
+                          batch_invariant=cfg.batch_invariant, load_format=cfg.load_format)
         self.engine = engine(args, self.detokenizer)
         self.model, self.scheduler = self.engine.model, self.engine.scheduler
         self.max_model_len = self.engine.max_model_len
@@ -581,7 +584,7 @@ def _resolve_checked(cfg: EngineConfig, ref: str, check: Callable[[torch.nn.Modu
     from deepinfer.loader.resolve import fetch_weights, has_weights, resolve_model_dir, weight_index
 
     path = resolve_model_dir(ref, hf_model_dir=cfg.hf_model_dir, offline=cfg.hf_hub_offline, weights=False)
-    if has_weights(path):
+    if has_weights(path) or cfg.load_format == "dummy":  # dummy: config.json is all it reads
         return path, False
     index = weight_index(path)  # without one (a single-file checkpoint) the tensor names need the weights
     if index is not None:
@@ -632,6 +635,8 @@ def _log_capacity(model: torch.nn.Module, cache, kv: KVCacheManager, max_model_l
     if any(getattr(m, "w1", None) is not None and m.w1.dtype == torch.float8_e4m3fn and m.quant.fp4_experts
            for m in model.modules() if isinstance(m, Experts)):
         formats += "; FP4 routed experts held as FP8 codes (twice their bytes, faster kernels: they fit)"
+    if cfg.load_format == "dummy":
+        formats = "random values, load_format='dummy'; " + formats
     for rank, w in enumerate(weights):
         logger.info("%sweights: %s on %s (%s; routed experts %s)", f"rank {rank} " if ranks else "",
                     format_bytes(w.total), cfg.device, formats, format_bytes(w.experts))

@@ -58,8 +58,7 @@ from deepinfer.engine.request import Request
 from deepinfer.engine.scheduler import Scheduler
 from deepinfer.layers.moe import Experts, MoE
 from deepinfer.distributed.tensor_parallel import META_MIN_NUMEL, _Cutter, _LargeOnMeta, _materialize
-from deepinfer.loader.checkpoint import CheckpointReader
-from deepinfer.loader.model_loader import engram_token_map, load_model, model_spec
+from deepinfer.loader.model_loader import engram_token_map, load_model, model_spec, open_weights
 from deepinfer.loader.resolve import resolve_model_dir
 from deepinfer.loader.weights import load_weights
 
@@ -118,15 +117,15 @@ def initial_placement(num_layers: int, num_logical: int, ep: int, redundant_per_
 
 
 def load_expert_shard(model_dir: str, rank: int, ep: int, *, dtype: torch.dtype, device: str,
-                      quantized: bool = False, redundant_per_rank: int = 0,
-                      min_numel: int | None = None) -> torch.nn.Module:
+                      quantized: bool = False, redundant_per_rank: int = 0, load_format: str = "auto",
+                      seed: int = 0, min_numel: int | None = None) -> torch.nn.Module:
     """load_model for one expert-parallel rank: the model is built with its large tensors on the meta
     device, each trunk MoE's experts cut to this rank's range of `initial_placement`, and only that
     range is read from the checkpoint (every other tensor whole); then each trunk MoE's `experts`
     becomes the rank's slots (shard_experts). `model.placement` is the placement. Draft (MTP / DSpark)
     layers are not run by the engine and keep all their experts."""
     path = resolve_model_dir(str(model_dir))
-    reader = CheckpointReader(path)
+    reader = open_weights(path, load_format, seed)
     cfg, model_cls, _, _ = model_spec(path, reader, None)
     with _LargeOnMeta(torch.device(device), META_MIN_NUMEL if min_numel is None else min_numel):
         net = model_cls(cfg, dtype=dtype, quantized=quantized)
@@ -154,9 +153,11 @@ def _load_dp_rank(args: EngineArgs, info: ps.RankInfo, eplb: EPLBConfig | None) 
     each trunk MoE's `expert_parallel` hook set."""
     dtype, device = getattr(torch, args.dtype), str(info.device)
     if not args.parallel.enable_expert_parallel:
-        return load_model(args.model_dir, dtype=dtype, device=device, quantized=args.quantized)[0]
+        return load_model(args.model_dir, dtype=dtype, device=device, quantized=args.quantized,
+                          load_format=args.load_format, seed=args.seed or 0)[0]
     model = load_expert_shard(args.model_dir, info.dp_rank, info.dp_size, dtype=dtype, device=device,
-                              quantized=args.quantized, redundant_per_rank=eplb.redundant_per_rank if eplb else 0)
+                              quantized=args.quantized, redundant_per_rank=eplb.redundant_per_rank if eplb else 0,
+                              load_format=args.load_format, seed=args.seed or 0)
     for layer, moe in enumerate(trunk_moes(model)):
         moe.expert_parallel = CountingExpertParallel(moe.experts, model.placement.num_logical, model.placement,
                                                      layer, max_tokens=args.max_num_seqs)

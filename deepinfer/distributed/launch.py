@@ -75,6 +75,7 @@ class EngineArgs:
     device: str = "cpu"
     dtype: str = "float32"
     quantized: bool = False
+    load_format: str = "auto"         # "dummy": random weights, no shard read (loader/dummy.py)
     kv_cache_dtype: str = "auto"
     kv_cache_memory: int | None = None
     max_model_len: int | None = None
@@ -158,7 +159,8 @@ def _build_rank(args: EngineArgs, rank: int, init_method: str,
 
 def _load_tp_shard(args: EngineArgs, info: ps.RankInfo) -> torch.nn.Module:
     return load_shard(args.model_dir, info.tp_rank, info.tp_size, dtype=getattr(torch, args.dtype),
-                      device=str(info.device), quantized=args.quantized)
+                      device=str(info.device), quantized=args.quantized, load_format=args.load_format,
+                      seed=args.seed or 0)
 
 
 def _worker_main(rank: int, args: EngineArgs, init_method: str, reports) -> None:

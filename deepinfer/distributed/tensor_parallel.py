@@ -29,8 +29,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._device import _device_constructors
 
 from deepinfer.distributed.parallel_state import tp_all_reduce
-from deepinfer.loader.checkpoint import CheckpointReader
-from deepinfer.loader.model_loader import engram_token_map, model_spec
+from deepinfer.loader.model_loader import engram_token_map, model_spec, open_weights
 from deepinfer.loader.resolve import resolve_model_dir
 from deepinfer.loader.weights import Part, Slice, load_weights
 from deepinfer.layers.moe import MoE
@@ -204,13 +203,14 @@ def _materialize(model: nn.Module, device: torch.device) -> None:
 
 
 def load_shard(model_dir: str | Path, tp_rank: int, tp_size: int, *, dtype: torch.dtype, device: str,
-               quantized: bool = False, min_numel: int | None = None) -> nn.Module:
+               quantized: bool = False, min_numel: int | None = None, load_format: str = "auto",
+               seed: int = 0) -> nn.Module:
     """load_model for one TP rank: the model is built with its large tensors on the meta device,
     sliced by shard_model, given storage for its shard only, and filled with its part of each
     checkpoint tensor: device memory holds the shard, never the whole model. (Engram tables, which
     load_model can leave on the host, are loaded onto `device` whole.)"""
     path = resolve_model_dir(str(model_dir))
-    reader = CheckpointReader(path)
+    reader = open_weights(path, load_format, seed)
     cfg, model_cls, _, _ = model_spec(path, reader, None)
     device = torch.device(device)
     with _LargeOnMeta(device, META_MIN_NUMEL if min_numel is None else min_numel):

@@ -19,6 +19,7 @@ def _llm_kwargs(args: argparse.Namespace) -> dict:
     kw = dict(model=args.model, device=args.device, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
               max_model_len=args.max_model_len, seed=args.seed, enforce_eager=args.enforce_eager,
               batch_invariant=args.batch_invariant or None, quantization=args.quantization,
+              load_format=args.load_format,
               tensor_parallel_size=args.tensor_parallel_size, data_parallel_size=args.data_parallel_size,
               enable_expert_parallel=args.enable_expert_parallel, enable_eplb=args.enable_eplb,
               context_parallel_size=args.context_parallel_size, eplb_config=args.eplb_config,
@@ -83,6 +84,8 @@ def _add_llm_args(g: argparse.ArgumentParser) -> None:
     g.add_argument("--quantization", default=None, choices=["fp8", "none"],
                    help="fp8: keep the checkpoint's FP8/FP4 weights; none: dequantise to --dtype "
                         "(default: keep them on CUDA, dequantise on the CPU)")
+    g.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"],
+                   help="dummy: random weights from config.json alone, no shard read (benchmarks, memory sizing)")
     g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
     g.add_argument("--data-parallel-size", "-dp", type=int, default=1)
     g.add_argument("--enable-expert-parallel", action="store_true", help="split the routed experts over the ranks")

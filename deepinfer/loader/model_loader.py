@@ -12,6 +12,7 @@ from torch import nn
 from deepinfer.engine.memory_fit import WeightBytes
 
 from deepinfer.loader.checkpoint import CheckpointReader
+from deepinfer.loader.dummy import LOAD_FORMATS, DummyWeights
 from deepinfer.loader.model_config import read_model_config
 from deepinfer.loader.names import DRAFT_PREFIX, is_draft_name
 from deepinfer.loader.resolve import resolve_model_dir
@@ -28,7 +29,8 @@ Config = TypeVar("Config", DeepseekV4Config, DeepseekV41Config)
 
 def load_model(model: str | Path | None, *, dtype: torch.dtype = torch.bfloat16, device: str = "cpu",
                quantized: bool = False, hf_model_dir: str | None = None, offline: bool = False,
-               engram_device: str | None = None, check: Callable[[nn.Module], None] | None = None):
+               engram_device: str | None = None, check: Callable[[nn.Module], None] | None = None,
+               load_format: str = "auto", seed: int = 0):
     """-> (model in eval mode, its directory). `quantized=True` keeps FP8/FP4 weights as stored (a
     checkpoint with no quantization_config loads in `dtype` either way); engram_device="cpu" (V4.1)
     leaves the Engram tables memory-mapped on the host.
@@ -39,9 +41,14 @@ def load_model(model: str | Path | None, *, dtype: torch.dtype = torch.bfloat16,
 
     A checkpoint with no draft tensors at all (`mtp.*`) loads as its trunk: the model is built
     without draft layers (`model.mtp is None`, its config says 0 of them) and a warning says so.
-    Any other missing tensor, or a draft that is only partly there, is a CheckpointError."""
-    path = resolve_model_dir(str(model) if model else None, hf_model_dir=hf_model_dir, offline=offline)
-    reader = CheckpointReader(path)
+    Any other missing tensor, or a draft that is only partly there, is a CheckpointError.
+
+    load_format="dummy" (vLLM's name) needs only config.json (and, for Engram, tokenizer.json): every
+    tensor gets random values drawn from `seed` (loader/dummy.py); the model is built whole, draft included."""
+    weights = load_format != "dummy"
+    path = resolve_model_dir(str(model) if model else None, hf_model_dir=hf_model_dir, offline=offline,
+                             weights=weights)
+    reader = open_weights(path, load_format, seed)
     cfg, model_cls, extra, trunk_only = model_spec(path, reader, engram_device)
     if check is not None:
         with torch.device("meta"):
@@ -84,11 +91,19 @@ def weight_bytes(net: nn.Module, host_engram: bool = False) -> WeightBytes:
     return WeightBytes(experts, other, packed)
 
 
-def model_spec(path: Path, reader: CheckpointReader, engram_device: str | None):
+def open_weights(path: Path, load_format: str = "auto", seed: int = 0) -> CheckpointReader | DummyWeights:
+    """What load_weights fills the model from: the checkpoint's shards, or (load_format="dummy") nothing."""
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format: {load_format!r} is not one of {', '.join(map(repr, LOAD_FORMATS))}")
+    return DummyWeights(path, seed) if load_format == "dummy" else CheckpointReader(path)
+
+
+def model_spec(path: Path, reader: CheckpointReader | DummyWeights, engram_device: str | None):
     """(config, model class, extra constructor kwargs, trunk only) of the checkpoint at `path`: a
-    checkpoint with no draft tensors at all is built as its trunk."""
+    checkpoint with no draft tensors at all is built as its trunk (a dummy load keeps its draft)."""
     cfg = read_model_config(path)
-    trunk_only = cfg.num_nextn_predict_layers > 0 and not any(is_draft_name(n) for n in reader.names())
+    trunk_only = (cfg.num_nextn_predict_layers > 0 and not isinstance(reader, DummyWeights)
+                  and not any(is_draft_name(n) for n in reader.names()))
     if trunk_only:
         cfg = without_draft(cfg)
     _, model_cls = model_classes(cfg.model_type)
@@ -96,9 +111,10 @@ def model_spec(path: Path, reader: CheckpointReader, engram_device: str | None):
     return cfg, model_cls, extra, trunk_only
 
 
-def meta_model(path: Path, *, dtype: torch.dtype, quantized: bool, engram_device: str | None = None) -> nn.Module:
+def meta_model(path: Path, *, dtype: torch.dtype, quantized: bool, engram_device: str | None = None,
+               load_format: str = "auto") -> nn.Module:
     """The model load_model(path) would build, on the meta device (no storage, no weight read)."""
-    cfg, model_cls, extra, _ = model_spec(path, CheckpointReader(path), engram_device)
+    cfg, model_cls, extra, _ = model_spec(path, open_weights(path, load_format), engram_device)
     with torch.device("meta"):
         return model_cls(cfg, dtype=dtype, quantized=quantized, **extra)
 

@@ -16,6 +16,7 @@ import torch
 
 from deepinfer.formats.quant import dequant_fp4, dequant_fp8_blocks
 from deepinfer.loader.checkpoint import CheckpointError, CheckpointReader
+from deepinfer.loader.dummy import DummyWeights, fill_dummy
 from deepinfer.loader.names import WeightRef, plan_names, split_expert_name
 from deepinfer.models.config import DeepseekV4Config
 
@@ -149,7 +150,7 @@ class _Planner:
         self.check_shape(job, ref, got, key)
 
 
-def load_weights(model: torch.nn.Module, model_dir: str | Path | CheckpointReader, *,
+def load_weights(model: torch.nn.Module, model_dir: str | Path | CheckpointReader | DummyWeights, *,
                  config: DeepseekV4Config, shard: Mapping[str, Part] | None = None) -> None:
     """Fill every tensor of `model.state_dict()` from the checkpoint, one tensor at a time.
 
@@ -160,9 +161,17 @@ def load_weights(model: torch.nn.Module, model_dir: str | Path | CheckpointReade
     `shard` (tensor parallelism, deepinfer/distributed/tensor_parallel.py): model tensors that hold
     a part of their checkpoint tensor; only that part is copied (read alone where the file allows).
     For stacked experts the part is an expert range: the other experts are not read.
+
+    `DummyWeights` (load_format="dummy") reads nothing: every tensor gets random values (loader/dummy.py).
     """
-    reader = model_dir if isinstance(model_dir, CheckpointReader) else CheckpointReader(model_dir)
+    reader = model_dir if isinstance(model_dir, (CheckpointReader, DummyWeights)) else CheckpointReader(model_dir)
     targets = model.state_dict(keep_vars=True)
+    if isinstance(reader, DummyWeights):  # load_format="dummy": a tensor left on meta gets host storage
+        for key, t in targets.items():
+            if t.is_meta:
+                targets[key] = _bind(model, key, torch.empty(t.shape, dtype=t.dtype, device="cpu"))
+        fill_dummy(targets, reader.seed)
+        return
     jobs, keep = _plan(reader, targets, config, shard or {})
     for job in [j for j in jobs if targets[j.target].is_meta]:
         _bind_mmap(model, job, reader, targets)
@@ -276,12 +285,18 @@ def _bind_mmap(model: torch.nn.Module, job: _Job, reader: CheckpointReader, targ
         if job.expert is not None or ref.index is not None or mapped.dtype != targets[key].dtype:
             raise CheckpointError(f"{ref.source} in {reader.file_of(ref.source)} cannot be memory-mapped into "
                                   f"{key}: it must be stored whole as {targets[key].dtype}")
-        owner, _, leaf = key.rpartition(".")
-        mod = model.get_submodule(owner)
-        if leaf in mod._buffers:
-            mod._buffers[leaf] = mapped
-        else:
-            mod._parameters[leaf] = torch.nn.Parameter(mapped, requires_grad=False)
+        _bind(model, key, mapped)
+
+
+def _bind(model: torch.nn.Module, key: str, tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` as the model's `key` (parameter or buffer), in place of its placeholder."""
+    owner, _, leaf = key.rpartition(".")
+    mod = model.get_submodule(owner)
+    if leaf in mod._buffers:
+        mod._buffers[leaf] = tensor
+    else:
+        mod._parameters[leaf] = torch.nn.Parameter(tensor, requires_grad=False)
+    return tensor
 
 
 def _quant_scale_key(job: _Job) -> str | None:
