@@ -285,29 +285,30 @@ def _to_hf_config(c: dict) -> dict:
 
 def write_checkpoint(out_dir: str | Path, config: dict, *, seed: int = 0, dtype: str = "fp8",
                      max_shard_bytes: int | None = None, layout: str = "deepseek",
-                     tokenizer: bool = True) -> Path:
+                     tokenizer: bool = True, weights: bool = True) -> Path:
     """Write config.json, sharded safetensors + index and a tokenizer; returns out_dir.
 
     max_shard_bytes defaults to a third of the model, so every checkpoint has >= 2 shards
-    (capped at 4 GiB)."""
+    (capped at 4 GiB). weights=False writes config.json and the tokenizer only: what
+    LLM(..., load_format="dummy") needs, e.g. for a released model at its full size."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r} is not one of {DTYPES}")
     if is_v41(config):
         if layout != "deepseek":
             raise ValueError("DeepSeek-V4.1 checkpoints are written in DeepSeek's layout only")
         return write_checkpoint_v41(out_dir, config, seed=seed, dtype=dtype, max_shard_bytes=max_shard_bytes,
-                                    tokenizer=tokenizer)
+                                    tokenizer=tokenizer, weights=weights)
     if layout not in LAYOUTS:
         raise ValueError(f"layout {layout!r} is not one of {LAYOUTS}")
     if layout == "hf" and dtype == "fp8":
         raise ValueError("the transformers layout is written unquantised: use dtype bfloat16 or float32")
     cfg = checkpoint_config(config, dtype, layout)
-    specs = weight_specs(config)
+    specs = weight_specs(config) if weights else []
     out, writer = open_writer(out_dir, specs, dtype, max_shard_bytes)
     fused: dict[str, dict[str, torch.Tensor]] = {}
     n_exp = config["n_routed_experts"]
     by_name = {s.name: s for s in specs}
-    for name, t in random_weights(config, seed):
+    for name, t in random_weights(config, seed) if weights else ():
         if layout == "hf":
             split = split_expert_name(name)
             if split is not None and not name.startswith("mtp."):
@@ -318,7 +319,8 @@ def write_checkpoint(out_dir: str | Path, config: dict, *, seed: int = 0, dtype:
         else:
             for n, v in encode_tensor(by_name[name], t, cfg, dtype):
                 writer.add(n, v)
-    writer.finish()
+    if weights:
+        writer.finish()
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     if tokenizer:
         write_tokenizer(out, config["vocab_size"], model_max_length=config.get("max_position_embeddings", 1 << 20))
@@ -349,6 +351,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--dtype", default="fp8", choices=DTYPES)
     ap.add_argument("--layout", default="deepseek", choices=LAYOUTS)
     ap.add_argument("--max-shard-mb", type=float, default=None, help="default: a third of the model")
+    ap.add_argument("--config-only", action="store_true",
+                    help="config.json and tokenizer, no weights (for LLM(..., load_format='dummy'))")
     args = ap.parse_args(argv)
     if args.preset is None:
         args.preset = "tiny41" if args.arch == "deepseek_v41" else "tiny"
@@ -356,7 +360,7 @@ def main(argv: list[str] | None = None) -> None:
         ap.error(f"preset {args.preset!r} is not a {args.arch} preset")
     max_bytes = int(args.max_shard_mb * 2**20) if args.max_shard_mb else None
     path = write_checkpoint(args.out, PRESETS[args.preset], seed=args.seed, dtype=args.dtype,
-                            max_shard_bytes=max_bytes, layout=args.layout)
+                            max_shard_bytes=max_bytes, layout=args.layout, weights=not args.config_only)
     files = sorted(p.name for p in path.glob("model-*.safetensors"))
     print(f"wrote {args.preset} ({args.dtype}, {args.layout} layout) to {path}: {len(files)} shards")
 

@@ -149,20 +149,21 @@ def checkpoint_config_v41(config: dict, dtype: str = "fp8", compressed_vocab: in
 
 
 def write_checkpoint_v41(out_dir: str | Path, config: dict, *, seed: int = 0, dtype: str = "fp8",
-                         max_shard_bytes: int | None = None, tokenizer: bool = True) -> Path:
+                         max_shard_bytes: int | None = None, tokenizer: bool = True, weights: bool = True) -> Path:
     """config.json, sharded safetensors + index and (tokenizer=True) tokenizer files.
     engram_compressed_vocab_size is computed from the writer's tokenizer either way."""
     t = config["text_config"]
     tok = build_tokenizer(t["vocab_size"])
     _, n_comp = compressed_token_map(tok)
     cfg = checkpoint_config_v41(config, dtype, n_comp)
-    specs = weight_specs_v41(config)
+    specs = weight_specs_v41(config) if weights else []
     by_name = {s.name: s for s in specs}
     out, writer = open_writer(out_dir, specs, dtype, max_shard_bytes)
     for name, w in random_tensors(config, seed, specs):
         for n, value in encode_tensor(by_name[name], w, cfg, dtype):
             writer.add(n, value)
-    writer.finish()
+    if weights:
+        writer.finish()
     (out / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     if tokenizer:
         write_tokenizer(out, t["vocab_size"], model_max_length=t.get("max_position_embeddings", 1 << 20),

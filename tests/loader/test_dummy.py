@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -26,15 +25,13 @@ GREEDY = SamplingParams(temperature=0, max_tokens=6, logprobs=1)
 
 @pytest.fixture(scope="module", params=["tiny", "tiny41"])
 def dirs(request, tmp_path_factory):
-    """(full checkpoint, a directory with its config.json and tokenizer files only)."""
+    """(full checkpoint, the writer's config-only directory of the same preset: config.json and tokenizer)."""
     root = tmp_path_factory.mktemp(request.param)
     full = Path(write_checkpoint(root / "full", PRESETS[request.param], seed=0, dtype="fp8"))
-    bare = root / "config-only"
-    bare.mkdir()
-    for f in full.iterdir():
-        if f.suffix == ".json" and f.name != "model.safetensors.index.json" or f.name.startswith("tokenizer"):
-            shutil.copy(f, bare / f.name)
-    assert not list(bare.glob("*.safetensors"))
+    bare = Path(write_checkpoint(root / "config-only", PRESETS[request.param], dtype="fp8", weights=False))
+    assert sorted(p.name for p in bare.iterdir()) == ["config.json", "tokenizer.json", "tokenizer_config.json"]
+    for name in ("config.json", "tokenizer.json"):
+        assert (bare / name).read_text() == (full / name).read_text()
     return full, bare
 
 
