@@ -4,7 +4,10 @@
 #   2. LLM.generate throughput, one process vs tensor_parallel_size=N vs data_parallel_size=N with
 #      expert parallelism, on the demo model, bf16, the same prompts (benchmarks/offline_throughput.py);
 #   3. start-up of a real checkpoint under DP + EP + EPLB when MODEL=<dir> is given (the fit check,
-#      the weights / cache log, a few tokens).
+#      the weights / cache log, a few tokens);
+#   4. V4-Flash at its released size (43 layers, 256 experts) in its shipped formats with random weights
+#      (load_format dummy: config.json only, nothing written or read), DP = N + EP, LLM.generate output
+#      tokens/s per GPU at concurrency 1, 64, 256 with SGLang's published workload (8K in, 1K out).
 # Logs and JSON go to $1 (default benchmarks/results/multi-gpu). COMMIT=<hash> is recorded instead
 # of git's answer (a copied tree's .git may be stale).
 #   COMMIT=<hash> bash benchmarks/multi_gpu_checks.sh "$OUT"
@@ -28,6 +31,11 @@ for layout in "one:" "tp:--tensor-parallel-size $n" "dp-ep:--data-parallel-size 
     > "$out/throughput-$name.log" 2>&1
   echo "throughput ($name): $(grep -E '^deepinfer' "$out/throughput-$name.log" | head -1)" | tee -a "$out/summary.txt"
 done
+timeout 1500 python benchmarks/offline_throughput.py --preset flash --load-format dummy --device cuda --dtype bfloat16 \
+  --data-parallel-size "$n" --enable-expert-parallel --concurrency 1,64,256 --input-len 8192 --output-len 1024 \
+  "${commit_arg[@]}" --out "$out/flash-dummy-dp$n-ep.json" > "$out/flash-dummy-dp$n-ep.log" 2>&1
+echo "V4-Flash released size, dummy weights, dp=$n + EP: $(grep -cE '^deepinfer' "$out/flash-dummy-dp$n-ep.log") rows" \
+  | tee -a "$out/summary.txt"
 if [ -n "${MODEL:-}" ]; then
   DEEPINFER_CONFIGURE_LOGGING=1 timeout 1800 deepinfer generate --model "$MODEL" --prompt "Hello" --max-tokens 8 \
     --temperature 0 -dp "$n" --enable-expert-parallel --enable-eplb > "$out/real-checkpoint.log" 2>&1

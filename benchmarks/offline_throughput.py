@@ -5,6 +5,15 @@ exactly --output-len tokens (ignore_eos / min_new_tokens), greedy. Reports reque
 output tokens/s, counting only tokens actually emitted.
 
     python benchmarks/offline_throughput.py --preset demo --device cpu
+
+`--load-format dummy`: the preset's config.json alone (make_checkpoint's weights=False, DeepSeek's layout,
+FP8 / FP4 formats) served with random weights (LLM's load_format="dummy"): a released model at its full
+size without writing or reading its ~160 GB; transformers is skipped (it has no such weights), and
+`--concurrency` runs one timed generate per listed request count in the same LLM (the row's requests =
+its concurrency, all submitted at once, max_num_seqs the largest):
+
+    python benchmarks/offline_throughput.py --preset flash --load-format dummy --dtype bfloat16 \
+        --data-parallel-size 4 --enable-expert-parallel --concurrency 4,256,1024 --input-len 1024 --output-len 128
 """
 from __future__ import annotations
 
@@ -33,25 +42,31 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def run_deepinfer(ckpt: Path, prompts, out_len: int, args, batch_invariant: bool = False) -> dict:
+def run_deepinfer(ckpt: Path, prompts, out_len: int, args, batch_invariant: bool = False,
+                  concurrency: list[int] | None = None) -> list[dict]:
+    """One row per concurrency (default: all prompts at once): a timed LLM.generate of that many prompts."""
     parallel = dict(tensor_parallel_size=args.tensor_parallel_size, data_parallel_size=args.data_parallel_size,
                     enable_expert_parallel=args.enable_expert_parallel)
+    sizes = concurrency or [len(prompts)]
     llm = LLM(str(ckpt), device=args.device, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
-              max_num_seqs=max(len(prompts), 1), skip_tokenizer_init=True, batch_invariant=batch_invariant,
-              **parallel)
+              max_num_seqs=max(max(sizes), 1), skip_tokenizer_init=True, batch_invariant=batch_invariant,
+              load_format=args.load_format, **parallel)
+    rows = []
     try:
         params = SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True)
         llm.generate(prompts[:2], SamplingParams(temperature=0, max_tokens=2, ignore_eos=True), use_tqdm=False)
-        _sync(args.device)
-        t0 = time.perf_counter()
-        outs = llm.generate(prompts, params, use_tqdm=False)
-        _sync(args.device)
-        elapsed = time.perf_counter() - t0
+        for n in sizes:
+            _sync(args.device)
+            t0 = time.perf_counter()
+            outs = llm.generate(prompts[:n], params, use_tqdm=False)
+            _sync(args.device)
+            elapsed = time.perf_counter() - t0
+            row = _row("deepinfer (batch_invariant)" if batch_invariant else "deepinfer", len(outs),
+                       sum(len(o.outputs[0].token_ids) for o in outs), elapsed)
+            rows.append({**row, "parallel": parallel, "concurrency": n})
     finally:
         llm.close()
-    row = _row("deepinfer (batch_invariant)" if batch_invariant else "deepinfer", len(outs),
-               sum(len(o.outputs[0].token_ids) for o in outs), elapsed)
-    return {**row, "parallel": parallel}
+    return rows
 
 
 def run_transformers(ckpt: Path, prompts, out_len: int, args) -> dict:
@@ -89,32 +104,49 @@ def main() -> None:
     ap.add_argument("--tensor-parallel-size", type=int, default=1)
     ap.add_argument("--data-parallel-size", type=int, default=1)
     ap.add_argument("--enable-expert-parallel", action="store_true")
+    ap.add_argument("--load-format", default="auto", choices=["auto", "dummy"],
+                    help="dummy: the preset's config.json only, random weights (LLM's load_format)")
+    ap.add_argument("--concurrency", type=lambda s: [int(x) for x in s.split(",")], default=None,
+                    help="comma list of request counts, one timed generate each (default: --num-prompts)")
     ap.add_argument("--batch-invariant-cost", action="store_true",
                     help="also run deepinfer with batch_invariant=True and report the throughput it costs")
     add_commit_arg(ap)
     ap.add_argument("--out", default=None, help="JSON results path (default: benchmarks/results/<date>-<device>-offline.json)")
     args = ap.parse_args()
 
+    dummy = args.load_format == "dummy"
+    if dummy:
+        args.skip_transformers = True
+    vocab = PRESETS[args.preset].get("vocab_size") or PRESETS[args.preset]["text_config"]["vocab_size"]
     with tempfile.TemporaryDirectory() as tmp:
-        # transformers' layout + config keys: both engines load the same directory
-        ckpt = write_checkpoint(Path(tmp) / "ckpt", PRESETS[args.preset], seed=0, dtype=args.dtype, layout="hf")
-        prompts = _prompts(args.num_prompts, args.input_len, PRESETS[args.preset]["vocab_size"], seed=1)
-        rows = [run_deepinfer(ckpt, prompts, args.output_len, args)]
+        if dummy:  # DeepSeek's layout in its shipped formats, config.json and tokenizer only
+            ckpt = write_checkpoint(Path(tmp) / "ckpt", PRESETS[args.preset], dtype="fp8", weights=False)
+        else:  # transformers' layout + config keys: both engines load the same directory
+            ckpt = write_checkpoint(Path(tmp) / "ckpt", PRESETS[args.preset], seed=0, dtype=args.dtype, layout="hf")
+        n = max(args.concurrency or [args.num_prompts])
+        prompts = _prompts(n, args.input_len, vocab, seed=1)
+        rows = run_deepinfer(ckpt, prompts, args.output_len, args, concurrency=args.concurrency)
         if args.batch_invariant_cost:
-            rows.append(run_deepinfer(ckpt, prompts, args.output_len, args, batch_invariant=True))
+            rows += run_deepinfer(ckpt, prompts, args.output_len, args, batch_invariant=True)
         if not args.skip_transformers:
             rows.append(run_transformers(ckpt, prompts, args.output_len, args))
     device = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
+    gpus = args.tensor_parallel_size * args.data_parallel_size if args.device.startswith("cuda") else 0
+    for r in rows:
+        if gpus and r["engine"].startswith("deepinfer"):
+            r["output_tokens_per_s_per_gpu"] = round(r["output_tokens_per_s"] / gpus, 1)
     result = {
-        "device": device, "date": str(date.today()), "commit": recorded_commit(args), "preset": args.preset,
+        "device": device, "num_gpus": gpus, "load_format": args.load_format,
+        "date": str(date.today()), "commit": recorded_commit(args), "preset": args.preset,
         "dtype": args.dtype, "kv_cache_dtype": args.kv_cache_dtype, "num_prompts": args.num_prompts,
         "input_len": args.input_len, "output_len": args.output_len, "rows": rows,
         "command": "python benchmarks/offline_throughput.py " + " ".join(
-            f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items()
+            f"--{k.replace('_', '-')} {','.join(map(str, v)) if isinstance(v, list) else v}"
+            for k, v in vars(args).items()
             if v not in (None, False) and k not in ("out", "commit") and v is not True)
                    + "".join(f" --{k.replace('_', '-')}" for k, v in vars(args).items() if v is True),
     }
-    by = {r["engine"]: r["output_tokens_per_s"] for r in rows}
+    by = {r["engine"]: r["output_tokens_per_s"] for r in rows}  # the last row of each engine
     if "transformers" in by:
         result["ratio_output_tokens_per_s"] = round(by["deepinfer"] / by["transformers"], 2)
     if "deepinfer (batch_invariant)" in by:
@@ -122,9 +154,10 @@ def main() -> None:
     out = Path(args.out or Path(__file__).parent / "results" / f"{date.today()}-{device.replace(' ', '-')}-offline.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"{'engine':<30}{'req/s':>10}{'out tok/s':>12}{'seconds':>10}")
+    print(f"{'engine':<30}{'requests':>10}{'req/s':>10}{'out tok/s':>12}{'seconds':>10}")
     for r in rows:
-        print(f"{r['engine']:<30}{r['requests_per_s']:>10}{r['output_tokens_per_s']:>12}{r['seconds']:>10}")
+        print(f"{r['engine']:<30}{r['requests']:>10}{r['requests_per_s']:>10}{r['output_tokens_per_s']:>12}"
+              f"{r['seconds']:>10}")
     if "ratio_output_tokens_per_s" in result:
         print(f"deepinfer / transformers output tok/s: {result['ratio_output_tokens_per_s']}x")
     if "batch_invariant_cost" in result:

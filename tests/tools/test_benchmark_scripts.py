@@ -410,6 +410,19 @@ def test_offline_throughput_runs_a_parallel_layout(tmp_path):
     assert row["output_tokens"] == 9
 
 
+def test_offline_throughput_serves_a_released_config_with_dummy_weights(tmp_path):
+    """Issue 21's released-size run in small: the preset's config.json only (load_format dummy), DP + EP on 2
+    gloo ranks, one timed generate per concurrency, each row counting the tokens it emitted."""
+    out = tmp_path / "r.json"
+    res = run([sys.executable, "benchmarks/offline_throughput.py", "--preset", "tiny", "--device", "cpu",
+               "--load-format", "dummy", "--concurrency", "1,3", "--input-len", "12", "--output-len", "3",
+               "--data-parallel-size", "2", "--enable-expert-parallel", "--commit", "abcdef1", "--out", str(out)])
+    assert res.returncode == 0, res.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["load_format"] == "dummy" and "--concurrency 1,3" in result["command"]
+    assert [(r["concurrency"], r["output_tokens"]) for r in result["rows"]] == [(1, 3), (3, 9)]  # no transformers row
+
+
 def test_weights_memory_smoke_holds_the_kept_formats_at_their_size_on_disk(bench, tmp_path, monkeypatch):
     """The H200 weights-memory measurement's script, on tiny / tiny41 (CPU, in this process): the kept
     formats at their bytes on disk, the dequantised model at its bf16 bytes."""
