@@ -21,7 +21,6 @@ from pathlib import Path
 
 import torch
 
-LOAD_FORMATS = ("auto", "safetensors", "dummy")
 DUMMY_SCALE_EXPONENT = -6  # 2^-6: block scales of dummy FP8 / FP4 weights
 _E8M0 = (torch.float8_e8m0fnu, torch.uint8)
 

@@ -12,7 +12,8 @@ from torch import nn
 from deepinfer.engine.memory_fit import WeightBytes
 
 from deepinfer.loader.checkpoint import CheckpointReader
-from deepinfer.loader.dummy import LOAD_FORMATS, DummyWeights
+from deepinfer.config import LOAD_FORMATS
+from deepinfer.loader.dummy import DummyWeights
 from deepinfer.loader.model_config import read_model_config
 from deepinfer.loader.names import DRAFT_PREFIX, is_draft_name
 from deepinfer.loader.resolve import resolve_model_dir
