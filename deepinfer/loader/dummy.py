@@ -7,8 +7,8 @@ blocks, E8M0 scales, packed FP4 experts when `quantized`), so memory and kernels
 
 Values, by the tensor's dtype (each tensor drawn from its own generator, seeded from `seed` and its
 name, so a load is reproducible and does not depend on the order tensors are visited):
-  * e4m3 weights: N(0, 1) codes; E8M0 scales: 2^-6, so a weight is about N(0, 1/64), as an
-    initialised model's;
+  * e4m3 weights: standard normal codes; E8M0 scales: 2^-6, so a weight's standard deviation is about
+    2^-6, near an initialised model's;
   * packed FP4 experts (int8): uniform bytes (every nibble is an e2m1 code);
   * other floating tensors: norms' weights 1, everything else N(0, 0.02);
   * V4 hash routing tables (`tid2eid`): for each token, `topk` distinct experts of its gate's;
@@ -29,16 +29,11 @@ class DummyWeights:
     """Stands where a CheckpointReader stands (load_weights, model_spec): it names no tensors, and
     load_weights fills the model with `fill_dummy` instead of reading."""
 
-    dummy = True
-
     def __init__(self, model_dir: str | Path, seed: int = 0):
         self.dir, self.seed = Path(model_dir), seed
 
     def names(self) -> list[str]:
         return []
-
-    def close(self) -> None:
-        pass
 
 
 def fill_dummy(targets: dict[str, torch.Tensor], seed: int) -> None:
