@@ -18,6 +18,7 @@ from deepinfer.kernels import index_query  # noqa: E402
 from deepinfer.layers import invariant  # noqa: E402
 
 BF = torch.bfloat16
+SM90_MAX_SHARED = 227 * 1024  # dynamic shared memory one block may take on H100 / H200 (CUDA's sm_90 limit)
 
 
 def _e(*shape, dtype=BF):
@@ -118,11 +119,15 @@ def test_kernels_compile_for_sm90(launches):
         seen.setdefault(launch.key, launch)
     failed = []
     for launch in seen.values():
-        try:
-            compile_sm90(launch)
+        try:  # built as the JIT builds it on a GPU (specialised: loads pipelined through shared memory)
+            shared = compile_sm90(launch, specialize=True).metadata.shared
         except Exception as e:  # noqa: BLE001 - report every failing configuration at once
             failed.append(f"{launch.fn.__name__} {launch.constexprs} {launch.options}: {type(e).__name__}: "
                           + " | ".join(str(e).strip().splitlines()[-3:]))
+            continue
+        if shared > SM90_MAX_SHARED:  # the device would refuse the launch (OutOfResources)
+            failed.append(f"{launch.fn.__name__} {launch.constexprs} {launch.options}: {shared} bytes of shared "
+                          f"memory, above sm_90's {SM90_MAX_SHARED}")
     assert not failed, "\n".join(failed)
 
 
