@@ -2,13 +2,12 @@
 trained (its perplexity on Python the training never saw is far below a random model's)."""
 from __future__ import annotations
 
-import math
 import shutil
+import sys
 from pathlib import Path
 
 import pytest
 
-from deepinfer import LLM, SamplingParams
 from deepinfer.tools import demo
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -34,22 +33,22 @@ def test_a_damaged_demo_file_is_refused_by_name(tmp_path, damage):
         demo.demo_checkpoint(copy)
 
 
-def _perplexity(llm: LLM, text: str, tokens: int) -> float:
-    ids = llm.detokenizer.encode(text, llm.model.config.bos_token_id)[:tokens + 1]
-    out = llm.generate([ids], SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
-    logprobs = [out.prompt_logprobs[i][t] for i, t in enumerate(ids) if i > 0]
-    return math.exp(-sum(logprobs) / len(logprobs))
+def _perplexity(model: str) -> float:
+    """eval.perplexity, reduced: the first 256 tokens of a file of this repository, one window, fp32."""
+    sys.path.insert(0, str(ROOT))
+    from eval.perplexity import main
+
+    result = main(["--model", model, "--file", str(ROOT / "deepinfer" / "sampling_params.py"), "--max-tokens", "256",
+                   "--device", "cpu", "--max-model-len", "512", "--kv-cache-memory", str(64 << 20)])
+    assert result["tokens"] == 256
+    return result["perplexity"]
 
 
 def test_the_demo_is_trained_and_the_random_demo_is_not(tmp_path, monkeypatch):
-    """256 tokens of a file of this repository (not in the training data, the Python standard library):
-    54 for the trained demo when written, 6633 for the random one (vocabulary 4096)."""
+    """Python the training never saw (this repository, not the standard library): 54 for the trained demo
+    when shipped, 6633 for the random one (vocabulary 4096)."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    text = (ROOT / "deepinfer" / "sampling_params.py").read_text()
-    trained = _perplexity(LLM("demo", device="cpu", dtype="float32", max_model_len=512,
-                              kv_cache_memory=64 << 20), text, 256)
-    random = _perplexity(LLM("demo-random", device="cpu", dtype="float32", max_model_len=512,
-                             kv_cache_memory=64 << 20), text, 256)
+    trained, random = _perplexity("demo"), _perplexity("demo-random")
     assert trained < 200 < 4096 < random, (trained, random)
 
 
@@ -59,7 +58,6 @@ def test_the_demo_draft_is_trained_and_calibrated(tmp_path, capsys):
     random draft's (1.017 tokens a block on the random demo); measured when shipped (Python 3.11.7): mean
     acceptance length 1.89. The checkpoint's calibration is applied."""
     import ast
-    import sys
 
     sys.path.insert(0, str(ROOT))
     from eval.dspark import main
