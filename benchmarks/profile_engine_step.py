@@ -54,8 +54,12 @@ def build(model, kv: str, args):
     # the made-up prefill takes every prompt in one step: the token budget holds them all
     engine = fs.deepinfer_engine(model, args.batch, args.context + args.steps + 64, kv,
                                  max(8192, args.batch * args.context), False, fs.DEVICE == "cuda")
-    prompt = [5 + i % 1000 for i in range(args.context)]
-    reqs = fs.start_decoding(engine, [list(prompt) for _ in range(args.batch)], 3 * args.steps + 16)
+    # each request its own random prompt, as the sweep's rows: identical prompts decode identical tokens,
+    # which route every request to the same experts (a batch-64 step reading ~6 experts a layer, not ~199)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, model.config.vocab_size, (args.context,), generator=g).tolist()
+               for _ in range(args.batch)]
+    reqs = fs.start_decoding(engine, prompts, 3 * args.steps + 16)
     for _ in range(fs.DECODE_WARMUP):
         engine.step()
     return engine, reqs

@@ -20,7 +20,7 @@ The grid is one axis, output column tiles fastest: the programs running at once 
 tiles (each A tile read from memory once) and walk their experts' weights, which the row tiles of
 the same expert read back from L2.
 
-Variants (`variant=`; "pointer" is the default and what the engine runs):
+Variants (`variant=`; "pointer" is the default; the engine's MoE layer runs "tma" where `tma_variant_ok`):
   * "pointer": A and W tiles loaded through pointer tensors (cp.async pipelined by Triton);
   * "tma": Hopper's tensor memory accelerator. Host-side tensor descriptors over A [M, K] and W viewed
     as [E * N, K] (block [BLOCK_M, BLOCK_K] and [BLOCK_N, BLOCK_K]); a tile's rows past its expert's end
@@ -63,6 +63,15 @@ VARIANTS = ("pointer", "tma")
 
 def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def tma_variant_ok(a: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether variant "tma" takes A [M, K] and W [E, N, K] as they are (what `_launch_tma` checks, as a
+    test instead of an error): a Triton with host descriptors, W's experts contiguous, unit stride along K,
+    16-byte aligned bases and row strides."""
+    return (TensorDescriptor is not None and w.dim() == 3 and a.stride(1) == 1 and w.stride(2) == 1
+            and w.stride(0) == w.shape[1] * w.stride(1) and a.stride(0) % 16 == 0 and w.stride(1) % 16 == 0
+            and a.data_ptr() % 16 == 0 and w.data_ptr() % 16 == 0)
 
 
 def _check(a, a_scale, w, w_scale, offs, group, block) -> None:

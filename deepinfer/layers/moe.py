@@ -9,7 +9,7 @@ from torch import nn
 from deepinfer.kernels import router as _router
 from deepinfer.kernels.act_quant import act_quant
 from deepinfer.kernels.grouped_gemm import FP4_GROUP, grouped_gemm, triton_available
-from deepinfer.kernels.grouped_gemm_fp8 import grouped_gemm_fp8
+from deepinfer.kernels.grouped_gemm_fp8 import grouped_gemm_fp8, tma_variant_ok
 from deepinfer.kernels.moe_align import moe_align
 from deepinfer.kernels.moe_combine import moe_combine
 from deepinfer.kernels.swiglu import swiglu
@@ -147,7 +147,8 @@ class Experts(nn.Module):
         W8A8 applies to this projection (`_w8a8`), which then multiplies it instead of xs (None then)."""
         w, scale = getattr(self, name), getattr(self, f"{name}_scale", None)
         if qx is not None and self._w8a8(name, qx[0].shape[0]):
-            return grouped_gemm_fp8(*qx, w, scale, offs, ACT_GROUP, self._block(name))
+            variant = "tma" if tma_variant_ok(qx[0], w) else "pointer"  # TMA: 12-15 % faster where it applies
+            return grouped_gemm_fp8(*qx, w, scale, offs, ACT_GROUP, self._block(name), variant=variant)
         tiles = invariant.gemm_tiles()  # batch-invariant mode: one tiling for every row count
         if scale is None:
             if xs.shape[0] <= 16 * self.num_experts or tiles:  # decode: the Triton kernel streams weights faster

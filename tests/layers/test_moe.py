@@ -191,3 +191,29 @@ def test_w8a8_prefill_is_close_to_w8a16_on_gpu():
     assert 0 < rel < 0.05, rel
     want = _w8a8_math(ex.cpu(), x[:64].cpu(), weights[:64].cpu(), idx[:64].cpu())
     assert float((fast[:64].cpu() - want).norm() / want.norm()) < 1e-2
+
+
+def test_w8a8_experts_ask_for_the_tma_variant_where_it_applies(monkeypatch):
+    """The W8A8 expert GEMMs run grouped_gemm_fp8's "tma" variant (faster on the H200:
+    benchmarks/results/2026-12-02-h200-fp8-experts-sweep-58e3445.json) when tma_variant_ok takes the
+    operands, else "pointer"."""
+    from deepinfer.layers import moe
+
+    torch.manual_seed(0)
+    ex = _fp4_experts()
+    ex.repack_fp4_as_fp8()
+    seen = []
+
+    def spy(*args, variant="pointer", **kw):
+        seen.append(variant)
+        return real(*args, **kw)
+    real = moe.grouped_gemm_fp8
+    monkeypatch.setattr(moe, "grouped_gemm_fp8", spy)
+    T = 64
+    x = torch.randn(T, 256).to(torch.bfloat16)
+    weights, idx = torch.rand(T, 2), torch.stack([torch.randperm(4)[:2] for _ in range(T)])
+    for ok, want in ((True, "tma"), (False, "pointer")):
+        seen.clear()
+        monkeypatch.setattr(moe, "tma_variant_ok", lambda a, w, ok=ok: ok)
+        ex.grouped(x, weights, idx)
+        assert seen == [want] * 3
