@@ -1,6 +1,6 @@
 """Tile-config sweep of the Triton kernels at the Flash slice's shapes (H200), with the torch baseline.
 
-    python benchmarks/kernel_sweep.py [--only moe|attn|attn-kinds|rope|decode-small|dense-small]
+    python benchmarks/kernel_sweep.py [--only moe|attn|attn-kinds|rope|decode-small|dense-small|fp8-small]
 
 MoE: 256 experts, K=4096 -> N=2048 (w1/w3), tokens x 6 experts routed at random: decode batch 1
 and 64 (bf16 torch._grouped_mm vs the Triton kernel on bf16 / FP8-block / FP4 weights), prefill
@@ -300,10 +300,54 @@ def dense_small(rows: list) -> None:
                 print(json.dumps(rows[-1]), flush=True)
 
 
+def fp8_small(rows: list) -> None:
+    """FP8 (128 x 128 blocks, E8M0 scales) projections at decode sizes through the W8A16 Triton GEMM
+    (Linear.forward below FP8_GEMM_ROWS): the default tiles and split (`triton-auto`) against N tile
+    widths, K tile depths and K splits, with cuBLAS on the bf16 weight beside them. As dense_small,
+    each call reads the next of enough weight copies to exceed the L2; GBs counts the FP8 bytes."""
+    import math
+    import torch.nn.functional as F
+
+    for N, K in DENSE_SHAPES:
+        nbytes = N * K
+        copies = max(2, math.ceil(256e6 / nbytes))
+        ws = [((torch.randn(N, K, device="cuda") * 8).to(torch.float8_e4m3fn),
+               torch.randint(115, 125, (-(-N // 128), -(-K // 128)), dtype=torch.uint8, device="cuda"))
+              for _ in range(copies)]
+        it = itertools.cycle(ws)
+        dense = itertools.cycle([(torch.randn(N, K, device="cuda") * 0.02).to(torch.bfloat16)
+                                 for _ in range(max(2, math.ceil(256e6 / (2 * nbytes))))])
+        for M in (1, 64):
+            a = torch.randn(M, K, device="cuda").to(torch.bfloat16)
+            variants = [("cublas-bf16", lambda: F.linear(a, next(dense))),
+                        ("triton-auto", lambda: gg.grouped_gemm(a, *_pair(it), block_size=(128, 128)))]
+            for bn, bk, sk in itertools.product((32, 64, 128), (128, 256), (1, 2, 4, 8, 16)):
+                if K % (sk * bk) or K // (sk * bk) < 2:
+                    continue
+                variants.append((f"triton-bn{bn}-bk{bk}-sk{sk}", lambda bn=bn, bk=bk, sk=sk: gg._launch(
+                    a, *_pair(it), (128, 128), BLOCK_M=16 if M <= 16 else 64, BLOCK_N=bn, BLOCK_K=bk,
+                    num_warps=4, num_stages=4, split_k=sk)))
+            for name, f in variants:
+                try:
+                    t, n = device_time_and_launches(f)
+                except Exception as e:  # noqa: BLE001 (a tile that does not fit is a row, not the end of the sweep)
+                    rows.append({"kernel": "fp8-linear", "N": N, "K": K, "M": M, "impl": name, "error": str(e)[:200]})
+                    continue
+                rows.append({"kernel": "fp8-linear", "N": N, "K": K, "M": M, "impl": name, "ms": t, "launches": n,
+                             "GBs": (2 * nbytes if name.startswith("cublas") else nbytes) / t / 1e6})
+                print(json.dumps(rows[-1]), flush=True)
+
+
+def _pair(it):
+    """The next (weight, scale) of an FP8 copy cycle, as grouped_gemm's (w, offs=None, scale) arguments."""
+    w, s = next(it)
+    return w, None, s
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sweeps = {"moe": moe_sweep, "attn": attn_sweep, "attn-kinds": attn_kinds, "rope": rope_sweep,
-              "decode-small": decode_small, "dense-small": dense_small}
+              "decode-small": decode_small, "dense-small": dense_small, "fp8-small": fp8_small}
     ap.add_argument("--only", choices=tuple(sweeps))
     ap.add_argument("--out")
     add_commit_arg(ap)
