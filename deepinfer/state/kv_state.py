@@ -12,15 +12,15 @@ A row is only ever read after it was written for the same request, so slots need
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import torch
 
 from deepinfer.kernels.copy_rows import copy_rows
+from deepinfer.kernels.entry_quant import entry_encode, entry_roundtrip, group_size, reference_decode
 from deepinfer.kernels.index_query import index_keys, index_query
 from deepinfer.formats import group_quant
-from deepinfer.formats.quant import dequant_fp4, FP8_MAX
+from deepinfer.formats.quant import dequant_fp4
 
 EXACT_FORMATS = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 KV_CACHE_DTYPES = ("auto", "fp8", "bfloat16", "float32")
@@ -61,7 +61,7 @@ class EntryStore(RowStore):
     def __init__(self, rows: int, dim: int, rope_dim: int, fmt: str, device):
         self.fmt, self.dim, self.nope = fmt, dim, dim - rope_dim
         if fmt == "fp8":
-            self.group = math.gcd(64, self.nope)
+            self.group = group_size(self.nope)
             self.nope_q = torch.zeros(rows, self.nope, dtype=torch.float8_e4m3fn, device=device)
             self.nope_scale = torch.zeros(rows, self.nope // self.group, dtype=torch.uint8, device=device)
             self.rope = torch.zeros(rows, rope_dim, dtype=torch.bfloat16, device=device)
@@ -71,33 +71,27 @@ class EntryStore(RowStore):
     def tensors(self) -> list[torch.Tensor]:
         return [self.nope_q, self.nope_scale, self.rope] if self.fmt == "fp8" else [self.data]
 
-    def _encode(self, x: torch.Tensor):
-        g = x[..., : self.nope].float().unflatten(-1, (-1, self.group))
-        exp = torch.ceil(torch.log2(g.abs().amax(-1).clamp(min=1e-30) / FP8_MAX)).clamp(-127, 127)
-        q = (g / torch.exp2(exp).unsqueeze(-1)).to(torch.float8_e4m3fn).flatten(-2)
-        return q, (exp + 127).to(torch.uint8), x[..., self.nope:].to(torch.bfloat16)
-
-    def _decode(self, q, scale, rope, dtype):
-        s = torch.exp2(scale.float() - 127).unsqueeze(-1)
-        nope = (q.float().unflatten(-1, (-1, self.group)) * s).flatten(-2)
-        return torch.cat((nope.to(dtype), rope.to(dtype)), dim=-1)
-
     def write(self, rows: torch.Tensor, x: torch.Tensor) -> None:
-        if self.fmt == "fp8":
-            q, s, r = self._encode(x)
-            self.nope_q[rows], self.nope_scale[rows], self.rope[rows] = q, s, r
+        if self.fmt == "fp8":  # one launch on CUDA (kernels/entry_quant.py), torch elsewhere
+            entry_encode(x, self.dim - self.nope, self.tensors(), rows)
         else:
             self.data[rows] = x.to(self.data.dtype)
 
+    def write_from(self, rows: torch.Tensor, x: torch.Tensor, src: torch.Tensor) -> None:
+        if self.fmt == "fp8":  # the gather x[src] is read by the same launch
+            entry_encode(x, self.dim - self.nope, self.tensors(), rows, src)
+        else:
+            super().write_from(rows, x, src)
+
     def read(self, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         if self.fmt == "fp8":
-            return self._decode(self.nope_q[rows], self.nope_scale[rows], self.rope[rows], dtype)
+            return reference_decode(self.nope_q[rows], self.nope_scale[rows], self.rope[rows], dtype)
         return self.data[rows].to(dtype)
 
     def roundtrip(self, x: torch.Tensor) -> torch.Tensor:
         """What a write followed by a read returns, for values used before they are stored."""
         if self.fmt == "fp8":
-            return self._decode(*self._encode(x), x.dtype)
+            return entry_roundtrip(x, self.dim - self.nope)
         return x.to(self.data.dtype).to(x.dtype)
 
 

@@ -252,3 +252,22 @@ def test_fp8_expert_variants_compile_for_sm90():
         fp8_expert_variant_launches()
     for launch in {launch.key: launch for launch in got}.values():
         assert "ttng.async_tma_copy_global_to_local" in compile_sm90(launch, specialize=True).asm["ttgir"]
+
+
+def entry_quant_launches():
+    """EntryStore fp8 (V4: 448 nope dims in 7 groups of 64 + 64 rope dims): the scattered write with and
+    without the ring's gather (write_from), the round trip, bf16 and fp32 rows (the tiny models'); decode batch
+    1 and 64 rows (a program's tile does not depend on the row count)."""
+    from deepinfer.kernels import entry_quant
+    E4, U8 = torch.float8_e4m3fn, torch.uint8
+    for T in (1, 64):
+        store = (_e(T + 8, 448, dtype=E4), _i(T + 8, 7, dtype=U8), _e(T + 8, 64))
+        for dtype in (BF, torch.float32):
+            x = _e(T, 512, dtype=dtype)
+            entry_quant._launch(x, 64, store, _i(T), cuda_math=True)
+            entry_quant._launch(x, 64, decode=True, cuda_math=True)
+        entry_quant._launch(_e(T, 512), 64, store, _i(T), _i(T), cuda_math=True)
+
+
+def test_entry_quant_compiles_for_sm90():
+    test_kernels_compile_for_sm90(entry_quant_launches)
