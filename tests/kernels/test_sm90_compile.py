@@ -254,6 +254,27 @@ def test_fp8_expert_variants_compile_for_sm90():
         assert "ttng.async_tma_copy_global_to_local" in compile_sm90(launch, specialize=True).asm["ttgir"]
 
 
+def w4a8_expert_launches():
+    """V4-Flash's routed experts read as shipped (packed FP4, E8M0 per (1, 32)) at decode batch 1 and 64 (6 and
+    384 expert-sorted rows of 256 experts) and one prefill size: w1 / w3 N=2048 K=4096 (K/2 = 2048 bytes a
+    row), w2 N=4096 K=2048; w4a8_config's tiles with the PTX and the plain nibble conversion, and 64-wide N tiles."""
+    from deepinfer.kernels import grouped_gemm_fp8 as g8
+    E4, E = torch.float8_e4m3fn, 256
+    for M in (6, 384, 2731 * 6):
+        for N, K in ((2048, 4096), (4096, 2048)):
+            args = (_e(M, K, dtype=E4), _e(K // 128, M, dtype=torch.float32).t(), _i(E, N, K // 2, dtype=torch.int8),
+                    _i(E, N, K // 32, dtype=torch.uint8).view(torch.float8_e8m0fnu), _i(E, dtype=torch.int32), 128,
+                    (1, 32))
+            g8._launch(*args)
+            g8._launch(*args, asm=False)
+            g8._launch(*args, BLOCK_N=64, num_stages=3)
+
+
+def test_w4a8_experts_compile_for_sm90():
+    """Shared memory within sm_90's limit; registers and spills: tests/kernels/test_grouped_gemm_fp8_w4a8.py."""
+    test_kernels_compile_for_sm90(w4a8_expert_launches)
+
+
 def entry_quant_launches():
     """EntryStore fp8 (V4: 448 nope dims in 7 groups of 64 + 64 rope dims): the scattered write with and
     without the ring's gather (write_from), the round trip, bf16 and fp32 rows (the tiny models'); decode batch
