@@ -27,7 +27,7 @@ Two implementations, chosen per call by `fp8_gemm` (`use_scaled_mm`):
     N % 128 == 0 (whole weight blocks: every V4 projection), (K / 128) % 4 == 0 (torch versions
     differ on the row stride they require of the weight scales, and agree when it is a multiple of
     4), on a device where a trial call succeeded (probed once per device, never during CUDA-graph
-    capture). W's scales become fp32 [nb, kb] (converted once per scale tensor and version: `float_scales`); A's
+    capture). W's scales become fp32 [nb, kb]; A's
     rows are padded by act_quant to a multiple of 16 (their scale stride is the padded row count).
     Why cuBLAS here: benchmarks/NOTES.md (fp8_gemm). A may have a row stride above K
     (forward_grouped's column slices): torch hands it to cuBLAS as it is.
@@ -42,7 +42,6 @@ from __future__ import annotations
 import os
 
 import torch
-from torch.utils.weak import WeakTensorKeyDictionary
 
 from deepinfer.formats.quant import dequant_fp8_blocks, scale_to_float
 from deepinfer.kernels.act_quant import dequant as act_dequant
@@ -177,26 +176,9 @@ def scaled_mm_shape_ok(N: int, K: int, group: int, block: tuple[int, int]) -> bo
     return group == 128 and tuple(block) == (128, 128) and K % 128 == 0 and N % 128 == 0 and (K // 128) % 4 == 0
 
 
-# weight scale tensor -> (its _version when converted, fp32 [nb, kb] row-major): weights are read-only
-# between loads, and an in-place load (copy_) bumps the version, so a stale entry is never used
-_FLOAT_SCALES = WeakTensorKeyDictionary()
-
-
-def float_scales(w_scale: torch.Tensor) -> torch.Tensor:
-    """w_scale as fp32 row-major, converted once per tensor and version (three kernels a call saved on
-    every prefill GEMM). Never cached while a CUDA graph is captured (its memory belongs to the graph)."""
-    hit = _FLOAT_SCALES.get(w_scale)
-    if hit is not None and hit[0] == w_scale._version:
-        return hit[1]
-    ws = scale_to_float(w_scale).contiguous()
-    if not (w_scale.is_cuda and torch.cuda.is_current_stream_capturing()):
-        _FLOAT_SCALES[w_scale] = (w_scale._version, ws)
-    return ws
-
-
 def _scaled_mm(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
     """A [M, K] (M a multiple of ROW_PAD) with a_scale of stride (1, M); W [N, K] with 128-block scales."""
-    ws = float_scales(w_scale)  # [nb, kb] fp32 row-major
+    ws = scale_to_float(w_scale).contiguous()  # [nb, kb] fp32 row-major
     return torch._scaled_mm(a, w.t(), scale_a=a_scale, scale_b=ws.t(), out_dtype=torch.bfloat16)
 
 
