@@ -749,6 +749,8 @@ def run_engine_process(eng: str, ceil: dict, args) -> tuple[list[dict], str | No
                "--reps", str(args.reps), "--hf-max-prefill-tokens", str(args.hf_max_prefill_tokens),
                "--v41-kv-cache-dtype", args.v41_kv_cache_dtype]
         cmd += ["--no-cuda-graphs"] * args.no_cuda_graphs + ["--smoke"] * args.smoke
+        cmd += [x for k in ("prefill", "decode_batches", "decode_contexts") if getattr(args, k)
+                for x in (f"--{k.replace('_', '-')}", getattr(args, k))]
         res = subprocess.run(cmd)
         got = json.loads(Path(f.name).read_text() or "[]")
     return got, None if res.returncode == 0 else f"engine process exited with {res.returncode} (traceback above)"
@@ -759,6 +761,18 @@ def use_smoke_settings() -> None:
     global DEVICE, BASE_PRESET, BASE_PRESET_V41, SLICE41_ARGS, PREFILL, DECODE_BATCHES, DECODE_CONTEXTS
     DEVICE, BASE_PRESET, PREFILL, DECODE_BATCHES, DECODE_CONTEXTS = "cpu", "tiny", [(1, 64)], [1, 2], [64]
     BASE_PRESET_V41, SLICE41_ARGS = "tiny41", {"engram_vocab_size": None}
+
+
+def select_rows(args) -> None:
+    """--prefill / --decode-batches / --decode-contexts replace the sweep's row lists (a shorter run of the
+    rows an issue's targets name; the full sweep is the default)."""
+    global PREFILL, DECODE_BATCHES, DECODE_CONTEXTS
+    if args.prefill:
+        PREFILL = [] if args.prefill == "-" else [tuple(int(v) for v in x.split("x")) for x in args.prefill.split(",")]
+    if args.decode_batches:
+        DECODE_BATCHES = [int(x) for x in args.decode_batches.split(",")]
+    if args.decode_contexts:
+        DECODE_CONTEXTS = [int(x) for x in args.decode_contexts.split(",")]
 
 
 def results_path(args, device: str) -> Path:
@@ -797,9 +811,14 @@ def main() -> None:
     add_commit_arg(ap)
     ap.add_argument("--no-cuda-graphs", action="store_true", help="time eager decode steps for deepinfer bf16")
     ap.add_argument("--smoke", action="store_true", help="tiny widths on the CPU: checks the script, times nothing")
+    ap.add_argument("--prefill", default=None, help="a subset of rows: comma-separated BxS prefill shapes, e.g. 4x2048 "
+                    "(none: '-')")
+    ap.add_argument("--decode-batches", default=None, help="a subset of rows: comma-separated decode batches")
+    ap.add_argument("--decode-contexts", default=None, help="a subset of rows: comma-separated decode contexts")
     args = ap.parse_args()
     if args.smoke:
         use_smoke_settings()
+    select_rows(args)
     if args.engine_only:
         rows = engine_rows(args.engine_only, json.loads(args.ceilings), args)
         Path(args.rows_out).write_text(json.dumps(rows))

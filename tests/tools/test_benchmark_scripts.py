@@ -443,3 +443,19 @@ def test_weights_memory_smoke_holds_the_kept_formats_at_their_size_on_disk(bench
         assert kept["loaded"]["packed_fp4"] > 0 and kept["allocated_bytes"] < 0.8 * kept["bf16_equiv_bytes"]
         assert dense["allocated_bytes"] == pytest.approx(dense["bf16_equiv_bytes"], rel=0.01)  # + Engram's id map
         assert dense["loaded"]["packed_fp4"] == 0 and dense["loaded"]["experts"] > 2 * kept["loaded"]["experts"]
+
+
+def test_flash_slice_row_subset(bench):
+    """--prefill / --decode-batches / --decode-contexts replace the row lists (what a short device call
+    times); '-' drops the prefill rows."""
+    import argparse
+
+    _, fs = bench
+    saved = fs.PREFILL, fs.DECODE_BATCHES, fs.DECODE_CONTEXTS
+    try:
+        fs.select_rows(argparse.Namespace(prefill="4x2048,1x8192", decode_batches="1,64", decode_contexts="256"))
+        assert (fs.PREFILL, fs.DECODE_BATCHES, fs.DECODE_CONTEXTS) == ([(4, 2048), (1, 8192)], [1, 64], [256])
+        fs.select_rows(argparse.Namespace(prefill="-", decode_batches=None, decode_contexts=None))
+        assert fs.PREFILL == [] and fs.DECODE_BATCHES == [1, 64]
+    finally:
+        fs.PREFILL, fs.DECODE_BATCHES, fs.DECODE_CONTEXTS = saved
