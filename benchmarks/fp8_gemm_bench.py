@@ -27,6 +27,10 @@ uniform at random. Weights are FP4-origin FP8 codes as layers/moe.py holds them;
   w8a8-gemm-tma, w8a8-gemm-tma-persistent  (opt-in kernel variants, not engine paths) the same GEMM through
                 grouped_gemm_fp8's variant "tma" (tensor descriptors), one program per tile and persistent
                 (two programs per SM: default_config's tiles fit two CTAs an SM).
+  w4a8          act_quant + kernels/grouped_gemm_fp8.py on the same experts as shipped: packed FP4 bytes
+                [E, N, K/2] with their (1, 32) E8M0 scales (half the weight bytes of the FP8 codes); w4a8-gemm the
+                GEMM alone; w4a8-gemm-plain the GEMM with the plain Triton nibble conversion instead of the PTX one.
+                (Not an engine path yet: layers/moe.py repacks FP4 experts to FP8.)
   cublas-loop   (CUDA, a measurement, not an engine path) the same quantised rows as w8a8-gemm, one cuBLAS
                 blockwise torch._scaled_mm per expert with (1, 128) scales on both operands, launched from
                 Python; cublas-graph: that loop replayed from a CUDA graph (its GPU time without the host's
@@ -34,12 +38,14 @@ uniform at random. Weights are FP4-origin FP8 codes as layers/moe.py holds them;
 Each row: median microseconds (do_bench, L2 flushed), TFLOP/s (2 rows N K), the relative Frobenius
 distance of the path's output from bf16's. --sweep adds SWEEP's tile choices and variants of the grouped FP8
 GEMM (path "w8a8-gemm", `config` and `variant` set) once per distinct projection shape (w1 and w2; w3 is w1's).
-The summary sums a layer (w1 + w3 + w2; W8A8 with act_quant once per input) with ratios to bf16, and says
-which path Experts takes at that row count (layers/moe.py W8A8_ROWS_PER_EXPERT).
+The summary sums a layer (w1 + w3 + w2; W8A8 and W4A8 with act_quant once per input) with ratios to bf16, and
+says which path Experts takes at that row count (layers/moe.py W8A8_ROWS_PER_EXPERT). --sweep also times W4A8_SWEEP's
+tile choices of the W4A8 GEMM (path "w4a8-gemm", `config` set).
 
     python benchmarks/fp8_gemm_bench.py --experts --tokens 1024,2048,4096,8192 \
         --out benchmarks/results/2026-12-01-h200-fp8-experts.json
     python benchmarks/fp8_gemm_bench.py --experts --tokens 8192 --sweep --out fp8-experts-sweep.json
+    python benchmarks/fp8_gemm_bench.py --experts --tokens 1,64,512 --sweep --out w4a8-experts.json  # decode sizes
 """
 from __future__ import annotations
 
@@ -183,6 +189,8 @@ SMOKE_EXPERTS = {"v4": (8, 2, [("w1", 128, 256, 1), ("w3", 128, 256, 1), ("w2", 
 EXPERT_PATHS = ("bf16", "w8a16", "w8a16-folded", "w8a8", "w8a8-gemm")
 # rows beside them (a failure is recorded, not raised): the opt-in kernel variants and cuBLAS (CUDA only)
 MEASURED_PATHS = ("w8a8-gemm-tma", "w8a8-gemm-tma-persistent", "cublas-loop", "cublas-graph")
+# W4A8 (packed FP4 experts as shipped): a failure is recorded too; the layer's "w4a8" is w4a8-gemm's sum + act_quant
+W4A8_PATHS = ("w4a8", "w4a8-gemm", "w4a8-gemm-plain")
 # --sweep: grouped_gemm_fp8 tile choices and opt-in variants timed beside its default (path "w8a8-gemm", `config`
 # and `variant` set; programs_per_sm: variant "tma" on a persistent grid of that many programs per SM). None of
 # them spills registers when compiled for sm_90 at these shapes (benchmarks/sm90_kernel_resources.py; results
@@ -204,6 +212,19 @@ SWEEP += [dict(_T, BLOCK_M=64, BLOCK_N=64, num_warps=8, num_stages=4, variant="t
           dict(_T, BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=4, variant="tma", programs_per_sm=2),
           dict(_T, BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=4, variant="tma", programs_per_sm=3),
           dict(_T, BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3, variant="tma", programs_per_sm=1)]
+# --sweep, W4A8: grouped_gemm_fp8 on packed FP4 weights (variant "pointer"), 16-row (mma.sync) and 64-row (wgmma)
+# tiles; none spills when built for sm_90 at V4's expert shapes (checked on the CPU by
+# tests/kernels/test_grouped_gemm_fp8_w4a8.py, which builds every entry).
+W4A8_SWEEP = [dict(_T, BLOCK_M=16, BLOCK_N=128, num_warps=4, num_stages=4),          # w4a8_config at decode
+              dict(_T, BLOCK_M=16, BLOCK_N=64, num_warps=4, num_stages=4),
+              dict(_T, BLOCK_M=16, BLOCK_N=128, num_warps=4, num_stages=6),
+              dict(_T, BLOCK_M=16, BLOCK_N=256, num_warps=8, num_stages=4),
+              dict(BLOCK_K=64, BLOCK_M=16, BLOCK_N=128, num_warps=4, num_stages=8),
+              dict(_T, BLOCK_M=32, BLOCK_N=128, num_warps=4, num_stages=4),
+              dict(_T, BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=4),          # w4a8_config above
+              dict(_T, BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=6),
+              dict(_T, BLOCK_M=64, BLOCK_N=128, num_warps=8, num_stages=4),
+              dict(_T, BLOCK_M=64, BLOCK_N=256, num_warps=8, num_stages=3)]
 
 
 def expert_offs(T: int, E: int, k: int, device: str) -> torch.Tensor:
@@ -212,19 +233,25 @@ def expert_offs(T: int, E: int, k: int, device: str) -> torch.Tensor:
     return torch.bincount(idx.flatten(), minlength=E).cumsum(0).to(torch.int32)
 
 
-def expert_weights(E: int, N: int, K: int, dev) -> tuple[torch.Tensor, torch.Tensor]:
-    """FP4-origin e4m3 codes [E, N, K] and E8M0 scales per (1, 128)."""
+def expert_weights(E: int, N: int, K: int, dev, packed: bool = False):
+    """FP4-origin e4m3 codes [E, N, K] and E8M0 scales per (1, 128); packed: also the same codes as shipped,
+    two e2m1 codes a byte [E, N, K/2] int8 (even column in the low nibble)."""
     fp4 = torch.tensor(FP4_VALUES, device=dev)
     codes = torch.empty(E, N, K, dtype=torch.float8_e4m3fn, device=dev)
+    fp4_bytes = torch.empty(E, N, K // 2, dtype=torch.uint8, device=dev) if packed else None
     for e in range(E):  # one expert at a time bounds the temporaries
-        codes[e] = fp4[torch.randint(0, 16, (N, K), device=dev)].to(torch.float8_e4m3fn)
-    return codes, torch.randint(112, 118, (E, N, K // 128), dtype=torch.uint8, device=dev).view(torch.float8_e8m0fnu)
+        idx = torch.randint(0, 16, (N, K), device=dev)
+        codes[e] = fp4[idx].to(torch.float8_e4m3fn)
+        if packed:
+            fp4_bytes[e] = (idx[:, 0::2] | (idx[:, 1::2] << 4)).to(torch.uint8)
+    s128 = torch.randint(112, 118, (E, N, K // 128), dtype=torch.uint8, device=dev).view(torch.float8_e8m0fnu)
+    return (codes, s128, fp4_bytes.view(torch.int8)) if packed else (codes, s128)
 
 
 def expert_paths(xs: torch.Tensor, offs: torch.Tensor, E: int, N: int, K: int) -> dict:
     """The paths of one expert projection [E, N, K] on expert-sorted rows xs (FP4-origin codes, random
     E8M0 scales per (1, 128); the (1, 32) copy repeats each scale four times: the same values)."""
-    codes, s128 = expert_weights(E, N, K, xs.device)
+    codes, s128, fp4_bytes = expert_weights(E, N, K, xs.device, packed=True)
     s32 = s128.view(torch.uint8).repeat_interleave(4, -1).view(torch.float8_e8m0fnu)
     wb = torch.stack([dequant_fp8_blocks(codes[e], s128[e], (1, 128), torch.bfloat16) for e in range(E)])
     q, qs = act_quant(xs, ACT_GROUP)
@@ -244,6 +271,15 @@ def expert_paths(xs: torch.Tensor, offs: torch.Tensor, E: int, N: int, K: int) -
     programs = 2 * (sm_count(xs.device) if xs.is_cuda else 1)
     for name, kw in (("w8a8-gemm-tma", {}), ("w8a8-gemm-tma-persistent", dict(programs=programs))):
         out[name] = lambda kw=kw: grouped_gemm_fp8(q, qs, codes, s128, offs, ACT_GROUP, (1, 128), variant="tma", **kw)
+
+    def w4a8():
+        a, a_s = act_quant(xs, ACT_GROUP)
+        return grouped_gemm_fp8(a, a_s, fp4_bytes, s32, offs, ACT_GROUP, (1, 32))
+
+    out["w4a8"] = w4a8
+    out["w4a8-gemm"] = lambda: grouped_gemm_fp8(q, qs, fp4_bytes, s32, offs, ACT_GROUP, (1, 32))
+    out["w4a8-gemm-plain"] = lambda: grouped_gemm_fp8(q, qs, fp4_bytes, s32, offs, ACT_GROUP, (1, 32),
+                                                      **({"asm": False} if xs.is_cuda else {}))
     if xs.is_cuda:
         out["cublas-loop"] = lambda: cublas_loop(q, qs, codes, s128, offs)()
         out["cublas-graph"] = _graphed(lambda: cublas_loop(q, qs, codes, s128, offs))
@@ -302,12 +338,12 @@ def sweep_launch_args(entry: dict, sms: int) -> tuple[str, dict]:
     return label, cfg
 
 
-def sweep_rows(fn_for, base: dict, time_us, sms: int, check=None) -> list[dict]:
-    """SWEEP's tile choices and variants of the grouped FP8 GEMM; a choice that fails (compile, shared memory)
-    is recorded with its error instead of a time. `check(out)`: the output's relative distance from the
-    default's (recorded as rel_err_vs_default)."""
+def sweep_rows(fn_for, base: dict, time_us, sms: int, check=None, entries: list[dict] | None = None) -> list[dict]:
+    """`entries` (default SWEEP): tile choices and variants of the grouped FP8 GEMM; a choice that fails (compile,
+    shared memory) is recorded with its error instead of a time. `check(out)`: the output's relative distance
+    from the default's (recorded as rel_err_vs_default)."""
     rows = []
-    for entry in SWEEP:
+    for entry in SWEEP if entries is None else entries:
         label, cfg = sweep_launch_args(entry, sms)
         variant = cfg.get("variant", "pointer")
         row = dict(base, config=label, variant=variant)
@@ -364,23 +400,30 @@ def bench_experts(tokens: list[int], device: str, smoke: bool, sweep: bool = Fal
                     swept.add((N, K))
                     from deepinfer.kernels.grouped_gemm_fp8 import _launch
                     q, qs = act_quant(xs, ACT_GROUP)
-                    w, ws = expert_weights(E, N, K, device)
-                    want = _launch(q, qs, w, ws, offs, ACT_GROUP, (1, 128)).float()
-                    rows += sweep_rows(lambda cfg: lambda: _launch(q, qs, w, ws, offs, ACT_GROUP, (1, 128), **cfg),
-                                       dict(slice=sl, experts=E, topk=k, tokens=T, M=M, name=name, N=N, K=K,
-                                            count=0, path="w8a8-gemm", flops=2 * M * N * K), time_us,
-                                       sm_count(xs.device),
-                                       lambda out: float((out.float() - want).norm() / want.norm()))
-                    del q, qs, w, ws, want
+                    w, ws, w4 = expert_weights(E, N, K, device, packed=True)
+                    s4 = ws.view(torch.uint8).repeat_interleave(4, -1).view(torch.float8_e8m0fnu)
+                    for path, wt, st, block, entries in (("w8a8-gemm", w, ws, (1, 128), SWEEP),
+                                                         ("w4a8-gemm", w4, s4, (1, 32), W4A8_SWEEP)):
+                        want = _launch(q, qs, wt, st, offs, ACT_GROUP, block).float()
+                        rows += sweep_rows(
+                            lambda cfg, wt=wt, st=st, block=block: lambda: _launch(q, qs, wt, st, offs, ACT_GROUP,
+                                                                                   block, **cfg),
+                            dict(slice=sl, experts=E, topk=k, tokens=T, M=M, name=name, N=N, K=K, count=0, path=path,
+                                 flops=2 * M * N * K), time_us, sm_count(xs.device),
+                            lambda out, want=want: float((out.float() - want).norm() / want.norm()), entries)
+                    del q, qs, w, ws, w4, s4, want
                 del xs
             layer = {p: sum(r["us"] * r["count"] for r in rows if r["slice"] == sl and r["tokens"] == T
                             and r["path"] == p and "config" not in r) for p in EXPERT_PATHS}
             # as Experts runs W8A8: one act_quant per input width (x for w1 and w3, the swiglu output for w2)
             layer["w8a8"] = layer.pop("w8a8-gemm") + sum(aq.values())
-            for p in MEASURED_PATHS:  # the measurement paths, where every projection ran
-                mine = [r for r in rows if r["slice"] == sl and r["tokens"] == T and r["path"] == p]
+            for p in MEASURED_PATHS + ("w4a8-gemm",):  # the measurement paths, where every projection ran
+                mine = [r for r in rows if r["slice"] == sl and r["tokens"] == T and r["path"] == p
+                        and "config" not in r]
                 if mine and all("us" in r for r in mine):
-                    layer[p] = sum(r["us"] * r["count"] for r in mine) + sum(aq.values())
+                    # W4A8 as W8A8: the GEMMs and one act_quant per input width
+                    total = sum(r["us"] * r["count"] for r in mine) + sum(aq.values())
+                    layer["w4a8" if p == "w4a8-gemm" else p] = total
             summary.append(dict(slice=sl, tokens=T, M=M, layer_us={p: round(v, 1) for p, v in layer.items()},
                                 act_quant_us={str(K): round(v, 2) for K, v in aq.items()}, experts_path=picked,
                                 **{f"{p}_vs_bf16": round(v / layer["bf16"], 3) for p, v in layer.items()

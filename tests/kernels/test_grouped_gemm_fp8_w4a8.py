@@ -158,7 +158,8 @@ test_w4a8_kernel_in_the_triton_interpreter, test_w4a8_kernel_on_gpu = interprete
     CHECK, "DEV = 'cpu'\nREL = 8e-3\nEXTRA = []\nTILES = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=128, num_warps=1, "
     "num_stages=1)\n",
     "DEV = 'cuda'\nREL = 4e-3\nTILES = {}\n"
-    "EXTRA = [([3, 0, 2, 1] * 64, 2048, 4096, 5, {}),\n"                             # decode: ~1.5 rows an expert
+    "EXTRA = [([3, 0, 2, 1] * 64, 2048, 4096, 5, {}),\n"                             # decode: 16-row tiles (mma.sync)
+    "         ([3, 0, 2, 1] * 64, 4096, 2048, 0, dict(BLOCK_M=64)),\n"                # the same on wgmma
     "         ([1, 0, 2, 3] * 64, 4096, 2048, 0, dict(asm=False)),\n"                # the plain nibble conversion
     "         ([300, 0, 129, 1] * 4, 2048, 4096, 7, dict(BLOCK_N=64, num_stages=3))]\n")
 
@@ -204,6 +205,7 @@ def test_w4a8_launches_build_for_sm90_without_spills(monkeypatch):
     with record() as got:
         w4a8_expert_launches()
     assert {launch.fn.__name__ for launch in got} == {"_grouped_gemm_w4a8_kernel"}
+    assert [launch.constexprs["BLOCK_M"] for launch in got[::8]] == [16, 16, 64]  # w4a8_config at 6, 384, 16386 rows
     for launch in {launch.key: launch for launch in got}.values():
         kernel = compile_sm90(launch, specialize=True)
         usage = ptxas_usage(kernel.asm["ptx"])
@@ -212,15 +214,45 @@ def test_w4a8_launches_build_for_sm90_without_spills(monkeypatch):
         assert ("0x1C1C1C1C" in kernel.asm["ptx"]) == launch.constexprs["ASM"]
 
 
+def test_bench_sweep_entries_build_for_sm90_without_spills(monkeypatch):
+    """benchmarks/fp8_gemm_bench.py's W4A8_SWEEP at decode batch 64's w1 launch (384 rows, N 2048, K 4096): each
+    entry is a launch of the W4A8 kernel with the tiles it names, within sm_90's shared memory, without spills."""
+    pytest.importorskip("triton")
+    from pathlib import Path
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    from fp8_gemm_bench import W4A8_SWEEP
+    from sm90 import compile_sm90, record
+    from sm90_kernel_resources import ptxas_usage
+    from test_sm90_compile import SM90_MAX_SHARED
+    from deepinfer.kernels.grouped_gemm_fp8 import _launch
+
+    E, M, N, K = 256, 384, 2048, 4096
+    args = (torch.empty(M, K, dtype=torch.float8_e4m3fn), torch.empty(K // 128, M).t(),
+            torch.empty(E, N, K // 2, dtype=torch.int8), torch.zeros(E, N, K // 32, dtype=torch.uint8),
+            torch.zeros(E, dtype=torch.int32), 128, (1, 32))
+    assert len({tuple(sorted(e.items())) for e in W4A8_SWEEP}) == len(W4A8_SWEEP)
+    for entry in W4A8_SWEEP:
+        with record() as got:
+            _launch(*args, **entry)
+        (launch,) = got
+        assert launch.fn.__name__ == "_grouped_gemm_w4a8_kernel"
+        assert {k: launch.constexprs[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K")} == {
+            k: entry[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K")}
+        kernel = compile_sm90(launch, specialize=True)
+        usage = ptxas_usage(kernel.asm["ptx"])
+        assert usage["spill_stores"] == 0 and kernel.metadata.shared <= SM90_MAX_SHARED, (entry, usage)
+
+
 # ---------------------------------------------------------------- GPU only
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("N,K", [(2048, 4096), (4096, 2048)])
-@pytest.mark.parametrize("tokens", [1, 64, 2048])
-def test_expert_shapes_match_the_reference_and_the_plain_conversion_on_gpu(N, K, tokens):
-    """V4-Flash's experts (256, top-6), routing at random: the kernel within bf16 rounding of `reference`, and
-    the PTX nibble conversion bit for bit equal to the plain Triton one (same operands, same dots)."""
+@pytest.mark.parametrize("tokens,tiles", [(1, {}), (64, {}), (64, dict(BLOCK_M=64)), (2048, {})])
+def test_expert_shapes_match_the_reference_and_the_plain_conversion_on_gpu(N, K, tokens, tiles):
+    """V4-Flash's experts (256, top-6), routing at random, w4a8_config's tiles (16 rows at 1 and 64 tokens, 64 at
+    2048) and 64-row tiles at decode: the kernel within bf16 rounding of `reference`, and the PTX nibble
+    conversion bit for bit equal to the plain Triton one (same operands, same dots)."""
     from deepinfer.kernels.act_quant import act_quant as act_quant_gpu
     torch.manual_seed(N + tokens)
     with torch.device("cuda"):
@@ -229,12 +261,12 @@ def test_expert_shapes_match_the_reference_and_the_plain_conversion_on_gpu(N, K,
         q, s = act_quant_gpu(torch.randn(tokens * 6, K, dtype=torch.bfloat16))
         w = torch.randint(-128, 128, (256, N, K // 2), dtype=torch.int8)
         ws = torch.randint(112, 124, (256, N, K // 32), dtype=torch.uint8).view(torch.float8_e8m0fnu)
-    got = grouped_gemm_fp8(q, s, w, ws, offs, 128, (1, 32))
+    got = grouped_gemm_fp8(q, s, w, ws, offs, 128, (1, 32), **tiles)
     want = reference(q, s, w, ws, offs, 128, (1, 32))
     assert float((got.float() - want.float()).norm() / want.float().norm()) < 4e-3
     torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=1.6e-2)
     from deepinfer.kernels.grouped_gemm_fp8 import _launch
-    assert torch.equal(_launch(q, s, w, ws, offs, 128, (1, 32), asm=False), got)
+    assert torch.equal(_launch(q, s, w, ws, offs, 128, (1, 32), asm=False, **tiles), got)
 
 
 @pytest.mark.gpu

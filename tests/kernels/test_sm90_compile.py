@@ -257,7 +257,8 @@ def test_fp8_expert_variants_compile_for_sm90():
 def w4a8_expert_launches():
     """V4-Flash's routed experts read as shipped (packed FP4, E8M0 per (1, 32)) at decode batch 1 and 64 (6 and
     384 expert-sorted rows of 256 experts) and one prefill size: w1 / w3 N=2048 K=4096 (K/2 = 2048 bytes a
-    row), w2 N=4096 K=2048; w4a8_config's tiles with the PTX and the plain nibble conversion, and 64-wide N tiles."""
+    row), w2 N=4096 K=2048; w4a8_config's tiles (16 rows at decode, 64 above) with the PTX and the plain nibble
+    conversion, and 64-row (wgmma) tiles at every size."""
     from deepinfer.kernels import grouped_gemm_fp8 as g8
     E4, E = torch.float8_e4m3fn, 256
     for M in (6, 384, 2731 * 6):
@@ -267,7 +268,8 @@ def w4a8_expert_launches():
                     (1, 32))
             g8._launch(*args)
             g8._launch(*args, asm=False)
-            g8._launch(*args, BLOCK_N=64, num_stages=3)
+            g8._launch(*args, BLOCK_M=64)
+            g8._launch(*args, BLOCK_M=64, BLOCK_N=64, num_stages=6)
 
 
 def test_w4a8_experts_compile_for_sm90():

@@ -19,21 +19,25 @@ def test_experts_smoke_run(tmp_path):
     assert res.returncode == 0, res.stderr[-3000:]
     r = json.loads(out.read_text())
     assert r["commit"] == "abcdef1" and r["smoke"] and r["case"] == "experts"
-    paths = {"bf16", "w8a16", "w8a16-folded", "w8a8", "w8a8-gemm", "w8a8-gemm-tma", "w8a8-gemm-tma-persistent"}
+    paths = {"bf16", "w8a16", "w8a16-folded", "w8a8", "w8a8-gemm", "w8a8-gemm-tma", "w8a8-gemm-tma-persistent",
+             "w4a8", "w4a8-gemm", "w4a8-gemm-plain"}
     for T in (8, 300):
         got = [row for row in r["rows"] if row["tokens"] == T]
         assert {row["name"] for row in got} == {"w1", "w2", "w3"} and {row["path"] for row in got} == paths
         for row in got:
             assert row["us"] > 0 and row["M"] == 2 * T
-            # W8A16 multiplies the same values as bf16; W8A8 rounds the activations to e4m3
-            assert row["rel_err_vs_bf16"] < (0.08 if row["path"].startswith("w8a8") else 1e-2), row
+            # W8A16 multiplies the same values as bf16; W8A8 / W4A8 round the activations to e4m3
+            assert row["rel_err_vs_bf16"] < (0.08 if row["path"].startswith(("w8a8", "w4a8")) else 1e-2), row
+        for name in ("w1", "w2", "w3"):  # the packed FP4 weights hold the same values as the FP8 codes
+            err = {row["path"]: row["rel_err_vs_bf16"] for row in got if row["name"] == name}
+            assert err["w4a8"] == err["w4a8-gemm"] == err["w8a8-gemm"] > 0, err
     from deepinfer.layers.moe import W8A8_ROWS_PER_EXPERT
     assert [s["experts_path"] for s in r["summary"]] == [
         "w8a8" if 2 * T >= W8A8_ROWS_PER_EXPERT * 8 else "w8a16-folded" for T in (8, 300)]  # 8 experts
     for s in r["summary"]:
         assert set(s["layer_us"]) == {"bf16", "w8a16", "w8a16-folded", "w8a8", "w8a8-gemm-tma",
-                                      "w8a8-gemm-tma-persistent"} and s["w8a8_vs_bf16"] > 0
-        assert s["w8a8-gemm-tma_vs_bf16"] > 0
+                                      "w8a8-gemm-tma-persistent", "w4a8"} and s["w8a8_vs_bf16"] > 0
+        assert s["w8a8-gemm-tma_vs_bf16"] > 0 and s["w4a8_vs_bf16"] > 0
     assert f"wrote {out}" in res.stdout
 
 
