@@ -29,8 +29,10 @@ uniform at random. Weights are FP4-origin FP8 codes as layers/moe.py holds them;
                 (two programs per SM: default_config's tiles fit two CTAs an SM).
   w4a8          act_quant + kernels/grouped_gemm_fp8.py on the same experts as shipped: packed FP4 bytes
                 [E, N, K/2] with their (1, 32) E8M0 scales (half the weight bytes of the FP8 codes); w4a8-gemm the
-                GEMM alone; w4a8-gemm-plain the GEMM with the plain Triton nibble conversion instead of the PTX one.
-                (Not an engine path yet: layers/moe.py repacks FP4 experts to FP8.)
+                GEMM alone; w4a8-gemm-plain the GEMM with the plain Triton nibble conversion instead of the PTX one;
+                w4a16 kernels/grouped_gemm.py's FP4 path on the same packed bytes (bf16 activations, the weights
+                dequantised to bf16 in registers): the other reader of 0.5 byte a weight.
+                (Not engine paths yet: layers/moe.py repacks FP4 experts to FP8.)
   cublas-loop   (CUDA, a measurement, not an engine path) the same quantised rows as w8a8-gemm, one cuBLAS
                 blockwise torch._scaled_mm per expert with (1, 128) scales on both operands, launched from
                 Python; cublas-graph: that loop replayed from a CUDA graph (its GPU time without the host's
@@ -189,8 +191,6 @@ SMOKE_EXPERTS = {"v4": (8, 2, [("w1", 128, 256, 1), ("w3", 128, 256, 1), ("w2", 
 EXPERT_PATHS = ("bf16", "w8a16", "w8a16-folded", "w8a8", "w8a8-gemm")
 # rows beside them (a failure is recorded, not raised): the opt-in kernel variants and cuBLAS (CUDA only)
 MEASURED_PATHS = ("w8a8-gemm-tma", "w8a8-gemm-tma-persistent", "cublas-loop", "cublas-graph")
-# W4A8 (packed FP4 experts as shipped): a failure is recorded too; the layer's "w4a8" is w4a8-gemm's sum + act_quant
-W4A8_PATHS = ("w4a8", "w4a8-gemm", "w4a8-gemm-plain")
 # --sweep: grouped_gemm_fp8 tile choices and opt-in variants timed beside its default (path "w8a8-gemm", `config`
 # and `variant` set; programs_per_sm: variant "tma" on a persistent grid of that many programs per SM). None of
 # them spills registers when compiled for sm_90 at these shapes (benchmarks/sm90_kernel_resources.py; results
@@ -280,6 +280,7 @@ def expert_paths(xs: torch.Tensor, offs: torch.Tensor, E: int, N: int, K: int) -
     out["w4a8-gemm"] = lambda: grouped_gemm_fp8(q, qs, fp4_bytes, s32, offs, ACT_GROUP, (1, 32))
     out["w4a8-gemm-plain"] = lambda: grouped_gemm_fp8(q, qs, fp4_bytes, s32, offs, ACT_GROUP, (1, 32),
                                                       **({"asm": False} if xs.is_cuda else {}))
+    out["w4a16"] = lambda: grouped_gemm(xs, fp4_bytes, offs, s32, (1, 32))
     if xs.is_cuda:
         out["cublas-loop"] = lambda: cublas_loop(q, qs, codes, s128, offs)()
         out["cublas-graph"] = _graphed(lambda: cublas_loop(q, qs, codes, s128, offs))
@@ -417,12 +418,12 @@ def bench_experts(tokens: list[int], device: str, smoke: bool, sweep: bool = Fal
                             and r["path"] == p and "config" not in r) for p in EXPERT_PATHS}
             # as Experts runs W8A8: one act_quant per input width (x for w1 and w3, the swiglu output for w2)
             layer["w8a8"] = layer.pop("w8a8-gemm") + sum(aq.values())
-            for p in MEASURED_PATHS + ("w4a8-gemm",):  # the measurement paths, where every projection ran
+            for p in MEASURED_PATHS + ("w4a8-gemm", "w4a16"):  # the measurement paths, where every projection ran
                 mine = [r for r in rows if r["slice"] == sl and r["tokens"] == T and r["path"] == p
                         and "config" not in r]
                 if mine and all("us" in r for r in mine):
-                    # W4A8 as W8A8: the GEMMs and one act_quant per input width
-                    total = sum(r["us"] * r["count"] for r in mine) + sum(aq.values())
+                    # W4A8 as W8A8: the GEMMs and one act_quant per input width; W4A16 the GEMMs alone
+                    total = sum(r["us"] * r["count"] for r in mine) + (0.0 if p == "w4a16" else sum(aq.values()))
                     layer["w4a8" if p == "w4a8-gemm" else p] = total
             summary.append(dict(slice=sl, tokens=T, M=M, layer_us={p: round(v, 1) for p, v in layer.items()},
                                 act_quant_us={str(K): round(v, 2) for K, v in aq.items()}, experts_path=picked,

@@ -257,9 +257,11 @@ if triton is not None:
 def w4a8_config(M: int, E: int) -> dict:
     """Packed FP4 weights (W4A8): K steps of 128 (four 32-wide groups, one activation scale), 128-wide N tiles,
     4 warps, 4 stages. Up to 16 rows an expert on average (decode: 64 tokens x top-6 of 256 is 1.5) 16-row
-    tiles: the fp8 mma.sync (MMAv2, m16n8k32) instead of wgmma's 64 rows, a quarter of the multiplies and of
-    the per-group rescaling spent on rows past the expert's end; 64-row tiles (wgmma) above. Built for sm_90:
-    82 / 193 registers, 30.5 / 60 KiB shared, no spills (tests/kernels/test_grouped_gemm_fp8_w4a8.py)."""
+    tiles: Triton's MMAv2 (mma.sync; on sm_90 it widens the e4m3 operands to fp16, exactly, for fp16 MMAs)
+    instead of wgmma's 64 rows, a quarter of the multiplies and of the per-group rescaling spent on rows past
+    the expert's end; 64-row tiles (fp8 wgmma) above. Built for sm_90: 82 / 193 registers, 30.5 / 60 KiB
+    shared, no spills (tests/kernels/test_grouped_gemm_fp8_w4a8.py). A choice from the sm_90 builds, not yet
+    timed: benchmarks/fp8_gemm_bench.py --experts --sweep times both (W4A8_SWEEP)."""
     rows = M / max(E, 1)
     return dict(BLOCK_M=16 if rows <= 16 else 64, BLOCK_N=128, BLOCK_K=128, num_warps=4, num_stages=4)
 

@@ -20,7 +20,7 @@ def test_experts_smoke_run(tmp_path):
     r = json.loads(out.read_text())
     assert r["commit"] == "abcdef1" and r["smoke"] and r["case"] == "experts"
     paths = {"bf16", "w8a16", "w8a16-folded", "w8a8", "w8a8-gemm", "w8a8-gemm-tma", "w8a8-gemm-tma-persistent",
-             "w4a8", "w4a8-gemm", "w4a8-gemm-plain"}
+             "w4a8", "w4a8-gemm", "w4a8-gemm-plain", "w4a16"}
     for T in (8, 300):
         got = [row for row in r["rows"] if row["tokens"] == T]
         assert {row["name"] for row in got} == {"w1", "w2", "w3"} and {row["path"] for row in got} == paths
@@ -36,7 +36,7 @@ def test_experts_smoke_run(tmp_path):
         "w8a8" if 2 * T >= W8A8_ROWS_PER_EXPERT * 8 else "w8a16-folded" for T in (8, 300)]  # 8 experts
     for s in r["summary"]:
         assert set(s["layer_us"]) == {"bf16", "w8a16", "w8a16-folded", "w8a8", "w8a8-gemm-tma",
-                                      "w8a8-gemm-tma-persistent", "w4a8"} and s["w8a8_vs_bf16"] > 0
+                                      "w8a8-gemm-tma-persistent", "w4a8", "w4a16"} and s["w8a8_vs_bf16"] > 0
         assert s["w8a8-gemm-tma_vs_bf16"] > 0 and s["w4a8_vs_bf16"] > 0
     assert f"wrote {out}" in res.stdout
 
