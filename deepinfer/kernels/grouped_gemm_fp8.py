@@ -54,6 +54,8 @@ the operands are widened to fp32 before the dot (the interpreter's tl.dot cannot
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from deepinfer.formats.quant import dequant_fp4, dequant_fp8_blocks
@@ -396,6 +398,8 @@ def _launch_w4a8(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scal
     M, K = a.shape
     E, N = w.shape[0], w.shape[1]
     cfg = w4a8_config(M, E)
+    if tiles.get("BLOCK_K") is None:  # K steps within one activation group (group % 32 == 0: 32, 64 or 128)
+        cfg["BLOCK_K"] = math.gcd(cfg["BLOCK_K"], group)
     cfg.update({k: v for k, v in tiles.items() if v is not None})
     bk = cfg["BLOCK_K"]
     if bk < 32 or bk & (bk - 1) or group % bk:

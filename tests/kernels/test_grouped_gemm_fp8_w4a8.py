@@ -118,8 +118,9 @@ def test_packed_launch_choices_are_checked():
 # multiples of 128: the last activation group and K step are partial), K steps of 32 / 64 / 128, every byte
 # value in the weights (all 16 codes in both nibbles), per-(row, group) scale bytes, act_quant's column-major
 # and row-major activation scales; then scale bytes across E8M0's range (20 .. 229, a few bytes per output
-# column so each column's magnitude is its own: compared column by column); then the same launch against
-# the reference of the nibble-swapped weight (must be far off: the check sees a wrong nibble order).
+# column so each column's magnitude is its own: compared column by column); 64-wide activation groups (the
+# default K step follows the group); then the same launch against the reference of the nibble-swapped weight
+# (must be far off: the check sees a wrong nibble order).
 CHECK = (
     "import torch\n"
     "from deepinfer.kernels.grouped_gemm_fp8 import _launch, reference\n"
@@ -148,6 +149,12 @@ CHECK = (
     "got = _launch(q.to(DEV), s.to(DEV), w.to(DEV), ws.to(DEV), offs.to(DEV), 128, (1, 32), **TILES).cpu()\n"
     "assert want.float().abs().amax() > 2.0 ** 90 and want.float().abs()[want != 0].amin() < 2.0 ** -90\n"
     "assert col_rel_err(got, want) < REL, col_rel_err(got, want)\n"
+    "from deepinfer.kernels.act_quant import reference as act_quant\n"
+    "x, q, s, w, ws, offs = make_w4_case([2, 0, 7], 24, 192, 0, seed=4)\n"
+    "q, s = act_quant(x, 64)\n"                                   # 64-wide activation groups: K steps of 64
+    "plain = {k: v for k, v in TILES.items() if k != 'BLOCK_K'}\n"
+    "got = _launch(q.to(DEV), s.to(DEV), w.to(DEV), ws.to(DEV), offs.to(DEV), 64, (1, 32), **plain).cpu()\n"
+    "assert rel(got, reference(q, s, w, ws, offs, 64, (1, 32))) < REL\n"
     "x, q, s, w, ws, offs = make_w4_case([3, 40, 0, 9], 48, 256, 0, seed=2)\n"
     "got = _launch(q.to(DEV), s.to(DEV), w.to(DEV), ws.to(DEV), offs.to(DEV), 128, (1, 32), **TILES).cpu()\n"
     "assert rel(got, reference(q, s, w, ws, offs, 128, (1, 32))) < REL\n"
