@@ -117,10 +117,11 @@ def test_packed_launch_choices_are_checked():
 # past offs[-1] (unwritten by the kernel: only rows < offs[-1] compared), ragged N, K = 192 and 96 (not
 # multiples of 128: the last activation group and K step are partial), K steps of 32 / 64 / 128, every byte
 # value in the weights (all 16 codes in both nibbles), per-(row, group) scale bytes, act_quant's column-major
-# and row-major activation scales; then scale bytes across E8M0's range (20 .. 229, a few bytes per output
-# column so each column's magnitude is its own: compared column by column); 64-wide activation groups (the
-# default K step follows the group); then the same launch against the reference of the nibble-swapped weight
-# (must be far off: the check sees a wrong nibble order).
+# activation scales with int8 weights and row-major ones with the same bytes as uint8; then scale bytes
+# across E8M0's range (20 .. 229, a few bytes per output column so each column's magnitude is its own:
+# compared column by column); 64-wide activation groups (the default K step follows the group); then the
+# same launch against the reference of the nibble-swapped weight (must be far off: the check sees a wrong
+# nibble order).
 CHECK = (
     "import torch\n"
     "from deepinfer.kernels.grouped_gemm_fp8 import _launch, reference\n"
@@ -136,8 +137,8 @@ CHECK = (
     "    x, q, s, w, ws, offs = make_w4_case(counts, N, K, extra)\n"
     "    want = reference(q, s, w, ws, offs, 128, (1, 32))\n"
     "    n = sum(counts)\n"
-    "    for sa in (s, s.contiguous()):\n"
-    "        got = _launch(q.to(DEV), sa.to(DEV), w.to(DEV), ws.to(DEV), offs.to(DEV), 128, (1, 32), **tiles).cpu()\n"
+    "    for sa, wv in ((s, w), (s.contiguous(), w.view(torch.uint8))):\n"
+    "        got = _launch(q.to(DEV), sa.to(DEV), wv.to(DEV), ws.to(DEV), offs.to(DEV), 128, (1, 32), **tiles).cpu()\n"
     "        assert got.shape == (n + extra, N) and got.dtype == torch.bfloat16\n"
     "        torch.testing.assert_close(got[:n].float(), want[:n].float(), atol=2e-2, rtol=1.6e-2)\n"
     "        assert n == 0 or rel(got[:n], want[:n]) < REL, (counts, N, K)\n"
