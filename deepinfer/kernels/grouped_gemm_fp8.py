@@ -46,7 +46,9 @@ scale 2^(s - 127) holds for 32 columns only, so each 32-wide group is its own e4
 the fp8 MMA's K), multiplied by s_a[row] (one per 128-column activation group: BLOCK_K divides ga) x
 s_w[n, group] and added to the fp32 accumulator; the 2^6 the codes leave out is applied once at the end
 (folding it into the scale would overflow fp32 for scale bytes 249..254). A K step of BLOCK_K columns
-loads its activation scales and its BLOCK_K / 32 scale bytes per column one step ahead.
+loads its activation scales and its BLOCK_K / 32 scale bytes per column one step ahead. Tiles of 64 rows
+run fp8 wgmma; decode's 16-row tiles (w4a8_config) run Triton's MMAv2, which on sm_90 widens both e4m3
+operands to fp16 (exactly) for fp16 mma.sync.
 
 Products of two e4m3 values are exact in fp32; only summation order differs from `reference`
 (both operands dequantised in fp32, packed FP4 by dequant_fp4, fp32 matmul, bf16). Under TRITON_INTERPRET=1
