@@ -300,11 +300,54 @@ def dense_small(rows: list) -> None:
                 print(json.dumps(rows[-1]), flush=True)
 
 
+# GEMV tiles swept at M = 1 (ROWS = 1): (BLOCK_N, BLOCK_K, num_warps, num_stages, split_k; None: split_k_for's).
+# Entries 1-14 vary the weight tile, warps and cp.async stages at the automatic split, 15-19 the split, 20 a
+# wide tile; test_grouped_gemm.py builds each for sm_90 (no spills).
+GEMV_SWEEP = [(32, 256, 4, 2, None), (32, 256, 4, 3, None), (32, 256, 4, 4, None), (32, 256, 4, 1, None),
+              (16, 256, 4, 3, None), (16, 512, 4, 3, None), (32, 512, 4, 2, None), (32, 512, 4, 3, None),
+              (64, 256, 4, 2, None), (64, 256, 8, 3, None), (64, 512, 8, 2, None), (32, 128, 4, 4, None),
+              (64, 128, 4, 3, None), (16, 256, 2, 3, None), (32, 256, 4, 2, 1), (32, 256, 4, 2, 2),
+              (32, 256, 4, 2, 8), (16, 256, 4, 2, 8), (32, 256, 4, 3, 16), (128, 256, 8, 3, None)]
+GEMV_SWEEP_M4 = [(32, 256, 4, 2, None), (32, 256, 4, 3, None), (64, 256, 8, 3, None), (16, 256, 4, 3, None)]
+# the routed experts' GEMV tiles (ROWS, BLOCK_N, BLOCK_K, num_warps, num_stages), K split automatic
+GEMV_EXPERT_SWEEP = [(1, 32, 256, 4, 2), (1, 32, 256, 4, 3), (1, 64, 256, 8, 3), (1, 16, 256, 4, 3),
+                     (1, 32, 512, 4, 2), (2, 32, 256, 4, 2)]
+
+
+def gemv_kwargs(M: int, E: int, N: int, K: int, one_group: bool, entry: tuple, rows: int | None = None,
+                sms: int | None = None) -> dict | None:
+    """_launch's kwargs for a GEMV sweep entry (BLOCK_N, BLOCK_K, num_warps, num_stages, split_k), or None
+    when the split does not divide K into whole tiles. sms: the device's SM count unless given."""
+    bn, bk, nw, ns, sk = entry
+    cfg = dict(gg.gemv_config(M, E), BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, num_stages=ns)
+    if rows is not None:
+        cfg["ROWS"] = rows
+    if sk is None:
+        sms = sms or torch.cuda.get_device_properties(0).multi_processor_count
+        sk = gg.split_k_for(gg.max_m_tiles(M, E, cfg["ROWS"], one_group), N, K, cfg, sms)
+    if K % (sk * bk):
+        return None
+    return dict(cfg, gemv=True, split_k=sk)
+
+
+def dot_default_kwargs(M: int, E: int, N: int, K: int, one_group: bool) -> dict:
+    """The dot kernel with its default tiles and split (grouped_gemm's choice before the GEMV)."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    cfg = gg.default_config(M, E, gg.FP8, N, sms)
+    return dict(split_k=gg.split_k_for(gg.max_m_tiles(M, E, cfg["BLOCK_M"], one_group), N, K, cfg, sms))
+
+
+def gemv_label(kw: dict) -> str:
+    return "gemv-r{ROWS}-bn{BLOCK_N}-bk{BLOCK_K}-w{num_warps}-s{num_stages}-sk{split_k}".format(**kw)
+
+
 def fp8_small(rows: list) -> None:
-    """FP8 (128 x 128 blocks, E8M0 scales) projections at decode sizes through the W8A16 Triton GEMM
-    (Linear.forward below FP8_GEMM_ROWS): the default tiles and split (`triton-auto`) against N tile
-    widths, K tile depths and K splits, with cuBLAS on the bf16 weight beside them. As dense_small,
-    each call reads the next of enough weight copies to exceed the L2; GBs counts the FP8 bytes."""
+    """FP8 (128 x 128 blocks, E8M0 scales) projections at decode sizes through the W8A16 Triton kernels
+    (Linear.forward below FP8_GEMM_ROWS): grouped_gemm's default (`triton-auto`: the GEMV at M <= 4), the
+    dot kernel's default tiles and split (`triton-dot-auto`), the dot kernel over N tile widths, K tile depths
+    and K splits (M = 1 and 64), the GEMV over GEMV_SWEEP (M = 1) / GEMV_SWEEP_M4 (M = 4), with cuBLAS on the
+    bf16 weight beside them. As dense_small, each call reads the next of enough weight copies to exceed the
+    L2; GBs counts the FP8 bytes. Then V4's routed experts (fp8_experts)."""
     import math
     import torch.nn.functional as F
 
@@ -317,25 +360,82 @@ def fp8_small(rows: list) -> None:
         it = itertools.cycle(ws)
         dense = itertools.cycle([(torch.randn(N, K, device="cuda") * 0.02).to(torch.bfloat16)
                                  for _ in range(max(2, math.ceil(256e6 / (2 * nbytes))))])
-        for M in (1, 64):
+        for M in (1, 4, 64):
             a = torch.randn(M, K, device="cuda").to(torch.bfloat16)
             variants = [("cublas-bf16", lambda: F.linear(a, next(dense))),
                         ("triton-auto", lambda: gg.grouped_gemm(a, *_pair(it), block_size=(128, 128)))]
-            for bn, bk, sk in itertools.product((32, 64, 128), (128, 256), (1, 2, 4, 8, 16)):
-                if K % (sk * bk) or K // (sk * bk) < 2:
-                    continue
-                variants.append((f"triton-bn{bn}-bk{bk}-sk{sk}", lambda bn=bn, bk=bk, sk=sk: gg._launch(
-                    a, *_pair(it), (128, 128), BLOCK_M=16 if M <= 16 else 64, BLOCK_N=bn, BLOCK_K=bk,
-                    num_warps=4, num_stages=4, split_k=sk)))
+            if M <= 4:  # the dot kernel's default (triton-auto's kernel at M = 64)
+                variants.append(("triton-dot-auto", lambda kw=dot_default_kwargs(M, 1, N, K, True): gg._launch(
+                    a, *_pair(it), (128, 128), **kw)))
+            if M != 4:  # the dot kernel's tiles (the clearly slowest of the b3a388c sweep, BLOCK_N 128 and
+                # 16 splits, dropped)
+                for bn, bk, sk in itertools.product((32, 64), (128, 256), (1, 2, 4)):
+                    if K % (sk * bk) or K // (sk * bk) < 2:
+                        continue
+                    variants.append((f"triton-bn{bn}-bk{bk}-sk{sk}", lambda bn=bn, bk=bk, sk=sk: gg._launch(
+                        a, *_pair(it), (128, 128), BLOCK_M=16 if M <= 16 else 64, BLOCK_N=bn, BLOCK_K=bk,
+                        num_warps=4, num_stages=4, split_k=sk)))
+            for entry in {1: GEMV_SWEEP, 4: GEMV_SWEEP_M4}.get(M, []):
+                kw = gemv_kwargs(M, 1, N, K, True, entry)
+                if kw is not None:
+                    variants.append((gemv_label(kw), lambda kw=kw: gg._launch(a, *_pair(it), (128, 128), **kw)))
             for name, f in variants:
-                try:
-                    t, n = device_time_and_launches(f)
-                except Exception as e:  # noqa: BLE001 (a tile that does not fit is a row, not the end of the sweep)
-                    rows.append({"kernel": "fp8-linear", "N": N, "K": K, "M": M, "impl": name, "error": str(e)[:200]})
-                    continue
-                rows.append({"kernel": "fp8-linear", "N": N, "K": K, "M": M, "impl": name, "ms": t, "launches": n,
-                             "GBs": (2 * nbytes if name.startswith("cublas") else nbytes) / t / 1e6})
-                print(json.dumps(rows[-1]), flush=True)
+                _timed_row(rows, {"kernel": "fp8-linear", "N": N, "K": K, "M": M, "impl": name}, f,
+                           2 * nbytes if name.startswith("cublas") else nbytes)
+        del ws, dense, it
+    fp8_experts(rows)
+
+
+def fp8_experts(rows: list) -> None:
+    """V4's routed experts at decode through W8A16: 256 experts, FP8 codes with folded (1, 128) E8M0 scales,
+    w1 / w3 (N 2048, K 4096) and w2 (N 4096, K 2048), 1 and 8 tokens x 6 experts routed at random (a new
+    routing each call, from 8 drawn beforehand, so the experts read are rarely in the L2): grouped_gemm's
+    default (`triton-auto`: the GEMV), the dot kernel's default tiles and split, GEMV_EXPERT_SWEEP. GBs: the
+    FP8 bytes of the experts a call reads (distinct experts of its routing)."""
+    E = 256
+    for N, K in ((2048, 4096), (4096, 2048)):
+        w = (torch.randn(E, N, K, device="cuda") * 8).to(torch.float8_e4m3fn)
+        s = torch.randint(115, 125, (E, N, K // 128), dtype=torch.uint8, device="cuda")
+        for tokens in (1, 8):
+            M = tokens * 6
+            routings = []
+            for _ in range(8):
+                idx = torch.stack([torch.randperm(E, device="cuda")[:6] for _ in range(tokens)])
+                counts = torch.bincount(idx.flatten(), minlength=E)
+                routings.append((torch.randn(M, K, device="cuda").to(torch.bfloat16),
+                                 torch.cumsum(counts, 0).to(torch.int32), int((counts > 0).sum())))
+            touched = sum(r[2] for r in routings) / len(routings)
+            it = itertools.cycle(routings)
+
+            def routed(launch, it=it):  # each call: the next routing's rows and offsets
+                def f():
+                    a, offs, _ = next(it)
+                    return launch(a, offs)
+                return f
+            variants = [("triton-auto", routed(lambda a, offs: gg.grouped_gemm(a, w, offs, s, (1, 128)))),
+                        ("triton-dot-auto", routed(lambda a, offs, kw=dot_default_kwargs(M, E, N, K, False):
+                                                   gg._launch(a, w, offs, s, (1, 128), **kw)))]
+            for r, bn, bk, nw, ns in GEMV_EXPERT_SWEEP:
+                kw = gemv_kwargs(M, E, N, K, False, (bn, bk, nw, ns, None), rows=r)
+                variants.append((gemv_label(kw), routed(lambda a, offs, kw=kw: gg._launch(a, w, offs, s, (1, 128),
+                                                                                        **kw))))
+            for name, f in variants:
+                _timed_row(rows, {"kernel": "fp8-experts", "N": N, "K": K, "tokens": tokens, "M": M, "impl": name},
+                           f, touched * N * K)
+        del w, s
+
+
+def _timed_row(rows: list, row: dict, f, nbytes: float) -> None:
+    """Times f (profiler device time and launches), appending the row with GBs = nbytes / time; a launch that
+    fails (a tile that does not fit) is an error row, not the end of the sweep."""
+    try:
+        t, n = device_time_and_launches(f)
+    except Exception as e:  # noqa: BLE001
+        rows.append({**row, "error": str(e)[:200]})
+        print(json.dumps(rows[-1]), flush=True)
+        return
+    rows.append({**row, "ms": t, "launches": n, "GBs": nbytes / t / 1e6})
+    print(json.dumps(rows[-1]), flush=True)
 
 
 def _pair(it):

@@ -38,6 +38,23 @@ Dequantisation in the K loop:
   * E8M0 bytes are decoded by placing the byte in an fp32 exponent field (byte 0 -> 2^-127).
 Under TRITON_INTERPRET=1 (CPU tensors) the dot operands are rounded to bf16 and then widened to
 fp32, because the interpreter's tl.dot cannot multiply bf16; on CUDA they stay bf16.
+
+GEMV (`_grouped_gemv_kernel`, decode row counts): with one row, tl.dot's 16-row MMA tile wastes 15/16
+of its work, and the dot kernel streamed FP8 weights at 0.7-2.2 TB/s at M = 1 on the H200
+(benchmarks/results/2026-12-02-h200-kernel-sweep-fp8-small-b3a388c.json). The GEMV kernel computes
+ROWS (1, 2, 4) rows x BLOCK_N columns a program without tensor cores: each K step loads a
+[BLOCK_N, BLOCK_K] weight tile (16 contiguous bytes a thread, pipelined through shared memory by
+cp.async over num_stages), widens it to fp32 exactly (e4m3 -> fp16 -> fp32; dense weights as they
+are), multiplies it by each row's bf16 activations widened to fp32 and sums each thread's 16-byte
+chunk of products in registers (FMAs, no shuffles in the loop). The FP8 block scale multiplies those
+chunk sums when a chunk never straddles two scale blocks (bi a multiple of the chunk: V4's 128-blocks,
+(1, 128) and (1, 32) experts), else each weight element; one reduction over the chunks ends the
+program. Same arguments, tile -> group map (ROWS is its row tile) and split-K partials as the dot
+kernel. With E8M0 scales both kernels sum fp32 products of the same exact operands (only the order
+of the fp32 sums differs); fp32 scales (not powers of two) multiply in fp32, without the bf16 rounding
+of the scaled weight that `reference` applies. FP4 stays on the dot kernel. `grouped_gemm` picks the
+GEMV from default tiles for FP8 at few rows per group (use_gemv; dense weights keep the dot kernel);
+explicit tiles (batch-invariant mode) never reach it.
 """
 from __future__ import annotations
 
@@ -126,6 +143,33 @@ def default_config(M: int, E: int, fmt: int = DENSE, N: int | None = None, sms: 
         return dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=128 if fmt == FP4 else 64, num_warps=4, num_stages=4)
     return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128 if fmt == FP4 else 64, num_warps=8, num_stages=3)
 
+
+# Provisional until measured on the H200 (benchmarks/kernel_sweep.py --only fp8-small): with default tiles
+# FP8 weights take the GEMV kernel when one group has at most GEMV_ROWS_ONE rows (a Linear at decode), or
+# several groups at most GEMV_ROWS rows each on average (routed experts, grouped projections at decode).
+GEMV_ROWS = 2
+GEMV_ROWS_ONE = 4
+
+
+def use_gemv(M: int, E: int, fmt: int) -> bool:
+    """Whether grouped_gemm's default tiles run M rows over E groups through the GEMV kernel."""
+    if fmt != FP8 or M == 0:
+        return False
+    return M <= GEMV_ROWS_ONE if E == 1 else M <= GEMV_ROWS * E
+
+
+def gemv_config(M: int, E: int) -> dict:
+    """GEMV tiles: ROWS covers the mean rows per group (1, 2, 4: one weight read per row tile; a group with
+    more rows takes several tiles). Weight tiles BLOCK_N x BLOCK_K = 32 x 256 FP8 (8 KiB), 4 warps: each
+    thread loads 16 contiguous bytes of 4 weight rows per K step. For V4's 4096 x 8192 projection at M = 1:
+    128 column tiles, split_k_for splits K 4 ways (8 K tiles each) -> 512 programs, ~3.9 per SM of 132; at
+    4 programs resident per SM (<= 128 registers a thread) and 2 K tiles in flight per program
+    (num_stages=2) that is 4 x 2 x 8 KiB = 64 KiB of weight requested per SM (>= 32 KiB needed to cover
+    HBM latency at ~4.8 TB/s: ~18 B / clock / SM x ~1000 clocks)."""
+    rows = 1
+    while rows < min(4, _cdiv(M, max(E, 1))):
+        rows *= 2
+    return dict(ROWS=rows, BLOCK_N=32, BLOCK_K=256, num_warps=4, num_stages=2)
 
 def max_m_tiles(M: int, E: int, block_m: int, one_group: bool = False) -> int:
     """Upper bound on sum_e cdiv(rows_e, block_m) over groups with sum_e rows_e <= M, from shapes only."""
@@ -258,6 +302,86 @@ if triton is not None:
         tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=rmask[:, None] & nmask[None, :])
 
 
+    @triton.jit
+    def _gemv_row(acc, w, a_rows, r: tl.constexpr, row0, row_end, M, ks, kmask, s_ak, sc,
+                  FMT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, KV: tl.constexpr):
+        """acc [BLOCK_N, BLOCK_K / KV] += row r's products with the widened tile w [BLOCK_N, BLOCK_K], summed over
+        each thread's KV contiguous K (FMAs in registers, no shuffles), times the chunk scales sc when FP8."""
+        a = tl.load(a_rows + ks * s_ak, mask=kmask & (row0 + r < row_end) & (row0 + r < M), other=0.0)
+        part = tl.sum(tl.reshape(w * a.to(tl.float32)[None, :], (BLOCK_N, BLOCK_K // KV, KV)), axis=2)
+        return acc + part * sc if FMT == 1 else acc + part
+
+    @triton.jit
+    def _grouped_gemv_kernel(a_ptr, w_ptr, s_ptr, offs_ptr, out_ptr, M, N, E,
+                             s_am, s_ak, s_we, s_wn, s_wk, s_se, s_sn, s_sk, s_om, s_on,
+                             K: tl.constexpr, FMT: tl.constexpr, E8M0: tl.constexpr, BO: tl.constexpr,
+                             BI: tl.constexpr, ONE_GROUP: tl.constexpr, E_PAD: tl.constexpr, ROWS: tl.constexpr,
+                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, KV: tl.constexpr,
+                             SPLIT_K: tl.constexpr = 1, STAGES: tl.constexpr = 1):
+        """The few-row path (module docstring, "GEMV"): ROWS (1, 2 or 4) rows x BLOCK_N columns a program, fp32
+        FMAs of exactly widened operands, no tl.dot. Same arguments and tile -> group map as the dot kernel;
+        KV: the weight elements one thread loads contiguously (16 bytes)."""
+        K_PART: tl.constexpr = K // SPLIT_K  # a multiple of BLOCK_K (the launcher checks)
+        k_lo = tl.program_id(2) * K_PART     # grid axis 2: the K splits (one without split-K)
+        live, row0, row_end, w_base, s_base = group_tile(tl.program_id(0), offs_ptr, M, E, w_ptr, s_ptr, s_we,
+                                                          s_se, ONE_GROUP, E_PAD, ROWS)
+        if live == 0:
+            return
+
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        nmask = cols < N
+        w_rows = w_base + cols.to(tl.int64)[:, None] * s_wn
+        chunk = tl.arange(0, BLOCK_K // KV)
+        # one accumulator per row (ROWS is 1, 2 or 4; unused ones are never updated or stored)
+        acc0 = tl.zeros([BLOCK_N, BLOCK_K // KV], dtype=tl.float32)
+        acc1 = tl.zeros([BLOCK_N, BLOCK_K // KV], dtype=tl.float32)
+        acc2 = tl.zeros([BLOCK_N, BLOCK_K // KV], dtype=tl.float32)
+        acc3 = tl.zeros([BLOCK_N, BLOCK_K // KV], dtype=tl.float32)
+        a_rows = a_ptr + row0.to(tl.int64) * s_am
+        for k0 in tl.range(k_lo, k_lo + K_PART, BLOCK_K, num_stages=STAGES):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            kmask = ks < K
+            wmask = nmask[:, None] & kmask[None, :]
+            w = tl.load(w_rows + ks[None, :] * s_wk, mask=wmask, other=0.0).to(tl.float32)  # exact widening
+            sc = 1.0
+            if FMT == 1:  # FP8: the block scale of each thread's KV-wide chunk (or of each element)
+                if BI % BLOCK_K == 0:  # one scale per column over the K tile
+                    s = tl.load(s_base + (cols // BO) * s_sn + (k0 // BI) * s_sk, mask=nmask, other=0)
+                    sc = (_e8m0(s) if E8M0 else s.to(tl.float32))[:, None]
+                elif BI % KV == 0 and BLOCK_K % BI == 0:  # a chunk never straddles two scale blocks
+                    # BLOCK_K / BI per-column scale vectors, spread over the chunks by selects: loads of
+                    # [BLOCK_N] take the chunks' layout, a [BLOCK_N, chunks] gather would impose its own
+                    sc = tl.zeros([BLOCK_N, BLOCK_K // KV], dtype=tl.float32)
+                    for j in tl.static_range(BLOCK_K // BI):
+                        s = tl.load(s_base + (cols // BO) * s_sn + (k0 // BI + j) * s_sk,
+                                    mask=nmask & (k0 + j * BI < K), other=0)
+                        s = _e8m0(s) if E8M0 else s.to(tl.float32)
+                        sc = tl.where((chunk * KV // BI == j)[None, :], s[:, None], sc)
+                else:  # odd blocks: scale each weight element
+                    s = tl.load(s_base + (cols // BO)[:, None] * s_sn + (ks // BI)[None, :] * s_sk, mask=wmask,
+                                other=0)
+                    w = w * (_e8m0(s) if E8M0 else s.to(tl.float32))
+            acc0 = _gemv_row(acc0, w, a_rows, 0, row0, row_end, M, ks, kmask, s_ak, sc, FMT, BLOCK_N, BLOCK_K, KV)
+            if ROWS > 1:
+                acc1 = _gemv_row(acc1, w, a_rows + s_am, 1, row0, row_end, M, ks, kmask, s_ak, sc, FMT, BLOCK_N,
+                                 BLOCK_K, KV)
+            if ROWS > 2:
+                acc2 = _gemv_row(acc2, w, a_rows + 2 * s_am, 2, row0, row_end, M, ks, kmask, s_ak, sc, FMT,
+                                 BLOCK_N, BLOCK_K, KV)
+                acc3 = _gemv_row(acc3, w, a_rows + 3 * s_am, 3, row0, row_end, M, ks, kmask, s_ak, sc, FMT,
+                                 BLOCK_N, BLOCK_K, KV)
+
+        out = out_ptr + row0.to(tl.int64) * s_om + cols * s_on
+        if SPLIT_K > 1:  # fp32 partials [SPLIT_K, M, N] (contiguous), summed in split order
+            out += tl.program_id(2).to(tl.int64) * M * N
+        ty = out_ptr.dtype.element_ty
+        tl.store(out, tl.sum(acc0, axis=1).to(ty), mask=nmask & (row0 < row_end) & (row0 < M))
+        if ROWS > 1:
+            tl.store(out + s_om, tl.sum(acc1, axis=1).to(ty), mask=nmask & (row0 + 1 < row_end) & (row0 + 1 < M))
+        if ROWS > 2:
+            tl.store(out + 2 * s_om, tl.sum(acc2, axis=1).to(ty), mask=nmask & (row0 + 2 < row_end) & (row0 + 2 < M))
+            tl.store(out + 3 * s_om, tl.sum(acc3, axis=1).to(ty), mask=nmask & (row0 + 3 < row_end) & (row0 + 3 < M))
+
 def split_k_for(m_tiles: int, N: int, K: int, cfg: dict, sms: int) -> int:
     """Splits of K when the output tiles (m_tiles row tiles x N / BLOCK_N) leave most SMs idle (decode:
     the FP8 projections, the experts of a few tokens): a power of two up to 16 that brings the
@@ -272,8 +396,10 @@ def split_k_for(m_tiles: int, N: int, K: int, cfg: dict, sms: int) -> int:
 
 def _launch(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor | None, scale: torch.Tensor | None,
             block_size: tuple[int, int], BLOCK_M=None, BLOCK_N=None, BLOCK_K=None, num_warps=None,
-            num_stages=None, split_k: int = 1) -> torch.Tensor:
-    """The Triton launch on whatever device the tensors are on (CPU only under TRITON_INTERPRET=1)."""
+            num_stages=None, split_k: int = 1, gemv: bool = False, ROWS=None) -> torch.Tensor:
+    """The Triton launch on whatever device the tensors are on (CPU only under TRITON_INTERPRET=1).
+    gemv=False: the dot kernel (tiles BLOCK_M / N / K); gemv=True: the GEMV kernel (tiles ROWS, BLOCK_N,
+    BLOCK_K; dense or FP8 weights). Unset tiles take default_config / gemv_config."""
     w, scale = _as_3d(w, scale, offs)
     fmt = _format(w)
     E, N = w.shape[0], w.shape[1]
@@ -304,11 +430,29 @@ def _launch(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor | None, scale: 
             scale = scale.view(torch.uint8)
         elif not scale.is_floating_point():
             raise TypeError(f"grouped_gemm: unsupported scale dtype {scale.dtype}")
-    cfg = default_config(M, E, fmt, N, sm_count(a.device) if a.is_cuda else None)
-    for k, v in (("BLOCK_M", BLOCK_M), ("BLOCK_N", BLOCK_N), ("BLOCK_K", BLOCK_K), ("num_warps", num_warps),
-                 ("num_stages", num_stages)):
+    one_group = offs is None
+    if gemv:
+        if fmt == FP4:
+            raise ValueError("grouped_gemm: the GEMV takes dense or FP8 weights (FP4 runs the dot kernel)")
+        if BLOCK_M is not None:
+            raise ValueError("grouped_gemm: the GEMV's row tile is ROWS, not BLOCK_M")
+        if ROWS not in (None, 1, 2, 4):
+            raise ValueError(f"grouped_gemm: the GEMV's ROWS must be 1, 2 or 4, got {ROWS}")
+        cfg = gemv_config(M, E)
+        given = (("ROWS", ROWS), ("BLOCK_N", BLOCK_N), ("BLOCK_K", BLOCK_K), ("num_warps", num_warps),
+                 ("num_stages", num_stages))
+    else:
+        if ROWS is not None:
+            raise ValueError("grouped_gemm: ROWS is the GEMV's row tile (gemv=True)")
+        cfg = default_config(M, E, fmt, N, sm_count(a.device) if a.is_cuda else None)
+        given = (("BLOCK_M", BLOCK_M), ("BLOCK_N", BLOCK_N), ("BLOCK_K", BLOCK_K), ("num_warps", num_warps),
+                 ("num_stages", num_stages))
+    for k, v in given:
         if v is not None:
             cfg[k] = v
+    if gemv and cfg["BLOCK_K"] % (16 // w.element_size()):
+        raise ValueError(f"grouped_gemm: the GEMV's BLOCK_K must be a multiple of {16 // w.element_size()} "
+                         f"(16 bytes of {w.dtype} a thread)")
     if fmt == FP4 and cfg["BLOCK_K"] < 32:
         raise ValueError("grouped_gemm: FP4 needs BLOCK_K >= 32 (each nibble plane feeds a K/2-wide dot)")
     out = torch.empty(M, N, dtype=torch.bfloat16, device=a.device)
@@ -316,18 +460,21 @@ def _launch(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor | None, scale: 
         return out
     if K == 0:
         return out.zero_()
-    one_group = offs is None
     if split_k > 1 and K % (split_k * cfg["BLOCK_K"]):
         raise ValueError(f"grouped_gemm: split_k {split_k} needs K % (split_k * BLOCK_K) == 0")
     dst = out if split_k == 1 else torch.empty(split_k, M, N, dtype=torch.float32, device=a.device)
-    grid = (max_m_tiles(M, E, cfg["BLOCK_M"], one_group), triton.cdiv(N, cfg["BLOCK_N"]), split_k)
-    _grouped_gemm_kernel[grid](
-        a, w, scale, a if one_group else offs, dst, M, N, E,
-        a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2),
-        scale.stride(0), scale.stride(1), scale.stride(2), N, 1,
-        K=K, FMT=fmt, E8M0=e8m0, BO=bo, BI=bi, ONE_GROUP=one_group, E_PAD=max(16, triton.next_power_of_2(E)),
-        OP=tl.bfloat16 if a.is_cuda else tl.float32,  # the interpreter's tl.dot cannot multiply bf16
-        SPLIT_K=split_k, **cfg)
+    args = (a, w, scale, a if one_group else offs, dst, M, N, E,
+            a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2),
+            scale.stride(0), scale.stride(1), scale.stride(2), N, 1)
+    common = dict(K=K, FMT=fmt, E8M0=e8m0, BO=bo, BI=bi, ONE_GROUP=one_group,
+                  E_PAD=max(16, triton.next_power_of_2(E)), SPLIT_K=split_k)
+    if gemv:
+        grid = (max_m_tiles(M, E, cfg["ROWS"], one_group), triton.cdiv(N, cfg["BLOCK_N"]), split_k)
+        _grouped_gemv_kernel[grid](*args, **common, KV=16 // w.element_size(), STAGES=cfg["num_stages"], **cfg)
+    else:
+        grid = (max_m_tiles(M, E, cfg["BLOCK_M"], one_group), triton.cdiv(N, cfg["BLOCK_N"]), split_k)
+        _grouped_gemm_kernel[grid](*args, **common, **cfg,
+                                   OP=tl.bfloat16 if a.is_cuda else tl.float32)  # interpreter: no bf16 tl.dot
     if split_k > 1:
         split_sum_into(dst, out)
     return out
@@ -339,20 +486,33 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor | None, sc
                  num_stages: int | None = None) -> torch.Tensor:
     """out [M, N] bf16 = A [M, K] bf16 @ W[e]^T per row group. Triton on CUDA, `reference` elsewhere.
     `block_size` (bo, bi) is read for FP8 weights only; the format follows w.dtype (bf16/fp16/fp32
-    dense, float8_e4m3fn FP8, int8 packed FP4). Tile kwargs default to `default_config(M, E)`.
-    No host sync: the launch depends on shapes only (CUDA-graph capturable)."""
+    dense, float8_e4m3fn FP8, int8 packed FP4). Without tile kwargs `default_launch` picks the kernel
+    (FP8 at decode row counts: the GEMV), its tiles and K split; with them, the dot kernel runs them as
+    given. No host sync: the launch depends on shapes only (CUDA-graph capturable)."""
     if triton is None or not a.is_cuda:
         return reference(a, w, offs, scale, block_size)
     if a.dtype != torch.bfloat16:
         raise TypeError(f"grouped_gemm: activations must be bf16, got {a.dtype}")
-    split_k = 1
-    if all(v is None for v in (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages)):
-        # default tiles (explicit tiles, as batch-invariant mode passes, never split)
-        fmt, (E, N, Kw) = _format(w), (w.shape if w.dim() == 3 else (1, *w.shape))
-        K = Kw * 2 if fmt == FP4 else Kw
-        sms = sm_count(a.device)
-        cfg = default_config(a.shape[0], E, fmt, N, sms)
-        split_k = split_k_for(max_m_tiles(a.shape[0], E, cfg["BLOCK_M"], offs is None), N, K, cfg, sms)
-    return _launch(a, w, offs, scale, block_size, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
-                   num_warps=num_warps, num_stages=num_stages, split_k=split_k)
+    tiles = dict(BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=num_warps, num_stages=num_stages)
+    return _launch(a, w, offs, scale, block_size, **launch_kwargs(a.shape[0], w, offs, tiles, sm_count(a.device)))
+
+
+def launch_kwargs(M: int, w: torch.Tensor, offs: torch.Tensor | None, tiles: dict, sms: int) -> dict:
+    """grouped_gemm's _launch kwargs for M rows: any tile given -> those tiles, dot kernel, no K split
+    (batch-invariant mode: one path at every M); none -> default_launch."""
+    if any(v is not None for v in tiles.values()):
+        return tiles
+    fmt, (E, N, Kw) = _format(w), (w.shape if w.dim() == 3 else (1, *w.shape))
+    return default_launch(M, E, fmt, N, Kw * 2 if fmt == FP4 else Kw, sms, offs is None)
+
+
+def default_launch(M: int, E: int, fmt: int, N: int, K: int, sms: int, one_group: bool) -> dict:
+    """_launch's kwargs when grouped_gemm is given no tiles: the GEMV kernel where use_gemv says so, else
+    the dot kernel, each with default tiles and split_k_for's K split. Explicit tiles (batch-invariant mode
+    passes them at every M) skip this: the dot kernel, unsplit, whatever the row count."""
+    if use_gemv(M, E, fmt):
+        cfg = gemv_config(M, E)
+        return dict(gemv=True, split_k=split_k_for(max_m_tiles(M, E, cfg["ROWS"], one_group), N, K, cfg, sms))
+    cfg = default_config(M, E, fmt, N, sms)
+    return dict(split_k=split_k_for(max_m_tiles(M, E, cfg["BLOCK_M"], one_group), N, K, cfg, sms))
 

@@ -336,3 +336,229 @@ def test_folded_fp4_experts_keep_decode_on_the_scaled_product(tmp_path):
         "                  num_warps=1, num_stages=1)\n"
         "    torch.testing.assert_close(got.float(), d['want'].float(), atol=2e-2, rtol=1.6e-2)\n"
         "print('ok')\n")
+
+
+# ---------------------------------------------------------------- GEMV (few rows per group)
+
+# (fmt, counts, N, K, block, scale dtype, tiles, split_k): one group at M = 1..4 (2-D weight and offs forms),
+# groups with ragged / empty / more rows than ROWS, V4's (128, 128) linears and (1, 128) / (1, 32) experts (a
+# K tile inside one scale block, or BLOCK_K / 32 blocks a tile), odd blocks (each element scaled), fp32 and
+# E8M0 scales, split-K, dense weights (8 bf16 a thread's chunk).
+GEMV_CASES = [
+    ("fp8", [1], 40, 512, (128, 128), "e8m0", dict(BLOCK_N=16, BLOCK_K=256), 1),
+    ("fp8", [2], 40, 512, (128, 128), "e8m0", dict(BLOCK_N=16, BLOCK_K=128), 1),
+    ("fp8", [3], 40, 512, (128, 128), "fp32", dict(BLOCK_N=32, BLOCK_K=64), 2),
+    ("fp8", [4], 24, 512, (128, 128), "e8m0", dict(BLOCK_N=16, BLOCK_K=256), 2),
+    ("fp8", [0, 1, 5, 0, 2, 3], 40, 256, (1, 128), "e8m0", dict(ROWS=1, BLOCK_N=16, BLOCK_K=128), 1),
+    ("fp8", [0, 1, 5, 0, 2, 3], 40, 256, (1, 128), "e8m0", dict(ROWS=2, BLOCK_N=16, BLOCK_K=256), 1),
+    ("fp8", [0, 1, 5, 0, 2, 3], 40, 256, (1, 32), "e8m0", dict(ROWS=4, BLOCK_N=16, BLOCK_K=128), 1),
+    ("fp8", [2, 0, 7], 40, 256, (1, 32), "e8m0", dict(ROWS=2, BLOCK_N=16, BLOCK_K=32), 2),
+    ("fp8", [0, 3, 1, 0], 24, 512, (128, 128), "fp32", dict(ROWS=2, BLOCK_N=16, BLOCK_K=128), 2),
+    ("fp8", [2, 0, 5], 40, 96, (16, 48), "fp32", dict(ROWS=2, BLOCK_N=16, BLOCK_K=64), 1),
+    ("bf16", [2, 0, 3], 40, 256, (128, 128), "e8m0", dict(ROWS=2, BLOCK_N=16, BLOCK_K=64), 2),
+]
+
+GEMV_CHECK = (
+    "import pathlib, runpy, tempfile\n"
+    "import torch\n"
+    "from deepinfer.kernels import grouped_gemm as gg\n"
+    "from deepinfer.formats.quant import dequant_fp8_blocks\n"
+    "from test_grouped_gemm import GEMV_CASES, make_case\n"
+    "def run(launch):\n"
+    "    for fmt, counts, N, K, block, sd, tiles, split in GEMV_CASES:\n"
+    "        a, w, offs, s = (None if t is None else t.to(DEV) for t in make_case(counts, N, K, fmt, block, sd))\n"
+    "        want = gg.reference(a, w, offs, s, block).float()\n"
+    "        kw = dict(tiles, num_warps=4, num_stages=2, split_k=split, gemv=True)\n"
+    "        got = [launch(a, w, offs, s, block, **kw)]\n"
+    "        if len(counts) == 1:  # one group: 2-D weight, no offs\n"
+    "            got.append(launch(a, w[0], None, None if s is None else s[0], block, **kw))\n"
+    "        for g in got:\n"
+    "            assert g.shape == want.shape and g.dtype == torch.bfloat16\n"
+    "            torch.testing.assert_close(g.float(), want, atol=2e-2, rtol=1.6e-2)\n"
+    # exactness: one-hot rows of A read every finite e4m3 code back times its E8M0 scale (subnormals included)
+    "    K, N = 128, 256\n"
+    "    codes = torch.arange(N * K) % 256\n"
+    "    codes = torch.where((codes & 0x7F) == 0x7F, 0, codes)  # NaN codes\n"
+    "    w = codes.to(torch.uint8).view(torch.float8_e4m3fn).view(N, K)\n"
+    "    s = torch.arange(2 * K // 32).to(torch.uint8).add(112).view(2, K // 32).view(torch.float8_e8m0fnu)\n"
+    "    a = torch.eye(K, dtype=torch.bfloat16)[:64]\n"
+    "    want = dequant_fp8_blocks(w, s, (128, 32), torch.float32).T[:64]\n"
+    "    for rows in (1, 4):\n"
+    "        got = launch(a.to(DEV), w.to(DEV), None, s.to(DEV), (128, 32), gemv=True, ROWS=rows, BLOCK_N=32,\n"
+    "                     BLOCK_K=64, num_warps=4, num_stages=2)\n"
+    "        assert torch.equal(got.float().cpu(), want), (got.float().cpu() - want).abs().max()\n"
+    "run(gg._launch)\n"
+    "if DEV == 'cpu':  # mutants of the GEMV kernel (run from a copy of the module) must fail the same checks\n"
+    "    src = pathlib.Path(gg.__file__).read_text()\n"
+    "    for old, new in (('(chunk * KV // BI == j)', '(chunk // BI == j)'),\n"
+    "                     ('a_rows + 3 * s_am, 3', 'a_rows + 2 * s_am, 3'),\n"
+    "                     ('return acc + part * sc if FMT == 1', 'return acc + part if FMT == 1'),\n"
+    "                     ('s_se, ONE_GROUP, E_PAD, ROWS)', 's_se, ONE_GROUP, E_PAD, 1)'),\n"
+    "                     ('sc = (_e8m0(s) if E8M0 else s.to(tl.float32))[:, None]',\n"
+    "                      'sc = (_e8m0(s + 1) if E8M0 else s.to(tl.float32) * 2)[:, None]')):\n"
+    "        assert src.count(old) == 1, old\n"
+    "        copy = pathlib.Path(tempfile.mkdtemp()) / 'grouped_gemm_mutant.py'\n"
+    "        copy.write_text(src.replace(old, new))\n"
+    "        try:\n"
+    "            run(runpy.run_path(str(copy))['_launch'])\n"
+    "        except AssertionError:\n"
+    "            continue\n"
+    "        raise SystemExit(f'the mutant {new!r} passed the checks')\n"
+    "print('ok')\n")
+test_gemv_matches_reference_in_the_triton_interpreter, test_gemv_matches_reference_on_gpu = interpreted_and_gpu(
+    GEMV_CHECK, "DEV = 'cpu'\n", "DEV = 'cuda'\n")
+
+
+def test_gemv_dispatch():
+    """Default tiles send FP8 at few rows per group to the GEMV (ROWS covering the mean rows per group), the
+    rest to the dot kernel; explicit tiles (batch-invariant mode's GEMM_TILES) never reach the GEMV, at any M."""
+    from deepinfer.kernels.grouped_gemm import (DENSE, FP4, FP8, GEMV_ROWS, GEMV_ROWS_ONE, default_launch,
+                                                gemv_config, launch_kwargs, use_gemv)
+    from deepinfer.layers.invariant import GEMM_TILES
+
+    assert [use_gemv(M, 1, FP8) for M in range(7)] == [False] + [M <= GEMV_ROWS_ONE for M in range(1, 7)]
+    assert use_gemv(6, 256, FP8) and use_gemv(48, 256, FP8) and use_gemv(GEMV_ROWS * 8, 8, FP8)
+    assert not use_gemv(GEMV_ROWS * 8 + 1, 8, FP8)
+    assert not any(use_gemv(1, E, f) for E in (1, 8, 256) for f in (DENSE, FP4))
+    assert [gemv_config(M, 1)["ROWS"] for M in (1, 2, 3, 4)] == [1, 2, 4, 4]
+    assert gemv_config(6, 256)["ROWS"] == 1 and gemv_config(16, 8)["ROWS"] == 2
+    # V4's 4096 x 8192 projection at M = 1: >= 2 programs per SM of the H200's 132
+    kw = default_launch(1, 1, FP8, 4096, 8192, 132, True)
+    cfg = gemv_config(1, 1)
+    assert kw["gemv"] and -(-4096 // cfg["BLOCK_N"]) * kw["split_k"] >= 2 * 132
+    assert "gemv" not in default_launch(64, 1, FP8, 4096, 8192, 132, True)
+    w8, wd = torch.empty(256, 64, 256, dtype=torch.float8_e4m3fn), torch.empty(256, 64, 256, dtype=torch.bfloat16)
+    offs = torch.zeros(256, dtype=torch.int32)
+    for M in (1, 2, 4, 6, 48, 512, 4096):
+        assert launch_kwargs(M, w8, offs, GEMM_TILES, 132) == GEMM_TILES
+        assert launch_kwargs(M, w8[0], None, GEMM_TILES, 132) == GEMM_TILES
+        assert launch_kwargs(M, w8, offs, dict(BLOCK_N=64), 132) == dict(BLOCK_N=64)
+        assert launch_kwargs(M, wd, offs, dict.fromkeys(GEMM_TILES), 132).get("gemv") is None
+    none = dict.fromkeys(GEMM_TILES)
+    assert launch_kwargs(1, w8[0], None, none, 132)["gemv"] and launch_kwargs(6, w8, offs, none, 132)["gemv"]
+
+
+def test_gemv_launch_errors():
+    pytest.importorskip("triton")
+    from deepinfer.kernels.grouped_gemm import _launch
+    a, w, offs, s = make_case([2], 16, 64, "fp8")
+    for kw, match in ((dict(ROWS=3), "ROWS must be 1, 2 or 4"), (dict(BLOCK_M=16), "ROWS, not BLOCK_M"),
+                      (dict(BLOCK_K=8), "multiple of 16")):
+        with pytest.raises(ValueError, match=match):
+            _launch(a, w, offs, s, (128, 128), gemv=True, **kw)
+    with pytest.raises(ValueError, match="gemv=True"):
+        _launch(a, w, offs, s, (128, 128), ROWS=2)
+    a, w, offs, s = make_case([2], 16, 64, "fp4")
+    with pytest.raises(ValueError, match="FP4 runs the dot kernel"):
+        _launch(a, w, offs, s, (128, 128), gemv=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("counts,N,K,block", [([1], 4096, 8192, (128, 128)), ([3], 1536, 4096, (128, 128)),
+                                              ([4], 32768, 1024, (128, 128)),
+                                              ([1] * 6 + [0] * 58, 2048, 4096, (1, 128)),
+                                              ([0, 2, 1, 0, 3] + [1] * 40 + [0] * 19, 4096, 2048, (1, 128)),
+                                              ([0, 2, 1, 0, 3] + [1] * 40 + [0] * 19, 2048, 4096, (1, 32))])
+def test_gemv_default_path_on_gpu(counts, N, K, block, monkeypatch):
+    """grouped_gemm's default tiles run the GEMV at V4's decode shapes (Linear at M <= 4; experts' N, K and
+    scales at 1 and ~8 tokens x 6 rows, over 64 of the 256 experts to keep the host-side case small) and match
+    `reference`; with batch-invariant mode's tiles the GEMV kernel is never launched."""
+    from deepinfer.kernels import grouped_gemm as gg
+    from deepinfer.layers.invariant import GEMM_TILES
+    a, w, offs, s = make_case(counts, N, K, "fp8", block, "e8m0", device="cuda", exps=(117, 122))
+    if len(counts) == 1:
+        w, offs, s = w[0], None, s[0]
+    assert gg.launch_kwargs(a.shape[0], w, offs, dict.fromkeys(GEMM_TILES), 132)["gemv"]
+    want = reference(a, w, offs, s, block)
+    torch.testing.assert_close(grouped_gemm(a, w, offs, s, block).float(), want.float(), atol=3e-2, rtol=2e-2)
+
+    class Refuse:
+        def __getitem__(self, grid):
+            raise AssertionError("the GEMV was launched")
+    monkeypatch.setattr(gg, "_grouped_gemv_kernel", Refuse())
+    torch.testing.assert_close(grouped_gemm(a, w, offs, s, block, **GEMM_TILES).float(), want.float(), atol=3e-2,
+                               rtol=2e-2)
+    with pytest.raises(AssertionError, match="GEMV was launched"):
+        grouped_gemm(a, w, offs, s, block)
+
+
+@pytest.mark.gpu
+def test_gemv_replays_in_a_cuda_graph_with_new_offsets():
+    from deepinfer.kernels import grouped_gemm as gg
+    a, w, offs, s = make_case([2, 0, 5, 1], 256, 512, "fp8", (1, 128), device="cuda")
+    assert gg.launch_kwargs(8, w, offs, {}, 132)["gemv"]
+    grouped_gemm(a, w, offs, s, (1, 128))  # compile outside the capture
+    a1, w1, _, s1 = make_case([1], 1024, 4096, "fp8", device="cuda")
+    grouped_gemm(a1, w1[0], None, s1[0])  # one group, split over K
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = grouped_gemm(a, w, offs, s, (1, 128))
+        out1 = grouped_gemm(a1, w1[0], None, s1[0])
+    for counts in ([8, 0, 0, 0], [0, 0, 0, 8], [1, 2, 3, 2], [0, 0, 0, 0]):
+        offs.copy_(torch.tensor(counts, device="cuda").cumsum(0))
+        a.normal_()
+        a1.normal_()
+        graph.replay()
+        _check(out[:sum(counts)], reference(a, w, offs, s, (1, 128))[:sum(counts)])
+        _check(out1, reference(a1, w1[0], None, s1[0]))
+
+
+def _gemv_builds(launches) -> list:
+    """(launch, compiled kernel, ptxas usage) of each distinct GEMV launch recorded, built as the JIT builds
+    it on the H200 (tests/kernels/sm90.py, benchmarks/sm90_kernel_resources.py)."""
+    from sm90 import compile_sm90, record
+    from sm90_kernel_resources import ptxas_usage
+    with record() as got:
+        launches()
+    got = [launch for launch in got if launch.fn.__name__ == "_grouped_gemv_kernel"]
+    assert got
+    built = []
+    for launch in {launch.key: launch for launch in got}.values():
+        kernel = compile_sm90(launch, specialize=True)
+        built.append((launch, kernel, ptxas_usage(kernel.asm["ptx"])))
+    return built
+
+
+def test_gemv_default_launches_build_for_sm90_without_spills(monkeypatch):
+    """test_sm90_compile's GEMV launches (V4's decode linears and experts, default tiles): no spills, at most 128
+    registers (4 programs of 4 warps an SM), the weight tile pipelined by cp.async, and no layout conversion
+    inside the K loop (each thread's 16-wide chunks summed where they were loaded)."""
+    pytest.importorskip("triton")
+    from pathlib import Path
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    from test_sm90_compile import gemv_expert_launches, gemv_linear_launches
+
+    for launch, kernel, usage in _gemv_builds(lambda: (gemv_expert_launches(), gemv_linear_launches())):
+        what = (launch.constexprs, launch.options, usage)
+        assert usage["spill_stores"] == 0 and usage["spill_loads"] == 0 and usage["registers"] <= 128, what
+        ttgir = kernel.asm["ttgir"]
+        assert ttgir.count("ttg.async_copy_global_to_local") >= 1, what
+        loop = ttgir[ttgir.index("scf.for"):ttgir.index("scf.yield")]
+        assert "ttg.convert_layout" not in loop, what
+
+
+def test_gemv_sweep_entries_build_for_sm90_without_spills(monkeypatch):
+    """benchmarks/kernel_sweep.py's GEMV entries at V4's 4096 x 8192 projection (M = 1 and 4) and the experts'
+    w1 (1 token x 6): each builds for sm_90 within its shared memory, without spills."""
+    pytest.importorskip("triton")
+    from pathlib import Path
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    from kernel_sweep import GEMV_EXPERT_SWEEP, GEMV_SWEEP, GEMV_SWEEP_M4, gemv_kwargs
+    from test_sm90_compile import SM90_MAX_SHARED
+    from deepinfer.kernels.grouped_gemm import _launch
+
+    e4, u8 = torch.float8_e4m3fn, torch.uint8
+    assert len(set(GEMV_SWEEP)) == len(GEMV_SWEEP) == 20
+
+    def launches():
+        for M, sweep in ((1, GEMV_SWEEP), (4, GEMV_SWEEP_M4)):
+            for entry in sweep:
+                kw = gemv_kwargs(M, 1, 4096, 8192, True, entry, sms=132)
+                _launch(torch.empty(M, 8192, dtype=torch.bfloat16), torch.empty(4096, 8192, dtype=e4), None,
+                        torch.zeros(32, 64, dtype=u8), (128, 128), **kw)
+        for r, bn, bk, nw, ns in GEMV_EXPERT_SWEEP:
+            kw = gemv_kwargs(6, 256, 2048, 4096, False, (bn, bk, nw, ns, None), rows=r, sms=132)
+            _launch(torch.empty(6, 4096, dtype=torch.bfloat16), torch.empty(256, 2048, 4096, dtype=e4),
+                    torch.zeros(256, dtype=torch.int32), torch.zeros(256, 2048, 32, dtype=u8), (1, 128), **kw)
+    for launch, kernel, usage in _gemv_builds(launches):
+        assert usage["spill_stores"] == 0 and kernel.metadata.shared <= SM90_MAX_SHARED, (launch.constexprs, usage)

@@ -62,6 +62,7 @@ def moe_launches():
                          _i(8, 32, dtype=torch.uint8).view(torch.float8_e8m0fnu), (128, 128), split_k=8)
     grouped_gemm._launch(_e(6, 4096), _e(4, 2048, 4096), _i(4, dtype=torch.int32), None, (128, 128),
                          **invariant.GEMM_TILES)
+    gemv_expert_launches()
     for T in (1, 64):
         moe_align._launch(_i(T, 6), 256)
         router._launch(_e(T, 256, dtype=torch.float32), 6, 1.5, _i(T), _i(1000, 6))
@@ -72,7 +73,34 @@ def moe_launches():
         swiglu._launch(_e(T, 2048), _e(T, 2048), 10.0, BF)
 
 
+def gemv_expert_launches():
+    """grouped_gemm's GEMV with its default tiles and split: V4's routed experts (FP8 codes, folded (1, 128) and
+    (1, 32) E8M0 scales) at 1 and 8 tokens x 6 (w1 / w3 N=2048 K=4096, w2 N=4096 K=2048)."""
+    for M, block in ((6, (1, 128)), (48, (1, 128)), (6, (1, 32))):
+        for N, K in ((2048, 4096), (4096, 2048)):
+            kw = grouped_gemm.default_launch(M, 256, grouped_gemm.FP8, N, K, 132, False)
+            assert kw.get("gemv"), (M, N, K)
+            grouped_gemm._launch(_e(M, K), _e(256, N, K, dtype=torch.float8_e4m3fn), _i(256, dtype=torch.int32),
+                                 _i(256, N, K // block[1], dtype=torch.uint8).view(torch.float8_e8m0fnu), block, **kw)
+
+
+def gemv_linear_launches():
+    """grouped_gemm's GEMV with its default tiles and split: V4's FP8 (128 x 128 blocks) decode projections at 1
+    and 3 rows (ROWS 1 and 4), and a grouped projection (wo_a: 8 groups, 2 rows each)."""
+    for M in (1, 3):
+        for N, K in ((1536, 4096), (32768, 1024), (4096, 8192), (64, 4096)):
+            kw = grouped_gemm.default_launch(M, 1, grouped_gemm.FP8, N, K, 132, True)
+            assert kw.get("gemv"), (M, N, K)
+            grouped_gemm._launch(_e(M, K), _e(N, K, dtype=torch.float8_e4m3fn), None,
+                                 _i(-(-N // 128), K // 128, dtype=torch.uint8).view(torch.float8_e8m0fnu), (128, 128),
+                                 **kw)
+    kw = grouped_gemm.default_launch(16, 8, grouped_gemm.FP8, 1024, 4096, 132, False)
+    grouped_gemm._launch(_e(16, 4096), _e(8, 1024, 4096, dtype=torch.float8_e4m3fn), _i(8, dtype=torch.int32),
+                         _i(8, 8, 32, dtype=torch.uint8).view(torch.float8_e8m0fnu), (128, 128), **kw)
+
+
 def dense_launches():
+    gemv_linear_launches()
     for M, dtype in ((1, BF), (200, BF), (3, torch.float32)):
         invariant_matmul._launch(_e(M, 4096, dtype=dtype), _e(1024, 4096, dtype=dtype))
         invariant_matmul._launch(_e(M, 4096, dtype=dtype), _e(1024, 4096, dtype=dtype), torch.float32, n_splits=1)
