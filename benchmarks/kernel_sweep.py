@@ -367,8 +367,8 @@ def fp8_small(rows: list) -> None:
             if M <= 4:  # the dot kernel's default (triton-auto's kernel at M = 64)
                 variants.append(("triton-dot-auto", lambda kw=dot_default_kwargs(M, 1, N, K, True): gg._launch(
                     a, *_pair(it), (128, 128), **kw)))
-            if M != 4:  # the dot kernel's tiles (the clearly slowest of the b3a388c sweep, BLOCK_N 128 and
-                # 16 splits, dropped)
+            if M != 4:  # the dot kernel's tiles (dropped, as the slowest of the b3a388c sweep or never the
+                # best of a shape at M = 1 or 64 but N = 64's: BLOCK_N 128, 8 and 16 splits)
                 for bn, bk, sk in itertools.product((32, 64), (128, 256), (1, 2, 4)):
                     if K % (sk * bk) or K // (sk * bk) < 2:
                         continue
@@ -377,7 +377,8 @@ def fp8_small(rows: list) -> None:
                         num_warps=4, num_stages=4, split_k=sk)))
             for entry in {1: GEMV_SWEEP, 4: GEMV_SWEEP_M4}.get(M, []):
                 kw = gemv_kwargs(M, 1, N, K, True, entry)
-                if kw is not None:
+                if kw is not None and gemv_label(kw) not in {name for name, _ in variants}:  # an explicit split
+                    # equal to the automatic one is timed once
                     variants.append((gemv_label(kw), lambda kw=kw: gg._launch(a, *_pair(it), (128, 128), **kw)))
             for name, f in variants:
                 _timed_row(rows, {"kernel": "fp8-linear", "N": N, "K": K, "M": M, "impl": name}, f,
@@ -386,14 +387,18 @@ def fp8_small(rows: list) -> None:
     fp8_experts(rows)
 
 
+# V4's routed experts: w1 / w3 and w2 (N, K), 256 experts
+EXPERT_SHAPES, EXPERTS = ((2048, 4096), (4096, 2048)), 256
+
+
 def fp8_experts(rows: list) -> None:
     """V4's routed experts at decode through W8A16: 256 experts, FP8 codes with folded (1, 128) E8M0 scales,
     w1 / w3 (N 2048, K 4096) and w2 (N 4096, K 2048), 1 and 8 tokens x 6 experts routed at random (a new
     routing each call, from 8 drawn beforehand, so the experts read are rarely in the L2): grouped_gemm's
     default (`triton-auto`: the GEMV), the dot kernel's default tiles and split, GEMV_EXPERT_SWEEP. GBs: the
     FP8 bytes of the experts a call reads (distinct experts of its routing)."""
-    E = 256
-    for N, K in ((2048, 4096), (4096, 2048)):
+    E = EXPERTS
+    for N, K in EXPERT_SHAPES:
         w = (torch.randn(E, N, K, device="cuda") * 8).to(torch.float8_e4m3fn)
         s = torch.randint(115, 125, (E, N, K // 128), dtype=torch.uint8, device="cuda")
         for tokens in (1, 8):
