@@ -380,12 +380,16 @@ def fp8_small(rows: list) -> None:
                 if kw is not None and gemv_label(kw) not in {name for name, _ in variants}:  # an explicit split
                     # equal to the automatic one is timed once
                     variants.append((gemv_label(kw), lambda kw=kw: gg._launch(a, *_pair(it), (128, 128), **kw)))
+            if QUICK:  # the defaults only: what the engine runs against the dot kernel and cuBLAS
+                variants = [v for v in variants if v[0] in ("cublas-bf16", "triton-auto", "triton-dot-auto")]
             for name, f in variants:
                 _timed_row(rows, {"kernel": "fp8-linear", "N": N, "K": K, "M": M, "impl": name}, f,
                            2 * nbytes if name.startswith("cublas") else nbytes)
         del ws, dense, it
     fp8_experts(rows)
 
+
+QUICK = False  # --quick: fp8-small times the default kernels only (a short device call)
 
 # V4's routed experts: w1 / w3 and w2 (N, K), 256 experts
 EXPERT_SHAPES, EXPERTS = ((2048, 4096), (4096, 2048)), 256
@@ -420,7 +424,7 @@ def fp8_experts(rows: list) -> None:
             variants = [("triton-auto", routed(lambda a, offs: gg.grouped_gemm(a, w, offs, s, (1, 128)))),
                         ("triton-dot-auto", routed(lambda a, offs, kw=dot_default_kwargs(M, E, N, K, False):
                                                    gg._launch(a, w, offs, s, (1, 128), **kw)))]
-            for r, bn, bk, nw, ns in GEMV_EXPERT_SWEEP:
+            for r, bn, bk, nw, ns in () if QUICK else GEMV_EXPERT_SWEEP:
                 kw = gemv_kwargs(M, E, N, K, False, (bn, bk, nw, ns, None), rows=r)
                 variants.append((gemv_label(kw), routed(lambda a, offs, kw=kw: gg._launch(a, w, offs, s, (1, 128),
                                                                                         **kw))))
@@ -454,9 +458,13 @@ def main() -> None:
     sweeps = {"moe": moe_sweep, "attn": attn_sweep, "attn-kinds": attn_kinds, "rope": rope_sweep,
               "decode-small": decode_small, "dense-small": dense_small, "fp8-small": fp8_small}
     ap.add_argument("--only", choices=tuple(sweeps))
+    ap.add_argument("--quick", action="store_true", help="fp8-small: the default kernels only (cuBLAS bf16, "
+                    "grouped_gemm's default, the dot kernel's default)")
     ap.add_argument("--out")
     add_commit_arg(ap)
     args = ap.parse_args()
+    global QUICK
+    QUICK = args.quick
     torch.manual_seed(0)
     rows: list = []
     for name, sweep in sweeps.items():

@@ -40,8 +40,8 @@ Under TRITON_INTERPRET=1 (CPU tensors) the dot operands are rounded to bf16 and 
 fp32, because the interpreter's tl.dot cannot multiply bf16; on CUDA they stay bf16.
 
 GEMV (`_grouped_gemv_kernel`, decode row counts): with one row, tl.dot's 16-row MMA tile wastes 15/16
-of its work, and the dot kernel streamed FP8 weights at 0.7-2.2 TB/s at M = 1 on the H200
-(benchmarks/results/2026-12-02-h200-kernel-sweep-fp8-small-b3a388c.json). The GEMV kernel computes
+of its work, and the dot kernel streamed FP8 weights far below the HBM bandwidth at M = 1 (measured:
+benchmarks/NOTES.md, "Measurements behind the kernels' defaults"). The GEMV kernel computes
 ROWS (1, 2, 4) rows x BLOCK_N columns a program without tensor cores: each K step loads a
 [BLOCK_N, BLOCK_K] weight tile (16 contiguous bytes a thread, pipelined through shared memory by
 cp.async over num_stages), widens it to fp32 exactly (e4m3 -> fp16 -> fp32; dense weights as they
@@ -164,8 +164,8 @@ def gemv_config(M: int, E: int) -> dict:
     thread loads 16 contiguous bytes of 4 weight rows per K step. For V4's 4096 x 8192 projection at M = 1:
     128 column tiles, split_k_for splits K 4 ways (8 K tiles each) -> 512 programs, ~3.9 per SM of 132; at
     4 programs resident per SM (<= 128 registers a thread) and 2 K tiles in flight per program
-    (num_stages=2) that is 4 x 2 x 8 KiB = 64 KiB of weight requested per SM (>= 32 KiB needed to cover
-    HBM latency at ~4.8 TB/s: ~18 B / clock / SM x ~1000 clocks)."""
+    (num_stages=2) that is 4 x 2 x 8 KiB = 64 KiB of weight requested per SM (Little's law: the HBM bytes
+    an SM is owed per clock times ~1000 clocks of latency asks for about half that)."""
     rows = 1
     while rows < min(4, _cdiv(M, max(E, 1))):
         rows *= 2

@@ -49,10 +49,8 @@ s_w[n, group] and added to the fp32 accumulator; the 2^6 the codes leave out is 
 loads its activation scales and its BLOCK_K / 32 scale bytes per column one step ahead. Tiles of 64 rows
 run fp8 wgmma; decode's 16-row tiles (w4a8_config) run Triton's MMAv2, which on sm_90 widens both e4m3
 operands to fp16 (exactly) for fp16 mma.sync.
-Not used by the engine: measured slower than the FP8 repack on the H200 (V4's experts, one layer,
-benchmarks/results/2026-12-02-h200-fp8-experts-w4a8-ae60aec.json): 64 tokens 1940 us against W8A8 "tma"
-1382 (~1.3 TB/s of FP4 bytes: the per-group rescaling and the conversion, not the bytes, bound it);
-1 token 186 us against W8A16 on folded codes 102; 8192 tokens 14.8 ms against 5.3.
+Not used by the engine: measured slower than the FP8 repack at decode and prefill sizes (benchmarks/NOTES.md,
+"Measurements behind the kernels' defaults"): the per-group rescaling and the conversion bound it, not the bytes.
 
 Products of two e4m3 values are exact in fp32; only summation order differs from `reference`
 (both operands dequantised in fp32, packed FP4 by dequant_fp4, fp32 matmul, bf16). Under TRITON_INTERPRET=1
