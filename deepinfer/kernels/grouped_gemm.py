@@ -144,11 +144,13 @@ def default_config(M: int, E: int, fmt: int = DENSE, N: int | None = None, sms: 
     return dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=128 if fmt == FP4 else 64, num_warps=8, num_stages=3)
 
 
-# Provisional until measured on the H200 (benchmarks/kernel_sweep.py --only fp8-small): with default tiles
-# FP8 weights take the GEMV kernel when one group has at most GEMV_ROWS_ONE rows (a Linear at decode), or
-# several groups at most GEMV_ROWS rows each on average (routed experts, grouped projections at decode).
+# With default tiles FP8 weights take the GEMV kernel when one group has at most GEMV_ROWS_ONE rows (a Linear
+# at decode), or several groups at most GEMV_ROWS rows each on average (routed experts, grouped projections at
+# decode). From benchmarks/kernel_sweep.py --only fp8-small --quick (benchmarks/NOTES.md): one row faster than
+# the dot kernel at every V4 projection shape, four rows slower at most; two and three rows not measured (the
+# dot kernel keeps them). Experts: faster at 1 and 8 tokens x 6 of 256 (at most 1 row a group).
 GEMV_ROWS = 2
-GEMV_ROWS_ONE = 4
+GEMV_ROWS_ONE = 1
 
 
 def use_gemv(M: int, E: int, fmt: int) -> bool:

@@ -3,6 +3,7 @@ start-up figures, the memory-fit check before any weight is read, and the parall
 turns down."""
 from __future__ import annotations
 
+import gc
 import logging
 import re
 from types import SimpleNamespace
@@ -241,6 +242,8 @@ def test_on_cuda_the_weights_take_their_shipped_bytes(ckpt, monkeypatch):
     grew = []
 
     def measured(*a, **k):
+        gc.collect()  # an earlier test's unreachable tensors (same pytest worker) must not be freed inside the window
+        torch.cuda.synchronize()
         before = torch.cuda.memory_allocated()
         out = model_loader.load_model(*a, **k)
         torch.cuda.synchronize()

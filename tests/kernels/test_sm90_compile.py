@@ -85,12 +85,16 @@ def gemv_expert_launches():
 
 
 def gemv_linear_launches():
-    """grouped_gemm's GEMV with its default tiles and split: V4's FP8 (128 x 128 blocks) decode projections at 1
-    and 3 rows (ROWS 1 and 4), and a grouped projection (wo_a: 8 groups, 2 rows each)."""
+    """grouped_gemm's GEMV: V4's FP8 (128 x 128 blocks) decode projections at 1 row (default tiles and split) and
+    at 3 rows (ROWS 4, forced: the default keeps the dot kernel above GEMV_ROWS_ONE rows), and a grouped
+    projection (wo_a: 8 groups, 2 rows each)."""
     for M in (1, 3):
         for N, K in ((1536, 4096), (32768, 1024), (4096, 8192), (64, 4096)):
-            kw = grouped_gemm.default_launch(M, 1, grouped_gemm.FP8, N, K, 132, True)
-            assert kw.get("gemv"), (M, N, K)
+            if M <= grouped_gemm.GEMV_ROWS_ONE:
+                kw = grouped_gemm.default_launch(M, 1, grouped_gemm.FP8, N, K, 132, True)
+                assert kw.get("gemv"), (M, N, K)
+            else:
+                kw = {"gemv": True, "ROWS": 4}
             grouped_gemm._launch(_e(M, K), _e(N, K, dtype=torch.float8_e4m3fn), None,
                                  _i(-(-N // 128), K // 128, dtype=torch.uint8).view(torch.float8_e8m0fnu), (128, 128),
                                  **kw)
