@@ -244,7 +244,11 @@ def test_api_key_required(server):
 def test_messages_and_responses_endpoints(server, client):
     r = httpx.post(f"{server.url}/v1/messages", headers=server.headers, timeout=60, json={
         "model": "tiny", "max_tokens": 3, "messages": [{"role": "user", "content": "hi"}], **NO_THINKING})
-    assert r.status_code == 200 and r.json()["type"] == "message" and r.json()["usage"]["output_tokens"] == 3
+    body = r.json()
+    assert r.status_code == 200 and body["type"] == "message"
+    # sampled at the API's default temperature, the tiny random model may end the message before max_tokens
+    assert (body["usage"]["output_tokens"], body["stop_reason"]) == (3, "max_tokens") or \
+        (body["usage"]["output_tokens"] < 3 and body["stop_reason"] in ("end_turn", "stop_sequence")), body
     with httpx.stream("POST", f"{server.url}/v1/messages", headers=server.headers, timeout=60, json={
             "model": "tiny", "max_tokens": 3, "stream": True, "messages": [{"role": "user", "content": "hi"}],
             **NO_THINKING}) as r:

@@ -134,8 +134,15 @@ async def create(proto: Protocol, body: dict, raw: Request, state: ServerState):
                 yield d.index, c
 
     def chat_chunk(j: int, text: str) -> str:
-        """Chat chunks: choice index j; usage counts every token the engine generated."""
-        if not proto.n_choices or (params.n == 1 and '"usage":null' in text):
+        """Chat chunks: choice index j; usage counts every token the engine generated (in every protocol's
+        events: Messages' message_start / message_delta, Responses' response.completed)."""
+        if not proto.n_choices:
+            if '"output_tokens"' not in text:
+                return text
+            obj = json.loads(text)
+            _fix_usage(obj, parsers[j].generated)
+            return json.dumps(obj, ensure_ascii=False)
+        if params.n == 1 and '"usage":null' in text:
             return text
         obj = json.loads(text)
         for ch in obj.get("choices", []):
@@ -152,8 +159,7 @@ async def create(proto: Protocol, body: dict, raw: Request, state: ServerState):
                 resps[j].accumulate(c)
         await unless_disconnected(raw, collect())
         body = _merge([json.loads(r.to_json()) for r in resps])
-        if proto.n_choices and body.get("usage"):
-            _count_usage(body["usage"], sum(p.generated for p in parsers))
+        _fix_usage(body, sum(p.generated for p in parsers))
         if proto is CHAT:  # vLLM's place for them in a chat response: the response, not its choices
             k = params.prompt_logprobs
             body["prompt_logprobs"] = None if k is None else prompt_logprobs_json(prompt_lps, ids, k,
@@ -222,8 +228,24 @@ def _merge(bodies: list[dict]) -> dict:
 
 
 def _count_usage(usage: dict, generated: int) -> None:
-    usage["completion_tokens"] = generated
-    usage["total_tokens"] = usage["prompt_tokens"] + generated
+    """One usage object (chat's completion_tokens, or Messages' / Responses' output_tokens) set to the
+    tokens the engine generated."""
+    if "completion_tokens" in usage:
+        usage["completion_tokens"] = generated
+        usage["total_tokens"] = usage["prompt_tokens"] + generated
+    if "output_tokens" in usage:
+        usage["output_tokens"] = generated
+        if "total_tokens" in usage:
+            usage["total_tokens"] = usage.get("input_tokens", 0) + generated
+
+
+def _fix_usage(obj: dict, generated: int) -> None:
+    """Every usage object inside a response body or event (recipe's usage leaves out some special tokens)."""
+    for key, v in obj.items():
+        if key == "usage" and isinstance(v, dict):
+            _count_usage(v, generated)
+        elif isinstance(v, dict):
+            _fix_usage(v, generated)
 
 
 async def create_chat(req: ChatRequest, raw: Request, state: ServerState):
