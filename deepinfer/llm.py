@@ -237,8 +237,8 @@ class LLM:
         prompts = _as_prompt_list(prompts)
         params = self._params_for(prompts, sampling_params)
         inputs = [self._prepare(i, p) for i, p in enumerate(prompts)]
-        for i, sp in enumerate(params):
-            self._check_params(i, sp)
+        for i, ((ids, _), sp) in enumerate(zip(inputs, params)):
+            self._check_params(i, sp, ids)
         groups = [self._submit(ids, sp, images) for (ids, images), sp in zip(inputs, params)]
         try:
             self._run(sum(len(g) for g in groups), use_tqdm)
@@ -264,7 +264,7 @@ class LLM:
         """Validate one prompt and its parameters (ValueError naming the field, nothing queued on
         error) and queue it; returns its params.n Requests, the leader first."""
         ids, images = self._prepare(0, prompt)
-        self._check_params(0, params)
+        self._check_params(0, params, ids)
         return self._submit(ids, params, images)
 
     def step(self) -> list[Request]:
@@ -293,8 +293,8 @@ class LLM:
                 "free_slots": slots, "total_slots": kv.num_slots,
                 "free_blocks": sum(blocks.values()), "total_blocks": sum(kv.num_blocks.values())}
 
-    def _check_params(self, i: int, sp: SamplingParams) -> None:
-        """What SamplingParams cannot check alone: limits that depend on the model and engine."""
+    def _check_params(self, i: int, sp: SamplingParams, ids: list[int]) -> None:
+        """What SamplingParams cannot check alone: limits that depend on the model, engine and prompt (`ids`)."""
         vocab = self.model.config.vocab_size
         limit = min(self.config.max_logprobs, vocab)
         if sp.stop and self.detokenizer is None:
@@ -312,7 +312,9 @@ class LLM:
                              f"[0, {vocab})")
         if sp.so_args is not None:
             try:
-                self._grammar_backend().validate(sp.so_args)
+                backend = self._grammar_backend()
+                key = backend.validate(sp.so_args)
+                backend.check_prefix(key, ids, sp.so_prefix_tokens)
             except ValueError as e:
                 raise ValueError(f"prompts[{i}]: SamplingParams.{e}") from None
 
@@ -426,7 +428,10 @@ class LLM:
             leader.prompt_logprobs = [None] * len(ids)
         if sp.so_args is not None:  # compiled on a worker thread; the request waits in the queue until it is
             backend = self._grammar_backend()
-            leader.grammar = backend.request_grammar(backend.validate(sp.so_args), ids)
+            k = sp.so_prefix_tokens  # the prompt's last k tokens begin the output (_check_params checked them)
+            leader.grammar = backend.request_grammar(backend.validate(sp.so_args), ids[:len(ids) - k])
+            if k:
+                leader.grammar.begin_with(ids[len(ids) - k:])
         leader.siblings = reqs[1:]  # n > 1: siblings reuse the leader's prompt prefill
         for sib in leader.siblings:
             sib.status = Status.FORKING

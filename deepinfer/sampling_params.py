@@ -23,6 +23,9 @@ class SamplingParams:
     n: int = 1
     seq_seed: int | None = None          # DeepInfer: per-request seed for deterministic sampling
     so_args: dict[str, Any] | None = None  # DeepInfer: structured-output arguments
+    # DeepInfer: the prompt's last so_prefix_tokens tokens begin the output (an assistant prefix the model
+    # continues): so_args' grammar (and its reasoning phase) starts as after them, and must accept them
+    so_prefix_tokens: int = 0
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -44,6 +47,10 @@ class SamplingParams:
                f"must be None or an integer, got {self.seq_seed!r}")
         _check(self.so_args is None or isinstance(self.so_args, dict), "so_args",
                f"must be None or a dict, got {type(self.so_args).__name__}")
+        _check(_is_int(self.so_prefix_tokens) and self.so_prefix_tokens >= 0, "so_prefix_tokens",
+               f"must be an integer >= 0, got {self.so_prefix_tokens!r}")
+        _check(not self.so_prefix_tokens or self.so_args is not None, "so_prefix_tokens",
+               "applies to structured outputs only (so_args is None)")
         _check(all(isinstance(s, str) and s for s in self.stop), "stop", "must be non-empty strings")
         _check(all(_is_int(t) and t >= 0 for t in self.stop_token_ids), "stop_token_ids",
                "must be non-negative integers")

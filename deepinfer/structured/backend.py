@@ -184,6 +184,10 @@ class GrammarBackend:
         self.tokenizer_info = xgr.TokenizerInfo.from_vocab_and_metadata(encoded, meta)
         self._compiler = xgr.GrammarCompiler(self.tokenizer_info, max_threads=max_threads,
                                              cache_enabled=False)
+        # the token ids' bytes ("" for the ids no grammar may emit), for checking output prefixes as text
+        self._token_bytes: list[bytes] = self.tokenizer_info.decoded_vocab
+        # compiles against a one-entry vocab: milliseconds, for checking a prefix's text at submission
+        self._text_compiler = xgr.GrammarCompiler(xgr.TokenizerInfo([""]), max_threads=1, cache_enabled=False)
         self._pool = ThreadPoolExecutor(max_workers=max_threads, thread_name_prefix="grammar")
         self._lock = threading.Lock()
         self._max_cached = max_cached
@@ -211,6 +215,30 @@ class GrammarBackend:
             while len(self._grammars) > self._max_cached:
                 self._grammars.popitem(last=False)
         return grammar
+
+    def check_prefix(self, key: GrammarKey, prompt: list[int], prefix_len: int) -> None:
+        """ValueError (naming so_prefix_tokens, the first token refused and the text so far) unless the
+        grammar of `key` accepts the prompt's last `prefix_len` tokens as the start of the output of the
+        prompt before them (RequestGrammar.begin_with; free if they are reasoning). Checks
+        the tokens' bytes against the grammar compiled without the vocab (fast, for submission); a token
+        no grammar may emit (special or outside the tokenizer) is refused."""
+        if not 0 <= prefix_len <= len(prompt):
+            raise ValueError(f"so_prefix_tokens {prefix_len} is not in [0, {len(prompt)}] (the prompt's length)")
+        cut = len(prompt) - prefix_len
+        _, tokens = _walk_reasoning(self._opens_thinking(prompt[:cut]), prompt[cut:], self.think_end_id)
+        if not tokens:
+            return
+        matcher = _xgrammar().GrammarMatcher(self._text_compiler.compile_grammar(self._grammar(key)))
+        done = b""
+        for j, t in enumerate(tokens):
+            text = self._token_bytes[t] if 0 <= t < len(self._token_bytes) else b""
+            if not text or not matcher.accept_string(text):
+                compact = key.schema_type in ("json", "json_object") and not key.any_whitespace
+                raise ValueError(f"so_prefix_tokens: the output prefix is not a valid start of the "
+                                 f"{key.schema_type} grammar{' (compact JSON: no whitespace)' if compact else ''}: "
+                                 f"{text.decode(errors='replace')!r} refused after "
+                                 f"{done.decode(errors='replace')!r} (token {j} of {len(tokens)})")
+            done += text
 
     def request_grammar(self, key: GrammarKey, prompt_token_ids: list[int]) -> RequestGrammar:
         """Starts (or reuses) the compile of `key` on a worker thread and returns at once. Reasoning:
@@ -291,8 +319,11 @@ class RequestGrammar:
         self._backend = backend
         self._future = future
         self._matcher = None
+        self._prefix: list[int] = []  # begin_with's grammar tokens: the matcher accepts them when it is built
+        self._prefix_error: str | None = None
+        self._begun = False           # begin_with was called
         self._reasoning = reasoning   # in the reasoning phase now (no constraint)
-        self._opened = reasoning      # the prompt opened a thinking block
+        self._opened = reasoning      # the output starts in the reasoning phase (the prompt opened it)
         self._n_free = 0              # accepted reasoning-phase tokens, the </think> included
         self._n_matched = 0           # accepted by the matcher (after the free ones)
         self._scratch = np.zeros(backend.bitmask_width, dtype=np.int32)
@@ -312,7 +343,13 @@ class RequestGrammar:
         """Once ready(): the reason the request cannot run ("so_args.schema: ..."), else None."""
         if not self._future.done():
             return None
-        return self._result().error
+        err = self._result().error
+        if err is None and self._prefix and self._matcher is None:
+            try:
+                self._m()
+            except ValueError as e:
+                return str(e)
+        return err or self._prefix_error
 
     def _result(self) -> _Compiled:
         """The compile's outcome (waits for it); a cancelled or crashed compile is an error too."""
@@ -326,7 +363,15 @@ class RequestGrammar:
             done = self._result()
             if done.error is not None:
                 raise ValueError(done.error)
-            self._matcher = _xgrammar().GrammarMatcher(done.grammar)
+            if self._prefix_error is not None:
+                raise ValueError(self._prefix_error)
+            matcher = _xgrammar().GrammarMatcher(done.grammar)
+            for j, t in enumerate(self._prefix):  # not counted in _n_matched: never rolled back
+                if not matcher.accept_token(int(t)):
+                    self._prefix_error = (f"so_prefix_tokens: the grammar refuses the output prefix's token {j} "
+                                          f"(id {t}) of {len(self._prefix)}")
+                    raise ValueError(self._prefix_error)
+            self._matcher = matcher
         return self._matcher
 
     def fork(self) -> RequestGrammar:
@@ -336,6 +381,18 @@ class RequestGrammar:
         other._matcher = None if self._matcher is None else self._matcher.fork()
         other._scratch = self._scratch.copy()
         return other
+
+    def begin_with(self, tokens: list[int]) -> None:
+        """The output begins with `tokens`, given rather than sampled (an assistant message continued, whose
+        tokens end the prompt): the reasoning phase and the grammar start as after them, and they are never
+        rolled back. Before any token is accepted. If the grammar refuses them, `error` says so once ready()
+        (GrammarBackend.check_prefix refuses them at submission)."""
+        if self._begun or self._n_free or self._n_matched or self._matcher is not None:
+            raise ValueError("begin_with: only once, before the first accepted token")
+        self._begun = True
+        self._reasoning, self._prefix = _walk_reasoning(self._reasoning, [int(t) for t in tokens],
+                                                        self._backend.think_end_id)
+        self._opened = self._reasoning
 
     @property
     def in_reasoning(self) -> bool:
@@ -420,6 +477,16 @@ class RequestGrammar:
                 self._fill_row(out[n])
         finally:
             self.rollback(n)
+
+
+def _walk_reasoning(reasoning: bool, tokens: list[int], think_end_id: int | None) -> tuple[bool, list[int]]:
+    """Output tokens from a state `reasoning` (in the reasoning phase or not): (the phase after them, those of
+    them the grammar must accept, i.e. the ones after the reasoning's </think>)."""
+    for j, t in enumerate(tokens):
+        if not reasoning:
+            return False, tokens[j:]
+        reasoning = t != think_end_id
+    return reasoning, []
 
 
 def _as_like(mask: np.ndarray, row):

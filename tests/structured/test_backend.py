@@ -421,3 +421,117 @@ def test_fill_bitmasks_batch_equals_one_by_one(backend, forbidden):
             rg.fill_bitmask(want)
             assert np.array_equal(out[r], want), r
         assert not np.delete(out, rows, axis=0).any()
+
+
+# ---- output prefixes (an assistant message continued) -----------------------------------------
+
+def _ready_with_prefix(backend, so_args, prompt, k):
+    """As the engine starts a request whose prompt's last k tokens begin its output."""
+    cut = len(prompt) - k
+    rg = backend.request_grammar(backend.validate(so_args), list(prompt[:cut]))
+    rg.begin_with(prompt[cut:])
+    deadline = time.time() + 60
+    while not rg.ready():
+        assert time.time() < deadline
+        time.sleep(0.002)
+    return rg
+
+
+def test_output_prefix_advances_the_grammar(backend, tok, forbidden):
+    """The prompt's last k tokens begin the output: the grammar starts after them, every completion of the
+    prefix validates, and the prefix is never rolled back."""
+    schema = SCHEMAS[0]
+    so = {"schema_type": "json", "schema": schema}
+    head = tok.encode('{"', add_special_tokens=False).ids
+    prompt = [0, 3, 4] + head
+    rg = _ready_with_prefix(backend, so, prompt, len(head))
+    assert rg.error is None
+    backend.check_prefix(backend.validate(so), prompt, len(head))  # accepted at submission too
+    fresh, m, m0 = ready(backend, so, prompt[:3]), np.zeros(W, np.int32), np.zeros(W, np.int32)
+    for t in head:
+        assert fresh.accept(t)
+    fresh.fill_bitmask(m0)
+    rg.fill_bitmask(m)
+    assert np.array_equal(m, m0)  # the state after accepting the prefix as output
+    rng = np.random.default_rng(8)
+    for _ in range(3):
+        one = rg.fork()
+        body = sample(one, rng, forbidden)
+        jsonschema.validate(json.loads(text_of(tok, head + body)), schema)
+        with pytest.raises(ValueError, match="rollback"):
+            one.rollback(len(body) + 1)
+    with pytest.raises(ValueError, match="begin_with: only once"):
+        rg.begin_with(head)
+    # without the prefix, the grammar would start from `{` again
+    plain = ready(backend, so, prompt)
+    assert plain.valid_prefix(tok.encode('"', add_special_tokens=False).ids) == 0
+
+
+@pytest.mark.parametrize("so_args, text, shown", [
+    ({"schema_type": "json", "schema": SCHEMAS[0]}, '{"zz', '{"'),
+    ({"schema_type": "json", "schema": SCHEMAS[0]}, '{ "', '{'),  # compact JSON
+    ({"schema_type": "regex", "schema": "(red|green)-[0-9]"}, "gree-", "gree"),
+])
+def test_a_prefix_the_grammar_refuses_is_named_at_submission(backend, tok, so_args, text, shown):
+    ids = tok.encode(text, add_special_tokens=False).ids
+    key = backend.validate(so_args)
+    with pytest.raises(ValueError, match=r"^so_prefix_tokens: the output prefix is not a valid start") as e:
+        backend.check_prefix(key, [0, 3] + ids, len(ids))
+    assert repr(shown) in str(e.value)
+    rg = _ready_with_prefix(backend, so_args, [0, 3] + ids, len(ids))  # the engine's own check agrees
+    assert rg.error is not None and rg.error.startswith("so_prefix_tokens")
+    with pytest.raises(ValueError, match="so_prefix_tokens"):
+        rg.fill_bitmask(np.zeros(W, np.int32))
+
+
+def test_a_special_token_in_the_prefix_is_refused(backend, tok):
+    key = backend.validate({"schema_type": "regex", "schema": ".*"})
+    with pytest.raises(ValueError, match="so_prefix_tokens"):
+        backend.check_prefix(key, [0, 3, EOS], 1)
+    with pytest.raises(ValueError, match=r"so_prefix_tokens 4 is not in \[0, 3\]"):
+        backend.check_prefix(key, [0, 3, 5], 4)
+
+
+def test_output_prefix_with_reasoning(backend, tok, forbidden):
+    """Thinking: a prefix inside the reasoning leaves the grammar at its start (even text the grammar would
+    refuse); one that closes it with </think> advances the grammar over what follows."""
+    schema = SCHEMAS[0]
+    so = {"schema_type": "json", "schema": schema}
+    key = backend.validate(so)
+    start = np.zeros(W, np.int32)
+    ready(backend, so).fill_bitmask(start)
+    thought = tok.encode("}}not json", add_special_tokens=False).ids
+    inside = [0, 3, THINK] + thought
+    backend.check_prefix(key, inside, len(thought))
+    rg = _ready_with_prefix(backend, so, inside, len(thought))
+    m = np.zeros(W, np.int32)
+    rg.fill_bitmask(m)
+    assert rg.in_reasoning and (m == -1).all() and rg.error is None
+    assert rg.accept(END_THINK)
+    rg.fill_bitmask(m)
+    assert np.array_equal(m, start)
+    # the prefix closes the reasoning, then begins the answer: the grammar is past `{"`
+    head = tok.encode('{"', add_special_tokens=False).ids
+    closed = [0, 3, THINK] + thought + [END_THINK] + head
+    for k in (len(head), len(head) + 1 + len(thought)):  # cut after </think>, or after <think>
+        backend.check_prefix(key, closed, k)
+        rg = _ready_with_prefix(backend, so, closed, k)
+        assert not rg.in_reasoning and rg.error is None
+        body = sample(rg, np.random.default_rng(k), forbidden)
+        jsonschema.validate(json.loads(text_of(tok, head + body)), schema)
+        with pytest.raises(ValueError, match="rollback"):
+            rg.rollback(len(body) + 1)  # neither the prefix nor its </think> can be undone
+    bad = [0, 3, THINK] + thought + [END_THINK] + tok.encode("}", add_special_tokens=False).ids
+    with pytest.raises(ValueError, match="so_prefix_tokens"):
+        backend.check_prefix(key, bad, len(thought) + 2)
+
+
+def test_so_prefix_tokens_is_checked():
+    from deepinfer.sampling_params import SamplingParams
+    so = {"schema_type": "regex", "schema": "a"}
+    assert SamplingParams(so_args=so, so_prefix_tokens=3).so_prefix_tokens == 3
+    for bad, msg in (({"so_prefix_tokens": -1, "so_args": so}, "must be an integer >= 0"),
+                     ({"so_prefix_tokens": True, "so_args": so}, "must be an integer >= 0"),
+                     ({"so_prefix_tokens": 2}, "applies to structured outputs only")):
+        with pytest.raises(ValueError, match=f"^SamplingParams.so_prefix_tokens {msg}"):
+            SamplingParams(**bad)

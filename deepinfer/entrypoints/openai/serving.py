@@ -55,11 +55,12 @@ class ServerState:
             raise APIError(400, f"max_tokens: {max_tokens} with a prompt of {len(ids)} tokens exceeds "
                                 f"max_model_len {self.max_model_len}", "max_tokens")
 
-    async def run(self, ids: list[int], params: SamplingParams,
-                  so_field: str = "response_format") -> AsyncIterator[Delta | None]:
+    async def run(self, ids: list[int], params: SamplingParams, so_field: str = "response_format",
+                  prefix_field: str = "messages") -> AsyncIterator[Delta | None]:
         """None once the engine accepted the prompt, then its deltas (params.n samples), recording metrics;
         APIError 429 when the queue is full, 400 when the engine refuses the parameters, 503 when the engine
-        is gone. `so_field`: the request field params.so_args came from (named in its errors)."""
+        is gone. `so_field`: the request field params.so_args came from (named in its errors); `prefix_field`:
+        the one holding the output prefix of params.so_prefix_tokens."""
         if params.n > self.max_num_seqs + self.max_queue_len:
             raise APIError(400, f"n: {params.n} samples can never be admitted (max_num_seqs + max_queue_len is "
                                 f"{self.max_num_seqs + self.max_queue_len})", "n")
@@ -95,6 +96,10 @@ class ServerState:
             param = msg.split(":", 1)[0].split(" ", 1)[0]
             if param.startswith("so_args"):
                 msg, param = f"{so_field}: {msg}", so_field
+            elif param == "so_prefix_tokens":
+                msg = f"{prefix_field}: {msg.removeprefix('so_prefix_tokens: ')} ({so_field} applies to the whole " \
+                      "assistant message)"
+                param = prefix_field
             raise APIError(400, msg, param)
         except EngineDeadError as e:
             raise APIError(503, f"engine unavailable: {e}", None, "service_unavailable") from None
@@ -135,6 +140,8 @@ def aborted(error: str | None) -> APIError:
     request's response_format), 500 otherwise (a failed step)."""
     if error and error.startswith("so_args"):
         return APIError(400, f"response_format: {error}", "response_format")
+    if error and error.startswith("so_prefix_tokens"):  # the assistant prefix (check_prefix refuses most earlier)
+        return APIError(400, f"messages: {error}", "messages")
     return APIError(500, f"generation failed: {error}", None, "server_error")
 
 

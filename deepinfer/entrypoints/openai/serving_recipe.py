@@ -60,6 +60,23 @@ def _so_args(io) -> dict | None:
     return None
 
 
+def _output_prefix(conv, ids: list[int], hf) -> int:
+    """How many of the prompt's last tokens begin the output: those of a continued assistant message (chat
+    prefix completion, `"prefix": true`) after its rendered <｜Assistant｜><think>...</think> (or after its
+    <think> where the message ends inside its reasoning); 0 without one. A constraint applies to the whole
+    assistant message, so its grammar starts as after them (SamplingParams.so_prefix_tokens)."""
+    msgs = conv.conversation.messages
+    if not msgs or not msgs[-1].prefix:
+        return 0
+    sp = recipe.SpecialToken
+    marks = {hf.token_to_id(sp.ThinkingStart.default_str()), hf.token_to_id(sp.ThinkingEnd.default_str())}
+    assistant = hf.token_to_id(sp.Assistant.default_str())
+    for k, t in enumerate(reversed(ids)):
+        if t in marks or t == assistant:
+            return k
+    return 0
+
+
 def _recipe_logprobs(ids: list[int], lps: list[dict], k: int):
     return [(d.get(t, 0.0), sorted(d.items(), key=lambda kv: -kv[1])[:k]) for t, d in zip(ids, lps)]
 
@@ -109,10 +126,15 @@ async def create(proto: Protocol, body: dict, raw: Request, state: ServerState):
         if so_args is not None:
             raise APIError(400, "structured_outputs: give it or response_format, not both", "structured_outputs")
         so_args, field = own.structured_outputs.so_args(), "structured_outputs"
+    prefix_len, prefix_field = 0, "messages"
     if so_args is not None:
         _check_constraint_follows_reasoning(po, ids, state.tokenizer.think_ids, field)
+        prefix_len = _output_prefix(conv, ids, state.tokenizer.hf)
+        if proto is CHAT:
+            prefix_field = f"messages[{len(body['messages']) - 1}].content"
     params = sampling_params(own, max_tokens=max_tokens, logprobs=top, so_args=so_args, temperature=io.temperature,
                              top_p=io.top_p, seed=io.seed)
+    params.so_prefix_tokens = prefix_len
     params.stop = list(po.stop_sequences)
     rid, model, created = new_id(proto.id_prefix), body.get("model") or state.model_name, int(time.time())
     parsers = [SampleParser(proto, conv, rid, model, state.tokenizer.recipe, len(ids), state.eos_token_id, top)
@@ -122,7 +144,7 @@ async def create(proto: Protocol, body: dict, raw: Request, state: ServerState):
 
     async def chunks():
         """(sample index, recipe chunk) as the engine's tokens come."""
-        async for d in state.run(ids, params, field):
+        async for d in state.run(ids, params, field, prefix_field):
             if d is None:  # accepted: the chunks the stream opens with
                 for j, cs in enumerate(ready):
                     for c in cs:
