@@ -114,3 +114,18 @@ def test_prefix_inside_the_reasoning_leaves_the_grammar_at_its_start(served):
     for ch in r.json()["choices"]:
         assert ch["finish_reason"] == "stop" and ch["message"]["reasoning_content"] is not None, ch
         jsonschema.validate(json.loads(ch["message"]["content"]), SCHEMA)
+
+
+def test_a_prefix_that_completes_the_value_ends_the_answer(served):
+    for thinking in (OFF, {}):
+        r = _post(served, {"messages": _prefix('{"name":"a","n":1}', "done" if thinking == {} else None),
+                           "response_format": FORMAT, "max_tokens": 20, **thinking})
+        assert _contents(r) == [""]
+        assert r.json()["usage"]["completion_tokens"] == 1  # only EOS could follow
+
+
+def test_a_prefix_the_engine_refuses_later_is_400_too():
+    """The engine's token-level check (after the compile) names the prefix, as the submission check does."""
+    from deepinfer.entrypoints.openai.serving import aborted
+    e = aborted("so_prefix_tokens: the grammar refuses the output prefix's token 0 (id 5) of 3")
+    assert (e.status, e.param) == (400, "messages") and "token 0" in e.message
