@@ -18,9 +18,12 @@ commit_arg=()
 [ -n "${COMMIT:-}" ] && commit_arg=(--commit "$COMMIT")
 commit=${COMMIT:-$(cd benchmarks && python3 -c "from common import git_commit; print(git_commit())")}
 echo "# commit $commit, $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null)" | tee "$out/summary.txt"
-# The NeMo-backed GPU tests need nemo_automodel, which the device does not have: carry
-# .venv/lib/python3.11/site-packages/nemo_automodel and put a folder holding it on PYTHONPATH
-# (a link to it, not the whole site-packages: that would shadow the device's torch).
+# The NeMo-backed GPU tests need nemo_automodel, which the device does not have: carry a copy without
+# __pycache__ (.venv/nemo_carry/nemo_automodel, 13.5 MB: the installed folder is 31 MB, and with the tracked
+# tree's ~38 MB it passes the device's 64 MiB carry limit) and put a folder holding it on PYTHONPATH
+# (a link to it, not the whole site-packages: that would shadow the device's torch). Make the copy with
+#   mkdir -p .venv/nemo_carry && (cd .venv/lib/python3.11/site-packages && tar --exclude=__pycache__ -cf - \
+#     nemo_automodel) | (cd .venv/nemo_carry && tar -xf -)
 python3 -c "import nemo_automodel" 2>/dev/null \
   || echo "nemo_automodel not importable: the NeMo-backed GPU tests will error" | tee -a "$out/summary.txt"
 # tests-kernels / tests-other: the two halves of `tests` (all of it takes more than one 600 s device call:
