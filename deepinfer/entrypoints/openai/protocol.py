@@ -161,7 +161,7 @@ class ChatRequest(SamplingFields):
 
 def sampling_params(req: SamplingFields, *, max_tokens: int, logprobs: int | None, so_args: dict | None = None,
                     temperature: float | None = None, top_p: float | None = None,
-                    seed: int | None = None) -> SamplingParams:
+                    seed: int | None = None, so_prefix_tokens: int = 0) -> SamplingParams:
     """SamplingParams for `req`; explicit arguments take precedence over the request's own fields (the chat
     path passes what deepseek-recipe resolved)."""
     temp = temperature if temperature is not None else req.temperature
@@ -172,7 +172,7 @@ def sampling_params(req: SamplingFields, *, max_tokens: int, logprobs: int | Non
             top_k=-1 if req.top_k is None else req.top_k, min_p=req.min_p or 0.0, max_tokens=max_tokens,
             stop=req.stop, stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos, logprobs=logprobs,
             prompt_logprobs=req.prompt_logprobs, n=req.n, seq_seed=seed if seed is not None else req.seed,
-            so_args=so_args)
+            so_args=so_args, so_prefix_tokens=so_prefix_tokens)
     except ValueError as e:  # "SamplingParams.<field> ..."
         field = str(e).split(" ", 1)[0].removeprefix("SamplingParams.")
         raise APIError(400, str(e).removeprefix("SamplingParams."), field) from None

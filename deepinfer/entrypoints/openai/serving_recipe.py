@@ -133,8 +133,7 @@ async def create(proto: Protocol, body: dict, raw: Request, state: ServerState):
         if proto is CHAT:
             prefix_field = f"messages[{len(body['messages']) - 1}].content"
     params = sampling_params(own, max_tokens=max_tokens, logprobs=top, so_args=so_args, temperature=io.temperature,
-                             top_p=io.top_p, seed=io.seed)
-    params.so_prefix_tokens = prefix_len
+                             top_p=io.top_p, seed=io.seed, so_prefix_tokens=prefix_len)
     params.stop = list(po.stop_sequences)
     rid, model, created = new_id(proto.id_prefix), body.get("model") or state.model_name, int(time.time())
     parsers = [SampleParser(proto, conv, rid, model, state.tokenizer.recipe, len(ids), state.eos_token_id, top)
