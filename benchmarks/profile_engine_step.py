@@ -100,6 +100,19 @@ def profiled(step, n: int, args, cuda: bool) -> None:
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.rows, max_name_column_width=70))
 
 
+def synchronising_calls(step, n: int = 1) -> list:
+    """The warnings torch's sync debug mode raises over `n` calls of `step` (one per synchronising call)."""
+    torch.cuda.set_sync_debug_mode("warn")
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            for _ in range(n):
+                step()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    return list(caught)
+
+
 def decode(model, kv: str, args, cuda: bool) -> None:
     for i in range(args.sweep_rows):
         print(f"sweep decode row {i + 1} (a fresh engine, as run_sweep.sh times it): {json.dumps(sweep_row(model, kv, args))}")
@@ -111,12 +124,7 @@ def decode(model, kv: str, args, cuda: bool) -> None:
         replay_s = fs.graph_replay_seconds(engine.runner.graphs, reqs, args.steps)
         print(f"engine step {1e3 * step_s:.3f} ms, graph replay alone {1e3 * replay_s:.3f} ms")
         before = torch.cuda.memory_stats()
-        torch.cuda.set_sync_debug_mode("warn")
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            for _ in range(args.steps):
-                engine.step()
-        torch.cuda.set_sync_debug_mode(0)
+        caught = synchronising_calls(engine.step, args.steps)
         after = torch.cuda.memory_stats()
         sites = collections.Counter(f"{w.filename}:{w.lineno}" for w in caught)
         print(f"synchronising calls over {args.steps} engine steps: {len(caught)}")
@@ -154,6 +162,10 @@ def prefill(model, kv: str, args, cuda: bool) -> None:
         from profile_step import print_module_times
 
         print_module_times(model, step)
+        caught = synchronising_calls(step)
+        print(f"synchronising calls in one prefill step: {len(caught)}")
+        for site, n in collections.Counter(f"{w.filename}:{w.lineno}" for w in caught).most_common(15):
+            print(f"  {n:4d}  {site}")
     profiled(step, 1, args, cuda)
 
 
