@@ -362,8 +362,10 @@ def sweep_rows(fn_for, base: dict, time_us, sms: int, check=None, entries: list[
     return rows
 
 
-def bench_experts(tokens: list[int], device: str, smoke: bool, sweep: bool = False) -> tuple[list[dict], list[dict]]:
-    """Rows per (tokens, projection, path) and a per-layer summary per token count."""
+def bench_experts(tokens: list[int], device: str, smoke: bool, sweep: bool = False,
+                  sweep_variants: tuple[str, ...] = ()) -> tuple[list[dict], list[dict]]:
+    """Rows per (tokens, projection, path) and a per-layer summary per token count. `sweep_variants`: --sweep
+    times only SWEEP's entries of those grouped_gemm_fp8 variants (and no W4A8 entries)."""
     time_us = timer(device)
     rows, summary = [], []
     for sl, (E, k, projs) in (SMOKE_EXPERTS if smoke else EXPERTS).items():
@@ -403,8 +405,11 @@ def bench_experts(tokens: list[int], device: str, smoke: bool, sweep: bool = Fal
                     q, qs = act_quant(xs, ACT_GROUP)
                     w, ws, w4 = expert_weights(E, N, K, device, packed=True)
                     s4 = ws.view(torch.uint8).repeat_interleave(4, -1).view(torch.float8_e8m0fnu)
-                    for path, wt, st, block, entries in (("w8a8-gemm", w, ws, (1, 128), SWEEP),
-                                                         ("w4a8-gemm", w4, s4, (1, 32), W4A8_SWEEP)):
+                    todo = (("w8a8-gemm", w, ws, (1, 128), SWEEP), ("w4a8-gemm", w4, s4, (1, 32), W4A8_SWEEP))
+                    if sweep_variants:  # the W8A8 entries of those variants only
+                        todo = (("w8a8-gemm", w, ws, (1, 128),
+                                 [c for c in SWEEP if c.get("variant", "pointer") in sweep_variants]),)
+                    for path, wt, st, block, entries in todo:
                         want = _launch(q, qs, wt, st, offs, ACT_GROUP, block).float()
                         rows += sweep_rows(
                             lambda cfg, wt=wt, st=st, block=block: lambda: _launch(q, qs, wt, st, offs, ACT_GROUP,
@@ -441,6 +446,8 @@ def main() -> None:
     ap.add_argument("--experts", action="store_true", help="V4's routed experts (grouped GEMMs) instead of the linears")
     ap.add_argument("--tokens", default="8192", help="--experts: comma-separated tokens a step (x top-k rows)")
     ap.add_argument("--sweep", action="store_true", help="--experts: also time SWEEP's W8A8 tile choices (CUDA)")
+    ap.add_argument("--sweep-variants", default="", help="--sweep: comma-separated grouped_gemm_fp8 variants whose "
+                    "SWEEP entries are timed (default: all entries, and W4A8's)")
     add_commit_arg(ap)
     args = ap.parse_args()
     device = "cpu" if args.smoke else "cuda"
@@ -472,7 +479,8 @@ def experts_main(args: argparse.Namespace, device: str) -> None:
         tokens = [8, 300]  # W8A16 and W8A8 row counts for 8 experts x top-2
     torch.manual_seed(0)
     with torch.inference_mode():
-        rows, summ = bench_experts(tokens, device, args.smoke, args.sweep)
+        rows, summ = bench_experts(tokens, device, args.smoke, args.sweep,
+                                   tuple(v for v in args.sweep_variants.split(",") if v))
     dev_name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     result = dict(commit=recorded_commit(args), date=date.today().isoformat(), device=dev_name, torch=torch.__version__,
                   smoke=args.smoke, case="experts", w8a8_rows_per_expert=W8A8_ROWS_PER_EXPERT, rows=rows, summary=summ)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from deepinfer.formats.group_quant import pow2_ceil
+from deepinfer.kernels import interpreted
 
 try:
     import triton
@@ -94,7 +95,7 @@ if triton is not None:
 
     @triton.jit
     def _act_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, s_xm, s_xk, s_qm, s_sm, s_sg,
-                          GROUP: tl.constexpr, POW2: tl.constexpr, BLOCK_M: tl.constexpr):
+                          GROUP: tl.constexpr, POW2: tl.constexpr, BLOCK_M: tl.constexpr, HW_CAST: tl.constexpr):
         rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
         g = tl.program_id(1)
         cols = g * GROUP + tl.arange(0, GROUP)
@@ -108,9 +109,17 @@ if triton is not None:
             bits = s.to(tl.int32, bitcast=True)
             ex = ((bits >> 23) & 0xFF) + ((bits & 0x7FFFFF) != 0).to(tl.int32)
             s = (ex << 23).to(tl.float32, bitcast=True)
-        q = tl.minimum(tl.maximum(tl.math.div_rn(x, tl.broadcast_to(s[:, None], (BLOCK_M, GROUP))), -448.0), 448.0)
-        tl.store(q_ptr + rows.to(tl.int64)[:, None] * s_qm + cols[None, :],
-                 _e4m3_grid(q).to(q_ptr.dtype.element_ty), mask=mask)
+            # s = 2^(ex - 127) with 1 <= ex <= 253 (amax floor 1e-4, finite amax): 1 / s = 2^(127 - ex) is a
+            # normal fp32, and x * (1 / s) rounds the same real value x / s as the division does
+            q = x * ((254 - ex) << 23).to(tl.float32, bitcast=True)[:, None]
+        else:
+            q = tl.math.div_rn(x, tl.broadcast_to(s[:, None], (BLOCK_M, GROUP)))
+        q = tl.minimum(tl.maximum(q, -448.0), 448.0)
+        if HW_CAST:  # the hardware's fp32 -> e4m3 conversion rounds to nearest even (CUDA)
+            q = q.to(q_ptr.dtype.element_ty, fp_downcast_rounding="rtne")
+        else:
+            q = _e4m3_grid(q).to(q_ptr.dtype.element_ty)
+        tl.store(q_ptr + rows.to(tl.int64)[:, None] * s_qm + cols[None, :], q, mask=mask)
         tl.store(s_ptr + rows.to(tl.int64) * s_sm + g * s_sg, s, mask=rmask)
 
 
@@ -124,7 +133,7 @@ def _launch(x: torch.Tensor, group: int = 128, pow2: bool = True, rows: int | No
         return q, s
     grid = (triton.cdiv(M, BLOCK_M), s.shape[1])
     _act_quant_kernel[grid](x, q, s, M, K, x.stride(0), x.stride(1), q.stride(0), s.stride(0), s.stride(1),
-                            GROUP=group, POW2=pow2, BLOCK_M=BLOCK_M, num_warps=num_warps)
+                            GROUP=group, POW2=pow2, BLOCK_M=BLOCK_M, HW_CAST=not interpreted(), num_warps=num_warps)
     return q, s
 
 

@@ -39,11 +39,10 @@ Two implementations, chosen per call by `fp8_gemm` (`use_scaled_mm`):
 """
 from __future__ import annotations
 
-import os
-
 import torch
 
 from deepinfer.formats.quant import dequant_fp8_blocks, scale_to_float
+from deepinfer.kernels import interpreted
 from deepinfer.kernels.act_quant import dequant as act_dequant
 
 try:
@@ -58,7 +57,7 @@ ROW_PAD = 16  # act_quant's row padding for the cuBLAS path
 def _interpreted() -> bool:
     """Under TRITON_INTERPRET=1 the dot operands are widened to fp32 (sm_90 compiles, run on CPU
     tensors by tests/kernels/sm90.py, keep the e4m3 dot)."""
-    return os.environ.get("TRITON_INTERPRET") == "1"
+    return interpreted()
 
 
 def _pow2(v: int) -> bool:
