@@ -162,16 +162,19 @@ def use_gemv(M: int, E: int, fmt: int) -> bool:
 
 def gemv_config(M: int, E: int) -> dict:
     """GEMV tiles: ROWS covers the mean rows per group (1, 2, 4: one weight read per row tile; a group with
-    more rows takes several tiles). Weight tiles BLOCK_N x BLOCK_K = 32 x 256 FP8 (8 KiB), 4 warps: each
-    thread loads 16 contiguous bytes of 4 weight rows per K step. For V4's 4096 x 8192 projection at M = 1:
-    128 column tiles, split_k_for splits K 4 ways (8 K tiles each) -> 512 programs, ~3.9 per SM of 132; at
-    4 programs resident per SM (<= 128 registers a thread) and 2 K tiles in flight per program
-    (num_stages=2) that is 4 x 2 x 8 KiB = 64 KiB of weight requested per SM (Little's law: the HBM bytes
-    an SM is owed per clock times ~1000 clocks of latency asks for about half that)."""
+    more rows takes several tiles); BLOCK_K 256 FP8 columns, 3 K tiles in flight a program (num_stages=3).
+    One group (a Linear): 16 x 256 weight tiles (4 KiB), 2 warps: each thread loads 16 contiguous bytes of
+    4 weight rows per K step, and the narrow column tile doubles the programs, so split_k_for splits K less
+    (V4's 4096 x 8192 projection at M = 1: 256 column tiles x 2 splits -> 512 programs, ~3.9 per SM of 132).
+    Several groups (routed experts, grouped projections): 32 x 256 tiles (8 KiB), 4 warps. The choice is the
+    fastest summed over V4's projection shapes and routed experts at decode in kernel_sweep.py's GEMV sweep
+    (benchmarks/NOTES.md, "Measurements behind the kernels' defaults")."""
     rows = 1
     while rows < min(4, _cdiv(M, max(E, 1))):
         rows *= 2
-    return dict(ROWS=rows, BLOCK_N=32, BLOCK_K=256, num_warps=4, num_stages=2)
+    if E == 1:
+        return dict(ROWS=rows, BLOCK_N=16, BLOCK_K=256, num_warps=2, num_stages=3)
+    return dict(ROWS=rows, BLOCK_N=32, BLOCK_K=256, num_warps=4, num_stages=3)
 
 def max_m_tiles(M: int, E: int, block_m: int, one_group: bool = False) -> int:
     """Upper bound on sum_e cdiv(rows_e, block_m) over groups with sum_e rows_e <= M, from shapes only."""
