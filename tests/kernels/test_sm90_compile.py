@@ -326,3 +326,18 @@ def entry_quant_launches():
 
 def test_entry_quant_compiles_for_sm90():
     test_kernels_compile_for_sm90(entry_quant_launches)
+
+
+def row_argmax_launches():
+    """The sampler's greedy argmax over V4's vocabulary (129280): fp32 logits at decode batch 1 (32 slices
+    a row), 64 (a few slices) and 1024 (one slice a row: stage 1 writes the answer), bf16 rows, and a
+    strided view."""
+    from deepinfer.kernels import row_argmax
+    for R in (1, 64, 1024):
+        row_argmax._launch(_e(R, 129280, dtype=torch.float32))
+    row_argmax._launch(_e(8, 129280))
+    row_argmax._launch(_e(8, 129536, dtype=torch.float32)[:, :129280])
+
+
+def test_row_argmax_compiles_for_sm90():
+    test_kernels_compile_for_sm90(row_argmax_launches)
