@@ -1,6 +1,6 @@
 """Tile-config sweep of the Triton kernels at the Flash slice's shapes (H200), with the torch baseline.
 
-    python benchmarks/kernel_sweep.py [--only moe|attn|attn-kinds|rope|decode-small|dense-small|fp8-small]
+    python benchmarks/kernel_sweep.py [--only moe|attn|attn-kinds|rope|decode-small|dense-small|fp8-small|fp8-rows]
 
 MoE: 256 experts, K=4096 -> N=2048 (w1/w3), tokens x 6 experts routed at random: decode batch 1
 and 64 (bf16 torch._grouped_mm vs the Triton kernel on bf16 / FP8-block / FP4 weights), prefill
@@ -391,6 +391,55 @@ def fp8_small(rows: list) -> None:
 
 QUICK = False  # --quick: fp8-small times the default kernels only (a short device call)
 
+FP8_ROWS = (1, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+
+
+def fp8_rows(rows: list) -> None:
+    """Where W8A8 overtakes W8A16 for FP8 Linears (layers/linear.py FP8_GEMM_ROWS): V4's projections (128 x 128
+    E8M0 blocks) at FP8_ROWS rows through `w8a16` (grouped_gemm's default: the GEMV / dot kernel), `w8a8`
+    (layers/linear.py fp8_linear as Linear runs it: act_quant with rows padded, the E8M0 scales widened to fp32
+    each call, cuBLAS blockwise torch._scaled_mm), `w8a8-fp32-scales` (the same with the weight scales
+    already fp32: act_quant + _scaled_mm only), beside `cublas-bf16` on the bf16 weight. Device time of all of
+    a path's kernels and their count (launches); GBs counts the FP8 weight bytes."""
+    import math
+    import torch.nn.functional as F
+
+    from deepinfer.formats.quant import scale_to_float
+    from deepinfer.kernels import fp8_gemm as fg
+    from deepinfer.kernels.act_quant import act_quant
+    from deepinfer.layers.linear import fp8_linear
+
+    for N, K in DENSE_SHAPES:
+        nbytes = N * K
+        copies = max(2, math.ceil(256e6 / nbytes))
+        ws = [((torch.randn(N, K, device="cuda") * 8).to(torch.float8_e4m3fn),
+               torch.randint(115, 125, (-(-N // 128), -(-K // 128)), dtype=torch.uint8, device="cuda")
+               .view(torch.float8_e8m0fnu)) for _ in range(copies)]
+        ws = [(w, s, scale_to_float(s).contiguous()) for w, s in ws]
+        it = itertools.cycle(ws)
+        dense = itertools.cycle([(torch.randn(N, K, device="cuda") * 0.02).to(torch.bfloat16)
+                                 for _ in range(max(2, math.ceil(256e6 / (2 * nbytes))))])
+
+        def w8a16(a):
+            w, s, _ = next(it)
+            return gg.grouped_gemm(a, w, None, s, (128, 128))
+
+        def fp32_scales(a):
+            w, _, s32 = next(it)
+            q, qs = act_quant(a, 128, rows=-(-a.shape[0] // fg.ROW_PAD) * fg.ROW_PAD)
+            return torch._scaled_mm(q, w.t(), scale_a=qs, scale_b=s32.t(), out_dtype=torch.bfloat16)
+
+        for M in FP8_ROWS:
+            a = torch.randn(M, K, device="cuda").to(torch.bfloat16)
+            variants = [("cublas-bf16", lambda: F.linear(a, next(dense))),
+                        ("w8a16", lambda: w8a16(a)),
+                        ("w8a8", lambda: fp8_linear(a, *next(it)[:2], (128, 128))),
+                        ("w8a8-fp32-scales", lambda: fp32_scales(a))]
+            for name, f in variants:
+                _timed_row(rows, {"kernel": "fp8-rows", "N": N, "K": K, "M": M, "impl": name}, f,
+                           2 * nbytes if name.startswith("cublas") else nbytes)
+        del ws, dense, it
+
 # V4's routed experts: w1 / w3 and w2 (N, K), 256 experts
 EXPERT_SHAPES, EXPERTS = ((2048, 4096), (4096, 2048)), 256
 
@@ -456,7 +505,7 @@ def _pair(it):
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sweeps = {"moe": moe_sweep, "attn": attn_sweep, "attn-kinds": attn_kinds, "rope": rope_sweep,
-              "decode-small": decode_small, "dense-small": dense_small, "fp8-small": fp8_small}
+              "decode-small": decode_small, "dense-small": dense_small, "fp8-small": fp8_small, "fp8-rows": fp8_rows}
     ap.add_argument("--only", choices=tuple(sweeps))
     ap.add_argument("--quick", action="store_true", help="fp8-small: the default kernels only (cuBLAS bf16, "
                     "grouped_gemm's default, the dot kernel's default)")
