@@ -1,7 +1,8 @@
 """Batched sampling on the logits' device: greedy, temperature, top-k, top-p, min-p, logprobs.
 
 Per-row parameters travel as tensors, so one call serves a mixed batch with no per-request
-host sync; the caller reads the result back once per step.
+host sync; the caller reads the result back once per step. Every row argmax is `row_argmax`: torch's
+`argmax(-1)` indices exactly (a split Triton reduction on CUDA, torch itself on the CPU).
 """
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from deepinfer.kernels.row_argmax import row_argmax
 from deepinfer.state.forward_batch import to_device
 from deepinfer.sampling_params import SamplingParams
 
@@ -94,17 +96,17 @@ def race(weights: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
     """The exponential race argmax(w / E) per row [R, V] -> [R]: a draw from normalize(w) when E ~ Exp(1),
     with no cumulative-sum search (w need not be normalised; zero-weight tokens are never drawn
     unless the whole row is zero)."""
-    return (weights / noise).argmax(-1)
+    return row_argmax(weights / noise)
 
 
 def sample(logits: torch.Tensor, sb: SamplingBatch, generator: torch.Generator | None = None) -> torch.Tensor:
     """logits [R, V] fp32 -> token ids [R]: argmax on greedy rows, race(filtered_probs, race_noise) on the others.
     An all-greedy batch is one argmax (no noise drawn: `generator` is left as it was)."""
     if sb.all_greedy:
-        return logits.argmax(-1)
+        return row_argmax(logits)
     probs = filtered_probs(logits, sb)
     drawn = race(probs, race_noise(probs, sb, generator))
-    return torch.where(sb.temperature == 0, logits.argmax(-1), drawn)
+    return torch.where(sb.temperature == 0, row_argmax(logits), drawn)
 
 
 def top_logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor,

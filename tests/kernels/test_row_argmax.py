@@ -137,3 +137,33 @@ def test_replays_in_a_cuda_graph(R):
     x.copy_(torch.randn(R, 129280, device="cuda"))
     graph.replay()
     assert torch.equal(out, x.argmax(-1))
+
+
+def test_the_sampler_takes_every_row_argmax_from_row_argmax(monkeypatch):
+    """sample's greedy rows (all-greedy and mixed batches) and the exponential race go through row_argmax."""
+    import deepinfer.worker.sampler as sm
+    from deepinfer.sampling_params import SamplingParams
+    calls = []
+
+    def spy(x):
+        calls.append(tuple(x.shape))
+        return ra.reference(x)
+
+    monkeypatch.setattr(sm, "row_argmax", spy)
+    logits = torch.randn(5, 30, generator=torch.Generator().manual_seed(1))
+    greedy = sm.SamplingBatch.build([SamplingParams(temperature=0)] * 5, 30, "cpu")
+    assert torch.equal(sm.sample(logits, greedy), logits.argmax(-1)) and calls == [(5, 30)]
+    mixed = sm.SamplingBatch.build([SamplingParams(temperature=0)] * 4 + [SamplingParams(temperature=1.0)], 30, "cpu")
+    assert torch.equal(sm.sample(logits, mixed, torch.Generator().manual_seed(3))[:4], logits[:4].argmax(-1))
+    assert calls == [(5, 30)] * 3  # the race over all rows, then the greedy rows' argmax
+
+
+@pytest.mark.gpu
+def test_the_sampler_on_cuda_matches_torch_argmax():
+    from deepinfer.sampling_params import SamplingParams
+    from deepinfer.worker.sampler import SamplingBatch, sample
+    logits = torch.randn(64, 129280, device="cuda")
+    logits[:, [5, 90000]] = 20.0
+    logits[3, 100] = float("nan")
+    sb = SamplingBatch.build([SamplingParams(temperature=0)] * 64, 129280, "cuda")
+    assert torch.equal(sample(logits, sb), logits.argmax(-1))
