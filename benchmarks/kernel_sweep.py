@@ -1,6 +1,6 @@
 """Tile-config sweep of the Triton kernels at the Flash slice's shapes (H200), with the torch baseline.
 
-    python benchmarks/kernel_sweep.py [--only moe|attn|attn-kinds|rope|decode-small|dense-small|fp8-small|fp8-rows]
+    python benchmarks/kernel_sweep.py [--only moe|attn|attn-kinds|rope|decode-small|dense-small|fp8-small|fp8-rows|argmax]
 
 MoE: 256 experts, K=4096 -> N=2048 (w1/w3), tokens x 6 experts routed at random: decode batch 1
 and 64 (bf16 torch._grouped_mm vs the Triton kernel on bf16 / FP8-block / FP4 weights), prefill
@@ -502,10 +502,41 @@ def _pair(it):
     return w, None, s
 
 
+def argmax_sweep(rows: list) -> None:
+    """The sampler's greedy argmax over V4's vocabulary (fp32 logits [R, 129280]): torch.argmax against
+    row_argmax (defaults, then other block widths / warps / grid targets) at R = 1, 8, 64, 256. us: kernel
+    device time per call; graph_us: per call in a CUDA graph of 20 calls (launch gaps included); GBs: the
+    logits read once."""
+    from deepinfer.kernels import row_argmax as ra
+
+    V = 129280
+    variants = [(b, w, p) for b, w, p in itertools.product((1024, 2048, 4096, 8192), (4, 8), (264, 512, 1056))
+                if (b, w, p) != (ra.BLOCK_V, ra.NUM_WARPS, ra.TARGET_PROGRAMS)]
+    for R in (1, 8, 64, 256):
+        x = torch.randn(R, V, device="cuda")
+        x[:, V - 1] = x.amax(-1)  # a tie with each row's earlier maximum (the earlier index wins)
+        want = x.argmax(-1)
+        impls = [("torch", lambda: x.argmax(-1), None), ("row_argmax", lambda: ra.row_argmax(x), ra.plan(R, V))]
+        impls += [(f"row_argmax-b{b}-w{w}-p{p}", lambda b=b, w=w, p=p: ra._launch(x, b, w, p), ra.plan(R, V, b, p))
+                  for b, w, p in variants]
+        for name, f, split in impls:
+            assert torch.equal(f(), want), name
+            t, n = device_time_and_launches(f)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                for _ in range(20):
+                    f()
+            g_ms = bench(graph.replay) / 20
+            rows.append({"kernel": "argmax", "R": R, "V": V, "impl": name, "us": t * 1e3, "launches": n,
+                         "graph_us": g_ms * 1e3, "GBs": R * V * 4 / t / 1e6, "slices": split and split[0]})
+            print(json.dumps(rows[-1]), flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sweeps = {"moe": moe_sweep, "attn": attn_sweep, "attn-kinds": attn_kinds, "rope": rope_sweep,
-              "decode-small": decode_small, "dense-small": dense_small, "fp8-small": fp8_small, "fp8-rows": fp8_rows}
+              "decode-small": decode_small, "dense-small": dense_small, "fp8-small": fp8_small, "fp8-rows": fp8_rows,
+              "argmax": argmax_sweep}
     ap.add_argument("--only", choices=tuple(sweeps))
     ap.add_argument("--quick", action="store_true", help="fp8-small: the default kernels only (cuBLAS bf16, "
                     "grouped_gemm's default, the dot kernel's default)")
