@@ -343,11 +343,14 @@ def deepinfer_model(fp8: bool, repack: bool = True):
 
 def _as_llm_holds(model, repack: bool = True):
     """FP4 routed experts as LLM holds them on a GPU where the copy fits (the slices fit an H200): FP8
-    codes, the faster kernel (engine/memory_fit.py repack_fits; layers/moe.py repack_fp4_as_fp8)."""
+    codes, the faster kernel (engine/memory_fit.py repack_fits; layers/moe.py repack_fp4_as_fp8); FP8
+    Linears as load_model leaves them (layers/linear.py prepare_fp8_linears)."""
+    from deepinfer.layers.linear import prepare_fp8_linears
     from deepinfer.layers.moe import repack_fp4_experts
 
     if DEVICE == "cuda" and repack:
         repack_fp4_experts(model)
+    prepare_fp8_linears(model)  # as load_model leaves a model: FP8 Linears' W8A8 scales widened once
     return model
 
 

@@ -25,10 +25,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from deepinfer.kernels.act_quant import act_quant
-from deepinfer.kernels.fp8_gemm import ROW_PAD, fp8_gemm, use_scaled_mm
+from deepinfer.kernels.fp8_gemm import ROW_PAD, fp8_gemm, scaled_mm_available, use_scaled_mm
 from deepinfer.kernels.grouped_gemm import grouped_gemm, triton_available
 from deepinfer.layers import invariant
-from deepinfer.formats.quant import dequant_fp4, dequant_fp8_blocks
+from deepinfer.formats.quant import dequant_fp4, dequant_fp8_blocks, scale_to_float
 
 
 @dataclass(frozen=True)
@@ -68,6 +68,12 @@ class Linear(nn.Module):
         else:
             self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype, device=device),
                                        requires_grad=False)
+        # `scale` widened to fp32 (prepare_fp8_linears: once the weights are loaded), the W8A8 GEMM's weight
+        # scale operand; None: W8A8 widens `scale` at each call. Not a buffer: never saved or loaded.
+        self.scale_fp32: torch.Tensor | None = None
+
+    def w8a8_scale(self) -> torch.Tensor:
+        return self.scale if self.scale_fp32 is None else self.scale_fp32
 
     def dense_weight(self, dtype: torch.dtype) -> torch.Tensor:
         if self.block_size is None:
@@ -84,7 +90,7 @@ class Linear(nn.Module):
         if self.block_size is not None and x.is_cuda and x.dtype == torch.bfloat16 and triton_available():
             a = x.reshape(-1, self.in_features)
             if fp8_gemm_rows(a.shape[0], self.block_size):  # W8A8: compute-bound row counts
-                y = fp8_linear(a, self.weight, self.scale, self.block_size)
+                y = fp8_linear(a, self.weight, self.w8a8_scale(), self.block_size)
             else:  # W8A16: one group, the FP8 tiles dequantised in the GEMM's registers
                 y = grouped_gemm(a, self.weight, None, self.scale, self.block_size, **invariant.gemm_tiles())
             return y.view(*x.shape[:-1], self.out_features)
@@ -101,8 +107,9 @@ class Linear(nn.Module):
         T, G, I = x.shape
         O = self.out_features // G
         if (self.block_size is not None and x.is_cuda and x.dtype == torch.bfloat16 and triton_available()
-                and fp8_gemm_rows(T, self.block_size) and O % self.block_size[0] == 0 and I % ACT_GROUP == 0):
-            return fp8_linear_grouped(x, self.weight, self.scale, self.block_size)
+                and fp8_gemm_rows(T, self.block_size, GROUPED_FP8_GEMM_ROWS) and O % self.block_size[0] == 0
+                and I % ACT_GROUP == 0):
+            return fp8_linear_grouped(x, self.weight, self.w8a8_scale(), self.block_size)
         if (self.block_size is not None and x.is_cuda and x.dtype == torch.bfloat16 and triton_available()
                 and 0 < T < GROUPED_GEMM_ROWS and O % self.block_size[0] == 0 and not invariant.enabled()):
             a = x.transpose(0, 1).reshape(G * T, I)
@@ -114,20 +121,40 @@ class Linear(nn.Module):
 
 
 GROUPED_GEMM_ROWS = 512  # prefill keeps dequant + cuBLAS per group (the weight copy is small beside its GEMMs)
-# W8A8 from this many rows, for weight blocks at least ACT_GROUP wide along K (V4's 128 x 128). H200,
-# benchmarks/results/2026-12-01-h200-fp8-gemm-cffa476.json, V4 slice projections per layer: at M = 8192
-# W8A8 (cuBLAS blockwise) 2.62 ms against W8A16 10.88 and bf16 3.01; at M = 256 W8A8 0.95 against
-# W8A16 0.76. 1024 lies between the measured sizes (not tuned). V4.1's 32 x 32 blocks stay on W8A16:
-# its Triton W8A8 took 10.29 ms per layer at M = 8192 against W8A16's 7.19.
-FP8_GEMM_ROWS = 1024
+# W8A8 from this many rows, for weight blocks at least ACT_GROUP wide along K (V4's 128 x 128): summed over V4's
+# eight projection shapes, act_quant + cuBLAS blockwise (fp32 weight scales) overtakes the W8A16 kernel between
+# 16 and 32 rows and is far ahead from 128 (benchmarks/NOTES.md, "2026-12-02, second session": kernel_sweep.py
+# --only fp8-rows). V4.1's 32 x 32 blocks stay on W8A16: its Triton W8A8 was measured slower.
+FP8_GEMM_ROWS = 64
+# forward_grouped's W8A8 runs one GEMM per group (8 for V4's wo_a): it keeps the grouped W8A16 kernel longer
+GROUPED_FP8_GEMM_ROWS = 1024
 ACT_GROUP = 128  # the reference's act_quant group (1 x 128, power-of-two scales)
 
 
-def fp8_gemm_rows(M: int, block: tuple[int, int]) -> bool:
-    """Whether M rows through an FP8 weight of `block` take W8A8 (outside batch-invariant mode)."""
+def w8a8_blocks(block: tuple[int, int]) -> bool:
+    """Whether an FP8 weight of `block` can take W8A8: power-of-two blocks at least ACT_GROUP wide along K."""
     bo, bi = block
-    pow2 = bo > 0 and bi >= ACT_GROUP and not (bo & (bo - 1)) and not (bi & (bi - 1))
-    return M >= FP8_GEMM_ROWS and pow2 and not invariant.enabled()
+    return bo > 0 and bi >= ACT_GROUP and not (bo & (bo - 1)) and not (bi & (bi - 1))
+
+
+def fp8_gemm_rows(M: int, block: tuple[int, int], rows: int = FP8_GEMM_ROWS) -> bool:
+    """Whether M rows through an FP8 weight of `block` take W8A8 (from `rows` rows, outside batch-invariant
+    mode)."""
+    return M >= rows and w8a8_blocks(block) and not invariant.enabled()
+
+
+def prepare_fp8_linears(model: nn.Module) -> None:
+    """Once a model's weights are in place on a GPU: each FP8 Linear whose blocks can take W8A8 gets
+    `scale_fp32` (its scale widened once, instead of at every W8A8 call), and the device is probed for
+    torch._scaled_mm's blockwise recipe here, outside any CUDA-graph capture (a capture on an unprobed device
+    would record the Triton GEMM). Whoever rewrites a Linear's scale afterwards calls this again."""
+    probed = set()
+    for m in model.modules():
+        if isinstance(m, Linear) and m.block_size is not None and m.scale.is_cuda and w8a8_blocks(m.block_size):
+            m.scale_fp32 = scale_to_float(m.scale).contiguous()
+            if m.scale.device not in probed:
+                probed.add(m.scale.device)
+                scaled_mm_available(m.scale.device)
 
 
 def _quantised_input(a: torch.Tensor, N: int, K: int,

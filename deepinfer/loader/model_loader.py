@@ -20,6 +20,7 @@ from deepinfer.loader.resolve import resolve_model_dir
 from deepinfer.loader.weights import load_weights
 from deepinfer.layers.engram import EngramTable
 from deepinfer.layers.moe import Experts
+from deepinfer.layers.linear import prepare_fp8_linears
 from deepinfer.models.config import DeepseekV4Config
 from deepinfer.models.config_v41 import DeepseekV41Config
 from deepinfer.models.registry import model_classes
@@ -64,6 +65,7 @@ def load_model(model: str | Path | None, *, dtype: torch.dtype = torch.bfloat16,
                        DRAFT_PREFIX)
     if getattr(cfg, "engram_layer_ids", None):
         net.set_engram_vocab(engram_token_map(path))
+    prepare_fp8_linears(net)
     return net.eval(), path
 
 

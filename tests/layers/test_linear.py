@@ -155,11 +155,46 @@ def test_fp8_linear_paths_on_gpu(block, rows):
     assert _rel(yi.cpu(), exact) < 4e-3
 
 
+def test_grouped_projection_keeps_w8a16_longer_and_prepare_is_a_no_op_off_the_gpu():
+    """forward_grouped's W8A8 (one GEMM per group) starts at GROUPED_FP8_GEMM_ROWS, above Linear's threshold;
+    prepare_fp8_linears widens scales on CUDA only (a CPU model keeps scale_fp32 None: W8A8 widens per call)."""
+    from deepinfer.layers.linear import (FP8_GEMM_ROWS, GROUPED_FP8_GEMM_ROWS, fp8_gemm_rows, prepare_fp8_linears,
+                                         w8a8_blocks)
+    assert FP8_GEMM_ROWS < GROUPED_FP8_GEMM_ROWS
+    assert fp8_gemm_rows(FP8_GEMM_ROWS, (128, 128)) and not fp8_gemm_rows(FP8_GEMM_ROWS, (128, 128),
+                                                                          GROUPED_FP8_GEMM_ROWS)
+    assert w8a8_blocks((128, 128)) and not w8a8_blocks((32, 32)) and not w8a8_blocks((128, 96))
+    lin = Linear(256, 128, torch.bfloat16, QuantSpec(block_size=(128, 128)))
+    model = torch.nn.Sequential(lin)
+    prepare_fp8_linears(model)
+    assert lin.scale_fp32 is None and lin.w8a8_scale() is lin.scale
+    lin.scale_fp32 = torch.ones(1, 2)
+    assert lin.w8a8_scale() is lin.scale_fp32
+    assert "scale_fp32" not in lin.state_dict()                        # never saved or loaded
+
+
+@pytest.mark.gpu
+def test_prepared_scales_feed_w8a8_on_gpu():
+    """prepare_fp8_linears widens a CUDA Linear's E8M0 scales once; W8A8 on them gives the same bits as on the
+    E8M0 scales (widened per call)."""
+    from deepinfer.formats.quant import scale_to_float
+    from deepinfer.layers.linear import FP8_GEMM_ROWS, prepare_fp8_linears
+    x, w, s, _ = _fp8_case(FP8_GEMM_ROWS + 3, 1024, 1536, (128, 128))
+    lin = Linear(1024, 1536, torch.bfloat16, QuantSpec(block_size=(128, 128)))
+    lin.weight.copy_(w)
+    lin.scale.copy_(s)
+    lin.cuda()
+    before = lin(x.cuda())
+    prepare_fp8_linears(torch.nn.Sequential(lin))
+    assert lin.scale_fp32.dtype == torch.float32 and torch.equal(lin.scale_fp32, scale_to_float(lin.scale))
+    assert torch.equal(lin(x.cuda()), before)
+
+
 @pytest.mark.gpu
 def test_fp8_grouped_projection_w8a8_on_gpu():
-    from deepinfer.layers.linear import FP8_GEMM_ROWS, GROUPED_GEMM_ROWS, fp8_linear_grouped
+    from deepinfer.layers.linear import GROUPED_FP8_GEMM_ROWS, GROUPED_GEMM_ROWS, fp8_linear_grouped
     G, I, O = 8, 512, 256
-    T = max(FP8_GEMM_ROWS, GROUPED_GEMM_ROWS) + 88
+    T = max(GROUPED_FP8_GEMM_ROWS, GROUPED_GEMM_ROWS) + 88
     lin = Linear(I, G * O, torch.bfloat16, QuantSpec(block_size=(128, 128)))
     lin.weight.copy_((torch.randn(G * O, I) * 4).to(torch.float8_e4m3fn))
     lin.scale.copy_(torch.randint(117, 122, lin.scale.shape, dtype=torch.uint8).view(lin.scale.dtype))
