@@ -46,6 +46,7 @@ from dataclasses import dataclass
 
 import torch
 
+from deepinfer.kernels.row_argmax import row_argmax
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.state.forward_batch import to_device
 from deepinfer.worker.sampler import SamplingBatch, filtered_probs, race, race_noise, seed_key
@@ -126,7 +127,7 @@ def verify(target_logits: torch.Tensor, offsets: Sequence[int], draft_tokens: to
     x_rows = torch.zeros(num_rows, dtype=torch.long, device=device)  # each row's draft token (0 on bonus rows)
     x_rows[draft_rows] = draft_tokens.to(device=device, dtype=torch.long)
     x = x_rows[draft_rows]
-    greedy_choice = logits.argmax(-1)
+    greedy_choice = row_argmax(logits)
 
     if all(p.greedy for p in params):
         choice, use_choice = greedy_choice, None
