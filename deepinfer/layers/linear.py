@@ -231,6 +231,8 @@ def fuse_output_rows(parts: tuple[Linear, ...]) -> Linear | None:
     nn.Module.__init__(fused)
     fused.in_features, fused.out_features = a.in_features, sum(p.out_features for p in parts)
     fused.block_size = bs
+    widened = [p.scale_fp32 for p in parts]  # the parts' prepared W8A8 scales (prepare_fp8_linears), if all have one
+    fused.scale_fp32 = torch.cat(widened) if all(w is not None for w in widened) else None
     names = ("weight",) if bs is None else ("weight", "scale")
     for name in names:
         stacked = torch.cat([getattr(p, name).data for p in parts])

@@ -33,6 +33,19 @@ def test_fused_rows_give_each_parts_output_and_share_storage():
         assert "weight" in dict(a.named_parameters()) or "weight" in dict(a.named_buffers())
 
 
+def test_fused_rows_keep_the_parts_prepared_scales():
+    """A fused Linear (built lazily, after prepare_fp8_linears ran on its parts) carries their widened W8A8 scales
+    stacked, or none when a part has none (then W8A8 widens per call, as for any unprepared Linear)."""
+    a, b = _fp8_linear(256, 128, 1), _fp8_linear(256, 256, 2)
+    a.scale_fp32, b.scale_fp32 = torch.rand(1, 2), torch.rand(2, 2)
+    fused = fuse_output_rows((a, b))
+    assert torch.equal(fused.scale_fp32, torch.cat((a.scale_fp32, b.scale_fp32))) and fused.w8a8_scale() is fused.scale_fp32
+    c, d = _fp8_linear(256, 128, 3), _fp8_linear(256, 128, 4)
+    c.scale_fp32 = torch.rand(1, 2)
+    assert fuse_output_rows((c, d)).scale_fp32 is None
+    assert fuse_output_rows((Linear(64, 32, torch.float32), Linear(64, 16, torch.float32))).scale_fp32 is None
+
+
 def test_parts_that_cannot_share_a_gemm():
     assert fuse_output_rows((Linear(64, 32, torch.float32), Linear(48, 32, torch.float32))) is None
     assert fuse_output_rows((_fp8_linear(256, 64, 0), _fp8_linear(256, 128, 1))) is None  # 64 rows: half a block
@@ -40,14 +53,17 @@ def test_parts_that_cannot_share_a_gemm():
 
 
 @pytest.mark.gpu
-def test_fused_rows_on_gpu():
+@pytest.mark.parametrize("rows", [7, 70])  # W8A16 and (FP8_GEMM_ROWS <= 70) W8A8 on prepared scales
+def test_fused_rows_on_gpu(rows):
+    from deepinfer.layers.linear import prepare_fp8_linears
     for fp8 in (False, True):
         if fp8:
             a, b = _fp8_linear(4096, 1024, 1).cuda(), _fp8_linear(4096, 512, 2).cuda()
+            prepare_fp8_linears(torch.nn.ModuleList([a, b]))
         else:
             a, b = Linear(4096, 1024, torch.bfloat16).cuda(), Linear(4096, 512, torch.bfloat16).cuda()
             a.weight.data.normal_(0, 0.02), b.weight.data.normal_(0, 0.02)
-        x = torch.randn(7, 4096, device="cuda").to(torch.bfloat16)
+        x = torch.randn(rows, 4096, device="cuda").to(torch.bfloat16)
         want = torch.cat((a(x), b(x)), dim=1).float()
         torch.testing.assert_close(fuse_output_rows((a, b))(x).float(), want, atol=2e-2, rtol=2e-2)
 
