@@ -121,10 +121,11 @@ class Linear(nn.Module):
 
 
 GROUPED_GEMM_ROWS = 512  # prefill keeps dequant + cuBLAS per group (the weight copy is small beside its GEMMs)
-# W8A8 from this many rows, for weight blocks at least ACT_GROUP wide along K (V4's 128 x 128): summed over V4's
+# W8A8 from this many rows, for weight blocks at least ACT_GROUP wide along K (V4's 128 x 128). Summed over V4's
 # eight projection shapes, act_quant + cuBLAS blockwise (fp32 weight scales) overtakes the W8A16 kernel between
-# 16 and 32 rows and is far ahead from 128 (benchmarks/NOTES.md, "2026-12-02, second session": kernel_sweep.py
-# --only fp8-rows). V4.1's 32 x 32 blocks stay on W8A16: its Triton W8A8 was measured slower.
+# 16 and 32 rows; at 64 rows it is ahead on the five largest shapes (by 2-17 us each) and behind on the three
+# smallest (by 2-5 us), from 128 rows ahead on all but N = 64 (benchmarks/NOTES.md, "2026-12-02, second
+# session": kernel_sweep.py --only fp8-rows). V4.1's 32 x 32 blocks stay on W8A16 (its Triton W8A8: slower).
 FP8_GEMM_ROWS = 64
 # forward_grouped's W8A8 runs one GEMM per group (8 for V4's wo_a): it keeps the grouped W8A16 kernel longer
 GROUPED_FP8_GEMM_ROWS = 1024
