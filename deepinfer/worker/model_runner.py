@@ -69,6 +69,10 @@ IMAGE_CACHE_SIZE = 32
 PROMPT_LOGPROBS_ROWS = 1024
 
 
+def _no_step_before(request_id: str) -> ValueError:
+    return ValueError(f"request {request_id}: placeholder input without a step before it")
+
+
 class ModelRunner:
     def __init__(self, model: CausalLM, cache: V4Cache, device: torch.device | str, seed: int | None = None,
                  replay_keep: int | None = None, cuda_graphs: bool = True, batch_invariant: bool = False,
@@ -117,16 +121,19 @@ class ModelRunner:
                 for j, t in enumerate(ids):
                     if t == PLACEHOLDER:
                         if prev is None or c.request_id not in prev.rows:
-                            raise ValueError(f"request {c.request_id}: placeholder input without a step before it")
+                            raise _no_step_before(c.request_id)
                         dst.append(off + j)
                         src.append(prev.rows[c.request_id][0])
             off += len(ids)
         if not dst:
             return None
-        if not self.supports_placeholders:
-            raise ValueError("this model hashes input tokens on the host: placeholder inputs are not supported")
+        self._check_placeholders()
         to = lambda xs: to_device(torch.tensor(xs, dtype=torch.long), self.device)  # noqa: E731
         return to(dst), prev.tokens[to(src)]
+
+    def _check_placeholders(self) -> None:
+        if not self.supports_placeholders:
+            raise ValueError("this model hashes input tokens on the host: placeholder inputs are not supported")
 
     def _fill_rows(self, so: SchedulerOutput, prev: StepHandle | None):
         """_fill for a step with DecodeRows: row b's input is chunk b's only token."""
@@ -138,9 +145,8 @@ class ModelRunner:
         try:
             src = [rows[chunks[b].request_id][0] for b in dst.tolist()]
         except KeyError as e:
-            raise ValueError(f"request {e.args[0]}: placeholder input without a step before it") from None
-        if not self.supports_placeholders:
-            raise ValueError("this model hashes input tokens on the host: placeholder inputs are not supported")
+            raise _no_step_before(e.args[0]) from None
+        self._check_placeholders()
         both = to_device(torch.from_numpy(np.stack((dst, np.asarray(src, dtype=np.int64)))), self.device)
         return both[0], prev.tokens[both[1]]
 
