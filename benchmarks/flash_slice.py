@@ -148,11 +148,18 @@ def _keys(c: dict, ratio: int, context: int) -> int:
     return min(c["sliding_window"], context) + extra
 
 
-def roofline_ms(c: dict, tokens: int, batch: int, context: int, decode: bool, ceil: dict, fp8: bool) -> float:
-    """`tokens` new tokens over `batch` requests at `context` (decode) or prompts of tokens/batch."""
+FP4_EXPERT_BYTES = 0.5 + 1 / 32  # bytes per routed-expert weight as shipped: FP4 codes + one E8M0 byte per 32
+
+
+def roofline_ms(c: dict, tokens: int, batch: int, context: int, decode: bool, ceil: dict, fp8: bool,
+                expert_bytes: float | None = None) -> float:
+    """`tokens` new tokens over `batch` requests at `context` (decode) or prompts of tokens/batch.
+    `expert_bytes`: bytes per routed-expert weight (default: as shipped, FP4_EXPERT_BYTES when `fp8`, else 2);
+    held_expert_bytes(model) gives the engine's held format (FP8 codes once repacked)."""
     d, hd, h = c["hidden_size"], c["head_dim"], c["num_attention_heads"]
     expert = 3 * d * c["moe_intermediate_size"]
-    wbytes, ebytes = (1, 0.5 + 1 / 64) if fp8 else (2, 2)   # FP8 dense / FP4 experts with E8M0 per 32
+    wbytes, ebytes = (1, FP4_EXPERT_BYTES) if fp8 else (2, 2)   # FP8 dense / FP4 experts with E8M0 per 32
+    ebytes = ebytes if expert_bytes is None else expert_bytes
     E, k = c["n_routed_experts"], c["num_experts_per_tok"]
     touched = E * (1 - (1 - 1 / E) ** (tokens * k))       # expected distinct experts per layer
     weights = sum(_attn_params(c, r) * wbytes + (expert * wbytes + touched * expert * ebytes)
@@ -221,18 +228,18 @@ def _reads41(c, i: int, pos: int) -> tuple[int, int, int]:
 
 
 def roofline41_ms(c, tokens: int, batch: int, context: int, decode: bool, ceil: dict, fp8: bool,
-                  kv_cache_dtype: str, keep: int | None = None) -> float:
+                  kv_cache_dtype: str, keep: int | None = None, expert_bytes: float | None = None) -> float:
     """roofline_ms of the V4.1 slice (`c`: its DeepseekV41Config). Bytes: every layer's weights (routed
     experts: the expected distinct experts its rows select, FP4 + E8M0 per 32 in the quantised engine),
     the Engram rows the tokens read (FP8 + E8M0 per 32), the fp32 head, and in decode the cache each
     query reads in the formats of `kv_cache_dtype`: window rows, the top-k compressed entries and
     the index keys the indexer scores. FLOPs: projections, experts, attention and indexer scores.
     `keep`: a prefill's SWA bounded replay (as the engine runs it): from the replay layer (the last
-    KV source) up, each prompt's last `keep` rows only."""
+    KV source) up, each prompt's last `keep` rows only. `expert_bytes`: as roofline_ms's."""
     d, hd, h, n_layers = c.hidden_size, c.head_dim, c.num_attention_heads, c.num_hidden_layers
     bo, bi = c.quant.block_size or (1, 1)
     per = {"q": (1 + 1 / (bo * bi)) if fp8 else 2, "bf16": 2, "fp32": 4}
-    ebytes = 0.5 + 1 / 32 if fp8 else 2
+    ebytes = (FP4_EXPERT_BYTES if fp8 else 2) if expert_bytes is None else expert_bytes
     expert = 3 * d * c.moe_intermediate_size
     E, k = c.n_routed_experts, c.num_experts_per_tok
     seq = 1 if decode else tokens // batch
@@ -545,19 +552,33 @@ def _failed_row(name: str, phase: str, B: int, S: int, C: int, err: Exception) -
     return _row(name, phase, B, S, C, None, None, None, f"failed: {type(err).__name__}: {str(err)[:300]}")
 
 
+def held_expert_bytes(model) -> float:
+    """Bytes per routed-expert weight as `model` holds them (codes and scales): 2 in bf16, FP4_EXPERT_BYTES
+    packed, 1 + 1/128 or 1 + 1/32 as FP8 codes after the repack (folded scales or not)."""
+    from deepinfer.layers.moe import Experts
+
+    m = next(m for m in model.modules() if isinstance(m, Experts))
+    held = sum(t.numel() * t.element_size() for t in [*m.parameters(recurse=False), *m.buffers(recurse=False)])
+    return held / (m.w1.shape[0] * 3 * m.w2.shape[1] * m.w2.shape[2] * (2 if m.w2.dtype in (torch.int8, torch.uint8) else 1))
+
+
 def deepinfer_rows(fp8: bool, invariant: bool, ceil: dict, args, name: str, arch: str = "v4") -> list[dict]:
     """Rows of one deepinfer engine on the V4 slice (`arch` "v4") or the V4.1 slice ("v41")."""
     if arch == "v41":
         model, kv = deepinfer_model_v41(fp8, not name.endswith("-fp4")), getattr(args, "v41_kv_cache_dtype", "auto")
         keep = default_replay_keep(model.config)
 
-        def roofline(tokens, B, C, decode):
-            return roofline41_ms(model.config, tokens, B, C, decode, ceil, fp8, kv, keep)
+        def roofline(tokens, B, C, decode, held=None):
+            return roofline41_ms(model.config, tokens, B, C, decode, ceil, fp8, kv, keep, held)
     else:
         model, kv = deepinfer_model(fp8, not name.endswith("-fp4")), ("fp8" if fp8 else "bfloat16")
 
-        def roofline(tokens, B, C, decode):
-            return roofline_ms(slice_config(), tokens, B, C, decode, ceil, fp8)
+        def roofline(tokens, B, C, decode, held=None):
+            return roofline_ms(slice_config(), tokens, B, C, decode, ceil, fp8, held)
+    # the experts as this engine holds them, where that differs from the shipped bytes the roofline counts
+    # (FP8 codes after the repack: Hopper has no FP4 MMA): decode rows also record that roofline
+    held = held_expert_bytes(model) if fp8 else None
+    held = None if held is None or abs(held - FP4_EXPERT_BYTES) < 1e-9 else held
     cfg = model.config
     use_graphs = DEVICE == "cuda" and not args.no_cuda_graphs
     g = torch.Generator().manual_seed(0)
@@ -583,7 +604,8 @@ def deepinfer_rows(fp8: bool, invariant: bool, ceil: dict, args, name: str, arch
                 t = decode_seconds(engine, steps, diag)
                 note = "; ".join(filter(None, [_engine_note(engine), diag["graphs_captured"] and
                                                f"{diag['graphs_captured']} CUDA graph capture(s) in the timed steps"]))
-                rows.append(_row(name, "decode", B, 1, C, B / t, t, roof, note or None, diag))
+                rows.append(_row(name, "decode", B, 1, C, B / t, t, roof, note or None, diag,
+                                 None if held is None else roofline(B, B, C, True, held)))
             except Exception as e:  # noqa: BLE001
                 rows.append(_failed_row(name, "decode", B, 1, C, e))
                 engine = reqs = None
@@ -672,12 +694,16 @@ def transformers_rows(ceil: dict, args) -> list[dict]:
     return rows
 
 
-def _row(engine, phase, batch, seq, context, tps, t, roof, note=None, diag=None) -> dict:
-    """One result row; `diag` (decode rows of deepinfer) = decode_seconds' account of the timed steps."""
+def _row(engine, phase, batch, seq, context, tps, t, roof, note=None, diag=None, roof_held=None) -> dict:
+    """One result row; `diag` (decode rows of deepinfer) = decode_seconds' account of the timed steps;
+    `roof_held`: the roofline over the routed experts' bytes as the engine holds them (held_expert_bytes),
+    given where that differs from the shipped bytes `roof` counts."""
     row = {"engine": engine, "phase": phase, "batch": batch, "seq": seq, "context": context,
            "tokens_per_s": None if tps is None else round(tps, 1),
            "step_ms": None if t is None else round(1e3 * t, 3),
            "roofline_ms": None if roof is None else round(roof, 3)}
+    if roof_held is not None:
+        row["roofline_held_ms"] = round(roof_held, 3)
     if note:
         row["note"] = note
     if diag:
@@ -792,12 +818,15 @@ def results_path(args, device: str) -> Path:
 
 
 def print_table(rows: list[dict]) -> None:
+    """One line a row; `x held` is the step over the roofline of the experts' held bytes (decode rows of an
+    engine that holds them in another format than shipped: roofline_held_ms)."""
     print(f"{'engine':<21}{'phase':<21}{'B':>5}{'S':>6}{'ctx':>6}{'tok/s':>12}{'step ms':>10}{'roof ms':>10}"
-          f"{'x roof':>8}")
+          f"{'x roof':>8}{'x held':>8}")
     for r in rows:
         x = f"{r['step_ms'] / r['roofline_ms']:.1f}" if r["step_ms"] and r["roofline_ms"] else "-"
+        xh = f"{r['step_ms'] / r['roofline_held_ms']:.2f}" if r["step_ms"] and r.get("roofline_held_ms") else "-"
         print(f"{r['engine']:<21}{r['phase']:<21}{r['batch']:>5}{r['seq']:>6}{r['context']:>6}"
-              f"{str(r['tokens_per_s']):>12}{str(r['step_ms']):>10}{str(r['roofline_ms']):>10}{x:>8}")
+              f"{str(r['tokens_per_s']):>12}{str(r['step_ms']):>10}{str(r['roofline_ms']):>10}{x:>8}{xh:>8}")
 
 
 def main() -> None:

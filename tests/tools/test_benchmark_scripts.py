@@ -265,6 +265,31 @@ def test_roofline41_reads_the_cache_in_its_formats(bench):
     assert fs.roofline41_ms(cfg, 8192, 1, 8192, False, flops_only, False, "auto", keep=140) < 0.8 * exact
 
 
+def test_roofline_counts_the_experts_as_shipped_or_as_held(bench, monkeypatch):
+    """The V4 slice's FP8 roofline counts routed experts as shipped (FP4 codes + one E8M0 byte per 32 weights);
+    `expert_bytes` swaps in the held format, which held_expert_bytes reads off a model: 2 in bf16, packed FP4,
+    FP8 codes after the repack (one byte a weight + their scales)."""
+    from deepinfer.layers.moe import repack_fp4_experts
+
+    _, fs = bench
+    monkeypatch.setattr(fs, "BASE_PRESET", "tiny")
+    monkeypatch.setattr(fs, "DEVICE", "cpu")
+    c = fs.slice_config()
+    bytes_only = {"hbm_gbs": 1e-6, "bf16_tflops": 1e9}  # 1 byte = 1 ms
+    shipped = fs.roofline_ms(c, 64, 64, 256, True, bytes_only, True)
+    assert fs.FP4_EXPERT_BYTES == 0.5 + 1 / 32
+    assert fs.roofline_ms(c, 64, 64, 256, True, bytes_only, True, fs.FP4_EXPERT_BYTES) == shipped
+    held = fs.roofline_ms(c, 64, 64, 256, True, bytes_only, True, 1 + 1 / 32)
+    E, k, expert = c["n_routed_experts"], c["num_experts_per_tok"], 3 * c["hidden_size"] * c["moe_intermediate_size"]
+    touched = E * (1 - (1 - 1 / E) ** (64 * k))
+    assert held - shipped == pytest.approx(len(fs.LAYER_RATIOS) * touched * expert * 0.5)
+    assert fs.held_expert_bytes(fs.deepinfer_model(False, repack=False)) == 2
+    model = fs.deepinfer_model(True, repack=False)
+    assert fs.held_expert_bytes(model) == pytest.approx(fs.FP4_EXPERT_BYTES)
+    repack_fp4_experts(model)
+    assert fs.held_expert_bytes(model) in (pytest.approx(1 + 1 / 32), pytest.approx(1 + 1 / 128))
+
+
 def test_flash_slice_v41_rows_time_engine_steps(smoke_v41, monkeypatch):
     """V4.1 rows time EngineCore.step as the engine runs it (synchronous or launching ahead): every model
     launch happens inside an engine step, a prefill row times one step per rep, a decode row its steps."""
