@@ -71,6 +71,22 @@ def test_fp8_keeps_the_shipped_formats_at_their_size_on_disk(ckpt, kept):
     assert held.experts < 0.3 * bf16.experts and held.total < 0.6 * bf16.total, (held, bf16)
 
 
+def test_load_model_prepares_the_fp8_linears_once_the_weights_are_in(ckpt, monkeypatch):
+    """load_model hands the loaded model to prepare_fp8_linears (fp32 W8A8 scales and the cuBLAS probe on a
+    GPU); on the CPU that leaves every Linear's scale_fp32 unset."""
+    seen = []
+    real = model_loader.prepare_fp8_linears
+
+    def spy(model):
+        seen.append(sum(1 for m in model.modules() if isinstance(m, Linear) and m.block_size is not None))
+        real(model)
+
+    monkeypatch.setattr(model_loader, "prepare_fp8_linears", spy)
+    llm = _llm(ckpt, quantization="fp8", dtype="bfloat16", kv_cache_dtype="bfloat16")
+    assert len(seen) == 1 and seen[0] > 0                              # once, with the FP8 Linears in it
+    assert all(m.scale_fp32 is None for m in _linears(llm))
+
+
 def test_none_dequantises_every_weight_to_the_dtype(dequantised):
     assert all(m.weight.dtype == torch.float32 and m.block_size is None for m in _linears(dequantised))
     assert all(e.w1.dtype == torch.float32 and not hasattr(e, "w1_scale") for e in _experts(dequantised))
