@@ -56,6 +56,7 @@ from deepinfer.engine.kv_manager import KVCacheManager
 from deepinfer.engine.outputs import ModelOutput, SchedulerOutput
 from deepinfer.engine.request import Request
 from deepinfer.engine.scheduler import Scheduler
+from deepinfer.layers.linear import prepare_fp8_linears
 from deepinfer.layers.moe import Experts, MoE
 from deepinfer.distributed.tensor_parallel import META_MIN_NUMEL, _Cutter, _LargeOnMeta, _materialize
 from deepinfer.loader.model_loader import engram_token_map, load_model, model_spec, open_weights
@@ -145,6 +146,7 @@ def load_expert_shard(model_dir: str, rank: int, ep: int, *, dtype: torch.dtype,
     for layer, moe in enumerate(moes):
         moe.experts = shard_experts(moe.experts, placement, layer, rank, ep)
     net.placement = placement
+    prepare_fp8_linears(net)  # as load_model leaves a model
     return net.eval()
 
 

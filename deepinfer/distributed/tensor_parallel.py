@@ -29,6 +29,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._device import _device_constructors
 
 from deepinfer.distributed.parallel_state import tp_all_reduce
+from deepinfer.layers.linear import prepare_fp8_linears
 from deepinfer.loader.model_loader import engram_token_map, model_spec, open_weights
 from deepinfer.loader.resolve import resolve_model_dir
 from deepinfer.loader.weights import Part, Slice, load_weights
@@ -220,4 +221,5 @@ def load_shard(model_dir: str | Path, tp_rank: int, tp_size: int, *, dtype: torc
     load_weights(net, reader, config=cfg, shard=shard.parts)
     if getattr(cfg, "engram_layer_ids", None):
         net.set_engram_vocab(engram_token_map(path))
+    prepare_fp8_linears(net)  # as load_model leaves a model (the shard's scales)
     return net.eval()

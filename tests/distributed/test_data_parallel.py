@@ -136,6 +136,17 @@ def test_v41_two_ranks_with_eplb_match_one_process(tmp_path):
     _assert_same(got, _one_process(ck, PROMPTS, PARAMS))
 
 
+def test_an_expert_shard_is_prepared_as_load_model_leaves_a_model(tmp_path, monkeypatch):
+    """load_expert_shard hands its loaded rank model to prepare_fp8_linears, as load_model does."""
+    import deepinfer.distributed.dp_engine as dp_module
+
+    seen = []
+    monkeypatch.setattr(dp_module, "prepare_fp8_linears", lambda net: seen.append(net))
+    ck = write_checkpoint(tmp_path / "ckpt", CFG, seed=4, dtype="fp8")
+    part = load_expert_shard(str(ck), 0, 2, dtype=torch.float32, device="cpu", quantized=True, min_numel=64)
+    assert seen == [part]
+
+
 @pytest.mark.parametrize("model, quantized", [("v4", True), ("v41", False)])
 def test_a_rank_loaded_alone_holds_its_slots_and_everything_else_whole(tmp_path, model, quantized):
     """load_expert_shard (large tensors on the meta device, only the rank's range of experts read) holds

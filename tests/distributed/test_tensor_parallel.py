@@ -116,6 +116,17 @@ def test_checkpoint_formats_kept_as_shipped_shard_on_block_bounds(tmp_path):
     _assert_same(got, want)
 
 
+def test_a_shard_is_prepared_as_load_model_leaves_a_model(tmp_path, monkeypatch):
+    """load_shard hands its loaded shard to prepare_fp8_linears (fp32 W8A8 scales on a GPU), as load_model does."""
+    import deepinfer.distributed.tensor_parallel as tp_module
+
+    seen = []
+    monkeypatch.setattr(tp_module, "prepare_fp8_linears", lambda net: seen.append(net))
+    ck = write_checkpoint(tmp_path / "ckpt", {**CFG, "o_lora_rank": 32}, seed=4, dtype="fp8")
+    part = load_shard(ck, 1, 2, dtype=torch.float32, device="cpu", quantized=True, min_numel=64)
+    assert seen == [part]
+
+
 @pytest.mark.parametrize("model, quantized, tp", [("v4", True, 2), ("v41", False, 4)])
 def test_a_shard_loaded_alone_equals_the_whole_model_sliced(tmp_path, model, quantized, tp):
     """load_shard (large tensors built on the meta device, only the rank's part read) holds exactly
