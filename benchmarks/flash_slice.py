@@ -559,7 +559,8 @@ def held_expert_bytes(model) -> float:
 
     m = next(m for m in model.modules() if isinstance(m, Experts))
     held = sum(t.numel() * t.element_size() for t in [*m.parameters(recurse=False), *m.buffers(recurse=False)])
-    return held / (m.w1.shape[0] * 3 * m.w2.shape[1] * m.w2.shape[2] * (2 if m.w2.dtype in (torch.int8, torch.uint8) else 1))
+    codes_per_byte = 2 if m.w2.dtype in (torch.int8, torch.uint8) else 1  # packed FP4: two codes a byte
+    return held / (3 * m.w2.numel() * codes_per_byte)
 
 
 def deepinfer_rows(fp8: bool, invariant: bool, ceil: dict, args, name: str, arch: str = "v4") -> list[dict]:
@@ -578,7 +579,8 @@ def deepinfer_rows(fp8: bool, invariant: bool, ceil: dict, args, name: str, arch
     # the experts as this engine holds them, where that differs from the shipped bytes the roofline counts
     # (FP8 codes after the repack: Hopper has no FP4 MMA): decode rows also record that roofline
     held = held_expert_bytes(model) if fp8 else None
-    held = None if held is None or abs(held - FP4_EXPERT_BYTES) < 1e-9 else held
+    if held is not None and abs(held - FP4_EXPERT_BYTES) < 1e-9:
+        held = None
     cfg = model.config
     use_graphs = DEVICE == "cuda" and not args.no_cuda_graphs
     g = torch.Generator().manual_seed(0)

@@ -1,6 +1,7 @@
 """Tile-config sweep of the Triton kernels at the Flash slice's shapes (H200), with the torch baseline.
 
-    python benchmarks/kernel_sweep.py [--only moe|attn|attn-kinds|rope|decode-small|dense-small|fp8-small|fp8-rows|argmax]
+    python benchmarks/kernel_sweep.py [--only moe|attn|attn-kinds|rope|decode-small|dense-small|fp8-small|fp8-rows|
+                                              argmax]
 
 MoE: 256 experts, K=4096 -> N=2048 (w1/w3), tokens x 6 experts routed at random: decode batch 1
 and 64 (bf16 torch._grouped_mm vs the Triton kernel on bf16 / FP8-block / FP4 weights), prefill

@@ -39,7 +39,8 @@ def test_fused_rows_keep_the_parts_prepared_scales():
     a, b = _fp8_linear(256, 128, 1), _fp8_linear(256, 256, 2)
     a.scale_fp32, b.scale_fp32 = torch.rand(1, 2), torch.rand(2, 2)
     fused = fuse_output_rows((a, b))
-    assert torch.equal(fused.scale_fp32, torch.cat((a.scale_fp32, b.scale_fp32))) and fused.w8a8_scale() is fused.scale_fp32
+    assert torch.equal(fused.scale_fp32, torch.cat((a.scale_fp32, b.scale_fp32)))
+    assert fused.w8a8_scale() is fused.scale_fp32
     c, d = _fp8_linear(256, 128, 3), _fp8_linear(256, 128, 4)
     c.scale_fp32 = torch.rand(1, 2)
     assert fuse_output_rows((c, d)).scale_fp32 is None
