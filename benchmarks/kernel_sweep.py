@@ -393,6 +393,7 @@ def fp8_small(rows: list) -> None:
 QUICK = False  # --quick: fp8-small times the default kernels only (a short device call)
 
 FP8_ROWS = (1, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+SWAP_TILES = ((64, 4, 3), (64, 4, 4), (128, 8, 3))  # the swapped dot's (BLOCK_N, num_warps, num_stages)
 
 
 def fp8_rows(rows: list) -> None:
@@ -400,7 +401,8 @@ def fp8_rows(rows: list) -> None:
     E8M0 blocks) at FP8_ROWS rows through `w8a16` (grouped_gemm's default: the GEMV / dot kernel), `w8a8`
     (layers/linear.py fp8_linear as Linear runs it: act_quant with rows padded, the E8M0 scales widened to fp32
     each call, cuBLAS blockwise torch._scaled_mm), `w8a8-fp32-scales` (the same with the weight scales
-    already fp32: act_quant + _scaled_mm only), beside `cublas-bf16` on the bf16 weight. Device time of all of
+    already fp32: act_quant + _scaled_mm only), `w8a16-swap-*` (grouped_gemm's opt-in swapped dot over
+    SWAP_TILES, its K split from split_k_for), beside `cublas-bf16` on the bf16 weight. Device time of all of
     a path's kernels and their count (launches); GBs counts the FP8 weight bytes."""
     import math
     import torch.nn.functional as F
@@ -410,6 +412,7 @@ def fp8_rows(rows: list) -> None:
     from deepinfer.kernels.act_quant import act_quant
     from deepinfer.layers.linear import fp8_linear
 
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
     for N, K in DENSE_SHAPES:
         nbytes = N * K
         copies = max(2, math.ceil(256e6 / nbytes))
@@ -425,6 +428,10 @@ def fp8_rows(rows: list) -> None:
             w, s, _ = next(it)
             return gg.grouped_gemm(a, w, None, s, (128, 128))
 
+        def swapped(a, cfg, sk):
+            w, s, _ = next(it)
+            return gg._launch(a, w, None, s, (128, 128), swap=True, split_k=sk, **cfg)
+
         def fp32_scales(a):
             w, _, s32 = next(it)
             q, qs = act_quant(a, 128, rows=-(-a.shape[0] // fg.ROW_PAD) * fg.ROW_PAD)
@@ -436,6 +443,12 @@ def fp8_rows(rows: list) -> None:
                         ("w8a16", lambda: w8a16(a)),
                         ("w8a8", lambda: fp8_linear(a, *next(it)[:2], (128, 128))),
                         ("w8a8-fp32-scales", lambda: fp32_scales(a))]
+            for bn, nw, ns in SWAP_TILES:  # grouped_gemm's swapped dot (opt-in): rows as the MMA's N
+                cfg = dict(BLOCK_M=min(64, max(16, 1 << (M - 1).bit_length())), BLOCK_N=bn, BLOCK_K=128,
+                           num_warps=nw, num_stages=ns)
+                sk = gg.split_k_for(gg.max_m_tiles(M, 1, cfg["BLOCK_M"], True), N, K, cfg, sms)
+                variants.append((f"w8a16-swap-bm{cfg['BLOCK_M']}-bn{bn}-w{nw}-s{ns}-sk{sk}",
+                                 lambda cfg=cfg, sk=sk: swapped(a, cfg, sk)))
             for name, f in variants:
                 _timed_row(rows, {"kernel": "fp8-rows", "N": N, "K": K, "M": M, "impl": name}, f,
                            2 * nbytes if name.startswith("cublas") else nbytes)

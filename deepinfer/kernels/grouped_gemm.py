@@ -39,6 +39,15 @@ Dequantisation in the K loop:
 Under TRITON_INTERPRET=1 (CPU tensors) the dot operands are rounded to bf16 and then widened to
 fp32, because the interpreter's tl.dot cannot multiply bf16; on CUDA they stay bf16.
 
+Swap (`_grouped_gemm_swap_kernel`, `_launch(swap=True)`, opt-in, not measured yet): the dot kernel's product
+transposed, out^T tile = W tile x A tile^T, so the widened weight tile is the MMA's first operand, which Hopper's
+wgmma reads from registers (the second, the rows' bf16 activations, from shared memory), and the row count is the
+MMA's N (16 and up) instead of its M (64 per warpgroup). FP8 weights with E8M0 scales fold the scale into the bf16
+weight (a power of two times an e4m3 value: exact, as `reference` dequantises), so the product accumulates in
+place and sm_90 builds keep the MMAs of several K tiles in flight (`wgmma.wait_group` 7 in the loop), where the
+dot kernel's scale-after-product waits for each (`wait_group` 0). Dense weights, and FP8 with E8M0 blocks
+spanning whole K tiles only.
+
 GEMV (`_grouped_gemv_kernel`, decode row counts): with one row, tl.dot's 16-row MMA tile wastes 15/16
 of its work, and the dot kernel streamed FP8 weights far below the HBM bandwidth at M = 1 (measured:
 benchmarks/NOTES.md, "Measurements behind the kernels' defaults"). The GEMV kernel computes
@@ -60,7 +69,7 @@ from __future__ import annotations
 
 import torch
 
-from deepinfer.kernels import sm_count
+from deepinfer.kernels import interpreted, sm_count
 from deepinfer.kernels.split_sum import split_sum_into
 from deepinfer.formats.quant import dequant_fp4, dequant_fp8_blocks
 
@@ -387,6 +396,50 @@ if triton is not None:
             tl.store(out + 2 * s_om, tl.sum(acc2, axis=1).to(ty), mask=nmask & (row0 + 2 < row_end) & (row0 + 2 < M))
             tl.store(out + 3 * s_om, tl.sum(acc3, axis=1).to(ty), mask=nmask & (row0 + 3 < row_end) & (row0 + 3 < M))
 
+if triton is not None:
+    @triton.jit
+    def _grouped_gemm_swap_kernel(a_ptr, w_ptr, s_ptr, offs_ptr, out_ptr, M, N, E,
+                                  s_am, s_ak, s_we, s_wn, s_wk, s_se, s_sn, s_sk, s_om, s_on,
+                                  K: tl.constexpr, FMT: tl.constexpr, BO: tl.constexpr, BI: tl.constexpr,
+                                  ONE_GROUP: tl.constexpr, E_PAD: tl.constexpr, OP: tl.constexpr,
+                                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                                  SPLIT_K: tl.constexpr = 1):
+        """The swapped dot (module docstring, "Swap"): acc [BLOCK_N, BLOCK_M] = W tile x A tile^T, the widened
+        weight tile the MMA's first operand (in registers), the rows' activations its second; stored transposed.
+        FP8 (FMT 1) takes E8M0 scales with BI a multiple of BLOCK_K only (the launcher checks)."""
+        K_PART: tl.constexpr = K // SPLIT_K
+        if SPLIT_K == 1:
+            k_lo = 0
+        else:
+            k_lo = tl.program_id(2) * K_PART
+        live, row0, row_end, w_base, s_base = group_tile(tl.program_id(0), offs_ptr, M, E, w_ptr, s_ptr, s_we, s_se,
+                                                          ONE_GROUP, E_PAD, BLOCK_M)
+        if live == 0:
+            return
+        rows = row0 + tl.arange(0, BLOCK_M)
+        rmask = (rows < row_end) & (rows < M)
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        nmask = cols < N
+        a_cols = a_ptr + rows.to(tl.int64)[None, :] * s_am
+        w_rows = w_base + cols.to(tl.int64)[:, None] * s_wn
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+        for k0 in range(k_lo, k_lo + K_PART, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            kmask = ks < K
+            w = tl.load(w_rows + ks[None, :] * s_wk, mask=nmask[:, None] & kmask[None, :], other=0.0)
+            if FMT == 1:  # one power-of-two scale per weight row over the K tile: exact in the bf16 weight
+                sc = _e8m0(tl.load(s_base + (cols // BO) * s_sn + (k0 // BI) * s_sk, mask=nmask, other=0))
+                wb = (w.to(tl.float32) * sc[:, None]).to(tl.bfloat16).to(OP)
+            else:
+                wb = w.to(tl.bfloat16).to(OP)
+            at = tl.load(a_cols + ks[:, None] * s_ak, mask=kmask[:, None] & rmask[None, :], other=0.0)
+            acc = tl.dot(wb, at.to(tl.bfloat16).to(OP), acc)  # in place: the MMAs stay in flight across K tiles
+        out = out_ptr + rows.to(tl.int64)[None, :] * s_om + cols[:, None] * s_on
+        if SPLIT_K > 1:  # fp32 partials [SPLIT_K, M, N] (contiguous), summed in split order
+            out += tl.program_id(2).to(tl.int64) * M * N
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=nmask[:, None] & rmask[None, :])
+
+
 def split_k_for(m_tiles: int, N: int, K: int, cfg: dict, sms: int) -> int:
     """Splits of K when the output tiles (m_tiles row tiles x N / BLOCK_N) leave most SMs idle (decode:
     the FP8 projections, the experts of a few tokens): a power of two up to 16 that brings the
@@ -401,7 +454,7 @@ def split_k_for(m_tiles: int, N: int, K: int, cfg: dict, sms: int) -> int:
 
 def _launch(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor | None, scale: torch.Tensor | None,
             block_size: tuple[int, int], BLOCK_M=None, BLOCK_N=None, BLOCK_K=None, num_warps=None,
-            num_stages=None, split_k: int = 1, gemv: bool = False, ROWS=None) -> torch.Tensor:
+            num_stages=None, split_k: int = 1, gemv: bool = False, ROWS=None, swap: bool = False) -> torch.Tensor:
     """The Triton launch on whatever device the tensors are on (CPU only under TRITON_INTERPRET=1).
     gemv=False: the dot kernel (tiles BLOCK_M / N / K); gemv=True: the GEMV kernel (tiles ROWS, BLOCK_N,
     BLOCK_K; dense or FP8 weights). Unset tiles take default_config / gemv_config."""
@@ -455,6 +508,12 @@ def _launch(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor | None, scale: 
     for k, v in given:
         if v is not None:
             cfg[k] = v
+    if swap:
+        if gemv or fmt == FP4 or (fmt == FP8 and (not e8m0 or bi % cfg["BLOCK_K"])):
+            raise ValueError("grouped_gemm: swap=True takes dense weights or FP8 with E8M0 scales whose blocks span "
+                             "whole K tiles (BI a multiple of BLOCK_K), on the dot path")
+        if cfg["BLOCK_M"] < 16 or cfg["BLOCK_N"] < 16:
+            raise ValueError("grouped_gemm: swap=True needs BLOCK_M and BLOCK_N >= 16")
     if gemv and cfg["BLOCK_K"] % (16 // w.element_size()):
         raise ValueError(f"grouped_gemm: the GEMV's BLOCK_K must be a multiple of {16 // w.element_size()} "
                          f"(16 bytes of {w.dtype} a thread)")
@@ -476,10 +535,15 @@ def _launch(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor | None, scale: 
     if gemv:
         grid = (max_m_tiles(M, E, cfg["ROWS"], one_group), triton.cdiv(N, cfg["BLOCK_N"]), split_k)
         _grouped_gemv_kernel[grid](*args, **common, KV=16 // w.element_size(), STAGES=cfg["num_stages"], **cfg)
+    elif swap:
+        grid = (max_m_tiles(M, E, cfg["BLOCK_M"], one_group), triton.cdiv(N, cfg["BLOCK_N"]), split_k)
+        common.pop("E8M0")
+        # the interpreter's tl.dot cannot multiply bf16 (the sm_90 builds of tests/kernels/sm90.py keep bf16)
+        _grouped_gemm_swap_kernel[grid](*args, **common, **cfg, OP=tl.float32 if interpreted() else tl.bfloat16)
     else:
         grid = (max_m_tiles(M, E, cfg["BLOCK_M"], one_group), triton.cdiv(N, cfg["BLOCK_N"]), split_k)
         _grouped_gemm_kernel[grid](*args, **common, **cfg,
-                                   OP=tl.bfloat16 if a.is_cuda else tl.float32)  # interpreter: no bf16 tl.dot
+                                   OP=tl.float32 if interpreted() else tl.bfloat16)  # interpreter: no bf16 tl.dot
     if split_k > 1:
         split_sum_into(dst, out)
     return out

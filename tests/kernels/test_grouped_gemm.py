@@ -562,3 +562,55 @@ def test_gemv_sweep_entries_build_for_sm90_without_spills(monkeypatch):
                     torch.zeros(256, dtype=torch.int32), torch.zeros(256, 2048, 32, dtype=u8), (1, 128), **kw)
     for launch, kernel, usage in _gemv_builds(launches):
         assert usage["spill_stores"] == 0 and kernel.metadata.shared <= SM90_MAX_SHARED, (launch.constexprs, usage)
+
+
+# ---------------------------------------------------------------- the swapped dot (opt-in)
+
+# The swapped dot against the reference (which dequantises the weight to bf16, as the kernel's folded scale does):
+# ragged groups, empty ones, a tile-spanning one, one group without offs, (128, 128) and (1, 128) E8M0 blocks,
+# dense bf16 weights, a K split; rows past offs[-1] are not compared (left unwritten). Refusals name the rule.
+SWAP_CHECK = (
+    "import pytest, torch\n"
+    "from deepinfer.kernels.grouped_gemm import _launch, reference\n"
+    "from test_grouped_gemm import make_case\n"
+    "for counts, N, K, fmt, block, extra in [([0, 1, 37, 0, 5, 0], 48, 256, 'fp8', (128, 128), {}),\n"
+    "                                        ([3, 20], 40, 256, 'fp8', (1, 128), {}),\n"
+    "                                        ([19], 32, 128, 'bf16', (128, 128), {}),\n"
+    "                                        ([4, 0, 9], 64, 512, 'fp8', (128, 128), dict(split_k=2))]:\n"
+    "    a, w, offs, s = make_case(counts, N, K, fmt, block=block)\n"
+    "    want = reference(a, w, offs, s, block)\n"
+    "    n = sum(counts)\n"
+    "    got = _launch(a.to(DEV), w.to(DEV), offs.to(DEV), None if s is None else s.to(DEV), block, swap=True,\n"
+    "                  **TILES, **extra).cpu()\n"
+    "    torch.testing.assert_close(got[:n].float(), want[:n].float(), atol=2e-2, rtol=1.6e-2)\n"
+    "    if len(counts) == 1:\n"
+    "        one = _launch(a.to(DEV), w[0].to(DEV), None, None if s is None else s[0].to(DEV), block, swap=True,\n"
+    "                      **TILES).cpu()\n"
+    "        assert torch.equal(one, got)\n"
+    "a, w, offs, s = make_case([5], 32, 256, 'fp8', scale_dtype='fp32')\n"
+    "with pytest.raises(ValueError, match='swap=True'):\n"
+    "    _launch(a.to(DEV), w.to(DEV), offs.to(DEV), s.to(DEV), (128, 128), swap=True, **TILES)\n"
+    "a, w, offs, s = make_case([5], 32, 256, 'fp8', block=(1, 32))\n"
+    "with pytest.raises(ValueError, match='swap=True'):\n"
+    "    _launch(a.to(DEV), w.to(DEV), offs.to(DEV), s.to(DEV), (1, 32), swap=True, **dict(TILES, BLOCK_K=64))\n"
+    "print('ok')\n")
+test_swap_matches_reference_in_the_triton_interpreter, test_swap_matches_reference_on_gpu = interpreted_and_gpu(
+    SWAP_CHECK, "DEV = 'cpu'\nTILES = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=32, num_warps=1, num_stages=1)\n",
+    "DEV = 'cuda'\nTILES = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, num_warps=4, num_stages=3)\n")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M", [5, 32, 64])
+@pytest.mark.parametrize("tiles", [dict(BLOCK_N=64, num_warps=4, num_stages=3), dict(BLOCK_N=128, num_warps=8, num_stages=3)])
+def test_swap_at_v4_sizes_on_gpu(M, tiles):
+    """The swapped dot at a V4 projection's size (4096 x 4096, (128, 128) E8M0 blocks) and over ragged routed
+    experts ((1, 128) blocks), against the reference; one K split and two."""
+    from deepinfer.kernels.grouped_gemm import _launch
+    bm = min(64, max(16, 1 << (M - 1).bit_length()))
+    for counts, N, K, block in (([M], 4096, 4096, (128, 128)), ([0, M, 1, 0, 2 * M, 3], 2048, 4096, (1, 128))):
+        a, w, offs, s = make_case(counts, N, K, "fp8", block=block, device="cuda", seed=M)
+        want = reference(a, w, offs, s, block)
+        n = sum(counts)
+        for sk in (1, 2):
+            got = _launch(a, w, offs, s, block, swap=True, split_k=sk, BLOCK_M=bm, BLOCK_K=128, **tiles)
+            torch.testing.assert_close(got[:n].float(), want[:n].float(), atol=2e-2, rtol=1.6e-2)

@@ -341,3 +341,28 @@ def row_argmax_launches():
 
 def test_row_argmax_compiles_for_sm90():
     test_kernels_compile_for_sm90(row_argmax_launches)
+
+
+def test_swapped_dot_keeps_mmas_in_flight_on_sm90():
+    """grouped_gemm's swapped dot (swap=True) at decode row counts of V4's 4096 x 4096 FP8 projection and its
+    routed experts, built as the JIT would on an H200: wgmma reads the widened weight from registers and the
+    loop waits for all but the latest MMAs (wait_group > 0), where the dot kernel's scale-after-product waits
+    for each (wait_group 0 only)."""
+    import re
+
+    E4, e8 = torch.float8_e4m3fn, lambda *s: _i(*s, dtype=torch.uint8).view(torch.float8_e8m0fnu)  # noqa: E731
+    cases = [(M, (_e(M, 4096), _e(4096, 4096, dtype=E4), None, e8(32, 32), (128, 128))) for M in (16, 64)]
+    cases.append((48, (_e(48, 4096), _e(256, 2048, 4096, dtype=E4), _i(256, dtype=torch.int32), e8(256, 2048, 32),
+                       (1, 128))))
+    for M, args in cases:
+        for swap in (True, False):
+            with record() as got:
+                grouped_gemm._launch(*args, BLOCK_M=16 if swap or M <= 16 else 64, BLOCK_N=64, BLOCK_K=128,
+                                     num_warps=4, num_stages=3, swap=swap)
+            ptx = compile_sm90(got[0], specialize=True).asm["ptx"]
+            waits = {int(n) for n in re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", ptx)}
+            if swap:
+                assert "wgmma.mma_async" in ptx and max(waits) > 0, (M, waits)
+                assert re.search(r"wgmma\.mma_async[^;]*\{\s*%r", ptx), "the weight operand comes from registers"
+            else:
+                assert waits <= {0}, (M, waits)                          # (mma.sync below 64 rows: no waits)
