@@ -304,7 +304,9 @@ def dense_small(rows: list) -> None:
 # GEMV tiles swept at M = 1 (ROWS = 1): (BLOCK_N, BLOCK_K, num_warps, num_stages, split_k; None: split_k_for's).
 # Entries 1-14 vary the weight tile, warps and cp.async stages at the automatic split, 15-19 the split, 20 a
 # wide tile; test_grouped_gemm.py builds each for sm_90 (no spills).
-GEMV_SWEEP = [(32, 256, 4, 2, None), (32, 256, 4, 3, None), (32, 256, 4, 4, None), (32, 256, 4, 1, None),
+GEMV_SWEEP = [(8, 256, 1, 3, 1), (8, 256, 2, 3, 1), (8, 512, 2, 3, 1), (16, 256, 2, 3, 1), (16, 512, 2, 3, 1),
+              (16, 256, 2, 4, 1),  # no K split: one launch (in a graph, no split_sum launch and gap)
+              (32, 256, 4, 2, None), (32, 256, 4, 3, None), (32, 256, 4, 4, None), (32, 256, 4, 1, None),
               (16, 256, 4, 3, None), (16, 512, 4, 3, None), (32, 512, 4, 2, None), (32, 512, 4, 3, None),
               (64, 256, 4, 2, None), (64, 256, 8, 3, None), (64, 512, 8, 2, None), (32, 128, 4, 4, None),
               (64, 128, 4, 3, None), (16, 256, 2, 3, None), (32, 256, 4, 2, 1), (32, 256, 4, 2, 2),
@@ -497,16 +499,32 @@ def fp8_experts(rows: list) -> None:
         del w, s
 
 
+def graph_ms(f, calls: int = 20) -> float:
+    """ms per call of `calls` calls of f captured in one CUDA graph and replayed: what a decode graph pays,
+    the gaps between its launches included (profiler device time leaves them out)."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            f()
+    return bench(graph.replay) / calls
+
+
 def _timed_row(rows: list, row: dict, f, nbytes: float) -> None:
-    """Times f (profiler device time and launches), appending the row with GBs = nbytes / time; a launch that
-    fails (a tile that does not fit) is an error row, not the end of the sweep."""
+    """Times f (profiler device time and launches, then in a CUDA graph: graph_ms), appending the row with
+    GBs = nbytes / device time; a launch that fails (a tile that does not fit) is an error row, not the end
+    of the sweep, and a call that cannot be captured leaves graph_ms out."""
     try:
         t, n = device_time_and_launches(f)
     except Exception as e:  # noqa: BLE001
         rows.append({**row, "error": str(e)[:200]})
         print(json.dumps(rows[-1]), flush=True)
         return
-    rows.append({**row, "ms": t, "launches": n, "GBs": nbytes / t / 1e6})
+    out = {**row, "ms": t, "launches": n, "GBs": nbytes / t / 1e6}
+    try:
+        out["graph_ms"] = graph_ms(f)
+    except Exception as e:  # noqa: BLE001
+        out["graph_error"] = str(e)[:200]
+    rows.append(out)
     print(json.dumps(rows[-1]), flush=True)
 
 
