@@ -548,7 +548,7 @@ def test_gemv_sweep_entries_build_for_sm90_without_spills(monkeypatch):
     from deepinfer.kernels.grouped_gemm import _launch
 
     e4, u8 = torch.float8_e4m3fn, torch.uint8
-    assert len(set(GEMV_SWEEP)) == len(GEMV_SWEEP) == 20
+    assert len(set(GEMV_SWEEP)) == len(GEMV_SWEEP) == 26
 
     def launches():
         for M, sweep in ((1, GEMV_SWEEP), (4, GEMV_SWEEP_M4)):
