@@ -39,7 +39,8 @@ Dequantisation in the K loop:
 Under TRITON_INTERPRET=1 (CPU tensors) the dot operands are rounded to bf16 and then widened to
 fp32, because the interpreter's tl.dot cannot multiply bf16; on CUDA they stay bf16.
 
-Swap (`_grouped_gemm_swap_kernel`, `_launch(swap=True)`, opt-in, not measured yet): the dot kernel's product
+Swap (`_grouped_gemm_swap_kernel`, `_launch(swap=True)`; the default for one FP8 group with E8M0 blocks at
+2 .. SWAP_ROWS - 1 rows, `swap_config`): the dot kernel's product
 transposed, out^T tile = W tile x A tile^T, so the widened weight tile is the MMA's first operand, which Hopper's
 wgmma reads from registers (the second, the rows' bf16 activations, from shared memory), and the row count is the
 MMA's N (16 and up) instead of its M (64 per warpgroup). FP8 weights with E8M0 scales fold the scale into the bf16
@@ -156,10 +157,13 @@ def default_config(M: int, E: int, fmt: int = DENSE, N: int | None = None, sms: 
 # With default tiles FP8 weights take the GEMV kernel when one group has at most GEMV_ROWS_ONE rows (a Linear
 # at decode), or several groups at most GEMV_ROWS rows each on average (routed experts, grouped projections at
 # decode). From benchmarks/kernel_sweep.py --only fp8-small --quick (benchmarks/NOTES.md): one row faster than
-# the dot kernel at every V4 projection shape, four rows slower at most; two and three rows not measured (the
-# dot kernel keeps them). Experts: faster at 1 and 8 tokens x 6 of 256 (at most 1 row a group).
+# the dot kernel at every V4 projection shape, four rows slower at most; from two rows one group takes the swapped
+# dot (SWAP_ROWS). Experts: faster at 1 and 8 tokens x 6 of 256 (at most 1 row a group).
 GEMV_ROWS = 2
 GEMV_ROWS_ONE = 1
+# one FP8 group (a Linear) at 2 .. SWAP_ROWS - 1 rows runs the swapped dot by default (layers/linear.py runs W8A8
+# from FP8_GEMM_ROWS = 64)
+SWAP_ROWS = 64
 
 
 def use_gemv(M: int, E: int, fmt: int) -> bool:
@@ -563,25 +567,43 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor | None, sc
     if a.dtype != torch.bfloat16:
         raise TypeError(f"grouped_gemm: activations must be bf16, got {a.dtype}")
     tiles = dict(BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=num_warps, num_stages=num_stages)
-    return _launch(a, w, offs, scale, block_size, **launch_kwargs(a.shape[0], w, offs, tiles, sm_count(a.device)))
+    return _launch(a, w, offs, scale, block_size,
+                   **launch_kwargs(a.shape[0], w, offs, tiles, sm_count(a.device), scale, block_size))
 
 
-def launch_kwargs(M: int, w: torch.Tensor, offs: torch.Tensor | None, tiles: dict, sms: int) -> dict:
+def launch_kwargs(M: int, w: torch.Tensor, offs: torch.Tensor | None, tiles: dict, sms: int,
+                  scale: torch.Tensor | None = None, block_size: tuple[int, int] = (128, 128)) -> dict:
     """grouped_gemm's _launch kwargs for M rows: any tile given -> those tiles, dot kernel, no K split
-    (batch-invariant mode: one path at every M); none -> default_launch."""
+    (batch-invariant mode: one path at every M); none -> default_launch (the swapped dot allowed for
+    E8M0 scales whose K blocks are multiples of 128)."""
     if any(v is not None for v in tiles.values()):
         return tiles
     fmt, (E, N, Kw) = _format(w), (w.shape if w.dim() == 3 else (1, *w.shape))
-    return default_launch(M, E, fmt, N, Kw * 2 if fmt == FP4 else Kw, sms, offs is None)
+    swap_ok = (scale is not None and scale.dtype in (torch.float8_e8m0fnu, torch.uint8)
+               and block_size[1] % 128 == 0)
+    return default_launch(M, E, fmt, N, Kw * 2 if fmt == FP4 else Kw, sms, offs is None, swap_ok)
 
 
-def default_launch(M: int, E: int, fmt: int, N: int, K: int, sms: int, one_group: bool) -> dict:
-    """_launch's kwargs when grouped_gemm is given no tiles: the GEMV kernel where use_gemv says so, else
-    the dot kernel, each with default tiles and split_k_for's K split. Explicit tiles (batch-invariant mode
-    passes them at every M) skip this: the dot kernel, unsplit, whatever the row count."""
+def swap_config(M: int) -> dict:
+    """The swapped dot's tiles at M rows: the row tile (the MMA's N) the next power of two from 16 to 64,
+    64 weight rows by 128 K a step, 4 warps, 3 stages (kernel_sweep.py --only fp8-rows: benchmarks/NOTES.md)."""
+    return dict(BLOCK_M=min(64, max(16, triton.next_power_of_2(M))), BLOCK_N=64, BLOCK_K=128, num_warps=4,
+                num_stages=3)
+
+
+def default_launch(M: int, E: int, fmt: int, N: int, K: int, sms: int, one_group: bool,
+                   swap_ok: bool = False) -> dict:
+    """_launch's kwargs when grouped_gemm is given no tiles: the GEMV kernel where use_gemv says so, the
+    swapped dot for one FP8 group at 2 .. SWAP_ROWS - 1 rows when swap_ok (E8M0 blocks spanning whole
+    128-wide K tiles), else the dot kernel, each with default tiles and split_k_for's K split. Explicit
+    tiles (batch-invariant mode passes them at every M) skip this: the dot kernel, unsplit, whatever the
+    row count."""
     if use_gemv(M, E, fmt):
         cfg = gemv_config(M, E)
         return dict(gemv=True, split_k=split_k_for(max_m_tiles(M, E, cfg["ROWS"], one_group), N, K, cfg, sms))
+    if swap_ok and one_group and fmt == FP8 and 2 <= M < SWAP_ROWS:
+        cfg = swap_config(M)
+        return dict(swap=True, **cfg, split_k=split_k_for(max_m_tiles(M, E, cfg["BLOCK_M"], True), N, K, cfg, sms))
     cfg = default_config(M, E, fmt, N, sms)
     return dict(split_k=split_k_for(max_m_tiles(M, E, cfg["BLOCK_M"], one_group), N, K, cfg, sms))
 

@@ -10,7 +10,8 @@ On CUDA with bf16 activations a quantised Linear picks its GEMM by the row count
     torch._scaled_mm blockwise for 128 x 128 weight blocks, Triton otherwise);
   * fewer rows (decode; weight-bandwidth-bound): W8A16, the Triton grouped GEMM with one group
     (kernels/grouped_gemm.py: FP8 weight tiles widened in registers, activations stay bf16, so the
-    result is closer to exact than the reference's, which quantises activations at every size).
+    result is closer to exact than the reference's, which quantises activations at every size; one row
+    runs its GEMV, 2-63 rows with 128-wide E8M0 K blocks its swapped dot).
 Batch-invariant mode runs W8A16 with invariant.GEMM_TILES at every M (one path whatever the batch).
 Weights whose blocks are not powers of two >= ACT_GROUP wide along K stay on W8A16 (V4.1's 32 x 32:
 measured slower as W8A8, see FP8_GEMM_ROWS). Elsewhere (CPU, fp32

@@ -614,3 +614,39 @@ def test_swap_at_v4_sizes_on_gpu(M, tiles):
         for sk in (1, 2):
             got = _launch(a, w, offs, s, block, swap=True, split_k=sk, BLOCK_M=bm, BLOCK_K=128, **tiles)
             torch.testing.assert_close(got[:n].float(), want[:n].float(), atol=2e-2, rtol=1.6e-2)
+
+
+def test_swap_dispatch():
+    """Default tiles send one FP8 group with E8M0 blocks (K blocks a multiple of 128) at 2 .. SWAP_ROWS - 1 rows
+    to the swapped dot (its row tile the next power of two from 16 to 64); one row stays on the GEMV, SWAP_ROWS
+    and more, fp32 scales, (1, 32) blocks, several groups and explicit tiles on the dot kernel / GEMV."""
+    from deepinfer.kernels.grouped_gemm import SWAP_ROWS, launch_kwargs
+    from deepinfer.layers.invariant import GEMM_TILES
+
+    w = torch.empty(4096, 4096, dtype=torch.float8_e4m3fn)
+    e8 = torch.empty(32, 32, dtype=torch.uint8).view(torch.float8_e8m0fnu)
+    f32 = torch.empty(32, 32)
+    none = dict.fromkeys(GEMM_TILES)
+    for M in (2, 3, 16, 17, 33, SWAP_ROWS - 1):
+        kw = launch_kwargs(M, w, None, none, 132, e8, (128, 128))
+        assert kw["swap"] and kw["BLOCK_M"] == min(64, max(16, 1 << (M - 1).bit_length())), (M, kw)
+        assert launch_kwargs(M, w, None, GEMM_TILES, 132, e8, (128, 128)) == GEMM_TILES
+        assert "swap" not in launch_kwargs(M, w, None, none, 132, f32, (128, 128))
+        assert "swap" not in launch_kwargs(M, w, None, none, 132, e8, (1, 32))
+        assert "swap" not in launch_kwargs(M, w, None, none, 132)
+    assert launch_kwargs(1, w, None, none, 132, e8, (128, 128))["gemv"]
+    assert "swap" not in launch_kwargs(SWAP_ROWS, w, None, none, 132, e8, (128, 128))
+    w3, offs = torch.empty(8, 1024, 4096, dtype=torch.float8_e4m3fn), torch.zeros(8, dtype=torch.int32)
+    assert "swap" not in launch_kwargs(16, w3, offs, none, 132, e8.new_empty(8, 8, 32), (128, 128))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("M", [2, 17, 63])
+def test_swap_default_matches_reference_on_gpu(M):
+    """grouped_gemm with default tiles (the swapped dot at these rows) on V4's 4096 x 8192 projection."""
+    from deepinfer.kernels.grouped_gemm import grouped_gemm, launch_kwargs
+    a, w, offs, s = make_case([M], 4096, 8192, "fp8", block=(128, 128), device="cuda", seed=M)
+    w, s = w[0], s[0]
+    assert launch_kwargs(M, w, None, {}, 132, s, (128, 128))["swap"]
+    want = reference(a, w, None, s, (128, 128))
+    torch.testing.assert_close(grouped_gemm(a, w, None, s).float(), want.float(), atol=2e-2, rtol=1.6e-2)

@@ -366,3 +366,27 @@ def test_swapped_dot_keeps_mmas_in_flight_on_sm90():
                 assert re.search(r"wgmma\.mma_async[^;]*\{\s*%r", ptx), "the weight operand comes from registers"
             else:
                 assert waits <= {0}, (M, waits)                          # (mma.sync below 64 rows: no waits)
+
+
+def test_swapped_dot_default_tiles_build_for_sm90(monkeypatch):
+    """The swapped dot as grouped_gemm's default launches it (swap_config, split_k_for) for V4's FP8 projections
+    at 2, 32 and 63 rows: no spills, the weight operand from registers, MMAs kept in flight."""
+    import re
+    from pathlib import Path
+
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    from sm90_kernel_resources import ptxas_usage
+
+    e8 = lambda *s: _i(*s, dtype=torch.uint8).view(torch.float8_e8m0fnu)  # noqa: E731
+    for M in (2, 32, 63):
+        for N, K in ((4096, 8192), (32768, 1024)):
+            kw = grouped_gemm.default_launch(M, 1, grouped_gemm.FP8, N, K, 132, True, swap_ok=True)
+            assert kw.get("swap"), (M, N, K, kw)
+            with record() as got:
+                grouped_gemm._launch(_e(M, K), _e(N, K, dtype=torch.float8_e4m3fn), None, e8(N // 128, K // 128),
+                                     (128, 128), **kw)
+            ptx = compile_sm90(got[0], specialize=True).asm["ptx"]
+            usage = ptxas_usage(ptx)
+            waits = {int(n) for n in re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", ptx)}
+            assert usage["spill_stores"] == 0 and max(waits) > 0, (M, N, K, usage, waits)
+            assert re.search(r"wgmma\.mma_async[^;]*\{\s*%r", ptx), (M, N, K)
