@@ -183,10 +183,12 @@ class LLM:
         if cfg.async_scheduling or not cfg.enforce_eager:
             logger.info("%s=%d: steps run synchronously and without CUDA graphs (not yet validated across ranks)",
                         size, getattr(cfg, size))
-        self.model_dir, checked = _resolve_checked(cfg, ref, lambda meta: _check_ranks_fit(cfg, meta))
+        repack: list[bool] = []  # FP4 experts held as FP8 codes on every rank: decided before any rank starts
+        self.model_dir, checked = _resolve_checked(cfg, ref, lambda meta: repack.append(_check_ranks_fit(cfg, meta)))
         if not checked and cfg.device.startswith("cuda"):
-            _check_ranks_fit(cfg, meta_model(self.model_dir, dtype=getattr(torch, cfg.dtype),
-                                             quantized=cfg.keeps_checkpoint_formats, load_format=cfg.load_format))
+            repack.append(_check_ranks_fit(cfg, meta_model(self.model_dir, dtype=getattr(torch, cfg.dtype),
+                                                           quantized=cfg.keeps_checkpoint_formats,
+                                                           load_format=cfg.load_format)))
         self.detokenizer = None if cfg.skip_tokenizer_init else _load_detokenizer(self.model_dir)
         keep = _replay_keep(cfg, read_model_config(self.model_dir))
         parallel = ParallelConfig(tensor_parallel_size=cfg.tensor_parallel_size,
@@ -198,7 +200,8 @@ class LLM:
                           kv_cache_memory=cfg.kv_cache_memory, max_model_len=cfg.max_model_len,
                           max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
                           block_size=cfg.block_size, seed=cfg.seed, replay_keep=keep,
-                          batch_invariant=cfg.batch_invariant, load_format=cfg.load_format)
+                          batch_invariant=cfg.batch_invariant, load_format=cfg.load_format,
+                          repack_fp4_experts=bool(repack and repack[0]))
         self.engine = engine(args, self.detokenizer)
         self.model, self.scheduler = self.engine.model, self.engine.scheduler
         self.max_model_len = self.engine.max_model_len
@@ -599,20 +602,24 @@ def _resolve_checked(cfg: EngineConfig, ref: str, check: Callable[[torch.nn.Modu
     return fetch_weights(ref, path, offline=cfg.hf_hub_offline), index is not None
 
 
-def _check_ranks_fit(cfg: EngineConfig, meta: torch.nn.Module) -> None:
+def _check_ranks_fit(cfg: EngineConfig, meta: torch.nn.Module) -> bool:
     """Before any rank starts or reads a weight: each GPU's share of the model (`meta`, built on the meta
     device) against the least free memory among the GPUs the ranks take. The routed experts are split over
     the data-parallel ranks with expert parallelism, over the tensor-parallel ranks by range; the rest
-    is counted whole on every rank (an upper bound under TP, whose attention heads are split too)."""
+    is counted whole on every rank (an upper bound under TP, whose attention heads are split too).
+    -> whether the ranks hold packed FP4 experts as FP8 codes (as _check_before_load: bf16 activations,
+    where every rank's repacked share still fits)."""
     if not cfg.device.startswith("cuda"):
-        return  # as _check_before_load: host memory is no fixed bound
+        return False  # as _check_before_load: host memory is no fixed bound
     ways = cfg.data_parallel_size if cfg.enable_expert_parallel else cfg.tensor_parallel_size
     world = cfg.tensor_parallel_size * cfg.data_parallel_size * cfg.context_parallel_size
     gpus = list(range(min(world, torch.cuda.device_count())))
     free, worst = min((torch.cuda.mem_get_info(i)[0], i) for i in gpus)
     layout = ", ".join(f"{k}={v!r}" for k, v in cfg.parallel_changes().items())
-    check_fit(weight_bytes(meta), free, _fit_reserve(cfg, meta.config),
+    weights, reserve = weight_bytes(meta), _fit_reserve(cfg, meta.config)
+    check_fit(weights, free, reserve,
               f"cuda:{worst} ({torch.cuda.get_device_name(worst)}, the least free of {len(gpus)} GPU(s))", ways, layout)
+    return cfg.dtype == "bfloat16" and repack_fits(weights, free, reserve, ways)
 
 
 def _fit_reserve(cfg: EngineConfig, mcfg) -> int:

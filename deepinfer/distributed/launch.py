@@ -50,6 +50,7 @@ from deepinfer.distributed.tensor_parallel import load_shard
 from deepinfer.engine.engine_core import EngineCore
 from deepinfer.engine.kv_manager import KVCacheManager, plan_capacity
 from deepinfer.engine.memory_fit import WeightBytes
+from deepinfer.layers.moe import repack_fp4_experts
 from deepinfer.engine.outputs import CompletionOutput, ModelOutput, SchedulerOutput
 from deepinfer.engine.request import Request, Status
 from deepinfer.engine.scheduler import Scheduler
@@ -75,6 +76,9 @@ class EngineArgs:
     device: str = "cpu"
     dtype: str = "float32"
     quantized: bool = False
+    # packed FP4 routed experts held as FP8 codes on every rank, scales folded where every rank can
+    # (the driver decides it before start-up: LLM's _check_ranks_fit, where the repacked share fits)
+    repack_fp4_experts: bool = False
     load_format: str = "auto"         # "dummy": random weights, no shard read (loader/dummy.py)
     kv_cache_dtype: str = "auto"
     kv_cache_memory: int | None = None
@@ -138,6 +142,8 @@ def _build_rank(args: EngineArgs, rank: int, init_method: str,
         torch.set_num_threads(args.num_threads)
     device = str(info.device)
     model = (load or _load_tp_shard)(args, info)
+    if args.repack_fp4_experts:
+        repack_fp4_experts(model, agree=_agreed_flags)
     cfg = model.config
     spec = cache_spec(cfg, args.kv_cache_dtype, args.block_size)
     memory = args.kv_cache_memory or default_cache_memory(device)
@@ -155,6 +161,11 @@ def _build_rank(args: EngineArgs, rank: int, init_method: str,
 
         runner = CPRunner(runner, dist.group.WORLD)
     return _Rank(info, model, runner, num_slots, num_blocks, cache, [w for _, w in gathered])
+
+
+def _agreed_flags(flags: list[bool]) -> list[bool]:
+    """Each flag true on every rank (a collective: every rank calls it with as many flags)."""
+    return [all(col) for col in zip(*ps.all_gather_object(flags))]
 
 
 def _load_tp_shard(args: EngineArgs, info: ps.RankInfo) -> torch.nn.Module:

@@ -65,10 +65,11 @@ def fitting_ep_sizes(weights: WeightBytes, available: int, reserve: int,
     return [n for n in sizes if per_device_bytes(weights, n, reserve) <= available]
 
 
-def repack_fits(weights: WeightBytes, available: int, reserve: int) -> bool:
+def repack_fits(weights: WeightBytes, available: int, reserve: int, ep_size: int = 1) -> bool:
     """Whether FP4 experts rewritten as FP8 codes (faster GPU kernels, twice the codes' bytes) still fit
-    one device beside the reserve. False when there are no packed FP4 experts."""
-    return weights.packed_fp4 > 0 and per_device_bytes(weights.serving(True), 1, reserve) <= available
+    one device beside the reserve, the routed experts split over `ep_size` ranks. False when there are
+    no packed FP4 experts."""
+    return weights.packed_fp4 > 0 and per_device_bytes(weights.serving(True), ep_size, reserve) <= available
 
 
 def check_fit(weights: WeightBytes, available: int, reserve: int, where: str, ways: int = 1,

@@ -2,6 +2,8 @@
 bias), renormalised weights x routed_scaling_factor, clamped SwiGLU experts + shared expert."""
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -170,14 +172,15 @@ class Experts(nn.Module):
         return (None if all(w8a8) else x[tok]), qx
 
     @torch.no_grad()
-    def repack_fp4_as_fp8(self) -> None:
+    def repack_fp4_as_fp8(self, fold: bool = True) -> None:
         """FP4 experts -> FP8 e4m3 codes with the same E8M0 scale per 32 inputs (block (1, 32)). Exact:
         every e2m1 value is an e4m3 value. Twice the bytes, but the GPU kernel decodes e4m3 in
         hardware, where e2m1 costs ALU work: on the H200, V4 Flash slice, one run, packed FP4 experts
         took 13.6 ms per decode step at batch 64 and 320 ms per 4 x 2048 prefill, repacked 9.19 / 101 ms
         (benchmarks/results/2026-12-01-NVIDIA-H200-14a04f6.json). The engine repacks where the
         repacked model fits (LLM: engine/memory_fit.py repack_fits). The scales are then folded to one per
-        (1, 128) where exact (fold_scales: fewer scale bytes, and the W8A8 prefill path)."""
+        (1, 128) where exact (fold_scales: fewer scale bytes, and the W8A8 prefill path); fold=False leaves
+        that to the caller (repack_fp4_experts with `agree`: one decision across ranks)."""
         if not self.quant.fp4_experts:
             return
         for name in ("w1", "w2", "w3"):
@@ -189,17 +192,35 @@ class Experts(nn.Module):
             for e in range(packed.shape[0]):  # one expert at a time bounds the fp32 temporary
                 fp8[e] = unpack_fp4(packed[e]).to(torch.float8_e4m3fn)
             setattr(self, name, fp8)
-        self.fold_scales()
+        if fold:
+            self.fold_scales()
 
     @torch.no_grad()
-    def fold_scales(self) -> dict[str, bool]:
+    def fold_scales(self, only: frozenset[str] | None = None) -> dict[str, bool]:
         """FP4 experts held as FP8 codes: each projection's E8M0 scales per (1, 32) -> per (1, 128) where
         that is exact for every expert (formats/quant.py fold_e8m0_groups), in place: the folded codes
         and scales are the only copy. -> {projection: folded}; a projection that would lose a bit keeps
         its (1, 32) scales (W8A16 at every size). Both forms feed the W8A16 kernel (a (1, 128) scale
         covers its K tiles, which divide 128, and scales the tile's product instead of each weight); the
         (1, 128) form also feeds W8A8 (one scale per activation group). One expert at a time bounds the
-        temporaries: every expert is checked before any is rewritten."""
+        temporaries: every expert is checked before any is rewritten. `only`: the projections that may be
+        folded (others keep their scales and report False unless folded already)."""
+        done = self.foldable()
+        for name, ok in done.items():
+            w, scale = getattr(self, name), getattr(self, f"{name}_scale")
+            if not ok or self._block(name) != (1, FP4_GROUP) or (only is not None and name not in only):
+                done[name] = ok and self._block(name) != (1, FP4_GROUP)
+                continue
+            folded = torch.empty(*scale.shape[:-1], scale.shape[-1] // 4, dtype=scale.dtype, device=scale.device)
+            for e in range(w.shape[0]):
+                w[e], folded[e] = fold_e8m0_groups(w[e], scale[e])
+            setattr(self, f"{name}_scale", folded)
+        return done
+
+    @torch.no_grad()
+    def foldable(self) -> dict[str, bool]:
+        """FP4 experts held as FP8 codes: {projection: whether its scales are per (1, 128) already or fold
+        there exactly for every expert}; {} for other experts. Nothing is rewritten."""
         done = {}
         if not self.quant.fp4_experts:
             return done
@@ -207,14 +228,8 @@ class Experts(nn.Module):
             w, scale = getattr(self, name), getattr(self, f"{name}_scale")
             if w.dtype != torch.float8_e4m3fn or self._block(name) != (1, FP4_GROUP):
                 done[name] = w.dtype == torch.float8_e4m3fn and self._block(name)[1] % ACT_GROUP == 0
-                continue
-            done[name] = all(fold_e8m0_groups(w[e], scale[e]) is not None for e in range(w.shape[0]))
-            if not done[name]:
-                continue
-            folded = torch.empty(*scale.shape[:-1], scale.shape[-1] // 4, dtype=scale.dtype, device=scale.device)
-            for e in range(w.shape[0]):
-                w[e], folded[e] = fold_e8m0_groups(w[e], scale[e])
-            setattr(self, f"{name}_scale", folded)
+            else:
+                done[name] = all(fold_e8m0_groups(w[e], scale[e]) is not None for e in range(w.shape[0]))
         return done
 
     def grouped(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor,
@@ -288,8 +303,19 @@ class MoE(nn.Module):
         return routed(x, weights, idx, self.shared_experts(x))
 
 
-def repack_fp4_experts(model: nn.Module) -> None:
-    """Experts.repack_fp4_as_fp8 on every routed-expert module of `model` (others are left alone)."""
-    for m in model.modules():
-        if isinstance(m, Experts):
+def repack_fp4_experts(model: nn.Module, agree: Callable[[list[bool]], list[bool]] | None = None) -> None:
+    """Experts.repack_fp4_as_fp8 on every routed-expert module of `model` (others are left alone).
+    `agree` (ranks of one engine, each holding part of every MoE's experts): takes this rank's list of
+    Experts.foldable flags (modules in model order x w1, w2, w3) and returns the flags every rank agreed
+    on, so each projection's scales take one form on all ranks (EPLB moves expert rows between them)."""
+    mods = [m for m in model.modules() if isinstance(m, Experts)]
+    if agree is None:
+        for m in mods:
             m.repack_fp4_as_fp8()
+        return
+    for m in mods:
+        m.repack_fp4_as_fp8(fold=False)
+    names = ("w1", "w2", "w3")
+    flags = agree([m.foldable().get(n, False) for m in mods for n in names])
+    for i, m in enumerate(mods):
+        m.fold_scales(frozenset(n for j, n in enumerate(names) if flags[3 * i + j]))

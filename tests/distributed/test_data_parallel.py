@@ -116,6 +116,19 @@ def test_eplb_moves_experts_kept_as_shipped(ckpt):
     _assert_same(got, _one_process(ckpt, PROMPTS, PARAMS, quantization="fp8"))
 
 
+def test_eplb_moves_experts_repacked_as_fp8_codes(ckpt):
+    """repack_fp4_experts=True (LLM sets it on CUDA where each rank's repacked share fits): every rank holds
+    its packed FP4 experts as FP8 codes, each projection's scales in the form all ranks agreed on; EPLB moves
+    them as bytes; the tokens are those of one process on the shipped formats (the repack is exact)."""
+    with DPEngine(_args(ckpt, 2, quantized=True, repack_fp4_experts=True),
+                  eplb=EPLBConfig(interval=2, window=2)) as eng:
+        experts = eng.model.layers[2].ffn.experts
+        assert experts.w1.dtype == torch.float8_e4m3fn and experts.w1_scale.dtype == torch.float8_e8m0fnu
+        got = eng.generate(PROMPTS, PARAMS)
+        assert eng.rank.remote_slots > 0
+    _assert_same(got, _one_process(ckpt, PROMPTS, PARAMS, quantization="fp8"))
+
+
 def test_fewer_prompts_than_ranks_do_not_hang(ckpt, want):
     """One prompt on two ranks, then a second generate on the same engine: the idle rank runs dummy steps."""
     with DPEngine(_args(ckpt, 2)) as eng:
@@ -245,6 +258,27 @@ def test_two_ranks_on_the_gpu_path_match_one_process_in_bf16(ckpt, backend, gpus
         assert abs(g[0].logprobs[0][t] - w[0].logprobs[0][t]) <= 0.1
 
 
+@pytest.mark.gpu
+def test_two_ranks_hold_repacked_fp4_experts_on_the_gpu(ckpt):
+    """The shipped formats on CUDA, two gloo ranks sharing the GPU, each holding its FP4 experts as FP8 codes
+    (as one process does), EPLB moving them: each prompt's first token as one process's (logprob within 0.1,
+    as the bf16 test above), the rest only has to run."""
+    kw = {"device": "cuda", "dtype": "bfloat16", "kv_cache_dtype": "bfloat16"}
+    params = SamplingParams(temperature=0, max_tokens=4, logprobs=2)
+    one = LLM(str(ckpt), skip_tokenizer_init=True, enforce_eager=True, quantization="fp8", **{**_engine_kw(), **kw})
+    assert one.model.layers[2].ffn.experts.w1.dtype == torch.float8_e4m3fn
+    want = [o.outputs for o in one.generate(PROMPTS, params, use_tqdm=False)]
+    with DPEngine(_args(ckpt, 2, backend="gloo", quantized=True, repack_fp4_experts=True, **kw),
+                  eplb=EPLBConfig(interval=2, window=2)) as eng:
+        assert eng.model.layers[2].ffn.experts.w1.dtype == torch.float8_e4m3fn
+        got = eng.generate(PROMPTS, params)
+        assert eng.rank.rebalances >= 2
+    for g, w in zip(got, want, strict=True):
+        assert len(g[0].token_ids) == 4 and g[0].token_ids[0] == w[0].token_ids[0]
+        t = w[0].token_ids[0]
+        assert abs(g[0].logprobs[0][t] - w[0].logprobs[0][t]) <= 0.1
+
+
 @pytest.mark.parametrize("ep", [True, False])
 def test_llm_with_two_data_parallel_ranks_matches_one_process(ckpt, want, ep):
     """LLM starts the engine itself; without expert parallelism every rank holds all the experts."""
@@ -287,3 +321,37 @@ def test_llm_takes_vllms_eplb_config(ckpt, want, monkeypatch):
         llm.close()
     assert seen == [dp_engine.EPLBConfig(interval=2, window=3, redundant_per_rank=2)]
     _assert_same(got, want)
+
+
+@pytest.mark.parametrize("dtype, fits", [("bfloat16", True), ("bfloat16", False), ("float32", True)])
+def test_llm_asks_the_ranks_to_repack_where_each_share_fits(ckpt, monkeypatch, dtype, fits):
+    """On CUDA the driver decides the FP4 repack before any rank starts, as one process does: bf16
+    activations and the repacked model fitting with the experts split over the expert-parallel ranks
+    (repack_fits with ep_size 2); the decision reaches every rank through EngineArgs."""
+    import deepinfer.llm as llm_module
+    from deepinfer.distributed import dp_engine
+
+    class Started(Exception):
+        pass
+
+    asked, args_seen = [], []
+
+    def repack_fits(weights, available, reserve, ep_size=1):
+        asked.append(ep_size)
+        return fits
+
+    def engine(args, detokenizer=None, eplb=None):
+        args_seen.append(args)
+        raise Started
+
+    monkeypatch.setattr(llm_module, "repack_fits", repack_fits)
+    monkeypatch.setattr(dp_engine, "DPEngine", engine)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (1 << 40, 1 << 40))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Fake GPU")
+    with pytest.raises(Started):
+        LLM(str(ckpt), device="cuda", dtype=dtype, quantization="fp8", data_parallel_size=2,
+            enable_expert_parallel=True, skip_tokenizer_init=True, **_engine_kw())
+    assert asked == ([2] if dtype == "bfloat16" else [])
+    assert args_seen[0].repack_fp4_experts is (fits and dtype == "bfloat16")

@@ -109,11 +109,13 @@ def test_v41_two_ranks_match_one_process(tmp_path):
 
 
 def test_checkpoint_formats_kept_as_shipped_shard_on_block_bounds(tmp_path):
-    """quantized=True: FP8 block weights sliced with their scales, FP4 experts by whole experts."""
+    """quantized=True: FP8 block weights sliced with their scales, FP4 experts by whole experts; with
+    repack_fp4_experts each rank holds its experts as FP8 codes (exact: the same tokens)."""
     ck = write_checkpoint(tmp_path / "ckpt", {**CFG, "o_lora_rank": 32}, seed=3, dtype="fp8")
     want = generate_tp(_args(ck, 1, quantized=True), PROMPTS[:2], GREEDY)
     got = generate_tp(_args(ck, 2, quantized=True), PROMPTS[:2], GREEDY)
     _assert_same(got, want)
+    _assert_same(generate_tp(_args(ck, 2, quantized=True, repack_fp4_experts=True), PROMPTS[:2], GREEDY), want)
 
 
 def test_a_shard_is_prepared_as_load_model_leaves_a_model(tmp_path, monkeypatch):

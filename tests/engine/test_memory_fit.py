@@ -44,6 +44,7 @@ def test_repacked_fp4_experts_count_twice_their_packed_codes():
     assert w.serving(repack_fp4=False) == w
     assert w.serving(repack_fp4=True) == WeightBytes(experts=134, other=10)
     assert repack_fits(w, 134 + 10 + 5, 5) and not repack_fits(w, 134 + 10 + 4, 5)
+    assert repack_fits(w, 67 + 10 + 5, 5, ep_size=2) and not repack_fits(w, 67 + 10 + 4, 5, ep_size=2)
     assert not repack_fits(WeightBytes(experts=70, other=10), 10 ** 9, 5)  # nothing packed: nothing to repack
 
 

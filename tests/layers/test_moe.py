@@ -217,3 +217,34 @@ def test_w8a8_experts_ask_for_the_tma_variant_where_it_applies(monkeypatch):
         monkeypatch.setattr(moe, "tma_variant_ok", lambda a, w, ok=ok: ok)
         ex.grouped(x, weights, idx)
         assert seen == [want] * 3
+
+
+def test_repack_with_agreed_flags_folds_only_what_every_rank_can():
+    """repack_fp4_experts(agree=...): the agreement sees each module's foldable flags (w1, w2, w3 per module,
+    model order) and only the projections it returns true are folded; the dequantised experts are unchanged
+    either way. Ranks that cannot fold w2 (one rank's shard holding the unfoldable block) make every rank
+    keep w2's (1, 32) scales, so EPLB can move expert rows between them."""
+    from torch import nn
+
+    from deepinfer.layers.moe import repack_fp4_experts
+
+    a, b = _fp4_experts(seed=1), _fp4_experts(seed=2)
+    b.w2_scale.view(torch.uint8)[3, 7, :4] = torch.tensor([127, 112, 127, 127], dtype=torch.uint8)
+    b.w2.view(torch.uint8)[3, 7, :16] = 0x77
+    b.w2.view(torch.uint8)[3, 7, 16:32] = 0x11
+    model = nn.ModuleList([a, b])
+    dense = {(i, n): [m._w(n, e, torch.float32) for e in range(4)] for i, m in enumerate(model)
+             for n in ("w1", "w2", "w3")}
+    seen = []
+
+    def agree(flags):  # as if another rank could not fold w1 of the first module
+        seen.append(list(flags))
+        return [f and i != 0 for i, f in enumerate(flags)]
+
+    repack_fp4_experts(model, agree=agree)
+    assert seen == [[True, True, True, True, False, True]]
+    assert [m._block(n) for m in model for n in ("w1", "w2", "w3")] == [
+        (1, 32), (1, 128), (1, 128), (1, 128), (1, 32), (1, 128)]
+    for (i, n), ws in dense.items():
+        assert model[i].w1.dtype == torch.float8_e4m3fn
+        assert all(torch.equal(model[i]._w(n, e, torch.float32), ws[e]) for e in range(4)), (i, n)
