@@ -23,6 +23,8 @@ the same expert read back from L2.
 
 Variants (`variant=`; "pointer" is the default; the engine's MoE layer runs "tma" where `tma_variant_ok`):
   * "pointer": A and W tiles loaded through pointer tensors (cp.async pipelined by Triton);
+  * "gluon": kernels/grouped_gemm_fp8_gluon.py, sm_90 only: TMA operands as "tma", each K step's wgmma
+    in flight while the previous step's product is scaled and added (its own tiles and checks);
   * "tma": Hopper's tensor memory accelerator. Host-side tensor descriptors over A [M, K] and W viewed
     as [E * N, K] (block [BLOCK_M, BLOCK_K] and [BLOCK_N, BLOCK_K]); a tile's rows past its expert's end
     (or its columns past N) are the next expert's rows, read and multiplied but never stored (the store
@@ -81,7 +83,7 @@ except ImportError:
 
 
 E8M0_DTYPES = (torch.float8_e8m0fnu, torch.uint8)  # weight scales as exponent bytes
-VARIANTS = ("pointer", "tma")
+VARIANTS = ("pointer", "tma", "gluon")
 W4_DTYPES = (torch.int8, torch.uint8)  # packed FP4 weights: two e2m1 codes a byte (W4A8)
 FP4_GROUP = 32                          # K columns per E8M0 scale of a packed FP4 weight
 
@@ -364,6 +366,9 @@ def _launch(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: to
         raise ValueError(f"grouped_gemm_fp8: variant {variant!r} is not one of {VARIANTS}")
     if programs is not None and (variant != "tma" or programs < 1):
         raise ValueError(f"grouped_gemm_fp8: programs {programs} needs variant 'tma' and at least 1 program")
+    if variant == "gluon":  # its own tiles and checks (kernels/grouped_gemm_fp8_gluon.py)
+        from deepinfer.kernels.grouped_gemm_fp8_gluon import launch as launch_gluon
+        return launch_gluon(a, a_scale, w, w_scale, offs, group, block, **tiles)
     M, K = a.shape
     E, N = w.shape[0], w.shape[1]
     cfg = default_config(M, E)

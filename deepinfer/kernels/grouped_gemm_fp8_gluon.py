@@ -1,0 +1,289 @@
+"""Grouped FP8 x FP8 GEMM over expert-sorted rows (W8A8) in Gluon for sm_90: the product of one K step is
+promoted (scaled and added to the fp32 total) while the next step's wgmma runs.
+
+Variant "gluon" of kernels/grouped_gemm_fp8.py (whose `_launch` checks shapes and dtypes, then calls `launch`
+here; its `reference` is this op's plain-torch reference). Computes, for variant "tma"'s inputs:
+
+    out[r, n] = sum_k (q_a[r, k] * s_a[r, k // ga]) * (q_w[e(r), n, k] * s_w[e(r), n // bo, k // bi])  -> bf16
+
+A [M, K] e4m3, s_a [M, ceil(K/ga)] fp32 (any strides), W [E, N, K] e4m3 with its experts contiguous,
+s_w [E, ceil(N/bo), ceil(K/bi)] E8M0 (float8_e8m0fnu / uint8) or fp32, `offs` [E] int32 cumulative row
+ends (rows past offs[-1] are left unwritten). 128 divides ga and bi (one scale of each operand per K
+step of 128); any bo.
+
+Why Gluon: in Triton 3.6 every `acc += tl.dot(a, b) * scale` gets `wgmma.wait_group 0` right after the
+dot, so the tensor cores idle while each step's product is scaled. Here each K step t is one async
+`warpgroup_mma` into a fresh accumulator (use_acc=False) and `warpgroup_mma_wait(1)` then waits for step
+t - 1 only: step t's MMAs run while step t - 1's product is multiplied by s_a[rows] x s_w[cols] and added
+to the fp32 total.
+
+Schedule per output tile (BLOCK_M rows of one expert x BLOCK_N columns; grid and tile order as variant
+"tma": grouped_gemm.py's tile -> expert map on the device, no host sync, CUDA-graph capturable):
+  * STAGES shared-memory slots, each an A tile [BLOCK_M, BLOCK_K] and a W tile [BLOCK_N, BLOCK_K] filled
+    by TMA (descriptors over A [M, K] and W viewed as [E * N, K]; reads past M / E * N / K are zeros)
+    and signalled by one mbarrier per slot (expect-tx of both tiles' bytes). Steps 0 .. STAGES - 1 are
+    loaded first; once step s's MMA has completed in both warpgroups (wgmma wait, then a CTA barrier),
+    its slot is refilled with step s + STAGES.
+  * K steps run in groups of GROUP (group_steps): the group's first MMA is issued; for each next step t,
+    its MMA is issued, `warpgroup_mma_wait(1)` completes step t - 1's, whose product is promoted while
+    step t's runs; the group ends with `warpgroup_mma_wait(0)` and the last product's promotion, so no
+    MMA is in flight across the loop's back edge. Why groups: when the loop carries an MMA in flight
+    whose accumulator non-wgmma instructions read in the next iteration, ptxas 12.x reports C7514
+    ("wgmma.mma_async instructions are serialized due to non wgmma instructions reading accumulator
+    registers ...") and serialises every wgmma, undoing the overlap. So GROUP - 1 of every GROUP
+    promotions overlap an MMA; GROUP 1 is the no-overlap baseline. Three accumulators (total, the
+    product being promoted, the MMA in flight) are 3 x 64 fp32 registers a thread; at GROUP > 2 the
+    sm_90 build spills.
+Rows of a tile past its expert's end (the next expert's rows) are multiplied but never stored.
+"""
+from __future__ import annotations
+
+import torch
+
+from deepinfer.kernels.grouped_gemm import max_m_tiles
+
+try:
+    import triton
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import mbarrier, tma, warpgroup_mma, warpgroup_mma_wait
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor
+except ImportError:  # a Triton without Gluon (< 3.5) or a CPU-only install
+    gluon = None
+
+BLOCK_K = 128  # one activation scale group and one weight scale block per K step
+E8M0_DTYPES = (torch.float8_e8m0fnu, torch.uint8)  # weight scales as exponent bytes
+
+
+def available() -> bool:
+    """Whether this Triton ships Gluon with Hopper's TMA / mbarrier / warpgroup_mma."""
+    return gluon is not None
+
+
+def default_config() -> dict:
+    """128 x 128 tiles of two warpgroups (8 warps, 64 rows each), 4 stages (4 x 32 KiB of operand slots), K steps
+    in groups of 2 (group_steps: see the kernel; 1 is the no-overlap baseline, wait 0 after every step).
+    Built for sm_90 at V4's expert shapes: 255 / 252 registers (E8M0 / fp32 weight scales), no spills, 128.5 KiB
+    shared; group_steps 3 and 4 spill (44 / 152 bytes)."""
+    return dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=4, group_steps=2)
+
+
+if gluon is not None:
+    @gluon.jit
+    def _add(x, y):
+        return x + y
+
+    @gluon.jit
+    def _tile_of(pid_m, offs_ptr, E, E_PAD: gl.constexpr, BLOCK_M: gl.constexpr, num_warps: gl.constexpr):
+        """Row tile pid_m -> (live, row0, row_end, e): grouped_gemm.group_tile's map (expert e with c rows owns
+        cdiv(c, BLOCK_M) consecutive tiles; live 0 past the last one), in an explicit 1-D layout."""
+        lay: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
+        ids = gl.arange(0, E_PAD, layout=lay)
+        ends = gl.load(offs_ptr + ids, mask=ids < E, other=0)
+        starts = gl.load(offs_ptr + ids - 1, mask=(ids > 0) & (ids < E), other=0)
+        tiles = (gl.maximum(ends - starts, 0) + BLOCK_M - 1) // BLOCK_M
+        tile_end = gl.associative_scan(tiles, 0, _add)          # one past each expert's last tile
+        live = pid_m < gl.max(tile_end, 0)
+        e = gl.sum((tile_end <= pid_m).to(gl.int32), 0)         # experts entirely before this tile
+        here = ids == e
+        first = gl.sum(gl.where(here, tile_end - tiles, 0), 0)
+        row0 = gl.sum(gl.where(here, starts, 0), 0) + (pid_m - first) * BLOCK_M
+        row_end = gl.sum(gl.where(here, ends, 0), 0)
+        return live, row0, row_end, e
+
+    @gluon.jit
+    def _issue_load(a_desc, w_desc, a_bufs, w_bufs, ready, t, row0, w_row, pred,
+                    STAGES: gl.constexpr, BLOCK_K: gl.constexpr):
+        """TMA loads of K step t's A and W tiles into slot t % STAGES (skipped when pred is false)."""
+        s = t % STAGES
+        bar = ready.index(s)
+        mbarrier.expect(bar, a_desc.block_type.nbytes + w_desc.block_type.nbytes, pred=pred)
+        tma.async_copy_global_to_shared(a_desc, [row0, t * BLOCK_K], bar, a_bufs.index(s), pred=pred)
+        tma.async_copy_global_to_shared(w_desc, [w_row, t * BLOCK_K], bar, w_bufs.index(s), pred=pred)
+
+    @gluon.jit
+    def _issue_mma(a_bufs, w_bufs, ready, t, zero, STAGES: gl.constexpr):
+        """Wait for K step t's operands, then its async MMA into a fresh accumulator."""
+        s = t % STAGES
+        mbarrier.wait(ready.index(s), (t // STAGES) & 1)
+        return warpgroup_mma(a_bufs.index(s), w_bufs.index(s).permute((1, 0)), zero, use_acc=False, is_async=True)
+
+    @gluon.jit
+    def _step_scale(as_rows, ws_cols, t, rmask, nmask, s_asg, s_wsk, acc_l: gl.constexpr, GA: gl.constexpr,
+                    BI: gl.constexpr, E8M0: gl.constexpr, BLOCK_K: gl.constexpr):
+        """K step t's scales as fp32: s_a per row [BLOCK_M, 1] and s_w per column [1, BLOCK_N], in acc_l.
+        s_w is loaded one column a thread (ws_cols in a 1-D layout: few address registers) and then
+        redistributed to the accumulator's column layout."""
+        a_s = gl.load(as_rows + (t * BLOCK_K // GA) * s_asg, mask=rmask, other=0.0)
+        w_s = gl.load(ws_cols + (t * BLOCK_K // BI) * s_wsk, mask=nmask, other=0)
+        if E8M0:  # 2^(byte - 127): the byte in fp32's exponent field (byte 0 -> 2^-127)
+            b = w_s.to(gl.int32) & 0xFF
+            w_s = gl.where(b == 0, 5.877471754111438e-39, (b << 23).to(gl.float32, bitcast=True))
+        else:
+            w_s = w_s.to(gl.float32)
+        w_s = gl.convert_layout(w_s, gl.SliceLayout(0, acc_l))
+        return gl.expand_dims(a_s, 1), gl.expand_dims(w_s, 0)
+
+    @gluon.jit
+    def _step(a_desc, w_desc, a_bufs, w_bufs, ready, t, prev, total, zero, row0, w_row, as_rows, ws_cols, rmask,
+              nmask, s_asg, s_wsk, acc_l: gl.constexpr, K: gl.constexpr, GA: gl.constexpr, BI: gl.constexpr,
+              E8M0: gl.constexpr, STAGES: gl.constexpr, BLOCK_K: gl.constexpr):
+        """K step t (>= 1) with step t - 1's MMA `prev` in flight: issue step t's MMA, wait for step t - 1's,
+        refill its slot with step t + STAGES - 1 and add its product, scaled, to `total`.
+        Returns (step t's MMA in flight, total)."""
+        cur = _issue_mma(a_bufs, w_bufs, ready, t, zero, STAGES)
+        a_s, w_s = _step_scale(as_rows, ws_cols, t - 1, rmask, nmask, s_asg, s_wsk, acc_l, GA, BI, E8M0, BLOCK_K)
+        prod = warpgroup_mma_wait(1, deps=(prev,))  # step t - 1 done, step t in flight
+        gl.thread_barrier()                         # ... in both warpgroups: its slot may be refilled
+        nxt = t - 1 + STAGES  # into the slot step t - 1 freed
+        _issue_load(a_desc, w_desc, a_bufs, w_bufs, ready, nxt, row0, w_row, nxt * BLOCK_K < K, STAGES, BLOCK_K)
+        return cur, gl.fma(prod * w_s, a_s, total)
+
+    @gluon.jit
+    def _group(a_desc, w_desc, a_bufs, w_bufs, ready, t0, n: gl.constexpr, total, zero, row0, w_row, as_rows, ws_cols,
+               rmask, nmask, s_asg, s_wsk, acc_l: gl.constexpr, K: gl.constexpr, GA: gl.constexpr, BI: gl.constexpr,
+               E8M0: gl.constexpr, STAGES: gl.constexpr, BLOCK_K: gl.constexpr):
+        """K steps t0 .. t0 + n - 1, no MMA in flight before or after; returns the total with their products."""
+        prev = _issue_mma(a_bufs, w_bufs, ready, t0, zero, STAGES)
+        for u in gl.static_range(1, n):
+            prev, total = _step(a_desc, w_desc, a_bufs, w_bufs, ready, t0 + u, prev, total, zero, row0, w_row,
+                                as_rows, ws_cols, rmask, nmask, s_asg, s_wsk, acc_l, K, GA, BI, E8M0, STAGES, BLOCK_K)
+        t = t0 + n - 1
+        a_s, w_s = _step_scale(as_rows, ws_cols, t, rmask, nmask, s_asg, s_wsk, acc_l, GA, BI, E8M0, BLOCK_K)
+        prod = warpgroup_mma_wait(0, deps=(prev,))
+        gl.thread_barrier()
+        _issue_load(a_desc, w_desc, a_bufs, w_bufs, ready, t + STAGES, row0, w_row, (t + STAGES) * BLOCK_K < K,
+                    STAGES, BLOCK_K)
+        return gl.fma(prod * w_s, a_s, total)
+
+    @gluon.jit
+    def _grouped_gemm_fp8_gluon_kernel(a_desc, w_desc, as_ptr, ws_ptr, offs_ptr, out_ptr, M, N, E, n_tiles,
+                                       s_asm, s_asg, s_wse, s_wsn, s_wsk, s_om,
+                                       K: gl.constexpr, GA: gl.constexpr, BO: gl.constexpr, BI: gl.constexpr,
+                                       E8M0: gl.constexpr, E_PAD: gl.constexpr, STAGES: gl.constexpr,
+                                       GROUP: gl.constexpr, num_warps: gl.constexpr):
+        BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
+        BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
+        BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
+        KT: gl.constexpr = (K + BLOCK_K - 1) // BLOCK_K
+        pid = gl.program_id(0)
+        pid_m = pid // n_tiles  # output column tiles fastest, as variant "tma"
+        pid_n = pid % n_tiles
+        live, row0, row_end, e = _tile_of(pid_m, offs_ptr, E, E_PAD, BLOCK_M, num_warps)
+        if live:
+            w_row = (e * N + pid_n * BLOCK_N).to(gl.int32)  # in W viewed as [E * N, K]
+            a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
+            w_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BLOCK_N, BLOCK_K], w_desc.layout)
+            ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+            for s in gl.static_range(STAGES):
+                mbarrier.init(ready.index(s), count=1)
+            for t in gl.static_range(STAGES):  # the first STAGES steps in flight
+                _issue_load(a_desc, w_desc, a_bufs, w_bufs, ready, t, row0, w_row, t < KT, STAGES, BLOCK_K)
+
+            # one warpgroup per 64 rows (BLOCK_M == 16 * num_warps), each MMA instruction the tile's full width
+            acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                            instr_shape=[16, BLOCK_N, 32])
+            rows = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_l))
+            col_l: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
+            cols = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=col_l)
+            rmask = (rows < row_end) & (rows < M)
+            nmask = cols < N
+            as_rows = as_ptr + rows.to(gl.int64) * s_asm
+            ws_cols = ws_ptr + e.to(gl.int64) * s_wse + (cols // BO) * s_wsn
+            zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, acc_l)
+            total = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, acc_l)
+
+            # K steps in groups of GROUP: within a group each step's MMA runs while the previous step's product
+            # is promoted; a group ends with no MMA in flight (ptxas serialises every wgmma of a loop whose
+            # back edge carries an MMA in flight that non-wgmma instructions read afterwards)
+            for j in range(0, KT // GROUP):
+                total = _group(a_desc, w_desc, a_bufs, w_bufs, ready, j * GROUP, GROUP, total, zero, row0, w_row,
+                               as_rows, ws_cols, rmask, nmask, s_asg, s_wsk, acc_l, K, GA, BI, E8M0, STAGES, BLOCK_K)
+            if KT % GROUP != 0:
+                total = _group(a_desc, w_desc, a_bufs, w_bufs, ready, KT - KT % GROUP, KT % GROUP, total, zero, row0,
+                               w_row, as_rows, ws_cols, rmask, nmask, s_asg, s_wsk, acc_l, K, GA, BI, E8M0, STAGES,
+                               BLOCK_K)
+            for s in gl.static_range(STAGES):
+                mbarrier.invalidate(ready.index(s))
+
+            # 16-byte bf16 stores along a row
+            out_l: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // BLOCK_N, BLOCK_N // 8], [num_warps, 1], [1, 0])
+            res = gl.convert_layout(total.to(gl.bfloat16), out_l)
+            orows = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, out_l))
+            ocols = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, out_l))
+            omask = gl.expand_dims((orows < row_end) & (orows < M), 1) & gl.expand_dims(ocols < N, 0)
+            gl.store(out_ptr + gl.expand_dims(orows.to(gl.int64) * s_om, 1) + gl.expand_dims(ocols, 0), res,
+                     mask=omask)
+
+
+def _refuse(a, a_scale, w, w_scale, offs, group, block, cfg) -> None:
+    """What this kernel takes beyond grouped_gemm_fp8._check: a clear ValueError naming the field."""
+    if not available():
+        raise ValueError(f"grouped_gemm_fp8: variant 'gluon' needs triton.experimental.gluon with Hopper ops "
+                         f"(Triton >= 3.5), this Triton is {getattr(triton, '__version__', None) if triton else None}")
+    if w.dtype != torch.float8_e4m3fn:
+        raise ValueError(f"grouped_gemm_fp8: variant 'gluon' takes e4m3 weights [E, N, K], got weight {w.dtype}")
+    if group % BLOCK_K or block[1] % BLOCK_K:
+        raise ValueError(f"grouped_gemm_fp8: variant 'gluon' needs group ({group}) and block[1] ({block[1]}) to be "
+                         f"multiples of {BLOCK_K} (one scale of each operand per K step)")
+    if a_scale.dtype != torch.float32:
+        raise ValueError(f"grouped_gemm_fp8: variant 'gluon' needs a_scale float32, got a_scale {a_scale.dtype}")
+    if w_scale.dtype not in E8M0_DTYPES and w_scale.dtype != torch.float32:
+        raise ValueError(f"grouped_gemm_fp8: variant 'gluon' needs w_scale E8M0 or float32, got w_scale {w_scale.dtype}")
+    if offs.dtype != torch.int32:
+        raise ValueError(f"grouped_gemm_fp8: variant 'gluon' needs offs int32, got offs {offs.dtype}")
+    if a.stride(1) != 1 or w.stride(2) != 1:
+        raise ValueError(f"grouped_gemm_fp8: variant 'gluon' needs unit stride along K, got A stride {tuple(a.stride())}, "
+                         f"weight stride {tuple(w.stride())}")
+    if w.stride(0) != w.shape[1] * w.stride(1):
+        raise ValueError(f"grouped_gemm_fp8: variant 'gluon' needs the weight's experts contiguous, got weight strides "
+                         f"{tuple(w.stride())} for {tuple(w.shape)}")
+    if a.stride(0) % 16 or w.stride(1) % 16 or a.data_ptr() % 16 or w.data_ptr() % 16:
+        raise ValueError(f"grouped_gemm_fp8: variant 'gluon' needs 16-byte aligned A / weight bases and row strides, "
+                         f"got A stride {a.stride(0)}, weight stride {w.stride(1)}")
+    bm, bn, nw, st = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["num_warps"], cfg["num_stages"]
+    if nw not in (4, 8) or bm != 16 * nw:
+        raise ValueError(f"grouped_gemm_fp8: variant 'gluon' needs BLOCK_M == 16 * num_warps (64 rows a warpgroup) with "
+                         f"4 or 8 warps, got BLOCK_M {bm}, num_warps {nw}")
+    if bn not in (64, 128, 256):
+        raise ValueError(f"grouped_gemm_fp8: variant 'gluon' needs BLOCK_N 64, 128 or 256, got BLOCK_N {bn}")
+    if st < 2:
+        raise ValueError(f"grouped_gemm_fp8: variant 'gluon' needs num_stages >= 2, got num_stages {st}")
+    if cfg["group_steps"] < 1:
+        raise ValueError(f"grouped_gemm_fp8: variant 'gluon' needs group_steps >= 1, got group_steps {cfg['group_steps']}")
+
+
+def launch(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, offs: torch.Tensor,
+           group: int = 128, block: tuple[int, int] = (1, 128), **tiles) -> torch.Tensor:
+    """out [M, N] bf16 (rows past offs[-1] unwritten) for inputs that grouped_gemm_fp8._check accepted.
+    `tiles`: BLOCK_M / BLOCK_N / num_warps / num_stages / group_steps over default_config's (BLOCK_K is 128;
+    None values are ignored). Raises ValueError for inputs or tiles this kernel does not take."""
+    cfg = default_config()
+    bk = tiles.pop("BLOCK_K", None)
+    if bk not in (None, BLOCK_K):
+        raise ValueError(f"grouped_gemm_fp8: variant 'gluon' runs BLOCK_K {BLOCK_K}, got BLOCK_K {bk}")
+    unknown = set(tiles) - set(cfg)
+    if unknown:
+        raise ValueError(f"grouped_gemm_fp8: variant 'gluon' takes tiles {sorted(cfg)}, got {sorted(unknown)}")
+    cfg.update({k: v for k, v in tiles.items() if v is not None})
+    _refuse(a, a_scale, w, w_scale, offs, group, block, cfg)
+    M, K = a.shape
+    E, N = w.shape[0], w.shape[1]
+    out = torch.empty(M, N, dtype=torch.bfloat16, device=a.device)
+    if M == 0 or N == 0:
+        return out
+    e8m0 = w_scale.dtype in E8M0_DTYPES
+    ws = w_scale.view(torch.uint8) if e8m0 else w_scale
+    bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
+    a_desc = GluonTensorDescriptor(a, [M, K], [a.stride(0), 1], [bm, BLOCK_K],
+                                   gl.NVMMASharedLayout.get_default_for([bm, BLOCK_K], gl.float8e4nv))
+    w_desc = GluonTensorDescriptor(w, [E * N, K], [w.stride(1), 1], [bn, BLOCK_K],
+                                   gl.NVMMASharedLayout.get_default_for([bn, BLOCK_K], gl.float8e4nv))
+    n_tiles = triton.cdiv(N, bn)
+    grid = (max_m_tiles(M, E, bm) * n_tiles,)
+    _grouped_gemm_fp8_gluon_kernel[grid](
+        a_desc, w_desc, a_scale, ws, offs, out, M, N, E, n_tiles,
+        a_scale.stride(0), a_scale.stride(1), ws.stride(0), ws.stride(1), ws.stride(2), out.stride(0),
+        K=K, GA=group, BO=block[0], BI=block[1], E8M0=e8m0, E_PAD=max(32 * cfg["num_warps"], triton.next_power_of_2(E)),
+        STAGES=cfg["num_stages"], GROUP=cfg["group_steps"], num_warps=cfg["num_warps"])
+    return out

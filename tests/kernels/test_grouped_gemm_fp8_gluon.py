@@ -1,0 +1,244 @@
+"""Variant "gluon" of the grouped FP8 GEMM (kernels/grouped_gemm_fp8_gluon.py).
+
+On the CPU: the kernel built ahead of time for sm_90 at V4's routed-expert shapes, and what its PTX shows
+(async wgmma, `wgmma.wait_group 1` inside the K loop, no spills, no wgmma serialisation by ptxas, shared
+memory within the H200's limit); the refusals. On the GPU: against `reference` on ragged expert offsets and
+in a CUDA graph with new offsets.
+
+Gluon has no interpreter in Triton 3.6, so the values are checked on the GPU only."""
+import re
+import subprocess
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+ggl = pytest.importorskip("deepinfer.kernels.grouped_gemm_fp8_gluon")
+if not ggl.available():
+    pytest.skip("this Triton has no Gluon", allow_module_level=True)
+
+from triton._C.libtriton import native_specialize_impl  # noqa: E402
+from triton.backends.nvidia.compiler import get_ptxas  # noqa: E402
+from triton.compiler.compiler import make_backend  # noqa: E402
+from triton.experimental.gluon._runtime import GluonASTSource, GluonJITFunction  # noqa: E402
+
+from sm90 import SM90  # noqa: E402
+from test_grouped_gemm_fp8 import make_case, rel_err  # noqa: E402
+
+from deepinfer.kernels import grouped_gemm_fp8 as g8  # noqa: E402
+
+SM90_MAX_SHARED = 227 * 1024  # dynamic shared memory one block may take on H100 / H200
+E4 = torch.float8_e4m3fn
+SHAPES = {"w1": (2048, 4096), "w2": (4096, 2048)}  # V4's routed experts: w1 / w3 and w2 (N, K)
+EXPERTS, ROWS = 256, 8192 * 6                      # 8192 tokens x top-6
+
+
+def _recorded(**kw):
+    """The Gluon launch grouped_gemm_fp8._launch(variant="gluon") makes for `kw`, recorded, not run:
+    (kernel, {parameter: value}, launch options)."""
+    got = []
+
+    def fake(self, *args, grid, warmup, **kwargs):
+        got.append((self, {**dict(zip(self.arg_names, args)), **kwargs}))
+    real, GluonJITFunction.run = GluonJITFunction.run, fake
+    try:
+        g8._launch(**kw, variant="gluon")
+    finally:
+        GluonJITFunction.run = real
+    (fn, bound), = got
+    return fn, bound
+
+
+def _expert_launch(shape="w1", scales="e8m0", **tiles):
+    N, K = SHAPES[shape]
+    if scales == "e8m0":  # V4's FP4 experts as FP8 codes with folded (1, 128) E8M0 scales
+        ws, block = torch.zeros(EXPERTS, N, K // 128, dtype=torch.uint8).view(torch.float8_e8m0fnu), (1, 128)
+    else:                 # an FP8 checkpoint's (128, 128) fp32 block scales
+        ws, block = torch.zeros(EXPERTS, N // 128, K // 128), (128, 128)
+    return _recorded(a=torch.empty(ROWS, K, dtype=E4), a_scale=torch.empty(K // 128, ROWS).t(),  # act_quant's layout
+                     w=torch.empty(EXPERTS, N, K, dtype=E4), w_scale=ws,
+                     offs=torch.zeros(EXPERTS, dtype=torch.int32), group=128, block=block, **tiles)
+
+
+def compile_sm90(fn, bound):
+    """The kernel as the JIT would build it on an H200 for these argument values (CPU tensors stand for
+    device ones: 16-byte aligned)."""
+    backend = make_backend(SM90)
+    sig, consts, attrs = {}, {}, {}
+    for i, p in enumerate(fn.params):
+        v = bound[p.name]
+        if p.is_constexpr:
+            sig[p.name], consts[p.name] = "constexpr", v
+            continue
+        ty, attr = native_specialize_impl(type(backend), v, False, True, True)
+        if ty == "constexpr":
+            sig[p.name], consts[p.name] = "constexpr", attr
+        else:
+            sig[p.name] = ty
+            if isinstance(attr, str) and attr:
+                attrs[(i,)] = backend.parse_attr(attr)
+    return triton.compile(GluonASTSource(fn, sig, consts, attrs), target=SM90,
+                          options=dict(num_warps=bound["num_warps"]))
+
+
+def ptxas_log(ptx: str) -> str:
+    """`ptxas -v` on the PTX for sm_90a (its info lines: registers, spills, wgmma serialisation C7514)."""
+    with tempfile.TemporaryDirectory() as d:
+        src = Path(d) / "k.ptx"
+        src.write_text(ptx)
+        return subprocess.run([get_ptxas(90).path, "-v", "--gpu-name=sm_90a", str(src), "-o", str(Path(d) / "k.o")],
+                              capture_output=True, text=True, check=True).stderr
+
+
+def loop_bodies(ptx: str) -> list[str]:
+    """The PTX of each loop: from a block LLVM marks as a loop header to the branch back to it."""
+    bodies = []
+    for m in re.finditer(r"^(\$L__BB\d+_\d+):\s*// =>This Inner Loop Header", ptx, re.M):
+        end = re.search(rf"bra(?:\.uni)?\s+{re.escape(m.group(1))};", ptx[m.end():])
+        assert end is not None, f"no back edge to {m.group(1)}"
+        bodies.append(ptx[m.start():m.end() + end.end()])
+    return bodies
+
+
+def k_loop_waits(ptx: str) -> list[list[int]]:
+    """wgmma.wait_group counts inside each loop that issues wgmma (the K loops)."""
+    return [[int(n) for n in re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", body)]
+            for body in loop_bodies(ptx) if "wgmma.mma_async" in body]
+
+
+# ---------------------------------------------------------------- CPU: sm_90 builds
+
+
+@pytest.mark.parametrize("shape,scales", [("w1", "e8m0"), ("w2", "e8m0"), ("w1", "fp32")])
+def test_sm90_build_keeps_an_mma_in_flight_while_promoting(shape, scales):
+    """V4's expert shapes with the default tiles: the K loop waits with one wgmma group outstanding, ptxas
+    keeps the wgmma asynchronous (no C7514 serialisation), no spills, shared memory fits an H200 block."""
+    kernel = compile_sm90(*_expert_launch(shape, scales))
+    ptx = kernel.asm["ptx"]
+    assert "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3" in ptx
+    (waits,) = k_loop_waits(ptx)
+    assert 1 in waits, f"K loop waits {waits}: every MMA completes before its product is promoted"
+    log = ptxas_log(ptx)
+    assert "C7514" not in log and "serialized" not in log, log
+    regs = int(re.search(r"Used (\d+) registers", log).group(1))
+    assert regs <= 255
+    assert re.search(r"\b0 bytes spill stores, 0 bytes spill loads", log), log
+    assert 4 * 32 * 1024 <= kernel.metadata.shared <= SM90_MAX_SHARED  # 4 stages of 128 x 128 A and W tiles
+    assert kernel.asm["ttgir"].count("ttng.async_tma_copy_global_to_local") > 0
+
+
+def test_the_checks_tell_overlap_from_none():
+    """group_steps=1 is the no-overlap baseline: every K step's MMA is waited to zero in the loop, so the
+    PTX checks above would fail on it."""
+    ptx = compile_sm90(*_expert_launch("w2", group_steps=1)).asm["ptx"]
+    (waits,) = k_loop_waits(ptx)
+    assert waits == [0]
+
+
+def test_smaller_tiles_build_for_sm90():
+    """64-row tiles of one warpgroup (4 warps): two CTAs an SM by registers and shared memory."""
+    kernel = compile_sm90(*_expert_launch("w1", BLOCK_M=64, num_warps=4))
+    log = ptxas_log(kernel.asm["ptx"])
+    assert "C7514" not in log and re.search(r"\b0 bytes spill stores", log), log
+    assert 2 * (kernel.metadata.shared + 1024) <= 228 * 1024
+
+
+# ---------------------------------------------------------------- CPU: refusals
+
+
+def _case():
+    return make_case([3, 0, 5], 256, 512)[1:]  # q, s, w, ws, offs
+
+
+def test_refusals_name_the_field(monkeypatch):
+    q, s, w, ws, offs = _case()
+    run = lambda **kw: g8._launch(**{**dict(a=q, a_scale=s, w=w, w_scale=ws, offs=offs), **kw},  # noqa: E731
+                                  variant="gluon")
+    with pytest.raises(ValueError, match="num_warps"):
+        run(BLOCK_M=128, num_warps=4)
+    with pytest.raises(ValueError, match="BLOCK_N"):
+        run(BLOCK_N=96)
+    with pytest.raises(ValueError, match="BLOCK_K"):
+        run(BLOCK_K=64)
+    with pytest.raises(ValueError, match="num_stages"):
+        run(num_stages=1)
+    with pytest.raises(ValueError, match="group_steps"):
+        run(group_steps=0)
+    with pytest.raises(ValueError, match="split_k"):
+        run(split_k=2)
+    with pytest.raises(ValueError, match="programs"):
+        run(programs=132)
+    with pytest.raises(ValueError, match="a_scale"):
+        run(a_scale=s.to(torch.bfloat16))
+    with pytest.raises(ValueError, match="offs"):
+        run(offs=offs.long())
+    with pytest.raises(ValueError, match="experts contiguous"):
+        run(w=torch.zeros(3, 512, 512, dtype=E4)[:, :256], w_scale=ws)
+    with pytest.raises(ValueError, match=r"group \(64\)"):
+        run(a_scale=torch.ones(q.shape[0], 8), group=64)
+    with pytest.raises(ValueError, match="unit stride"):
+        run(a=q.t().contiguous().t())
+    with pytest.raises(ValueError, match="variant 'pointer' only"):  # packed FP4 weights
+        run(w=torch.zeros(3, 256, 256, dtype=torch.uint8),
+            w_scale=torch.zeros(3, 256, 16, dtype=torch.uint8), block=(1, 32))
+    monkeypatch.setattr(ggl, "gluon", None)
+    with pytest.raises(ValueError, match="needs triton.experimental.gluon"):
+        run()
+
+
+# ---------------------------------------------------------------- GPU only
+
+GPU_TILES = [{}, dict(BLOCK_M=64, num_warps=4), dict(group_steps=1), dict(group_steps=3), dict(num_stages=3)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tiles", GPU_TILES)
+@pytest.mark.parametrize("N,K", [(2048, 4096), (4096, 2048)])
+def test_prefill_shape_matches_the_reference_on_gpu(N, K, tiles):
+    """256 experts, ~192 rows each on average (8192 tokens x top-6), every 37th empty, skewed counts (experts
+    spanning many 128-row tiles); tolerances of the "tma" variant's GPU test."""
+    from deepinfer.kernels.act_quant import act_quant as act_quant_gpu
+    torch.manual_seed(N)
+    with torch.device("cuda"):
+        prob = torch.rand(256) ** 3
+        prob[::37] = 0
+        pick = torch.multinomial(prob, 49152, replacement=True)
+        offs = torch.bincount(pick, minlength=256).cumsum(0).to(torch.int32)
+        q, s = act_quant_gpu(torch.randn(49152, K, dtype=torch.bfloat16))
+        w = (torch.randn(256, N, K) * 4).to(E4)
+        ws = torch.randint(119, 125, (256, N, K // 128), dtype=torch.uint8).view(torch.float8_e8m0fnu)
+    assert int(torch.diff(offs, prepend=offs[:1] * 0).max()) > 4 * 128
+    got = g8.grouped_gemm_fp8(q, s, w, ws, offs, variant="gluon", **tiles)
+    want = g8.reference(q, s, w, ws, offs)
+    assert rel_err(got, want) < 4e-3
+    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=1.6e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("counts,N,K,block,scales", [
+    ([300, 0, 500, 224], 1024, 2048, (1, 128), "e8m0"),     # empty expert, tiles crossing experts' ends
+    ([1, 0, 129, 0, 7], 384, 640, (128, 128), "fp32"),      # fp32 (128, 128) blocks; K 640: 5 steps (odd)
+    ([64, 3], 200, 384, (1, 128), "e8m0"),                  # N not a multiple of BLOCK_N
+])
+def test_ragged_cases_match_the_reference_on_gpu(counts, N, K, block, scales):
+    _, q, s, w, ws, offs = make_case(counts, N, K, block=block, scale_dtype=scales, extra_rows=5, device="cuda")
+    out = g8.grouped_gemm_fp8(q, s, w, ws, offs, block=block, variant="gluon")
+    want = g8.reference(q, s, w, ws, offs, block=block)
+    n = sum(counts)
+    assert rel_err(out[:n], want[:n]) < 4e-3
+    torch.testing.assert_close(out[:n].float(), want[:n].float(), atol=2e-2, rtol=1.6e-2)
+
+
+@pytest.mark.gpu
+def test_replays_in_a_cuda_graph_with_new_offsets():
+    x, q, s, w, ws, offs = make_case([300, 0, 500, 224], 1024, 2048, device="cuda")
+    g8.grouped_gemm_fp8(q, s, w, ws, offs, variant="gluon")  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = g8.grouped_gemm_fp8(q, s, w, ws, offs, variant="gluon")
+    for counts in ([1024, 0, 0, 0], [0, 0, 0, 1024], [100, 700, 24, 200]):
+        offs.copy_(torch.tensor(counts, device="cuda").cumsum(0))
+        graph.replay()
+        assert rel_err(out, g8.reference(q, s, w, ws, offs)) < 4e-3
