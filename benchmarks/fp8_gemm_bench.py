@@ -27,6 +27,9 @@ uniform at random. Weights are FP4-origin FP8 codes as layers/moe.py holds them;
   w8a8-gemm-tma, w8a8-gemm-tma-persistent  (opt-in kernel variants, not engine paths) the same GEMM through
                 grouped_gemm_fp8's variant "tma" (tensor descriptors), one program per tile and persistent
                 (two programs per SM: default_config's tiles fit two CTAs an SM).
+  w8a8-gemm-gluon, -gluon-m64, -gluon-serial  (CUDA; opt-in, not engine paths) the same GEMM through variant
+                "gluon" (kernels/grouped_gemm_fp8_gluon.py: each K step's wgmma in flight while the previous
+                product is scaled): default tiles, 64-row tiles, and the same kernel without the overlap.
   w4a8          act_quant + kernels/grouped_gemm_fp8.py on the same experts as shipped: packed FP4 bytes
                 [E, N, K/2] with their (1, 32) E8M0 scales (half the weight bytes of the FP8 codes); w4a8-gemm the
                 GEMM alone; w4a8-gemm-plain the GEMM with the plain Triton nibble conversion instead of the PTX one;
@@ -190,7 +193,14 @@ EXPERTS = {"v4": (256, 6, [("w1", 2048, 4096, 1), ("w3", 2048, 4096, 1), ("w2", 
 SMOKE_EXPERTS = {"v4": (8, 2, [("w1", 128, 256, 1), ("w3", 128, 256, 1), ("w2", 256, 128, 1)])}
 EXPERT_PATHS = ("bf16", "w8a16", "w8a16-folded", "w8a8", "w8a8-gemm")
 # rows beside them (a failure is recorded, not raised): the opt-in kernel variants and cuBLAS (CUDA only)
-MEASURED_PATHS = ("w8a8-gemm-tma", "w8a8-gemm-tma-persistent", "cublas-loop", "cublas-graph")
+# (the gluon rows: variant "gluon" of grouped_gemm_fp8, sm_90 only, timed on CUDA only: gluon_paths)
+MEASURED_PATHS = ("w8a8-gemm-tma", "w8a8-gemm-tma-persistent", "w8a8-gemm-gluon", "w8a8-gemm-gluon-m64",
+                  "w8a8-gemm-gluon-serial", "cublas-loop", "cublas-graph")
+# variant "gluon" (kernels/grouped_gemm_fp8_gluon.py): its default tiles (128 x 128, 8 warps, K steps in groups of
+# 2: one of two promotions overlaps the next wgmma), 64-row tiles of one warpgroup (two CTAs an SM), and the same
+# kernel with no overlap (group_steps=1: wait 0 after every step), the A/B for the promotion overlap
+GLUON_PATHS = {"w8a8-gemm-gluon": {}, "w8a8-gemm-gluon-m64": dict(BLOCK_M=64, num_warps=4),
+               "w8a8-gemm-gluon-serial": dict(group_steps=1)}
 # --sweep: grouped_gemm_fp8 tile choices and opt-in variants timed beside its default (path "w8a8-gemm", `config`
 # and `variant` set; programs_per_sm: variant "tma" on a persistent grid of that many programs per SM). None of
 # them spills registers when compiled for sm_90 at these shapes (benchmarks/sm90_kernel_resources.py; results
@@ -282,9 +292,17 @@ def expert_paths(xs: torch.Tensor, offs: torch.Tensor, E: int, N: int, K: int) -
                                                       **({"asm": False} if xs.is_cuda else {}))
     out["w4a16"] = lambda: grouped_gemm(xs, fp4_bytes, offs, s32, (1, 32))
     if xs.is_cuda:
+        out.update(gluon_paths(q, qs, codes, s128, offs))
         out["cublas-loop"] = lambda: cublas_loop(q, qs, codes, s128, offs)()
         out["cublas-graph"] = _graphed(lambda: cublas_loop(q, qs, codes, s128, offs))
     return out
+
+
+def gluon_paths(q: torch.Tensor, qs: torch.Tensor, codes: torch.Tensor, s128: torch.Tensor, offs: torch.Tensor) -> dict:
+    """GLUON_PATHS: the grouped FP8 GEMM of w8a8-gemm (same quantised rows, codes and (1, 128) scales) through
+    variant "gluon" with each entry's tiles."""
+    return {name: lambda kw=kw: grouped_gemm_fp8(q, qs, codes, s128, offs, ACT_GROUP, (1, 128), variant="gluon", **kw)
+            for name, kw in GLUON_PATHS.items()}
 
 
 def cublas_loop(q: torch.Tensor, qs: torch.Tensor, codes: torch.Tensor, s128: torch.Tensor, offs: torch.Tensor):
