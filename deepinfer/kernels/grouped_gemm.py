@@ -164,6 +164,12 @@ GEMV_ROWS_ONE = 1
 # one FP8 group (a Linear) at 2 .. SWAP_ROWS - 1 rows runs the swapped dot by default (layers/linear.py runs W8A8
 # from FP8_GEMM_ROWS = 64)
 SWAP_ROWS = 64
+# One group at one row whose default GEMV tiles would split K (a split_sum launch after it): 8 x 512 weight tiles,
+# 2 warps, no split, where N / 8 gives at least 256 programs. In CUDA graphs (launch gaps counted) 12.4 / 8.2 / 5.9 /
+# 6.5 us against 13.5 / 9.5 / 7.0 / 7.7 on V4's 4096 x 8192 / 4096 x 4096 / 4096 x 2048 / 2048 x 4096; at N = 1536
+# and 64 no better (kernel_sweep.py --only fp8-small, graph_ms; benchmarks/NOTES.md).
+NARROW_GEMV = dict(BLOCK_N=8, BLOCK_K=512, num_warps=2, num_stages=3)
+NARROW_GEMV_MIN_N = 2048
 
 
 def use_gemv(M: int, E: int, fmt: int) -> bool:
@@ -600,7 +606,10 @@ def default_launch(M: int, E: int, fmt: int, N: int, K: int, sms: int, one_group
     row count."""
     if use_gemv(M, E, fmt):
         cfg = gemv_config(M, E)
-        return dict(gemv=True, split_k=split_k_for(max_m_tiles(M, E, cfg["ROWS"], one_group), N, K, cfg, sms))
+        split = split_k_for(max_m_tiles(M, E, cfg["ROWS"], one_group), N, K, cfg, sms)
+        if E == 1 and split > 1 and N >= NARROW_GEMV_MIN_N and K % NARROW_GEMV["BLOCK_K"] == 0:
+            return dict(gemv=True, **NARROW_GEMV, split_k=1)
+        return dict(gemv=True, split_k=split)
     if swap_ok and one_group and fmt == FP8 and 2 <= M < SWAP_ROWS:
         cfg = swap_config(M)
         return dict(swap=True, **cfg, split_k=split_k_for(max_m_tiles(M, E, cfg["BLOCK_M"], True), N, K, cfg, sms))

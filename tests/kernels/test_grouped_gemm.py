@@ -141,7 +141,7 @@ def test_fp8_other_blocks_and_fp32_scales_on_gpu(block, scale_dtype, cfg):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("fmt", ["bf16", "fp8", "fp4"])
-@pytest.mark.parametrize("M,N,K", [(1, 2048, 4096), (3, 80, 96), (700, 1536, 512)])
+@pytest.mark.parametrize("M,N,K", [(1, 2048, 4096), (1, 4096, 8192), (3, 80, 96), (700, 1536, 512)])
 def test_one_group_dense_linear_on_gpu(fmt, M, N, K):
     a, w, offs, s = make_case([M], N, K, fmt, device="cuda")
     want = reference(a, w, offs, s)
@@ -425,7 +425,11 @@ def test_gemv_dispatch():
     # V4's 4096 x 8192 projection at M = 1: >= 2 programs per SM of the H200's 132
     kw = default_launch(1, 1, FP8, 4096, 8192, 132, True)
     cfg = gemv_config(1, 1)
-    assert kw["gemv"] and -(-4096 // cfg["BLOCK_N"]) * kw["split_k"] >= 2 * 132
+    assert kw["gemv"] and -(-4096 // kw.get("BLOCK_N", cfg["BLOCK_N"])) * kw["split_k"] >= 2 * 132
+    # where the default tiles would split K, the narrow split-free tiles run instead (no split_sum launch)
+    assert kw == dict(gemv=True, BLOCK_N=8, BLOCK_K=512, num_warps=2, num_stages=3, split_k=1)
+    assert default_launch(1, 1, FP8, 1536, 4096, 132, True)["split_k"] > 1  # N / 8 too few programs: split
+    assert "BLOCK_N" not in default_launch(1, 1, FP8, 32768, 1024, 132, True)  # no split needed: default tiles
     assert "gemv" not in default_launch(64, 1, FP8, 4096, 8192, 132, True)
     w8, wd = torch.empty(256, 64, 256, dtype=torch.float8_e4m3fn), torch.empty(256, 64, 256, dtype=torch.bfloat16)
     offs = torch.zeros(256, dtype=torch.int32)
