@@ -654,3 +654,41 @@ def test_swap_default_matches_reference_on_gpu(M):
     assert launch_kwargs(M, w, None, {}, 132, s, (128, 128))["swap"]
     want = reference(a, w, None, s, (128, 128))
     torch.testing.assert_close(grouped_gemm(a, w, None, s).float(), want.float(), atol=2e-2, rtol=1.6e-2)
+
+
+def test_pdl_is_a_gemv_experiment_and_builds_its_grid_dependency_control_for_sm90():
+    """_launch(pdl=...) (benchmarks/kernel_sweep.py --only pdl) is refused outside the unsplit GEMV; its sm_90
+    build waits for the previous grid (griddepcontrol.wait) and, at pdl=2, lets the next one launch."""
+    import re
+    pytest.importorskip("triton")
+    from sm90 import compile_sm90, record
+    from deepinfer.kernels import grouped_gemm as gg
+
+    a, w = torch.empty(1, 8192, dtype=torch.bfloat16), torch.empty(4096, 8192, dtype=torch.float8_e4m3fn)
+    s = torch.zeros(32, 64, dtype=torch.uint8).view(torch.float8_e8m0fnu)
+    with pytest.raises(ValueError, match="pdl"):
+        gg._launch(a, w, None, s, (128, 128), pdl=1, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128)
+    with pytest.raises(ValueError, match="pdl"):
+        gg._launch(a, w, None, s, (128, 128), pdl=1, gemv=True, split_k=2)
+    for pdl, want in ((0, []), (1, ["wait"]), (2, ["launch_dependents", "wait"])):
+        with record() as got:
+            gg._launch(a, w, None, s, (128, 128), pdl=pdl, gemv=True, **gg.NARROW_GEMV)
+        ptx = compile_sm90(got[0], specialize=True).asm["ptx"]
+        assert re.findall(r"griddepcontrol\.(\w+)", ptx) == want, pdl
+
+
+@pytest.mark.gpu
+def test_pdl_gemv_in_a_cuda_graph_equals_stream_order():
+    """Two dependent GEMVs launched with programmatic dependent launch, captured and replayed: the second
+    reads the first's output after its grid-dependency wait, bit for bit as in stream order."""
+    from deepinfer.kernels import grouped_gemm as gg
+    a, w, _, s = make_case([1], 4096, 4096, "fp8", device="cuda", seed=3)
+    w, s = w[0], s[0]
+    kw = dict(gemv=True, **gg.NARROW_GEMV)
+    want = gg._launch(gg._launch(a, w, None, s, (128, 128), **kw), w, None, s, (128, 128), **kw)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        got = gg._launch(gg._launch(a, w, None, s, (128, 128), pdl=2, **kw), w, None, s, (128, 128), pdl=2, **kw)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(got, want)
