@@ -197,8 +197,8 @@ EXPERT_PATHS = ("bf16", "w8a16", "w8a16-folded", "w8a8", "w8a8-gemm")
 MEASURED_PATHS = ("w8a8-gemm-tma", "w8a8-gemm-tma-persistent", "w8a8-gemm-gluon", "w8a8-gemm-gluon-m64",
                   "w8a8-gemm-gluon-g4", "w8a8-gemm-gluon-serial", "cublas-loop", "cublas-graph")
 # variant "gluon" (kernels/grouped_gemm_fp8_gluon.py): its default tiles (128 x 128, 8 warps, K steps in groups of
-# 2: one of two promotions overlaps the next wgmma), 64-row tiles of one warpgroup (two CTAs an SM), groups of 4
-# (three of four promotions overlapped; its sm_90 build spills 152 bytes), and the same kernel with no overlap
+# 3: two of three promotions overlap the next wgmma), 64-row tiles of one warpgroup (two CTAs an SM), groups of 4
+# (three of four promotions overlapped; its sm_90 build spills 64 bytes), and the same kernel with no overlap
 # (group_steps=1: wait 0 after every step), the A/B for the promotion overlap
 GLUON_PATHS = {"w8a8-gemm-gluon": {}, "w8a8-gemm-gluon-m64": dict(BLOCK_M=64, num_warps=4),
                "w8a8-gemm-gluon-g4": dict(group_steps=4), "w8a8-gemm-gluon-serial": dict(group_steps=1)}

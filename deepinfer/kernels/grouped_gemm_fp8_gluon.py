@@ -32,7 +32,7 @@ Schedule per output tile (BLOCK_M rows of one expert x BLOCK_N columns; grid and
     ("wgmma.mma_async instructions are serialized due to non wgmma instructions reading accumulator
     registers ...") and serialises every wgmma, undoing the overlap. So GROUP - 1 of every GROUP
     promotions overlap an MMA; GROUP 1 is the no-overlap baseline. Three accumulators (total, the
-    product being promoted, the MMA in flight) are 3 x 64 fp32 registers a thread; at GROUP > 2 the
+    product being promoted, the MMA in flight) are 3 x 64 fp32 registers a thread; at GROUP > 3 the
     sm_90 build spills.
 Rows of a tile past its expert's end (the next expert's rows) are multiplied but never stored.
 """
@@ -62,10 +62,10 @@ def available() -> bool:
 
 def default_config() -> dict:
     """128 x 128 tiles of two warpgroups (8 warps, 64 rows each), 4 stages (4 x 32 KiB of operand slots), K steps
-    in groups of 2 (group_steps: see the kernel; 1 is the no-overlap baseline, wait 0 after every step).
-    Built for sm_90 at V4's expert shapes: 255 / 252 registers (E8M0 / fp32 weight scales), no spills, 128.5 KiB
-    shared; group_steps 3 and 4 spill (44 / 152 bytes)."""
-    return dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=4, group_steps=2)
+    in groups of 3 (group_steps: two of three promotions overlap an MMA; 1 is the no-overlap baseline, wait 0
+    after every step). Built for sm_90 at V4's expert shapes (E8M0 or fp32 weight scales): 246-249 registers,
+    no spills, no wgmma serialisation, 128.5 KiB shared; group_steps 4 spills (64 bytes)."""
+    return dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=4, group_steps=3)
 
 
 if gluon is not None:
@@ -109,11 +109,10 @@ if gluon is not None:
         return warpgroup_mma(a_bufs.index(s), w_bufs.index(s).permute((1, 0)), zero, use_acc=False, is_async=True)
 
     @gluon.jit
-    def _step_scale(as_rows, ws_cols, t, rmask, nmask, s_asg, s_wsk, acc_l: gl.constexpr, GA: gl.constexpr,
-                    BI: gl.constexpr, E8M0: gl.constexpr, BLOCK_K: gl.constexpr):
-        """K step t's scales as fp32: s_a per row [BLOCK_M, 1] and s_w per column [1, BLOCK_N], in acc_l.
-        s_w is loaded one column a thread (ws_cols in a 1-D layout: few address registers) and then
-        redistributed to the accumulator's column layout."""
+    def _load_scales(as_rows, ws_cols, t, rmask, nmask, s_asg, s_wsk, GA: gl.constexpr, BI: gl.constexpr,
+                     E8M0: gl.constexpr, BLOCK_K: gl.constexpr):
+        """K step t's scales as fp32: s_a per row (in the accumulator's row layout) and s_w per column, one
+        column a thread (ws_cols' 1-D layout: few registers while they are in flight)."""
         a_s = gl.load(as_rows + (t * BLOCK_K // GA) * s_asg, mask=rmask, other=0.0)
         w_s = gl.load(ws_cols + (t * BLOCK_K // BI) * s_wsk, mask=nmask, other=0)
         if E8M0:  # 2^(byte - 127): the byte in fp32's exponent field (byte 0 -> 2^-127)
@@ -121,8 +120,14 @@ if gluon is not None:
             w_s = gl.where(b == 0, 5.877471754111438e-39, (b << 23).to(gl.float32, bitcast=True))
         else:
             w_s = w_s.to(gl.float32)
+        return a_s, w_s
+
+    @gluon.jit
+    def _promote(total, prod, a_s, w_s, acc_l: gl.constexpr):
+        """total + prod x s_a[row] x s_w[col]; s_w redistributed to the accumulator's column layout only now
+        (the 32 columns a thread holds are registers while the product is)."""
         w_s = gl.convert_layout(w_s, gl.SliceLayout(0, acc_l))
-        return gl.expand_dims(a_s, 1), gl.expand_dims(w_s, 0)
+        return gl.fma(prod * gl.expand_dims(w_s, 0), gl.expand_dims(a_s, 1), total)
 
     @gluon.jit
     def _step(a_desc, w_desc, a_bufs, w_bufs, ready, t, prev, total, zero, row0, w_row, as_rows, ws_cols, rmask,
@@ -132,12 +137,12 @@ if gluon is not None:
         refill its slot with step t + STAGES - 1 and add its product, scaled, to `total`.
         Returns (step t's MMA in flight, total)."""
         cur = _issue_mma(a_bufs, w_bufs, ready, t, zero, STAGES)
-        a_s, w_s = _step_scale(as_rows, ws_cols, t - 1, rmask, nmask, s_asg, s_wsk, acc_l, GA, BI, E8M0, BLOCK_K)
+        a_s, w_s = _load_scales(as_rows, ws_cols, t - 1, rmask, nmask, s_asg, s_wsk, GA, BI, E8M0, BLOCK_K)
         prod = warpgroup_mma_wait(1, deps=(prev,))  # step t - 1 done, step t in flight
         gl.thread_barrier()                         # ... in both warpgroups: its slot may be refilled
         nxt = t - 1 + STAGES  # into the slot step t - 1 freed
         _issue_load(a_desc, w_desc, a_bufs, w_bufs, ready, nxt, row0, w_row, nxt * BLOCK_K < K, STAGES, BLOCK_K)
-        return cur, gl.fma(prod * w_s, a_s, total)
+        return cur, _promote(total, prod, a_s, w_s, acc_l)
 
     @gluon.jit
     def _group(a_desc, w_desc, a_bufs, w_bufs, ready, t0, n: gl.constexpr, total, zero, row0, w_row, as_rows, ws_cols,
@@ -149,12 +154,12 @@ if gluon is not None:
             prev, total = _step(a_desc, w_desc, a_bufs, w_bufs, ready, t0 + u, prev, total, zero, row0, w_row,
                                 as_rows, ws_cols, rmask, nmask, s_asg, s_wsk, acc_l, K, GA, BI, E8M0, STAGES, BLOCK_K)
         t = t0 + n - 1
-        a_s, w_s = _step_scale(as_rows, ws_cols, t, rmask, nmask, s_asg, s_wsk, acc_l, GA, BI, E8M0, BLOCK_K)
+        a_s, w_s = _load_scales(as_rows, ws_cols, t, rmask, nmask, s_asg, s_wsk, GA, BI, E8M0, BLOCK_K)
         prod = warpgroup_mma_wait(0, deps=(prev,))
         gl.thread_barrier()
         _issue_load(a_desc, w_desc, a_bufs, w_bufs, ready, t + STAGES, row0, w_row, (t + STAGES) * BLOCK_K < K,
                     STAGES, BLOCK_K)
-        return gl.fma(prod * w_s, a_s, total)
+        return _promote(total, prod, a_s, w_s, acc_l)
 
     @gluon.jit
     def _grouped_gemm_fp8_gluon_kernel(a_desc, w_desc, as_ptr, ws_ptr, offs_ptr, out_ptr, M, N, E, n_tiles,

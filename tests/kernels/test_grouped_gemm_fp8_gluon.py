@@ -190,7 +190,8 @@ def test_refusals_name_the_field(monkeypatch):
 
 # ---------------------------------------------------------------- GPU only
 
-GPU_TILES = [{}, dict(BLOCK_M=64, num_warps=4), dict(group_steps=1), dict(group_steps=3), dict(num_stages=3)]
+GPU_TILES = [{}, dict(BLOCK_M=64, num_warps=4), dict(group_steps=1), dict(group_steps=2), dict(group_steps=4),
+             dict(num_stages=3)]
 
 
 @pytest.mark.gpu
