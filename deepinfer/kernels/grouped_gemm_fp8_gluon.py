@@ -28,7 +28,7 @@ Schedule per output tile (BLOCK_M rows of one expert x BLOCK_N columns; grid and
     its MMA is issued, `warpgroup_mma_wait(1)` completes step t - 1's, whose product is promoted while
     step t's runs; the group ends with `warpgroup_mma_wait(0)` and the last product's promotion, so no
     MMA is in flight across the loop's back edge. Why groups: when the loop carries an MMA in flight
-    whose accumulator non-wgmma instructions read in the next iteration, ptxas 12.x reports C7514
+    whose accumulator non-wgmma instructions read in the next iteration, ptxas 12.8 (Triton 3.6's) reports C7514
     ("wgmma.mma_async instructions are serialized due to non wgmma instructions reading accumulator
     registers ...") and serialises every wgmma, undoing the overlap. So GROUP - 1 of every GROUP
     promotions overlap an MMA; GROUP 1 is the no-overlap baseline. Three accumulators (total, the
@@ -224,8 +224,8 @@ if gluon is not None:
 def _refuse(a, a_scale, w, w_scale, offs, group, block, cfg) -> None:
     """What this kernel takes beyond grouped_gemm_fp8._check: a clear ValueError naming the field."""
     if not available():
-        raise ValueError(f"grouped_gemm_fp8: variant 'gluon' needs triton.experimental.gluon with Hopper ops "
-                         f"(Triton >= 3.5), this Triton is {getattr(triton, '__version__', None) if triton else None}")
+        raise ValueError("grouped_gemm_fp8: variant 'gluon' needs triton.experimental.gluon with Hopper's TMA, "
+                         "mbarrier and warpgroup_mma (Triton 3.6), not importable here")
     if w.dtype != torch.float8_e4m3fn:
         raise ValueError(f"grouped_gemm_fp8: variant 'gluon' takes e4m3 weights [E, N, K], got weight {w.dtype}")
     if group % BLOCK_K or block[1] % BLOCK_K:
