@@ -221,41 +221,44 @@ if gluon is not None:
                      mask=omask)
 
 
+_NEEDS = "grouped_gemm_fp8: variant 'gluon' needs"
+
+
 def _refuse(a, a_scale, w, w_scale, offs, group, block, cfg) -> None:
     """What this kernel takes beyond grouped_gemm_fp8._check: a clear ValueError naming the field."""
     if not available():
-        raise ValueError("grouped_gemm_fp8: variant 'gluon' needs triton.experimental.gluon with Hopper's TMA, "
+        raise ValueError(f"{_NEEDS} triton.experimental.gluon with Hopper's TMA, "
                          "mbarrier and warpgroup_mma (Triton 3.6), not importable here")
     if w.dtype != torch.float8_e4m3fn:
         raise ValueError(f"grouped_gemm_fp8: variant 'gluon' takes e4m3 weights [E, N, K], got weight {w.dtype}")
     if group % BLOCK_K or block[1] % BLOCK_K:
-        raise ValueError(f"grouped_gemm_fp8: variant 'gluon' needs group ({group}) and block[1] ({block[1]}) to be "
+        raise ValueError(f"{_NEEDS} group ({group}) and block[1] ({block[1]}) to be "
                          f"multiples of {BLOCK_K} (one scale of each operand per K step)")
     if a_scale.dtype != torch.float32:
-        raise ValueError(f"grouped_gemm_fp8: variant 'gluon' needs a_scale float32, got a_scale {a_scale.dtype}")
+        raise ValueError(f"{_NEEDS} a_scale float32, got a_scale {a_scale.dtype}")
     if w_scale.dtype not in E8M0_DTYPES and w_scale.dtype != torch.float32:
-        raise ValueError(f"grouped_gemm_fp8: variant 'gluon' needs w_scale E8M0 or float32, got w_scale {w_scale.dtype}")
+        raise ValueError(f"{_NEEDS} w_scale E8M0 or float32, got w_scale {w_scale.dtype}")
     if offs.dtype != torch.int32:
-        raise ValueError(f"grouped_gemm_fp8: variant 'gluon' needs offs int32, got offs {offs.dtype}")
+        raise ValueError(f"{_NEEDS} offs int32, got offs {offs.dtype}")
     if a.stride(1) != 1 or w.stride(2) != 1:
-        raise ValueError(f"grouped_gemm_fp8: variant 'gluon' needs unit stride along K, got A stride {tuple(a.stride())}, "
+        raise ValueError(f"{_NEEDS} unit stride along K, got A stride {tuple(a.stride())}, "
                          f"weight stride {tuple(w.stride())}")
     if w.stride(0) != w.shape[1] * w.stride(1):
-        raise ValueError(f"grouped_gemm_fp8: variant 'gluon' needs the weight's experts contiguous, got weight strides "
+        raise ValueError(f"{_NEEDS} the weight's experts contiguous, got weight strides "
                          f"{tuple(w.stride())} for {tuple(w.shape)}")
     if a.stride(0) % 16 or w.stride(1) % 16 or a.data_ptr() % 16 or w.data_ptr() % 16:
-        raise ValueError(f"grouped_gemm_fp8: variant 'gluon' needs 16-byte aligned A / weight bases and row strides, "
+        raise ValueError(f"{_NEEDS} 16-byte aligned A / weight bases and row strides, "
                          f"got A stride {a.stride(0)}, weight stride {w.stride(1)}")
     bm, bn, nw, st = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["num_warps"], cfg["num_stages"]
     if nw not in (4, 8) or bm != 16 * nw:
-        raise ValueError(f"grouped_gemm_fp8: variant 'gluon' needs BLOCK_M == 16 * num_warps (64 rows a warpgroup) with "
+        raise ValueError(f"{_NEEDS} BLOCK_M == 16 * num_warps (64 rows a warpgroup) with "
                          f"4 or 8 warps, got BLOCK_M {bm}, num_warps {nw}")
     if bn not in (64, 128, 256):
-        raise ValueError(f"grouped_gemm_fp8: variant 'gluon' needs BLOCK_N 64, 128 or 256, got BLOCK_N {bn}")
+        raise ValueError(f"{_NEEDS} BLOCK_N 64, 128 or 256, got BLOCK_N {bn}")
     if st < 2:
-        raise ValueError(f"grouped_gemm_fp8: variant 'gluon' needs num_stages >= 2, got num_stages {st}")
+        raise ValueError(f"{_NEEDS} num_stages >= 2, got num_stages {st}")
     if cfg["group_steps"] < 1:
-        raise ValueError(f"grouped_gemm_fp8: variant 'gluon' needs group_steps >= 1, got group_steps {cfg['group_steps']}")
+        raise ValueError(f"{_NEEDS} group_steps >= 1, got group_steps {cfg['group_steps']}")
 
 
 def launch(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, offs: torch.Tensor,
