@@ -1,6 +1,6 @@
 """Tile-config sweep of the Triton kernels at the Flash slice's shapes (H200), with the torch baseline.
 
-    python benchmarks/kernel_sweep.py [--only moe|attn|attn-kinds|rope|decode-small|dense-small|fp8-small|fp8-rows|pdl|
+    python benchmarks/kernel_sweep.py [--only moe|attn|attn-kinds|rope|decode-small|dense-small|fp8-small|fp8-rows|
                                               argmax]
 
 MoE: 256 experts, K=4096 -> N=2048 (w1/w3), tokens x 6 experts routed at random: decode batch 1
@@ -534,38 +534,6 @@ def _pair(it):
     return w, None, s
 
 
-def pdl_sweep(rows: list) -> None:
-    """Programmatic dependent launch for the decode GEMV (grouped_gemm._launch pdl=; an experiment, off in the
-    engine): V4's eight FP8 projections at one row, called back to back (each call reads the next copy of its
-    weight: HBM, not L2), timed as one CUDA graph of 20 such sequences (graph_ms: launch gaps included) with
-    pdl 0 (stream order), 1 (each GEMV waits for the previous grid first) and 2 (and lets the next one launch at
-    once). Default tiles and split where they are split-free; the split tiles' shapes run the narrow tiles
-    (pdl needs one launch a call). us: per sequence."""
-    import math
-
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    calls = []
-    for N, K in DENSE_SHAPES:
-        copies = max(2, math.ceil(128e6 / (N * K)))
-        ws = itertools.cycle([((torch.randn(N, K, device="cuda") * 8).to(torch.float8_e4m3fn),
-                               torch.randint(115, 125, (-(-N // 128), -(-K // 128)), dtype=torch.uint8,
-                                             device="cuda").view(torch.float8_e8m0fnu)) for _ in range(copies)])
-        kw = gg.default_launch(1, 1, gg.FP8, N, K, sms, True)
-        if kw["split_k"] > 1:
-            kw = dict(gemv=True, **gg.NARROW_GEMV, split_k=1)
-        calls.append((torch.randn(1, K, device="cuda").to(torch.bfloat16), ws, kw))
-
-    def sequence(pdl):
-        for a, ws, kw in calls:
-            w, sc = next(ws)
-            gg._launch(a, w, None, sc, (128, 128), pdl=pdl, **kw)
-
-    nbytes = sum(N * K for N, K in DENSE_SHAPES)
-    for pdl in (0, 1, 2):
-        _timed_row(rows, {"kernel": "pdl-gemv-sequence", "M": 1, "impl": f"pdl{pdl}", "calls": len(calls)},
-                   lambda pdl=pdl: sequence(pdl), nbytes)
-
-
 def argmax_sweep(rows: list) -> None:
     """The sampler's greedy argmax over V4's vocabulary (fp32 logits [R, 129280]): torch.argmax against
     row_argmax (defaults, then other block widths / warps / grid targets) at R = 1, 8, 64, 256. us: kernel
@@ -599,7 +567,7 @@ def argmax_sweep(rows: list) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sweeps = {"moe": moe_sweep, "attn": attn_sweep, "attn-kinds": attn_kinds, "rope": rope_sweep,
-              "decode-small": decode_small, "dense-small": dense_small, "fp8-small": fp8_small, "fp8-rows": fp8_rows, "pdl": pdl_sweep,
+              "decode-small": decode_small, "dense-small": dense_small, "fp8-small": fp8_small, "fp8-rows": fp8_rows,
               "argmax": argmax_sweep}
     ap.add_argument("--only", choices=tuple(sweeps))
     ap.add_argument("--quick", action="store_true", help="fp8-small: the default kernels only (cuBLAS bf16, "

@@ -77,7 +77,6 @@ from deepinfer.formats.quant import dequant_fp4, dequant_fp8_blocks
 try:
     import triton
     import triton.language as tl
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 except ImportError:  # CPU-only installs: the torch reference is used
     triton = None
 
@@ -342,16 +341,10 @@ if triton is not None:
                              K: tl.constexpr, FMT: tl.constexpr, E8M0: tl.constexpr, BO: tl.constexpr,
                              BI: tl.constexpr, ONE_GROUP: tl.constexpr, E_PAD: tl.constexpr, ROWS: tl.constexpr,
                              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, KV: tl.constexpr,
-                             SPLIT_K: tl.constexpr = 1, STAGES: tl.constexpr = 1, PDL: tl.constexpr = 0):
+                             SPLIT_K: tl.constexpr = 1, STAGES: tl.constexpr = 1):
         """The few-row path (module docstring, "GEMV"): ROWS (1, 2 or 4) rows x BLOCK_N columns a program, fp32
         FMAs of exactly widened operands, no tl.dot. Same arguments and tile -> group map as the dot kernel;
-        KV: the weight elements one thread loads contiguously (16 bytes). PDL (launched with launch_pdl, an
-        experiment of benchmarks/kernel_sweep.py --only pdl): 1 waits for the previous grid before anything
-        else, 2 also lets the next grid launch at once (its own wait keeps the order)."""
-        if PDL >= 2:
-            gdc_launch_dependents()
-        if PDL >= 1:
-            gdc_wait()  # nothing of the previous grid is read or overwritten before it
+        KV: the weight elements one thread loads contiguously (16 bytes)."""
         K_PART: tl.constexpr = K // SPLIT_K  # a multiple of BLOCK_K (the launcher checks)
         k_lo = tl.program_id(2) * K_PART     # grid axis 2: the K splits (one without split-K)
         live, row0, row_end, w_base, s_base = group_tile(tl.program_id(0), offs_ptr, M, E, w_ptr, s_ptr, s_we,
@@ -471,8 +464,7 @@ def split_k_for(m_tiles: int, N: int, K: int, cfg: dict, sms: int) -> int:
 
 def _launch(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor | None, scale: torch.Tensor | None,
             block_size: tuple[int, int], BLOCK_M=None, BLOCK_N=None, BLOCK_K=None, num_warps=None,
-            num_stages=None, split_k: int = 1, gemv: bool = False, ROWS=None, swap: bool = False,
-            pdl: int = 0) -> torch.Tensor:
+            num_stages=None, split_k: int = 1, gemv: bool = False, ROWS=None, swap: bool = False) -> torch.Tensor:
     """The Triton launch on whatever device the tensors are on (CPU only under TRITON_INTERPRET=1).
     gemv=False: the dot kernel (tiles BLOCK_M / N / K); gemv=True: the GEMV kernel (tiles ROWS, BLOCK_N,
     BLOCK_K; dense or FP8 weights). Unset tiles take default_config / gemv_config."""
@@ -532,8 +524,6 @@ def _launch(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor | None, scale: 
                              "whole K tiles (BI a multiple of BLOCK_K), on the dot path")
         if cfg["BLOCK_M"] < 16 or cfg["BLOCK_N"] < 16:
             raise ValueError("grouped_gemm: swap=True needs BLOCK_M and BLOCK_N >= 16")
-    if pdl and (not gemv or interpreted() or split_k > 1):
-        raise ValueError("grouped_gemm: pdl (programmatic dependent launch) is a GEMV experiment on CUDA, unsplit")
     if gemv and cfg["BLOCK_K"] % (16 // w.element_size()):
         raise ValueError(f"grouped_gemm: the GEMV's BLOCK_K must be a multiple of {16 // w.element_size()} "
                          f"(16 bytes of {w.dtype} a thread)")
@@ -554,9 +544,7 @@ def _launch(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor | None, scale: 
                   E_PAD=max(16, triton.next_power_of_2(E)), SPLIT_K=split_k)
     if gemv:
         grid = (max_m_tiles(M, E, cfg["ROWS"], one_group), triton.cdiv(N, cfg["BLOCK_N"]), split_k)
-        pdl_kw = dict(PDL=pdl, launch_pdl=True) if pdl else {}
-        _grouped_gemv_kernel[grid](*args, **common, KV=16 // w.element_size(), STAGES=cfg["num_stages"], **cfg,
-                                   **pdl_kw)
+        _grouped_gemv_kernel[grid](*args, **common, KV=16 // w.element_size(), STAGES=cfg["num_stages"], **cfg)
     elif swap:
         grid = (max_m_tiles(M, E, cfg["BLOCK_M"], one_group), triton.cdiv(N, cfg["BLOCK_N"]), split_k)
         common.pop("E8M0")
