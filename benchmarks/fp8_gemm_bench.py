@@ -24,12 +24,13 @@ uniform at random. Weights are FP4-origin FP8 codes as layers/moe.py holds them;
   w8a16-folded  the same on (1, 128) scales (folded: what decode runs after the fold);
   w8a8          act_quant (1 x 128, pow2) + kernels/grouped_gemm_fp8.py on the folded codes;
   w8a8-gemm     the grouped FP8 GEMM alone (w1 and w3 share one act_quant).
-  w8a8-gemm-tma, w8a8-gemm-tma-persistent  (opt-in kernel variants, not engine paths) the same GEMM through
-                grouped_gemm_fp8's variant "tma" (tensor descriptors), one program per tile and persistent
-                (two programs per SM: default_config's tiles fit two CTAs an SM).
-  w8a8-gemm-gluon, -gluon-m64, -gluon-g4, -gluon-serial  (CUDA; opt-in, not engine paths) the same GEMM through
-                variant "gluon" (kernels/grouped_gemm_fp8_gluon.py: a K step's wgmma in flight while the previous
-                product is scaled): default tiles, 64-row tiles, K steps in groups of 4, and no overlap.
+  w8a8-gemm-tma, w8a8-gemm-tma-persistent  the same GEMM through grouped_gemm_fp8's variant "tma" (tensor
+                descriptors; the MoE layer's path below GLUON_ROWS rows), one program per tile and persistent
+                (opt-in: two programs per SM, default_config's tiles fit two CTAs an SM).
+  w8a8-gemm-gluon, -gluon-m128, -s3, -s6, -g2, -serial  (CUDA) the same GEMM through variant "gluon"
+                (kernels/grouped_gemm_fp8_gluon.py: a K step's wgmma in flight while the previous product is
+                scaled; the MoE layer's path at prefill sizes): default tiles, 128-row tiles, 3 / 6 stages, K steps
+                in groups of 2, and no overlap.
   w4a8          act_quant + kernels/grouped_gemm_fp8.py on the same experts as shipped: packed FP4 bytes
                 [E, N, K/2] with their (1, 32) E8M0 scales (half the weight bytes of the FP8 codes); w4a8-gemm the
                 GEMM alone; w4a8-gemm-plain the GEMM with the plain Triton nibble conversion instead of the PTX one;
@@ -194,14 +195,15 @@ SMOKE_EXPERTS = {"v4": (8, 2, [("w1", 128, 256, 1), ("w3", 128, 256, 1), ("w2", 
 EXPERT_PATHS = ("bf16", "w8a16", "w8a16-folded", "w8a8", "w8a8-gemm")
 # rows beside them (a failure is recorded, not raised): the opt-in kernel variants and cuBLAS (CUDA only)
 # (the gluon rows: variant "gluon" of grouped_gemm_fp8, sm_90 only, timed on CUDA only: gluon_paths)
-MEASURED_PATHS = ("w8a8-gemm-tma", "w8a8-gemm-tma-persistent", "w8a8-gemm-gluon", "w8a8-gemm-gluon-m64",
-                  "w8a8-gemm-gluon-g4", "w8a8-gemm-gluon-serial", "cublas-loop", "cublas-graph")
-# variant "gluon" (kernels/grouped_gemm_fp8_gluon.py): its default tiles (128 x 128, 8 warps, K steps in groups of
-# 3: two of three promotions overlap the next wgmma), 64-row tiles of one warpgroup (two CTAs an SM), groups of 4
-# (three of four promotions overlapped; its sm_90 build spills 64 bytes), and the same kernel with no overlap
-# (group_steps=1: wait 0 after every step), the A/B for the promotion overlap
-GLUON_PATHS = {"w8a8-gemm-gluon": {}, "w8a8-gemm-gluon-m64": dict(BLOCK_M=64, num_warps=4),
-               "w8a8-gemm-gluon-g4": dict(group_steps=4), "w8a8-gemm-gluon-serial": dict(group_steps=1)}
+MEASURED_PATHS = ("w8a8-gemm-tma", "w8a8-gemm-tma-persistent", "w8a8-gemm-gluon", "w8a8-gemm-gluon-m128",
+                  "w8a8-gemm-gluon-s3", "w8a8-gemm-gluon-s6", "w8a8-gemm-gluon-g2", "w8a8-gemm-gluon-serial",
+                  "cublas-loop", "cublas-graph")
+# variant "gluon" (kernels/grouped_gemm_fp8_gluon.py): its default tiles (64 x 128, one warpgroup, 4 stages, K steps
+# in groups of 3: two of three promotions overlap the next wgmma), 128-row tiles of two warpgroups, 3 / 6 stages,
+# groups of 2, and the same kernel with no overlap (group_steps=1: wait 0 after every step), the A/B for the overlap
+GLUON_PATHS = {"w8a8-gemm-gluon": {}, "w8a8-gemm-gluon-m128": dict(BLOCK_M=128, num_warps=8),
+               "w8a8-gemm-gluon-s3": dict(num_stages=3), "w8a8-gemm-gluon-s6": dict(num_stages=6),
+               "w8a8-gemm-gluon-g2": dict(group_steps=2), "w8a8-gemm-gluon-serial": dict(group_steps=1)}
 # --sweep: grouped_gemm_fp8 tile choices and opt-in variants timed beside its default (path "w8a8-gemm", `config`
 # and `variant` set; programs_per_sm: variant "tma" on a persistent grid of that many programs per SM). None of
 # them spills registers when compiled for sm_90 at these shapes (benchmarks/sm90_kernel_resources.py; results

@@ -165,9 +165,9 @@ GEMV_ROWS_ONE = 1
 # from FP8_GEMM_ROWS = 64)
 SWAP_ROWS = 64
 # One group at one row whose default GEMV tiles would split K (a split_sum launch after it): 8 x 512 weight tiles,
-# 2 warps, no split, where N / 8 gives at least 256 programs. In CUDA graphs (launch gaps counted) 12.4 / 8.2 / 5.9 /
-# 6.5 us against 13.5 / 9.5 / 7.0 / 7.7 on V4's 4096 x 8192 / 4096 x 4096 / 4096 x 2048 / 2048 x 4096; at N = 1536
-# and 64 no better (kernel_sweep.py --only fp8-small, graph_ms; benchmarks/NOTES.md).
+# 2 warps, no split, where N / 8 gives at least 256 programs: faster in CUDA graphs (launch gaps counted) on V4's
+# projections with N >= 2048, not at N = 1536 or 64 (kernel_sweep.py --only fp8-small, graph_ms; benchmarks/NOTES.md,
+# "2026-12-02, third session").
 NARROW_GEMV = dict(BLOCK_N=8, BLOCK_K=512, num_warps=2, num_stages=3)
 NARROW_GEMV_MIN_N = 2048
 

@@ -61,11 +61,25 @@ def available() -> bool:
 
 
 def default_config() -> dict:
-    """128 x 128 tiles of two warpgroups (8 warps, 64 rows each), 4 stages (4 x 32 KiB of operand slots), K steps
+    """64 x 128 tiles of one warpgroup (4 warps; two CTAs an SM), 4 stages (4 x 24 KiB of operand slots), K steps
     in groups of 3 (group_steps: two of three promotions overlap an MMA; 1 is the no-overlap baseline, wait 0
-    after every step). Built for sm_90 at V4's expert shapes (E8M0 or fp32 weight scales): 246-249 registers,
-    no spills, no wgmma serialisation, 128.5 KiB shared; group_steps 4 spills (64 bytes)."""
-    return dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=4, group_steps=3)
+    after every step). The fastest of the tiles measured at V4's expert shapes at prefill sizes, ahead of 128 x 128
+    tiles of two warpgroups and of variant "tma" (benchmarks/NOTES.md, "2026-12-02, third session"). sm_90 builds:
+    no spills, no wgmma serialisation; group_steps 4 spills."""
+    return dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=4, group_steps=3)
+
+
+def takes(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, group: int,
+          block: tuple[int, int]) -> bool:
+    """Whether launch takes these inputs with its default tiles on this device (_refuse as a test): an
+    sm_90 GPU (Gluon's Hopper wgmma / TMA), 128-wide scale groups, aligned contiguous operands."""
+    if not (available() and a.is_cuda and torch.cuda.get_device_capability(a.device) == (9, 0)):
+        return False
+    try:
+        _refuse(a, a_scale, w, w_scale, None, group, block, default_config())
+    except ValueError:
+        return False
+    return True
 
 
 if gluon is not None:
@@ -238,7 +252,7 @@ def _refuse(a, a_scale, w, w_scale, offs, group, block, cfg) -> None:
         raise ValueError(f"{_NEEDS} a_scale float32, got a_scale {a_scale.dtype}")
     if w_scale.dtype not in E8M0_DTYPES and w_scale.dtype != torch.float32:
         raise ValueError(f"{_NEEDS} w_scale E8M0 or float32, got w_scale {w_scale.dtype}")
-    if offs.dtype != torch.int32:
+    if offs is not None and offs.dtype != torch.int32:
         raise ValueError(f"{_NEEDS} offs int32, got offs {offs.dtype}")
     if a.stride(1) != 1 or w.stride(2) != 1:
         raise ValueError(f"{_NEEDS} unit stride along K, got A stride {tuple(a.stride())}, "

@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from deepinfer.kernels import grouped_gemm_fp8_gluon as gluon_fp8
 from deepinfer.kernels import router as _router
 from deepinfer.kernels.act_quant import act_quant
 from deepinfer.kernels.grouped_gemm import FP4_GROUP, grouped_gemm, triton_available
@@ -29,6 +30,10 @@ from deepinfer.formats.quant import dequant_fp8_blocks, fold_e8m0_groups, unpack
 # tokens 2677 against 8673 / 5228. Fewer rows were not measured: 1 row an expert lies below the
 # smallest measured size (V4-Flash: 43 tokens a step).
 W8A8_ROWS_PER_EXPERT = 1
+# From this many rows (prefill chunks) W8A8 runs grouped_gemm_fp8's variant "gluon" where it takes the inputs
+# (sm_90): at V4's expert shapes on the H200, 4096 / 8192 tokens x 6, a layer's three projections 2.74 / 4.51 ms
+# against variant "tma"'s 3.08 / 5.08 (benchmarks/NOTES.md, "2026-12-02, third session"); fewer rows not measured.
+GLUON_ROWS = 4096
 
 
 def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
@@ -149,8 +154,11 @@ class Experts(nn.Module):
         W8A8 applies to this projection (`_w8a8`), which then multiplies it instead of xs (None then)."""
         w, scale = getattr(self, name), getattr(self, f"{name}_scale", None)
         if qx is not None and self._w8a8(name, qx[0].shape[0]):
+            block = self._block(name)
             variant = "tma" if tma_variant_ok(qx[0], w) else "pointer"  # TMA: 12-15 % faster where it applies
-            return grouped_gemm_fp8(*qx, w, scale, offs, ACT_GROUP, self._block(name), variant=variant)
+            if qx[0].shape[0] >= GLUON_ROWS and gluon_fp8.takes(*qx, w, scale, ACT_GROUP, block):
+                variant = "gluon"
+            return grouped_gemm_fp8(*qx, w, scale, offs, ACT_GROUP, block, variant=variant)
         tiles = invariant.gemm_tiles()  # batch-invariant mode: one tiling for every row count
         if scale is None:
             if xs.shape[0] <= 16 * self.num_experts or tiles:  # decode: the Triton kernel streams weights faster

@@ -166,10 +166,15 @@ def test_prefill_rows_take_w8a8_on_the_dequantised_activations():
 
 
 @pytest.mark.gpu
-def test_w8a8_prefill_is_close_to_w8a16_on_gpu():
-    """Prefill-sized routing on the GPU: the W8A8 path against the W8A16 one (threshold raised) on the
-    same folded weights; they differ by FP8 activation rounding only (e4m3: ~2^-5 relative per input)."""
+def test_w8a8_prefill_is_close_to_w8a16_on_gpu(monkeypatch):
+    """Prefill-sized routing on the GPU: the W8A8 path (8192 rows: variant "gluon" on an H200) against the W8A16
+    one (threshold raised) on the same folded weights; they differ by FP8 activation rounding only (e4m3: ~2^-5
+    relative per input)."""
     from deepinfer.layers import moe
+
+    variants, real = [], moe.grouped_gemm_fp8
+    monkeypatch.setattr(moe, "grouped_gemm_fp8",
+                        lambda *a, variant: variants.append(variant) or real(*a, variant=variant))
 
     torch.manual_seed(0)
     ex = _fp4_experts(dim=512, inter=256, E=16, dtype=torch.bfloat16)
@@ -181,6 +186,8 @@ def test_w8a8_prefill_is_close_to_w8a16_on_gpu():
     weights = torch.rand(T, 4, device="cuda")
     assert ex._w8a8("w1", T * 4)
     fast = ex(x, weights, idx)
+    if torch.cuda.get_device_capability() == (9, 0):
+        assert variants == ["gluon"] * 3, variants
     saved = moe.W8A8_ROWS_PER_EXPERT
     moe.W8A8_ROWS_PER_EXPERT = 10 ** 9
     try:
@@ -248,3 +255,23 @@ def test_repack_with_agreed_flags_folds_only_what_every_rank_can():
     for (i, n), ws in dense.items():
         assert model[i].w1.dtype == torch.float8_e4m3fn
         assert all(torch.equal(model[i]._w(n, e, torch.float32), ws[e]) for e in range(4)), (i, n)
+
+
+@pytest.mark.parametrize("rows, takes, want", [(4096, True, "gluon"), (4095, True, "tma"), (4096, False, "tma")])
+def test_w8a8_experts_take_the_gluon_variant_at_prefill_rows(monkeypatch, rows, takes, want):
+    """From GLUON_ROWS expert-sorted rows W8A8 runs grouped_gemm_fp8's variant "gluon" where the Gluon kernel
+    takes the inputs (an sm_90 GPU), else variant "tma"."""
+    import deepinfer.layers.moe as moe
+    from deepinfer.kernels.act_quant import act_quant
+
+    assert moe.GLUON_ROWS == 4096
+    ex = _fp4_experts(E=4)
+    ex.repack_fp4_as_fp8()
+    seen = []
+    monkeypatch.setattr(moe.gluon_fp8, "takes", lambda *a: takes)
+    monkeypatch.setattr(moe, "tma_variant_ok", lambda a, w: True)
+    monkeypatch.setattr(moe, "grouped_gemm_fp8", lambda *a, variant: seen.append(variant))
+    xs = torch.randn(rows, 256)
+    ex._grouped_mm(xs, "w1", torch.tensor([rows // 4 * (i + 1) for i in range(3)] + [rows], dtype=torch.int32),
+                   act_quant(xs, 128))
+    assert seen == [want]

@@ -19,7 +19,8 @@ def test_gluon_rows_launch_variant_gluon_with_their_tiles(monkeypatch):
     monkeypatch.setattr(bench, "grouped_gemm_fp8", lambda *args, **kw: calls.append((args, kw)) or len(calls))
     q, qs, codes, s128, offs = (torch.zeros(1) for _ in range(5))
     paths = bench.gluon_paths(q, qs, codes, s128, offs)
-    assert set(paths) == set(bench.GLUON_PATHS) == {"w8a8-gemm-gluon", "w8a8-gemm-gluon-m64", "w8a8-gemm-gluon-g4",
+    assert set(paths) == set(bench.GLUON_PATHS) == {"w8a8-gemm-gluon", "w8a8-gemm-gluon-m128", "w8a8-gemm-gluon-s3",
+                                                    "w8a8-gemm-gluon-s6", "w8a8-gemm-gluon-g2",
                                                     "w8a8-gemm-gluon-serial"}
     assert set(paths) <= set(bench.MEASURED_PATHS)  # summed per layer, with their ratio to bf16
     for name, fn in paths.items():
