@@ -150,6 +150,18 @@ def prefill(model, kv: str, args, cuda: bool) -> None:
     t = fs.prefill_seconds(engine, prompts, args.reps)
     print(f"{args.arch} fp8={args.fp8} prefill {B} x {S}: engine step {1e3 * t:.3f} ms (median of {args.reps}, as the "
           f"sweep times it), replay_keep={engine.runner.replay_keep}")
+    if args.gluon_ab:  # the same engine with the MoE's W8A8 on variant "tma" at every size, then back
+        from deepinfer.layers import moe
+
+        rows, moe.GLUON_ROWS = moe.GLUON_ROWS, 1 << 62
+        try:
+            t_tma = fs.prefill_seconds(engine, prompts, args.reps)
+        finally:
+            moe.GLUON_ROWS = rows
+        t_again = fs.prefill_seconds(engine, prompts, args.reps)
+        print(f"A/B in one engine: W8A8 experts on gluon from {rows} rows {1e3 * t:.3f} ms, then all on tma "
+              f"{1e3 * t_tma:.3f} ms, then gluon again {1e3 * t_again:.3f} ms")
+        return
     params, ids = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True), itertools.count()
 
     def step():
@@ -182,6 +194,8 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=2, help="the sweep's REPS (its decode rows time DECODE_STEPS_PER_REP x reps steps)")
     ap.add_argument("--sweep-rows", type=int, default=2, help="times to run the sweep's own decode row first")
     ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--gluon-ab", action="store_true", help="prefill: time the step again with the MoE's W8A8 on "
+                    "variant 'tma' at every size (layers/moe.py GLUON_ROWS), then the default again; nothing else")
     add_commit_arg(ap)
     args = ap.parse_args()
     print(f"# commit {recorded_commit(args)}: profile_engine_step.py {' '.join(sys.argv[1:])}", flush=True)

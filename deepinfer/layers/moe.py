@@ -30,10 +30,11 @@ from deepinfer.formats.quant import dequant_fp8_blocks, fold_e8m0_groups, unpack
 # tokens 2677 against 8673 / 5228. Fewer rows were not measured: 1 row an expert lies below the
 # smallest measured size (V4-Flash: 43 tokens a step).
 W8A8_ROWS_PER_EXPERT = 1
-# From this many rows (prefill chunks) W8A8 runs grouped_gemm_fp8's variant "gluon" where it takes the inputs
-# (sm_90): at V4's expert shapes on the H200, 4096 / 8192 tokens x 6, a layer's three projections 2.74 / 4.51 ms
-# against variant "tma"'s 3.08 / 5.08 (benchmarks/NOTES.md, "2026-12-02, third session"); fewer rows not measured.
-GLUON_ROWS = 4096
+# From this many rows W8A8 runs grouped_gemm_fp8's variant "gluon" where it takes the inputs (sm_90): at V4's
+# expert shapes on the H200, 512 / 1024 / 4096 / 8192 tokens x 6, a layer's three projections 1.70 / 1.74 / 2.72 /
+# 4.52 ms against variant "tma"'s 1.76 / 1.81 / 3.19 / 5.25 (benchmarks/NOTES.md, "2026-12-02, third session");
+# fewer rows not measured.
+GLUON_ROWS = 3072
 
 
 def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:

@@ -257,14 +257,14 @@ def test_repack_with_agreed_flags_folds_only_what_every_rank_can():
         assert all(torch.equal(model[i]._w(n, e, torch.float32), ws[e]) for e in range(4)), (i, n)
 
 
-@pytest.mark.parametrize("rows, takes, want", [(4096, True, "gluon"), (4095, True, "tma"), (4096, False, "tma")])
+@pytest.mark.parametrize("rows, takes, want", [(3072, True, "gluon"), (3068, True, "tma"), (3072, False, "tma")])
 def test_w8a8_experts_take_the_gluon_variant_at_prefill_rows(monkeypatch, rows, takes, want):
     """From GLUON_ROWS expert-sorted rows W8A8 runs grouped_gemm_fp8's variant "gluon" where the Gluon kernel
     takes the inputs (an sm_90 GPU), else variant "tma"."""
     import deepinfer.layers.moe as moe
     from deepinfer.kernels.act_quant import act_quant
 
-    assert moe.GLUON_ROWS == 4096
+    assert moe.GLUON_ROWS == 3072
     ex = _fp4_experts(E=4)
     ex.repack_fp4_as_fp8()
     seen = []
