@@ -86,14 +86,18 @@ def resources(variant: str, cfg: dict, shape: str = "w1", programs: int | None =
     """One row: the launch recorded at V4's expert shape and compiled for sm_90 as the JIT would."""
     N, K = SHAPES[shape]
     e4 = torch.float8_e4m3fn
-    with record() as got:
-        g8._launch(torch.empty(ROWS, K, dtype=e4), torch.empty(K // 128, ROWS).t(),  # act_quant's column-major scales
-                   torch.empty(EXPERTS, N, K, dtype=e4),
-                   torch.zeros(EXPERTS, N, K // 128, dtype=torch.uint8).view(torch.float8_e8m0fnu),
-                   torch.zeros(EXPERTS, dtype=torch.int32), 128, (1, 128), variant=variant, programs=programs, **cfg)
-    (launch,) = got
     row = dict(variant=variant if programs is None else f"{variant}-persistent", config=label(cfg), shape=shape,
                N=N, K=K, **cfg)
+    try:
+        with record() as got:
+            g8._launch(torch.empty(ROWS, K, dtype=e4), torch.empty(K // 128, ROWS).t(),  # act_quant's column-major
+                       torch.empty(EXPERTS, N, K, dtype=e4),
+                       torch.zeros(EXPERTS, N, K // 128, dtype=torch.uint8).view(torch.float8_e8m0fnu),
+                       torch.zeros(EXPERTS, dtype=torch.int32), 128, (1, 128), variant=variant, programs=programs,
+                       **cfg)
+    except ValueError as e:  # tiles the variant's launcher refuses (variant "gluon": BLOCK_M == 16 * num_warps)
+        return dict(row, error=f"refused: {e}")
+    (launch,) = got
     try:
         kernel = compile_sm90(launch, specialize=True)
     except Exception as e:  # noqa: BLE001 - a configuration that does not compile is a result too

@@ -26,6 +26,12 @@ from triton.compiler.compiler import make_backend
 from triton.runtime.jit import JITFunction
 from triton.tools.tensor_descriptor import TensorDescriptor
 
+try:  # Gluon kernels (kernels/grouped_gemm_fp8_gluon.py) compile from their own AST source
+    from triton.experimental.gluon._runtime import GluonASTSource, GluonJITFunction
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonTensorDescriptor
+except ImportError:
+    GluonASTSource = GluonJITFunction = GluonTensorDescriptor = None
+
 SM90 = GPUTarget("cuda", 90, 32)
 OPTIONS = ("num_warps", "num_stages", "enable_fp_fusion", "num_ctas")
 _TYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.float8_e4m3fn: "fp8e4nv",
@@ -48,7 +54,8 @@ class Launch:
 
 
 def _type(v) -> str:
-    if isinstance(v, TensorDescriptor):  # host-side TMA descriptor: its type names dtype and block shape
+    if isinstance(v, TensorDescriptor) or (GluonTensorDescriptor is not None and isinstance(v, GluonTensorDescriptor)):
+        # host-side TMA descriptor: its type names dtype and block shape (and, for Gluon, its shared layout)
         return native_specialize_impl(type(make_backend(SM90)), v, False, False, False)[0]
     if isinstance(v, torch.Tensor):
         return "*" + _TYPES[v.dtype]
@@ -112,8 +119,11 @@ def record():
 
 def compile_sm90(launch: Launch, specialize: bool = False):
     """The compiled kernel (raises on a compile error); specialize: as the JIT would build it on a GPU."""
+    source = ASTSource
+    if GluonJITFunction is not None and isinstance(launch.fn, GluonJITFunction):
+        source = GluonASTSource
     if specialize:
         sig, consts, attrs = launch.specialized
-        return triton.compile(ASTSource(launch.fn, sig, consts, attrs), target=SM90, options=launch.options)
-    return triton.compile(ASTSource(launch.fn, launch.signature, launch.constexprs), target=SM90,
+        return triton.compile(source(launch.fn, sig, consts, attrs), target=SM90, options=launch.options)
+    return triton.compile(source(launch.fn, launch.signature, launch.constexprs), target=SM90,
                           options=launch.options)

@@ -390,3 +390,21 @@ def test_swapped_dot_default_tiles_build_for_sm90(monkeypatch):
             waits = {int(n) for n in re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", ptx)}
             assert usage["spill_stores"] == 0 and max(waits) > 0, (M, N, K, usage, waits)
             assert re.search(r"wgmma\.mma_async[^;]*\{\s*%r", ptx), (M, N, K)
+
+
+def test_gluon_launches_record_and_build_for_sm90():
+    """sm90.record / compile_sm90 take Gluon kernels (grouped_gemm_fp8 variant "gluon": its own AST source and
+    TMA descriptor type), as benchmarks/sm90_kernel_resources.py compiles every variant."""
+    from deepinfer.kernels import grouped_gemm_fp8 as g8
+    from deepinfer.kernels import grouped_gemm_fp8_gluon as ggl
+
+    if not ggl.available():
+        pytest.skip("this Triton has no Gluon")
+    e4 = torch.float8_e4m3fn
+    with record() as got:
+        g8._launch(_e(512, 4096, dtype=e4), _e(32, 512, dtype=torch.float32).t(), _e(8, 2048, 4096, dtype=e4),
+                   _i(8, 2048, 32, dtype=torch.uint8).view(torch.float8_e8m0fnu), _i(8, dtype=torch.int32), 128,
+                   (1, 128), variant="gluon")
+    (launch,) = got
+    ptx = compile_sm90(launch, specialize=True).asm["ptx"]
+    assert "wgmma.mma_async" in ptx and "cp.async.bulk.tensor" in ptx
