@@ -35,6 +35,20 @@ Schedule per output tile (BLOCK_M rows of one expert x BLOCK_N columns; grid and
     product being promoted, the MMA in flight) are 3 x 64 fp32 registers a thread; at GROUP > 3 the
     sm_90 build spills.
 Rows of a tile past its expert's end (the next expert's rows) are multiplied but never stored.
+
+Warp-specialised kernel (tile option ws=True; not the default until measured), in the "ping-pong" style: a tile is
+2 x BLOCK_M rows of one expert (BLOCK_M 64) x BLOCK_N columns, and gl.warp_specialize splits the CTA into
+  * a producer partition (1 warp, 40 registers a thread by setmaxnreg) issuing step t's TMA loads (the A tile of
+    both halves' rows, the W tile) into slot t % STAGES once the slot's `empty` mbarrier says both consumers
+    released step t - STAGES;
+  * two consumer warpgroups (the default partition and a 4-warp worker, 232 registers each), consumer i running
+    the grouped K loop above on rows i * 64 .. of each slot's A tile with the shared W tile, and releasing a slot
+    (one arrival on its `empty`) once its MMA reading it completed. They alternate on the tensor cores: two `turn`
+    mbarriers make consumer 1 issue step t after consumer 0 did, and consumer 0 step t + 1 after consumer 1 issued
+    step t, so one's promotion runs while the other's MMA does. A consumer whose rows all lie past the expert's end
+    only releases the slots (and the other takes no turns).
+Each consumer stores its own rows. No MMA is in flight across a loop's back edge here either (sm_90 builds: no
+C7514, no spills at group_steps <= 3).
 """
 from __future__ import annotations
 
@@ -53,6 +67,7 @@ except ImportError:  # a Triton without Gluon (< 3.5) or a CPU-only install
 
 BLOCK_K = 128  # one activation scale group and one weight scale block per K step
 E8M0_DTYPES = (torch.float8_e8m0fnu, torch.uint8)  # weight scales as exponent bytes
+SM90_MAX_SHARED = 227 * 1024  # dynamic shared memory one block may take on H100 / H200
 
 
 def available() -> bool:
@@ -65,8 +80,10 @@ def default_config() -> dict:
     in groups of 3 (group_steps: two of three promotions overlap an MMA; 1 is the no-overlap baseline, wait 0
     after every step). The fastest of the tiles measured at V4's expert shapes at prefill sizes, ahead of 128 x 128
     tiles of two warpgroups and of variant "tma" (benchmarks/NOTES.md, "2026-12-02, third session"). sm_90 builds:
-    no spills, no wgmma serialisation; group_steps 4 spills."""
-    return dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=4, group_steps=3)
+    no spills, no wgmma serialisation; group_steps 4 spills.
+    ws=True selects the warp-specialised kernel (a producer warp and two consumer warpgroups of BLOCK_M rows each,
+    tiles of 2 x BLOCK_M rows; see the module docstring); not measured yet, so off."""
+    return dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=4, group_steps=3, ws=False)
 
 
 def takes(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, group: int,
@@ -83,6 +100,11 @@ def takes(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: torc
 
 
 if gluon is not None:
+    # registers a thread (setmaxnreg) of the warp-specialised kernel's consumer worker and producer partitions; the
+    # default partition (the other consumer) gets what the CTA's 3 warpgroups x 168 leave: 232
+    WS_CONSUMER_REGS = gl.constexpr(232)
+    WS_PRODUCER_REGS = gl.constexpr(40)
+
     @gluon.jit
     def _add(x, y):
         return x + y
@@ -116,11 +138,34 @@ if gluon is not None:
         tma.async_copy_global_to_shared(w_desc, [w_row, t * BLOCK_K], bar, w_bufs.index(s), pred=pred)
 
     @gluon.jit
-    def _issue_mma(a_bufs, w_bufs, ready, t, zero, STAGES: gl.constexpr):
-        """Wait for K step t's operands, then its async MMA into a fresh accumulator."""
+    def _issue_mma(a_bufs, w_bufs, bars, t, zero, pp, SUB: gl.constexpr, STAGES: gl.constexpr, WS: gl.constexpr):
+        """Wait for K step t's operands, then its async MMA into a fresh accumulator. Warp-specialised (bars: ready,
+        empty, turns): the MMA reads rows SUB * 64 .. of the slot's A tile, and, while both consumers are live (pp),
+        consumer SUB issues step t after the other issued step t - (SUB == 0): the two alternate on the tensor
+        cores, so that one's promotion runs while the other's MMA does (turn SUB completes once a step)."""
         s = t % STAGES
-        mbarrier.wait(ready.index(s), (t // STAGES) & 1)
-        return warpgroup_mma(a_bufs.index(s), w_bufs.index(s).permute((1, 0)), zero, use_acc=False, is_async=True)
+        mbarrier.wait(bars[0].index(s), (t // STAGES) & 1)
+        a = a_bufs.index(s)
+        if WS:
+            a = a.slice(SUB * zero.shape[0], zero.shape[0])
+            mbarrier.wait(bars[2].index(SUB), (t & 1) ^ (1 - SUB), pred=pp)  # a fresh barrier's parity 1: done
+        mma = warpgroup_mma(a, w_bufs.index(s).permute((1, 0)), zero, use_acc=False, is_async=True)
+        if WS:
+            mbarrier.arrive(bars[2].index(1 - SUB), count=1, pred=pp)
+        return mma
+
+    @gluon.jit
+    def _release(a_desc, w_desc, a_bufs, w_bufs, bars, t, row0, w_row, K: gl.constexpr, STAGES: gl.constexpr,
+                 BLOCK_K: gl.constexpr, WS: gl.constexpr):
+        """K step t's MMA completed in this warpgroup: its slot is free for step t + STAGES. Warp-specialised: an
+        arrival on the slot's empty barrier (the producer waits for both consumers'); otherwise a CTA barrier (both
+        warpgroups done with it) and the refill."""
+        if WS:
+            mbarrier.arrive(bars[1].index(t % STAGES), count=1)
+        else:
+            gl.thread_barrier()
+            nxt = t + STAGES
+            _issue_load(a_desc, w_desc, a_bufs, w_bufs, bars[0], nxt, row0, w_row, nxt * BLOCK_K < K, STAGES, BLOCK_K)
 
     @gluon.jit
     def _load_scales(as_rows, ws_cols, t, rmask, nmask, s_asg, s_wsk, GA: gl.constexpr, BI: gl.constexpr,
@@ -144,98 +189,185 @@ if gluon is not None:
         return gl.fma(prod * gl.expand_dims(w_s, 0), gl.expand_dims(a_s, 1), total)
 
     @gluon.jit
-    def _step(a_desc, w_desc, a_bufs, w_bufs, ready, t, prev, total, zero, row0, w_row, as_rows, ws_cols, rmask,
+    def _step(a_desc, w_desc, a_bufs, w_bufs, bars, pp, t, prev, total, zero, row0, w_row, as_rows, ws_cols, rmask,
               nmask, s_asg, s_wsk, acc_l: gl.constexpr, K: gl.constexpr, GA: gl.constexpr, BI: gl.constexpr,
-              E8M0: gl.constexpr, STAGES: gl.constexpr, BLOCK_K: gl.constexpr):
+              E8M0: gl.constexpr, STAGES: gl.constexpr, BLOCK_K: gl.constexpr, SUB: gl.constexpr, WS: gl.constexpr):
         """K step t (>= 1) with step t - 1's MMA `prev` in flight: issue step t's MMA, wait for step t - 1's,
-        refill its slot with step t + STAGES - 1 and add its product, scaled, to `total`.
-        Returns (step t's MMA in flight, total)."""
-        cur = _issue_mma(a_bufs, w_bufs, ready, t, zero, STAGES)
+        release its slot and add its product, scaled, to `total`. Returns (step t's MMA in flight, total)."""
+        cur = _issue_mma(a_bufs, w_bufs, bars, t, zero, pp, SUB, STAGES, WS)
         a_s, w_s = _load_scales(as_rows, ws_cols, t - 1, rmask, nmask, s_asg, s_wsk, GA, BI, E8M0, BLOCK_K)
         prod = warpgroup_mma_wait(1, deps=(prev,))  # step t - 1 done, step t in flight
-        gl.thread_barrier()                         # ... in both warpgroups: its slot may be refilled
-        nxt = t - 1 + STAGES  # into the slot step t - 1 freed
-        _issue_load(a_desc, w_desc, a_bufs, w_bufs, ready, nxt, row0, w_row, nxt * BLOCK_K < K, STAGES, BLOCK_K)
+        _release(a_desc, w_desc, a_bufs, w_bufs, bars, t - 1, row0, w_row, K, STAGES, BLOCK_K, WS)
         return cur, _promote(total, prod, a_s, w_s, acc_l)
 
     @gluon.jit
-    def _group(a_desc, w_desc, a_bufs, w_bufs, ready, t0, n: gl.constexpr, total, zero, row0, w_row, as_rows, ws_cols,
-               rmask, nmask, s_asg, s_wsk, acc_l: gl.constexpr, K: gl.constexpr, GA: gl.constexpr, BI: gl.constexpr,
-               E8M0: gl.constexpr, STAGES: gl.constexpr, BLOCK_K: gl.constexpr):
+    def _group(a_desc, w_desc, a_bufs, w_bufs, bars, pp, t0, n: gl.constexpr, total, zero, row0, w_row, as_rows,
+               ws_cols, rmask, nmask, s_asg, s_wsk, acc_l: gl.constexpr, K: gl.constexpr, GA: gl.constexpr,
+               BI: gl.constexpr, E8M0: gl.constexpr, STAGES: gl.constexpr, BLOCK_K: gl.constexpr, SUB: gl.constexpr,
+               WS: gl.constexpr):
         """K steps t0 .. t0 + n - 1, no MMA in flight before or after; returns the total with their products."""
-        prev = _issue_mma(a_bufs, w_bufs, ready, t0, zero, STAGES)
+        prev = _issue_mma(a_bufs, w_bufs, bars, t0, zero, pp, SUB, STAGES, WS)
         for u in gl.static_range(1, n):
-            prev, total = _step(a_desc, w_desc, a_bufs, w_bufs, ready, t0 + u, prev, total, zero, row0, w_row,
-                                as_rows, ws_cols, rmask, nmask, s_asg, s_wsk, acc_l, K, GA, BI, E8M0, STAGES, BLOCK_K)
+            prev, total = _step(a_desc, w_desc, a_bufs, w_bufs, bars, pp, t0 + u, prev, total, zero, row0, w_row,
+                                as_rows, ws_cols, rmask, nmask, s_asg, s_wsk, acc_l, K, GA, BI, E8M0, STAGES, BLOCK_K,
+                                SUB, WS)
         t = t0 + n - 1
         a_s, w_s = _load_scales(as_rows, ws_cols, t, rmask, nmask, s_asg, s_wsk, GA, BI, E8M0, BLOCK_K)
         prod = warpgroup_mma_wait(0, deps=(prev,))
-        gl.thread_barrier()
-        _issue_load(a_desc, w_desc, a_bufs, w_bufs, ready, t + STAGES, row0, w_row, (t + STAGES) * BLOCK_K < K,
-                    STAGES, BLOCK_K)
+        _release(a_desc, w_desc, a_bufs, w_bufs, bars, t, row0, w_row, K, STAGES, BLOCK_K, WS)
         return _promote(total, prod, a_s, w_s, acc_l)
+
+    @gluon.jit
+    def _mma_tile(a_desc, w_desc, a_bufs, w_bufs, bars, pp, as_ptr, ws_ptr, out_ptr, M, N, row0, row_end, e, pid_n,
+                  s_asm, s_asg, s_wse, s_wsn, s_wsk, s_om, K: gl.constexpr, GA: gl.constexpr, BO: gl.constexpr,
+                  BI: gl.constexpr, E8M0: gl.constexpr, STAGES: gl.constexpr, GROUP: gl.constexpr,
+                  BLOCK_M: gl.constexpr, SUB: gl.constexpr, WS: gl.constexpr, num_warps: gl.constexpr):
+        """Rows row0 + SUB * BLOCK_M .. + BLOCK_M of the tile (one warpgroup a 64 rows) x its BLOCK_N columns: the K
+        loop over the slots (loads issued from row0, the slot's first row) and the bf16 store."""
+        BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
+        BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
+        KT: gl.constexpr = (K + BLOCK_K - 1) // BLOCK_K
+        w_row = (e * N + pid_n * BLOCK_N).to(gl.int32)  # in W viewed as [E * N, K]
+        r0 = row0 + SUB * BLOCK_M
+        # one warpgroup per 64 rows (BLOCK_M == 16 * num_warps), each MMA instruction the tile's full width
+        acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                        instr_shape=[16, BLOCK_N, 32])
+        rows = r0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_l))
+        col_l: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
+        cols = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=col_l)
+        rmask = (rows < row_end) & (rows < M)
+        nmask = cols < N
+        as_rows = as_ptr + rows.to(gl.int64) * s_asm
+        ws_cols = ws_ptr + e.to(gl.int64) * s_wse + (cols // BO) * s_wsn
+        zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, acc_l)
+        total = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, acc_l)
+
+        # K steps in groups of GROUP: within a group each step's MMA runs while the previous step's product is
+        # promoted; a group ends with no MMA in flight (ptxas serialises every wgmma of a loop whose back edge
+        # carries an MMA in flight that non-wgmma instructions read afterwards)
+        for j in range(0, KT // GROUP):
+            total = _group(a_desc, w_desc, a_bufs, w_bufs, bars, pp, j * GROUP, GROUP, total, zero, row0, w_row,
+                           as_rows, ws_cols, rmask, nmask, s_asg, s_wsk, acc_l, K, GA, BI, E8M0, STAGES, BLOCK_K, SUB,
+                           WS)
+        if KT % GROUP != 0:
+            total = _group(a_desc, w_desc, a_bufs, w_bufs, bars, pp, KT - KT % GROUP, KT % GROUP, total, zero,
+                           row0, w_row, as_rows, ws_cols, rmask, nmask, s_asg, s_wsk, acc_l, K, GA, BI, E8M0, STAGES,
+                           BLOCK_K, SUB, WS)
+
+        # 16-byte bf16 stores along a row
+        out_l: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // BLOCK_N, BLOCK_N // 8], [num_warps, 1], [1, 0])
+        res = gl.convert_layout(total.to(gl.bfloat16), out_l)
+        orows = r0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, out_l))
+        ocols = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, out_l))
+        omask = gl.expand_dims((orows < row_end) & (orows < M), 1) & gl.expand_dims(ocols < N, 0)
+        gl.store(out_ptr + gl.expand_dims(orows.to(gl.int64) * s_om, 1) + gl.expand_dims(ocols, 0), res, mask=omask)
+
+    @gluon.jit
+    def _this_tile(offs_ptr, N, E, n_tiles, w_desc, E_PAD: gl.constexpr, BLOCK_M: gl.constexpr,
+                   num_warps: gl.constexpr):
+        """This program's tile (output column tiles fastest, as variant "tma"): (live, row0, row_end, e, pid_n, and
+        the tile's first row in W viewed as [E * N, K])."""
+        pid = gl.program_id(0)
+        live, row0, row_end, e = _tile_of(pid // n_tiles, offs_ptr, E, E_PAD, BLOCK_M, num_warps)
+        pid_n = pid % n_tiles
+        return live, row0, row_end, e, pid_n, (e * N + pid_n * w_desc.block_type.shape[0]).to(gl.int32)
+
+    @gluon.jit
+    def _alloc_slots(a_desc, w_desc, STAGES: gl.constexpr):
+        """STAGES slots of an A and a W tile, and each slot's `ready` mbarrier (one arrival: the expect-tx)."""
+        a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES] + a_desc.block_type.shape, a_desc.layout)
+        w_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES] + w_desc.block_type.shape, w_desc.layout)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for s in gl.static_range(STAGES):
+            mbarrier.init(ready.index(s), count=1)
+        return a_bufs, w_bufs, ready
+
+    @gluon.jit
+    def _ws_producer(a_desc, w_desc, a_bufs, w_bufs, ready, empty, row0, w_row, K: gl.constexpr,
+                     STAGES: gl.constexpr):
+        """The load partition (one warp): K step t's A and W tiles into slot t % STAGES once both consumers
+        released the step t - STAGES it held (a fresh mbarrier's phase 1 counts as complete: the first pass
+        waits for nothing)."""
+        BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
+        for t in range(0, (K + BLOCK_K - 1) // BLOCK_K):
+            mbarrier.wait(empty.index(t % STAGES), ((t // STAGES) & 1) ^ 1)
+            _issue_load(a_desc, w_desc, a_bufs, w_bufs, ready, t, row0, w_row, True, STAGES, BLOCK_K)
+
+    @gluon.jit
+    def _ws_consumer(a_desc, w_desc, a_bufs, w_bufs, ready, empty, turns, as_ptr, ws_ptr, out_ptr, M, N, row0, row_end,
+                     e, pid_n, s_asm, s_asg, s_wse, s_wsn, s_wsk, s_om, K: gl.constexpr, GA: gl.constexpr,
+                     BO: gl.constexpr, BI: gl.constexpr, E8M0: gl.constexpr, STAGES: gl.constexpr, GROUP: gl.constexpr,
+                     SUB: gl.constexpr):
+        """Consumer warpgroup SUB (0: the default partition, 1: a worker) of a warp-specialised tile: its 64 rows,
+        or, when they all lie past the expert's end, only the slot releases the producer waits for (then consumer 0,
+        always live, takes no turns: pp)."""
+        BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
+        BLOCK_M: gl.constexpr = a_desc.block_type.shape[0] // 2
+        pp = row0 + BLOCK_M < row_end  # both consumers live
+        if row0 + SUB * BLOCK_M < row_end:
+            _mma_tile(a_desc, w_desc, a_bufs, w_bufs, (ready, empty, turns), pp, as_ptr, ws_ptr, out_ptr, M, N, row0,
+                      row_end, e, pid_n, s_asm, s_asg, s_wse, s_wsn, s_wsk, s_om, K, GA, BO, BI, E8M0, STAGES, GROUP,
+                      BLOCK_M, SUB, True, 4)
+        else:
+            for t in range(0, (K + BLOCK_K - 1) // BLOCK_K):
+                mbarrier.wait(ready.index(t % STAGES), (t // STAGES) & 1)
+                mbarrier.arrive(empty.index(t % STAGES), count=1)
 
     @gluon.jit
     def _grouped_gemm_fp8_gluon_kernel(a_desc, w_desc, as_ptr, ws_ptr, offs_ptr, out_ptr, M, N, E, n_tiles,
                                        s_asm, s_asg, s_wse, s_wsn, s_wsk, s_om,
                                        K: gl.constexpr, GA: gl.constexpr, BO: gl.constexpr, BI: gl.constexpr,
                                        E8M0: gl.constexpr, E_PAD: gl.constexpr, STAGES: gl.constexpr,
-                                       GROUP: gl.constexpr, num_warps: gl.constexpr):
+                                       GROUP: gl.constexpr, WS: gl.constexpr, num_warps: gl.constexpr):
+        """One output tile a program. WS: the warp-specialised kernel, a tile of 2 x 64 rows (a_desc's block), a
+        producer warp filling the slots and two consumer warpgroups (the default partition, num_warps == 4, and a
+        4-warp worker), one a half, sharing the W tile."""
         BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
         BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
-        BLOCK_N: gl.constexpr = w_desc.block_type.shape[0]
         KT: gl.constexpr = (K + BLOCK_K - 1) // BLOCK_K
-        pid = gl.program_id(0)
-        pid_m = pid // n_tiles  # output column tiles fastest, as variant "tma"
-        pid_n = pid % n_tiles
-        live, row0, row_end, e = _tile_of(pid_m, offs_ptr, E, E_PAD, BLOCK_M, num_warps)
+        live, row0, row_end, e, pid_n, w_row = _this_tile(offs_ptr, N, E, n_tiles, w_desc, E_PAD, BLOCK_M, num_warps)
         if live:
-            w_row = (e * N + pid_n * BLOCK_N).to(gl.int32)  # in W viewed as [E * N, K]
-            a_bufs = gl.allocate_shared_memory(a_desc.dtype, [STAGES, BLOCK_M, BLOCK_K], a_desc.layout)
-            w_bufs = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BLOCK_N, BLOCK_K], w_desc.layout)
-            ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-            for s in gl.static_range(STAGES):
-                mbarrier.init(ready.index(s), count=1)
-            for t in gl.static_range(STAGES):  # the first STAGES steps in flight
-                _issue_load(a_desc, w_desc, a_bufs, w_bufs, ready, t, row0, w_row, t < KT, STAGES, BLOCK_K)
-
-            # one warpgroup per 64 rows (BLOCK_M == 16 * num_warps), each MMA instruction the tile's full width
-            acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
-                                                            instr_shape=[16, BLOCK_N, 32])
-            rows = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_l))
-            col_l: gl.constexpr = gl.BlockedLayout([1], [32], [num_warps], [0])
-            cols = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=col_l)
-            rmask = (rows < row_end) & (rows < M)
-            nmask = cols < N
-            as_rows = as_ptr + rows.to(gl.int64) * s_asm
-            ws_cols = ws_ptr + e.to(gl.int64) * s_wse + (cols // BO) * s_wsn
-            zero = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, acc_l)
-            total = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, acc_l)
-
-            # K steps in groups of GROUP: within a group each step's MMA runs while the previous step's product
-            # is promoted; a group ends with no MMA in flight (ptxas serialises every wgmma of a loop whose
-            # back edge carries an MMA in flight that non-wgmma instructions read afterwards)
-            for j in range(0, KT // GROUP):
-                total = _group(a_desc, w_desc, a_bufs, w_bufs, ready, j * GROUP, GROUP, total, zero, row0, w_row,
-                               as_rows, ws_cols, rmask, nmask, s_asg, s_wsk, acc_l, K, GA, BI, E8M0, STAGES, BLOCK_K)
-            if KT % GROUP != 0:
-                total = _group(a_desc, w_desc, a_bufs, w_bufs, ready, KT - KT % GROUP, KT % GROUP, total, zero, row0,
-                               w_row, as_rows, ws_cols, rmask, nmask, s_asg, s_wsk, acc_l, K, GA, BI, E8M0, STAGES,
-                               BLOCK_K)
+            a_bufs, w_bufs, ready = _alloc_slots(a_desc, w_desc, STAGES)
+            if WS:
+                empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+                turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+                for s in gl.static_range(STAGES):
+                    mbarrier.init(empty.index(s), count=2)  # one arrival from each consumer
+                for s in gl.static_range(2):
+                    mbarrier.init(turns.index(s), count=1)
+                gl.warp_specialize([
+                    (_ws_consumer, (a_desc, w_desc, a_bufs, w_bufs, ready, empty, turns, as_ptr, ws_ptr, out_ptr, M, N,
+                                    row0, row_end, e, pid_n, s_asm, s_asg, s_wse, s_wsn, s_wsk, s_om, K, GA, BO, BI,
+                                    E8M0, STAGES, GROUP, 0)),
+                    (_ws_consumer, (a_desc, w_desc, a_bufs, w_bufs, ready, empty, turns, as_ptr, ws_ptr, out_ptr, M, N,
+                                    row0, row_end, e, pid_n, s_asm, s_asg, s_wse, s_wsn, s_wsk, s_om, K, GA, BO, BI,
+                                    E8M0, STAGES, GROUP, 1)),
+                    (_ws_producer, (a_desc, w_desc, a_bufs, w_bufs, ready, empty, row0, w_row, K, STAGES))],
+                    [4, 1], [WS_CONSUMER_REGS, WS_PRODUCER_REGS])
+                for s in gl.static_range(STAGES):
+                    mbarrier.invalidate(empty.index(s))
+                for s in gl.static_range(2):
+                    mbarrier.invalidate(turns.index(s))
+            else:
+                for t in gl.static_range(STAGES):  # the first STAGES steps in flight
+                    _issue_load(a_desc, w_desc, a_bufs, w_bufs, ready, t, row0, w_row, t < KT, STAGES, BLOCK_K)
+                _mma_tile(a_desc, w_desc, a_bufs, w_bufs, (ready, ready, ready), False, as_ptr, ws_ptr, out_ptr, M, N,
+                          row0, row_end, e, pid_n, s_asm, s_asg, s_wse, s_wsn, s_wsk, s_om, K, GA, BO, BI, E8M0, STAGES,
+                          GROUP, BLOCK_M, 0, False, num_warps)
             for s in gl.static_range(STAGES):
                 mbarrier.invalidate(ready.index(s))
 
-            # 16-byte bf16 stores along a row
-            out_l: gl.constexpr = gl.BlockedLayout([1, 8], [32 * 8 // BLOCK_N, BLOCK_N // 8], [num_warps, 1], [1, 0])
-            res = gl.convert_layout(total.to(gl.bfloat16), out_l)
-            orows = row0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, out_l))
-            ocols = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, out_l))
-            omask = gl.expand_dims((orows < row_end) & (orows < M), 1) & gl.expand_dims(ocols < N, 0)
-            gl.store(out_ptr + gl.expand_dims(orows.to(gl.int64) * s_om, 1) + gl.expand_dims(ocols, 0), res,
-                     mask=omask)
-
 
 _NEEDS = "grouped_gemm_fp8: variant 'gluon' needs"
+
+
+def _ws_shared(cfg: dict) -> int:
+    """Shared memory bytes the warp-specialised kernel takes at most: its operand slots (A tiles of both consumers'
+    rows, W tiles; e4m3), each consumer's bf16 tile staged for the store and 1 KiB for the mbarriers and the
+    partitions' arguments (an upper bound: sm_90 builds of 64 x 128 tiles at 4 and 6 stages take 147544 and 213112
+    bytes, of 64 x 64 tiles at 8 stages 213144)."""
+    bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
+    return cfg["num_stages"] * (2 * bm + bn) * BLOCK_K + 2 * bm * bn * 2 + 1024
 
 
 def _refuse(a, a_scale, w, w_scale, offs, group, block, cfg) -> None:
@@ -273,12 +405,21 @@ def _refuse(a, a_scale, w, w_scale, offs, group, block, cfg) -> None:
         raise ValueError(f"{_NEEDS} num_stages >= 2, got num_stages {st}")
     if cfg["group_steps"] < 1:
         raise ValueError(f"{_NEEDS} group_steps >= 1, got group_steps {cfg['group_steps']}")
+    if cfg["ws"] not in (False, True):
+        raise ValueError(f"{_NEEDS} ws True or False, got ws {cfg['ws']!r}")
+    if cfg["ws"] and (nw != 4 or bn > 128):
+        raise ValueError(f"{_NEEDS} with ws=True consumer warpgroups of 64 rows (BLOCK_M 64, num_warps 4) and "
+                         f"BLOCK_N <= 128 (their accumulators' registers), got BLOCK_M {bm}, num_warps {nw}, "
+                         f"BLOCK_N {bn}")
+    if cfg["ws"] and _ws_shared(cfg) > SM90_MAX_SHARED:
+        raise ValueError(f"{_NEEDS} with ws=True num_stages x (2 x BLOCK_M + BLOCK_N) x {BLOCK_K} bytes of slots "
+                         f"and the stores' staging within {SM90_MAX_SHARED} bytes, got num_stages {st}, BLOCK_N {bn}")
 
 
 def launch(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, offs: torch.Tensor,
            group: int = 128, block: tuple[int, int] = (1, 128), **tiles) -> torch.Tensor:
     """out [M, N] bf16 (rows past offs[-1] unwritten) for inputs that grouped_gemm_fp8._check accepted.
-    `tiles`: BLOCK_M / BLOCK_N / num_warps / num_stages / group_steps over default_config's (BLOCK_K is 128;
+    `tiles`: BLOCK_M / BLOCK_N / num_warps / num_stages / group_steps / ws over default_config's (BLOCK_K is 128;
     None values are ignored). Raises ValueError for inputs or tiles this kernel does not take."""
     cfg = default_config()
     bk = tiles.pop("BLOCK_K", None)
@@ -296,7 +437,7 @@ def launch(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: tor
         return out
     e8m0 = w_scale.dtype in E8M0_DTYPES
     ws = w_scale.view(torch.uint8) if e8m0 else w_scale
-    bm, bn = cfg["BLOCK_M"], cfg["BLOCK_N"]
+    bm, bn = cfg["BLOCK_M"] * (2 if cfg["ws"] else 1), cfg["BLOCK_N"]  # ws: a tile is both consumers' rows
     a_desc = GluonTensorDescriptor(a, [M, K], [a.stride(0), 1], [bm, BLOCK_K],
                                    gl.NVMMASharedLayout.get_default_for([bm, BLOCK_K], gl.float8e4nv))
     w_desc = GluonTensorDescriptor(w, [E * N, K], [w.stride(1), 1], [bn, BLOCK_K],
@@ -307,5 +448,5 @@ def launch(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: tor
         a_desc, w_desc, a_scale, ws, offs, out, M, N, E, n_tiles,
         a_scale.stride(0), a_scale.stride(1), ws.stride(0), ws.stride(1), ws.stride(2), out.stride(0),
         K=K, GA=group, BO=block[0], BI=block[1], E8M0=e8m0, E_PAD=max(32 * cfg["num_warps"], triton.next_power_of_2(E)),
-        STAGES=cfg["num_stages"], GROUP=cfg["group_steps"], num_warps=cfg["num_warps"])
+        STAGES=cfg["num_stages"], GROUP=cfg["group_steps"], WS=cfg["ws"], num_warps=cfg["num_warps"])
     return out

@@ -1,8 +1,9 @@
 """Variant "gluon" of the grouped FP8 GEMM (kernels/grouped_gemm_fp8_gluon.py).
 
-On the CPU: the kernel built ahead of time for sm_90 at V4's routed-expert shapes, and what its PTX shows
-(async wgmma, `wgmma.wait_group 1` inside the K loop, no spills, no wgmma serialisation by ptxas, shared
-memory within the H200's limit); the refusals. On the GPU: against `reference` on ragged expert offsets and
+On the CPU: the kernels (the default and the warp-specialised one, ws=True) built ahead of time for sm_90 at V4's
+routed-expert shapes, and what their PTX shows (async wgmma, `wgmma.wait_group 1` inside the K loops, no spills,
+no wgmma serialisation by ptxas, shared memory within the H200's limit; ws: a producer partition and two consumer
+K loops, registers reallocated between them); the refusals. On the GPU: against `reference` on ragged expert offsets and
 in a CUDA graph with new offsets.
 
 Gluon has no interpreter in Triton 3.6, so the values are checked on the GPU only."""
@@ -29,7 +30,7 @@ from test_grouped_gemm_fp8 import make_case, rel_err  # noqa: E402
 
 from deepinfer.kernels import grouped_gemm_fp8 as g8  # noqa: E402
 
-SM90_MAX_SHARED = 227 * 1024  # dynamic shared memory one block may take on H100 / H200
+SM90_MAX_SHARED = ggl.SM90_MAX_SHARED  # dynamic shared memory one block may take on H100 / H200
 E4 = torch.float8_e4m3fn
 SHAPES = {"w1": (2048, 4096), "w2": (4096, 2048)}  # V4's routed experts: w1 / w3 and w2 (N, K)
 EXPERTS, ROWS = 256, 8192 * 6                      # 8192 tokens x top-6
@@ -42,11 +43,15 @@ def _recorded(**kw):
 
     def fake(self, *args, grid, warmup, **kwargs):
         got.append((self, {**dict(zip(self.arg_names, args)), **kwargs}))
-    real, GluonJITFunction.run = GluonJITFunction.run, fake
+    own = GluonJITFunction.__dict__.get("run")  # None: inherited from JITFunction, which sm90.record patches
+    GluonJITFunction.run = fake
     try:
         g8._launch(**kw, variant="gluon")
     finally:
-        GluonJITFunction.run = real
+        if own is None:
+            del GluonJITFunction.run
+        else:
+            GluonJITFunction.run = own
     (fn, bound), = got
     return fn, bound
 
@@ -93,9 +98,11 @@ def ptxas_log(ptx: str) -> str:
 
 
 def loop_bodies(ptx: str) -> list[str]:
-    """The PTX of each loop: from a block LLVM marks as a loop header to the branch back to it."""
+    """The PTX of each innermost loop: from a block LLVM marks as an inner loop header (at any depth: a
+    warp-specialised worker's loops sit inside its partition's dispatch loop) to the branch back to it."""
     bodies = []
-    for m in re.finditer(r"^(\$L__BB\d+_\d+):\s*// =>This Inner Loop Header", ptx, re.M):
+    for m in re.finditer(r"^(\$L__BB\d+_\d+):(?:\s*//[^\n]*Parent Loop[^\n]*)*\s*// =>\s*This Inner Loop Header",
+                         ptx, re.M):
         end = re.search(rf"bra(?:\.uni)?\s+{re.escape(m.group(1))};", ptx[m.end():])
         assert end is not None, f"no back edge to {m.group(1)}"
         bodies.append(ptx[m.start():m.end() + end.end()])
@@ -147,6 +154,50 @@ def test_larger_tiles_build_for_sm90():
     assert kernel.metadata.shared <= SM90_MAX_SHARED
 
 
+@pytest.mark.parametrize("shape,scales", [("w1", "e8m0"), ("w2", "e8m0"), ("w1", "fp32")])
+def test_ws_sm90_build_has_a_producer_and_two_consumers(shape, scales):
+    """ws=True at V4's expert shapes: a warp-specialised region of the default partition (consumer 0) and two
+    workers (consumer 1: 4 warps, the producer: 1 warp) with registers reallocated (setmaxnreg 232 / 40); each
+    consumer's K loop keeps one wgmma group in flight while promoting and releases slots by mbarrier arrivals;
+    ptxas keeps the wgmma asynchronous (no C7514), no spills; 2 x 64-row A and 128-row W tiles in 4 slots, the
+    whole within one H200 block's shared memory and _ws_shared's bound."""
+    fn, bound = _expert_launch(shape, scales, ws=True)
+    assert bound["WS"] is True
+    assert bound["a_desc"].block_shape == [128, 128] and bound["w_desc"].block_shape == [128, 128]
+    kernel = compile_sm90(fn, bound)
+    ttgir, ptx = kernel.asm["ttgir"], kernel.asm["ptx"]
+    assert ttgir.count("ttg.warp_specialize(") == 1
+    assert "requestedRegisters = array<i32: 232, 40>" in ttgir
+    assert re.search(r"partition0\(.*\) num_warps\(4\)", ttgir) and re.search(r"partition1\(.*\) num_warps\(1\)", ttgir)
+    assert ".reqntid 384" in ptx  # three warpgroups: consumer 0, consumer 1, the producer's (1 warp working)
+    assert "setmaxnreg.inc.sync.aligned.u32 \t232" in ptx and "setmaxnreg.dec.sync.aligned.u32 \t40" in ptx
+    consumers = [body for body in loop_bodies(ptx) if "wgmma.mma_async" in body]
+    assert len(consumers) == 2, f"{len(consumers)} K loops issue wgmma"
+    for body in consumers:
+        waits = [int(n) for n in re.findall(r"wgmma\.wait_group\.sync\.aligned\s+(\d+)", body)]
+        assert waits == [1, 1, 0], waits  # groups of 3: two of three promotions beside an MMA
+        assert "mbarrier.arrive" in body and "mbarrier.try_wait" in body  # releases slots, waits for data / turns
+    log = ptxas_log(ptx)
+    assert "C7514" not in log and "serialized" not in log, log
+    assert re.search(r"\b0 bytes spill stores, 0 bytes spill loads", log), log
+    assert 4 * (128 + 128) * 128 <= kernel.metadata.shared <= ggl._ws_shared({**ggl.default_config(), "ws": True})
+    assert kernel.metadata.shared <= SM90_MAX_SHARED
+    assert ttgir.count("ttng.async_tma_copy_global_to_local") == 2  # in the producer only: A and W of a step
+
+
+@pytest.mark.parametrize("tiles", [dict(num_stages=6), dict(group_steps=1), dict(BLOCK_N=64, num_stages=8)])
+def test_ws_variants_build_for_sm90(tiles):
+    """The ws tiles fp8_gemm_bench times: within _ws_shared's bound and one block's shared memory, no spills,
+    wgmma kept asynchronous; group_steps=1 waits every MMA to zero in both consumers (the no-overlap baseline)."""
+    cfg = {**ggl.default_config(), "ws": True, **tiles}
+    kernel = compile_sm90(*_expert_launch("w1", ws=True, **tiles))
+    assert kernel.metadata.shared <= ggl._ws_shared(cfg) <= SM90_MAX_SHARED
+    log = ptxas_log(kernel.asm["ptx"])
+    assert "C7514" not in log and re.search(r"\b0 bytes spill stores", log), log
+    if cfg["group_steps"] == 1:
+        assert k_loop_waits(kernel.asm["ptx"]) == [[0], [0]]
+
+
 # ---------------------------------------------------------------- CPU: refusals
 
 
@@ -172,6 +223,14 @@ def test_refusals_name_the_field(monkeypatch):
         run(split_k=2)
     with pytest.raises(ValueError, match="programs"):
         run(programs=132)
+    with pytest.raises(ValueError, match="ws True or False"):
+        run(ws="yes")
+    with pytest.raises(ValueError, match=r"ws=True .*num_warps 8"):
+        run(ws=True, BLOCK_M=128, num_warps=8)
+    with pytest.raises(ValueError, match=r"ws=True .*BLOCK_N 256"):
+        run(ws=True, BLOCK_N=256)
+    with pytest.raises(ValueError, match=r"ws=True .*num_stages 7"):
+        run(ws=True, num_stages=7)
     with pytest.raises(ValueError, match="a_scale"):
         run(a_scale=s.to(torch.bfloat16))
     with pytest.raises(ValueError, match="offs"):
@@ -193,7 +252,9 @@ def test_refusals_name_the_field(monkeypatch):
 # ---------------------------------------------------------------- GPU only
 
 GPU_TILES = [{}, dict(BLOCK_M=64, num_warps=4), dict(group_steps=1), dict(group_steps=2), dict(group_steps=4),
-             dict(num_stages=3)]
+             dict(num_stages=3), dict(ws=True), dict(ws=True, group_steps=1), dict(ws=True, num_stages=6),
+             dict(ws=True, BLOCK_N=64, num_stages=8)]
+WS = [dict(), dict(ws=True)]  # the default kernel and the warp-specialised one
 
 
 @pytest.mark.gpu
@@ -220,14 +281,17 @@ def test_prefill_shape_matches_the_reference_on_gpu(N, K, tiles):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("tiles", WS)
 @pytest.mark.parametrize("counts,N,K,block,scales", [
     ([300, 0, 500, 224], 1024, 2048, (1, 128), "e8m0"),     # empty expert, tiles crossing experts' ends
     ([1, 0, 129, 0, 7], 384, 640, (128, 128), "fp32"),      # fp32 (128, 128) blocks; K 640: 5 steps (odd)
     ([64, 3], 200, 384, (1, 128), "e8m0"),                  # N not a multiple of BLOCK_N
 ])
-def test_ragged_cases_match_the_reference_on_gpu(counts, N, K, block, scales):
+def test_ragged_cases_match_the_reference_on_gpu(counts, N, K, block, scales, tiles):
+    """ws: tiles whose second 64 rows lie past their expert's end (1, 7, 64 and 3 rows; consumer 1 only releases the
+    slots) beside tiles of two live halves."""
     _, q, s, w, ws, offs = make_case(counts, N, K, block=block, scale_dtype=scales, extra_rows=5, device="cuda")
-    out = g8.grouped_gemm_fp8(q, s, w, ws, offs, block=block, variant="gluon")
+    out = g8.grouped_gemm_fp8(q, s, w, ws, offs, block=block, variant="gluon", **tiles)
     want = g8.reference(q, s, w, ws, offs, block=block)
     n = sum(counts)
     assert rel_err(out[:n], want[:n]) < 4e-3
@@ -235,12 +299,13 @@ def test_ragged_cases_match_the_reference_on_gpu(counts, N, K, block, scales):
 
 
 @pytest.mark.gpu
-def test_replays_in_a_cuda_graph_with_new_offsets():
+@pytest.mark.parametrize("tiles", WS)
+def test_replays_in_a_cuda_graph_with_new_offsets(tiles):
     x, q, s, w, ws, offs = make_case([300, 0, 500, 224], 1024, 2048, device="cuda")
-    g8.grouped_gemm_fp8(q, s, w, ws, offs, variant="gluon")  # compile outside the capture
+    g8.grouped_gemm_fp8(q, s, w, ws, offs, variant="gluon", **tiles)  # compile outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = g8.grouped_gemm_fp8(q, s, w, ws, offs, variant="gluon")
+        out = g8.grouped_gemm_fp8(q, s, w, ws, offs, variant="gluon", **tiles)
     for counts in ([1024, 0, 0, 0], [0, 0, 0, 1024], [100, 700, 24, 200]):
         offs.copy_(torch.tensor(counts, device="cuda").cumsum(0))
         graph.replay()

@@ -21,7 +21,8 @@ def test_gluon_rows_launch_variant_gluon_with_their_tiles(monkeypatch):
     paths = bench.gluon_paths(q, qs, codes, s128, offs)
     assert set(paths) == set(bench.GLUON_PATHS) == {"w8a8-gemm-gluon", "w8a8-gemm-gluon-m128", "w8a8-gemm-gluon-s3",
                                                     "w8a8-gemm-gluon-s6", "w8a8-gemm-gluon-g2",
-                                                    "w8a8-gemm-gluon-serial"}
+                                                    "w8a8-gemm-gluon-ws", "w8a8-gemm-gluon-ws-g1",
+                                                    "w8a8-gemm-gluon-ws-s6", "w8a8-gemm-gluon-serial"}
     assert set(paths) <= set(bench.MEASURED_PATHS)  # summed per layer, with their ratio to bf16
     for name, fn in paths.items():
         fn()
@@ -45,8 +46,10 @@ def test_gluon_rows_tiles_are_taken_by_the_launcher(monkeypatch):
     for name, tiles in GLUON_PATHS.items():
         fn, bound = _expert_launch("w2", **tiles)
         cfg = {**ggl.default_config(), **tiles}
-        assert fn.__name__ == "_grouped_gemm_fp8_gluon_kernel", name
-        assert bound["a_desc"].block_shape == [cfg["BLOCK_M"], ggl.BLOCK_K], name
+        ws = cfg["ws"]  # the warp-specialised kernel: a tile is its two consumers' BLOCK_M rows
+        assert fn.__name__ == "_grouped_gemm_fp8_gluon_kernel" and bound["WS"] == ws, name
+        assert ws == name.startswith("w8a8-gemm-gluon-ws"), name
+        assert bound["a_desc"].block_shape == [cfg["BLOCK_M"] * (1 + ws), ggl.BLOCK_K], name
         assert bound["w_desc"].block_shape == [cfg["BLOCK_N"], ggl.BLOCK_K], name
         assert (bound["num_warps"], bound["STAGES"], bound["GROUP"]) == (
             cfg["num_warps"], cfg["num_stages"], cfg["group_steps"]), name
