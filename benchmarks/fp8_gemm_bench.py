@@ -31,10 +31,11 @@ uniform at random. Weights are FP4-origin FP8 codes as layers/moe.py holds them;
                 (kernels/grouped_gemm_fp8_gluon.py: a K step's wgmma in flight while the previous product is
                 scaled; the MoE layer's path at prefill sizes): default tiles, 128-row tiles, 3 / 6 stages, K steps
                 in groups of 2, and no overlap.
-  w8a8-gemm-gluon-ws, -ws-g1, -ws-s6  (CUDA) the same through variant "gluon"'s warp-specialised kernel (ws=True:
-                a TMA producer warp and two ping-pong consumer warpgroups of 64 rows sharing a 128-column W tile):
-                its default (4 stages, K steps in groups of 3), no overlap within a consumer (group_steps=1: only the
-                other consumer's promotion beside an MMA) and 6 stages.
+  w8a8-gemm-gluon-ws, -ws-g1, -ws-s6, -ws-persistent, -ws-persistent-g1  (CUDA) the same through variant
+                "gluon"'s warp-specialised kernel (ws=True: a TMA producer warp and two ping-pong consumer warpgroups
+                of 64 rows sharing a 128-column W tile): its default (4 stages, K steps in groups of 3), no overlap
+                within a consumer (group_steps=1: only the other consumer's promotion beside an MMA), 6 stages, and
+                persistent (one program an SM) with groups of 3 and of 1.
   w4a8          act_quant + kernels/grouped_gemm_fp8.py on the same experts as shipped: packed FP4 bytes
                 [E, N, K/2] with their (1, 32) E8M0 scales (half the weight bytes of the FP8 codes); w4a8-gemm the
                 GEMM alone; w4a8-gemm-plain the GEMM with the plain Triton nibble conversion instead of the PTX one;
@@ -201,17 +202,20 @@ EXPERT_PATHS = ("bf16", "w8a16", "w8a16-folded", "w8a8", "w8a8-gemm")
 # (the gluon rows: variant "gluon" of grouped_gemm_fp8, sm_90 only, timed on CUDA only: gluon_paths)
 MEASURED_PATHS = ("w8a8-gemm-tma", "w8a8-gemm-tma-persistent", "w8a8-gemm-gluon", "w8a8-gemm-gluon-m128",
                   "w8a8-gemm-gluon-s3", "w8a8-gemm-gluon-s6", "w8a8-gemm-gluon-g2", "w8a8-gemm-gluon-ws",
-                  "w8a8-gemm-gluon-ws-g1", "w8a8-gemm-gluon-ws-s6", "w8a8-gemm-gluon-serial", "cublas-loop",
-                  "cublas-graph")
+                  "w8a8-gemm-gluon-ws-g1", "w8a8-gemm-gluon-ws-s6", "w8a8-gemm-gluon-ws-persistent",
+                  "w8a8-gemm-gluon-ws-persistent-g1", "w8a8-gemm-gluon-serial", "cublas-loop", "cublas-graph")
 # variant "gluon" (kernels/grouped_gemm_fp8_gluon.py): its default tiles (64 x 128, one warpgroup, 4 stages, K steps
 # in groups of 3: two of three promotions overlap the next wgmma), 128-row tiles of two warpgroups, 3 / 6 stages,
-# groups of 2, the warp-specialised kernel (ws=True: its default, group_steps=1, 6 stages) and the default kernel
-# with no overlap (group_steps=1: wait 0 after every step), the A/B for the overlap
+# groups of 2, the warp-specialised kernel (ws=True: its default, group_steps=1, 6 stages; persistent, groups of 3
+# and 1) and the default kernel with no overlap (group_steps=1: wait 0 after every step), the A/B for the overlap
 GLUON_PATHS = {"w8a8-gemm-gluon": {}, "w8a8-gemm-gluon-m128": dict(BLOCK_M=128, num_warps=8),
                "w8a8-gemm-gluon-s3": dict(num_stages=3), "w8a8-gemm-gluon-s6": dict(num_stages=6),
                "w8a8-gemm-gluon-g2": dict(group_steps=2), "w8a8-gemm-gluon-ws": dict(ws=True),
                "w8a8-gemm-gluon-ws-g1": dict(ws=True, group_steps=1),
-               "w8a8-gemm-gluon-ws-s6": dict(ws=True, num_stages=6), "w8a8-gemm-gluon-serial": dict(group_steps=1)}
+               "w8a8-gemm-gluon-ws-s6": dict(ws=True, num_stages=6),
+               "w8a8-gemm-gluon-ws-persistent": dict(ws=True, persistent=True),
+               "w8a8-gemm-gluon-ws-persistent-g1": dict(ws=True, persistent=True, group_steps=1),
+               "w8a8-gemm-gluon-serial": dict(group_steps=1)}
 # --sweep: grouped_gemm_fp8 tile choices and opt-in variants timed beside its default (path "w8a8-gemm", `config`
 # and `variant` set; programs_per_sm: variant "tma" on a persistent grid of that many programs per SM). None of
 # them spills registers when compiled for sm_90 at these shapes (benchmarks/sm90_kernel_resources.py; results

@@ -48,7 +48,11 @@ Warp-specialised kernel (tile option ws=True; not the default until measured), i
     step t, so one's promotion runs while the other's MMA does. A consumer whose rows all lie past the expert's end
     only releases the slots (and the other takes no turns).
 Each consumer stores its own rows. No MMA is in flight across a loop's back edge here either (sm_90 builds: no
-C7514, no spills at group_steps <= 3).
+C7514, no spills at group_steps <= 3). persistent=True (with ws=True): one program an SM, each taking tiles pid,
+pid + programs, ... (every partition walks the same list through the tile -> expert map; slot and turn phases
+count on across tiles), so that the producer loads a tile's first steps while the consumers finish the previous
+one (one CTA an SM otherwise leaves each tile's pipeline fill and store exposed: 384 threads x 168 registers).
+Its sm_90 build at group_steps 3 spills a few per-tile scalars (56 bytes; none at group_steps 1).
 """
 from __future__ import annotations
 
@@ -68,6 +72,7 @@ except ImportError:  # a Triton without Gluon (< 3.5) or a CPU-only install
 BLOCK_K = 128  # one activation scale group and one weight scale block per K step
 E8M0_DTYPES = (torch.float8_e8m0fnu, torch.uint8)  # weight scales as exponent bytes
 SM90_MAX_SHARED = 227 * 1024  # dynamic shared memory one block may take on H100 / H200
+SM90_SMS = 132  # an H100 SXM's / H200's SMs: the persistent grid of a launch recorded without a device
 
 
 def available() -> bool:
@@ -82,8 +87,9 @@ def default_config() -> dict:
     tiles of two warpgroups and of variant "tma" (benchmarks/NOTES.md, "2026-12-02, third session"). sm_90 builds:
     no spills, no wgmma serialisation; group_steps 4 spills.
     ws=True selects the warp-specialised kernel (a producer warp and two consumer warpgroups of BLOCK_M rows each,
-    tiles of 2 x BLOCK_M rows; see the module docstring); not measured yet, so off."""
-    return dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=4, group_steps=3, ws=False)
+    tiles of 2 x BLOCK_M rows; see the module docstring), persistent=True (ws only) runs it on one program an SM,
+    each taking every SMs-th tile; neither measured yet, so off."""
+    return dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=4, group_steps=3, ws=False, persistent=False)
 
 
 def takes(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, group: int,
@@ -128,44 +134,49 @@ if gluon is not None:
         return live, row0, row_end, e
 
     @gluon.jit
-    def _issue_load(a_desc, w_desc, a_bufs, w_bufs, ready, t, row0, w_row, pred,
+    def _issue_load(a_desc, w_desc, a_bufs, w_bufs, ready, c, t, row0, w_row, pred,
                     STAGES: gl.constexpr, BLOCK_K: gl.constexpr):
-        """TMA loads of K step t's A and W tiles into slot t % STAGES (skipped when pred is false)."""
-        s = t % STAGES
+        """TMA loads of K step t's A and W tiles into slot c % STAGES (c: the program's count of steps loaded
+        before, over its tiles; skipped when pred is false)."""
+        s = c % STAGES
         bar = ready.index(s)
         mbarrier.expect(bar, a_desc.block_type.nbytes + w_desc.block_type.nbytes, pred=pred)
         tma.async_copy_global_to_shared(a_desc, [row0, t * BLOCK_K], bar, a_bufs.index(s), pred=pred)
         tma.async_copy_global_to_shared(w_desc, [w_row, t * BLOCK_K], bar, w_bufs.index(s), pred=pred)
 
     @gluon.jit
-    def _issue_mma(a_bufs, w_bufs, bars, t, zero, pp, SUB: gl.constexpr, STAGES: gl.constexpr, WS: gl.constexpr):
-        """Wait for K step t's operands, then its async MMA into a fresh accumulator. Warp-specialised (bars: ready,
-        empty, turns): the MMA reads rows SUB * 64 .. of the slot's A tile, and, while both consumers are live (pp),
-        consumer SUB issues step t after the other issued step t - (SUB == 0): the two alternate on the tensor
-        cores, so that one's promotion runs while the other's MMA does (turn SUB completes once a step)."""
-        s = t % STAGES
-        mbarrier.wait(bars[0].index(s), (t // STAGES) & 1)
+    def _issue_mma(a_bufs, w_bufs, bars, ctr, t, zero, SUB: gl.constexpr, STAGES: gl.constexpr, WS: gl.constexpr):
+        """Wait for K step t's operands (in slot c % STAGES, c = ctr[0] + t: ctr[0] steps of earlier tiles), then its
+        async MMA into a fresh accumulator. Warp-specialised (bars: ready, empty, turns): the MMA reads rows SUB * 64
+        .. of the slot's A tile, and, while both consumers are live (ctr[2]), consumer SUB issues step t after the
+        other issued step t - (SUB == 0): the two alternate on the tensor cores, so that one's promotion runs while
+        the other's MMA does (turn SUB completes once a step: ctr[1] + t turns before)."""
+        c = ctr[0] + t
+        s = c % STAGES
+        mbarrier.wait(bars[0].index(s), (c // STAGES) & 1)
         a = a_bufs.index(s)
         if WS:
             a = a.slice(SUB * zero.shape[0], zero.shape[0])
-            mbarrier.wait(bars[2].index(SUB), (t & 1) ^ (1 - SUB), pred=pp)  # a fresh barrier's parity 1: done
+            mbarrier.wait(bars[2].index(SUB), ((ctr[1] + t) & 1) ^ (1 - SUB), pred=ctr[2])  # fresh: parity 1 done
         mma = warpgroup_mma(a, w_bufs.index(s).permute((1, 0)), zero, use_acc=False, is_async=True)
         if WS:
-            mbarrier.arrive(bars[2].index(1 - SUB), count=1, pred=pp)
+            mbarrier.arrive(bars[2].index(1 - SUB), count=1, pred=ctr[2])
         return mma
 
     @gluon.jit
-    def _release(a_desc, w_desc, a_bufs, w_bufs, bars, t, row0, w_row, K: gl.constexpr, STAGES: gl.constexpr,
+    def _release(a_desc, w_desc, a_bufs, w_bufs, bars, ctr, t, row0, w_row, K: gl.constexpr, STAGES: gl.constexpr,
                  BLOCK_K: gl.constexpr, WS: gl.constexpr):
-        """K step t's MMA completed in this warpgroup: its slot is free for step t + STAGES. Warp-specialised: an
-        arrival on the slot's empty barrier (the producer waits for both consumers'); otherwise a CTA barrier (both
-        warpgroups done with it) and the refill."""
+        """K step t's MMA completed in this warpgroup: its slot is free for the step STAGES later. Warp-specialised:
+        an arrival on the slot's empty barrier (the producer waits for both consumers'); otherwise a CTA barrier
+        (both warpgroups done with it) and the refill with step t + STAGES."""
+        c = ctr[0] + t
         if WS:
-            mbarrier.arrive(bars[1].index(t % STAGES), count=1)
+            mbarrier.arrive(bars[1].index(c % STAGES), count=1)
         else:
             gl.thread_barrier()
             nxt = t + STAGES
-            _issue_load(a_desc, w_desc, a_bufs, w_bufs, bars[0], nxt, row0, w_row, nxt * BLOCK_K < K, STAGES, BLOCK_K)
+            _issue_load(a_desc, w_desc, a_bufs, w_bufs, bars[0], c + STAGES, nxt, row0, w_row, nxt * BLOCK_K < K,
+                        STAGES, BLOCK_K)
 
     @gluon.jit
     def _load_scales(as_rows, ws_cols, t, rmask, nmask, s_asg, s_wsk, GA: gl.constexpr, BI: gl.constexpr,
@@ -189,36 +200,36 @@ if gluon is not None:
         return gl.fma(prod * gl.expand_dims(w_s, 0), gl.expand_dims(a_s, 1), total)
 
     @gluon.jit
-    def _step(a_desc, w_desc, a_bufs, w_bufs, bars, pp, t, prev, total, zero, row0, w_row, as_rows, ws_cols, rmask,
+    def _step(a_desc, w_desc, a_bufs, w_bufs, bars, ctr, t, prev, total, zero, row0, w_row, as_rows, ws_cols, rmask,
               nmask, s_asg, s_wsk, acc_l: gl.constexpr, K: gl.constexpr, GA: gl.constexpr, BI: gl.constexpr,
               E8M0: gl.constexpr, STAGES: gl.constexpr, BLOCK_K: gl.constexpr, SUB: gl.constexpr, WS: gl.constexpr):
         """K step t (>= 1) with step t - 1's MMA `prev` in flight: issue step t's MMA, wait for step t - 1's,
         release its slot and add its product, scaled, to `total`. Returns (step t's MMA in flight, total)."""
-        cur = _issue_mma(a_bufs, w_bufs, bars, t, zero, pp, SUB, STAGES, WS)
+        cur = _issue_mma(a_bufs, w_bufs, bars, ctr, t, zero, SUB, STAGES, WS)
         a_s, w_s = _load_scales(as_rows, ws_cols, t - 1, rmask, nmask, s_asg, s_wsk, GA, BI, E8M0, BLOCK_K)
         prod = warpgroup_mma_wait(1, deps=(prev,))  # step t - 1 done, step t in flight
-        _release(a_desc, w_desc, a_bufs, w_bufs, bars, t - 1, row0, w_row, K, STAGES, BLOCK_K, WS)
+        _release(a_desc, w_desc, a_bufs, w_bufs, bars, ctr, t - 1, row0, w_row, K, STAGES, BLOCK_K, WS)
         return cur, _promote(total, prod, a_s, w_s, acc_l)
 
     @gluon.jit
-    def _group(a_desc, w_desc, a_bufs, w_bufs, bars, pp, t0, n: gl.constexpr, total, zero, row0, w_row, as_rows,
+    def _group(a_desc, w_desc, a_bufs, w_bufs, bars, ctr, t0, n: gl.constexpr, total, zero, row0, w_row, as_rows,
                ws_cols, rmask, nmask, s_asg, s_wsk, acc_l: gl.constexpr, K: gl.constexpr, GA: gl.constexpr,
                BI: gl.constexpr, E8M0: gl.constexpr, STAGES: gl.constexpr, BLOCK_K: gl.constexpr, SUB: gl.constexpr,
                WS: gl.constexpr):
         """K steps t0 .. t0 + n - 1, no MMA in flight before or after; returns the total with their products."""
-        prev = _issue_mma(a_bufs, w_bufs, bars, t0, zero, pp, SUB, STAGES, WS)
+        prev = _issue_mma(a_bufs, w_bufs, bars, ctr, t0, zero, SUB, STAGES, WS)
         for u in gl.static_range(1, n):
-            prev, total = _step(a_desc, w_desc, a_bufs, w_bufs, bars, pp, t0 + u, prev, total, zero, row0, w_row,
+            prev, total = _step(a_desc, w_desc, a_bufs, w_bufs, bars, ctr, t0 + u, prev, total, zero, row0, w_row,
                                 as_rows, ws_cols, rmask, nmask, s_asg, s_wsk, acc_l, K, GA, BI, E8M0, STAGES, BLOCK_K,
                                 SUB, WS)
         t = t0 + n - 1
         a_s, w_s = _load_scales(as_rows, ws_cols, t, rmask, nmask, s_asg, s_wsk, GA, BI, E8M0, BLOCK_K)
         prod = warpgroup_mma_wait(0, deps=(prev,))
-        _release(a_desc, w_desc, a_bufs, w_bufs, bars, t, row0, w_row, K, STAGES, BLOCK_K, WS)
+        _release(a_desc, w_desc, a_bufs, w_bufs, bars, ctr, t, row0, w_row, K, STAGES, BLOCK_K, WS)
         return _promote(total, prod, a_s, w_s, acc_l)
 
     @gluon.jit
-    def _mma_tile(a_desc, w_desc, a_bufs, w_bufs, bars, pp, as_ptr, ws_ptr, out_ptr, M, N, row0, row_end, e, pid_n,
+    def _mma_tile(a_desc, w_desc, a_bufs, w_bufs, bars, ctr, as_ptr, ws_ptr, out_ptr, M, N, row0, row_end, e, pid_n,
                   s_asm, s_asg, s_wse, s_wsn, s_wsk, s_om, K: gl.constexpr, GA: gl.constexpr, BO: gl.constexpr,
                   BI: gl.constexpr, E8M0: gl.constexpr, STAGES: gl.constexpr, GROUP: gl.constexpr,
                   BLOCK_M: gl.constexpr, SUB: gl.constexpr, WS: gl.constexpr, num_warps: gl.constexpr):
@@ -246,11 +257,11 @@ if gluon is not None:
         # promoted; a group ends with no MMA in flight (ptxas serialises every wgmma of a loop whose back edge
         # carries an MMA in flight that non-wgmma instructions read afterwards)
         for j in range(0, KT // GROUP):
-            total = _group(a_desc, w_desc, a_bufs, w_bufs, bars, pp, j * GROUP, GROUP, total, zero, row0, w_row,
+            total = _group(a_desc, w_desc, a_bufs, w_bufs, bars, ctr, j * GROUP, GROUP, total, zero, row0, w_row,
                            as_rows, ws_cols, rmask, nmask, s_asg, s_wsk, acc_l, K, GA, BI, E8M0, STAGES, BLOCK_K, SUB,
                            WS)
         if KT % GROUP != 0:
-            total = _group(a_desc, w_desc, a_bufs, w_bufs, bars, pp, KT - KT % GROUP, KT % GROUP, total, zero,
+            total = _group(a_desc, w_desc, a_bufs, w_bufs, bars, ctr, KT - KT % GROUP, KT % GROUP, total, zero,
                            row0, w_row, as_rows, ws_cols, rmask, nmask, s_asg, s_wsk, acc_l, K, GA, BI, E8M0, STAGES,
                            BLOCK_K, SUB, WS)
 
@@ -263,13 +274,12 @@ if gluon is not None:
         gl.store(out_ptr + gl.expand_dims(orows.to(gl.int64) * s_om, 1) + gl.expand_dims(ocols, 0), res, mask=omask)
 
     @gluon.jit
-    def _this_tile(offs_ptr, N, E, n_tiles, w_desc, E_PAD: gl.constexpr, BLOCK_M: gl.constexpr,
+    def _this_tile(tile, offs_ptr, N, E, n_tiles, w_desc, E_PAD: gl.constexpr, BLOCK_M: gl.constexpr,
                    num_warps: gl.constexpr):
-        """This program's tile (output column tiles fastest, as variant "tma"): (live, row0, row_end, e, pid_n, and
-        the tile's first row in W viewed as [E * N, K])."""
-        pid = gl.program_id(0)
-        live, row0, row_end, e = _tile_of(pid // n_tiles, offs_ptr, E, E_PAD, BLOCK_M, num_warps)
-        pid_n = pid % n_tiles
+        """Output tile `tile` (column tiles fastest, as variant "tma"): (live, row0, row_end, e, pid_n, and the
+        tile's first row in W viewed as [E * N, K])."""
+        live, row0, row_end, e = _tile_of(tile // n_tiles, offs_ptr, E, E_PAD, BLOCK_M, num_warps)
+        pid_n = tile % n_tiles
         return live, row0, row_end, e, pid_n, (e * N + pid_n * w_desc.block_type.shape[0]).to(gl.int32)
 
     @gluon.jit
@@ -283,79 +293,142 @@ if gluon is not None:
         return a_bufs, w_bufs, ready
 
     @gluon.jit
-    def _ws_producer(a_desc, w_desc, a_bufs, w_bufs, ready, empty, row0, w_row, K: gl.constexpr,
-                     STAGES: gl.constexpr):
-        """The load partition (one warp): K step t's A and W tiles into slot t % STAGES once both consumers
-        released the step t - STAGES it held (a fresh mbarrier's phase 1 counts as complete: the first pass
-        waits for nothing)."""
+    def _ws_load_tile(a_desc, w_desc, a_bufs, w_bufs, ready, empty, row0, w_row, c, K: gl.constexpr,
+                      STAGES: gl.constexpr):
+        """The producer on one live tile, c steps loaded before: step t into slot (c + t) % STAGES once both
+        consumers released the step STAGES before (a fresh mbarrier's phase 1 counts as complete: the first pass
+        waits for nothing). Returns the steps loaded so far."""
         BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
-        for t in range(0, (K + BLOCK_K - 1) // BLOCK_K):
-            mbarrier.wait(empty.index(t % STAGES), ((t // STAGES) & 1) ^ 1)
-            _issue_load(a_desc, w_desc, a_bufs, w_bufs, ready, t, row0, w_row, True, STAGES, BLOCK_K)
+        KT: gl.constexpr = (K + BLOCK_K - 1) // BLOCK_K
+        for t in range(0, KT):
+            mbarrier.wait(empty.index((c + t) % STAGES), (((c + t) // STAGES) & 1) ^ 1)
+            _issue_load(a_desc, w_desc, a_bufs, w_bufs, ready, c + t, t, row0, w_row, True, STAGES, BLOCK_K)
+        return c + KT
 
     @gluon.jit
-    def _ws_consumer(a_desc, w_desc, a_bufs, w_bufs, ready, empty, turns, as_ptr, ws_ptr, out_ptr, M, N, row0, row_end,
-                     e, pid_n, s_asm, s_asg, s_wse, s_wsn, s_wsk, s_om, K: gl.constexpr, GA: gl.constexpr,
-                     BO: gl.constexpr, BI: gl.constexpr, E8M0: gl.constexpr, STAGES: gl.constexpr, GROUP: gl.constexpr,
-                     SUB: gl.constexpr):
-        """Consumer warpgroup SUB (0: the default partition, 1: a worker) of a warp-specialised tile: its 64 rows,
-        or, when they all lie past the expert's end, only the slot releases the producer waits for (then consumer 0,
-        always live, takes no turns: pp)."""
+    def _ws_producer(a_desc, w_desc, a_bufs, w_bufs, ready, empty, offs_ptr, N, E, n_tiles, all_tiles, row0, w_row,
+                     K: gl.constexpr, E_PAD: gl.constexpr, STAGES: gl.constexpr, PERSISTENT: gl.constexpr):
+        """The load partition (one warp): this program's tile (row0, w_row), or, PERSISTENT, tiles pid,
+        pid + programs, ..."""
+        if PERSISTENT:
+            c = 0
+            for tile in range(gl.program_id(0), all_tiles, gl.num_programs(0)):
+                live, row0, row_end, e, pid_n, w_row = _this_tile(tile, offs_ptr, N, E, n_tiles, w_desc, E_PAD,
+                                                                  a_desc.block_type.shape[0], 1)
+                if live:
+                    c = _ws_load_tile(a_desc, w_desc, a_bufs, w_bufs, ready, empty, row0, w_row, c, K, STAGES)
+        else:
+            _ws_load_tile(a_desc, w_desc, a_bufs, w_bufs, ready, empty, row0, w_row, 0, K, STAGES)
+
+    @gluon.jit
+    def _ws_mma_tile(a_desc, w_desc, a_bufs, w_bufs, ready, empty, turns, as_ptr, ws_ptr, out_ptr, M, N, row0, row_end,
+                     e, pid_n, c, turned, s_asm, s_asg, s_wse, s_wsn, s_wsk, s_om, K: gl.constexpr, GA: gl.constexpr,
+                     BO: gl.constexpr, BI: gl.constexpr, E8M0: gl.constexpr, STAGES: gl.constexpr,
+                     GROUP: gl.constexpr, SUB: gl.constexpr):
+        """Consumer SUB on one live tile, after c steps of earlier tiles and `turned` turns: its 64 rows, or, when
+        they all lie past the expert's end, only the slot releases the producer waits for (then consumer 0, always
+        live, takes no turns). Returns (c, turned) after this tile."""
         BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
         BLOCK_M: gl.constexpr = a_desc.block_type.shape[0] // 2
+        KT: gl.constexpr = (K + BLOCK_K - 1) // BLOCK_K
         pp = row0 + BLOCK_M < row_end  # both consumers live
         if row0 + SUB * BLOCK_M < row_end:
-            _mma_tile(a_desc, w_desc, a_bufs, w_bufs, (ready, empty, turns), pp, as_ptr, ws_ptr, out_ptr, M, N, row0,
-                      row_end, e, pid_n, s_asm, s_asg, s_wse, s_wsn, s_wsk, s_om, K, GA, BO, BI, E8M0, STAGES, GROUP,
-                      BLOCK_M, SUB, True, 4)
+            _mma_tile(a_desc, w_desc, a_bufs, w_bufs, (ready, empty, turns), (c, turned, pp), as_ptr, ws_ptr, out_ptr,
+                      M, N, row0, row_end, e, pid_n, s_asm, s_asg, s_wse, s_wsn, s_wsk, s_om, K, GA, BO, BI, E8M0,
+                      STAGES, GROUP, BLOCK_M, SUB, True, 4)
         else:
-            for t in range(0, (K + BLOCK_K - 1) // BLOCK_K):
-                mbarrier.wait(ready.index(t % STAGES), (t // STAGES) & 1)
-                mbarrier.arrive(empty.index(t % STAGES), count=1)
+            for t in range(0, KT):
+                mbarrier.wait(ready.index((c + t) % STAGES), ((c + t) // STAGES) & 1)
+                mbarrier.arrive(empty.index((c + t) % STAGES), count=1)
+        return c + KT, turned + gl.where(pp, KT, 0)
 
     @gluon.jit
-    def _grouped_gemm_fp8_gluon_kernel(a_desc, w_desc, as_ptr, ws_ptr, offs_ptr, out_ptr, M, N, E, n_tiles,
+    def _ws_consumer(a_desc, w_desc, a_bufs, w_bufs, ready, empty, turns, as_ptr, ws_ptr, offs_ptr, out_ptr, M, N, E,
+                     n_tiles, all_tiles, row0, row_end, e, pid_n, s_asm, s_asg, s_wse, s_wsn, s_wsk, s_om,
+                     K: gl.constexpr, GA: gl.constexpr, BO: gl.constexpr, BI: gl.constexpr, E8M0: gl.constexpr,
+                     E_PAD: gl.constexpr, STAGES: gl.constexpr, GROUP: gl.constexpr, PERSISTENT: gl.constexpr,
+                     SUB: gl.constexpr):
+        """Consumer warpgroup SUB (0: the default partition, 1: a worker): this program's tile (row0, row_end, e,
+        pid_n), or, PERSISTENT, tiles pid, pid + programs, ..., counting the steps (slots) and the turns taken."""
+        if PERSISTENT:
+            c = 0
+            turned = 0
+            for tile in range(gl.program_id(0), all_tiles, gl.num_programs(0)):
+                live, row0, row_end, e, pid_n, w_row = _this_tile(tile, offs_ptr, N, E, n_tiles, w_desc, E_PAD,
+                                                                  a_desc.block_type.shape[0], 4)
+                if live:
+                    c, turned = _ws_mma_tile(a_desc, w_desc, a_bufs, w_bufs, ready, empty, turns, as_ptr, ws_ptr,
+                                             out_ptr, M, N, row0, row_end, e, pid_n, c, turned, s_asm, s_asg, s_wse,
+                                             s_wsn, s_wsk, s_om, K, GA, BO, BI, E8M0, STAGES, GROUP, SUB)
+        else:
+            _ws_mma_tile(a_desc, w_desc, a_bufs, w_bufs, ready, empty, turns, as_ptr, ws_ptr, out_ptr, M, N, row0,
+                         row_end, e, pid_n, 0, 0, s_asm, s_asg, s_wse, s_wsn, s_wsk, s_om, K, GA, BO, BI, E8M0, STAGES,
+                         GROUP, SUB)
+
+    @gluon.jit
+    def _ws_run(a_desc, w_desc, as_ptr, ws_ptr, offs_ptr, out_ptr, M, N, E, n_tiles, all_tiles, row0, row_end, e,
+                pid_n, w_row, s_asm, s_asg, s_wse, s_wsn, s_wsk, s_om, K: gl.constexpr, GA: gl.constexpr,
+                BO: gl.constexpr, BI: gl.constexpr, E8M0: gl.constexpr, E_PAD: gl.constexpr, STAGES: gl.constexpr,
+                GROUP: gl.constexpr, PERSISTENT: gl.constexpr):
+        """The warp-specialised region: slots and barriers, then the two consumers and the producer."""
+        a_bufs, w_bufs, ready = _alloc_slots(a_desc, w_desc, STAGES)
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for s in gl.static_range(STAGES):
+            mbarrier.init(empty.index(s), count=2)  # one arrival from each consumer
+        for s in gl.static_range(2):
+            mbarrier.init(turns.index(s), count=1)
+        gl.warp_specialize([
+            (_ws_consumer, (a_desc, w_desc, a_bufs, w_bufs, ready, empty, turns, as_ptr, ws_ptr, offs_ptr, out_ptr, M,
+                            N, E, n_tiles, all_tiles, row0, row_end, e, pid_n, s_asm, s_asg, s_wse, s_wsn, s_wsk, s_om,
+                            K, GA, BO, BI, E8M0, E_PAD, STAGES, GROUP, PERSISTENT, 0)),
+            (_ws_consumer, (a_desc, w_desc, a_bufs, w_bufs, ready, empty, turns, as_ptr, ws_ptr, offs_ptr, out_ptr, M,
+                            N, E, n_tiles, all_tiles, row0, row_end, e, pid_n, s_asm, s_asg, s_wse, s_wsn, s_wsk, s_om,
+                            K, GA, BO, BI, E8M0, E_PAD, STAGES, GROUP, PERSISTENT, 1)),
+            (_ws_producer, (a_desc, w_desc, a_bufs, w_bufs, ready, empty, offs_ptr, N, E, n_tiles, all_tiles, row0,
+                            w_row, K, E_PAD, STAGES, PERSISTENT))],
+            [4, 1], [WS_CONSUMER_REGS, WS_PRODUCER_REGS])
+        for s in gl.static_range(STAGES):
+            mbarrier.invalidate(empty.index(s))
+            mbarrier.invalidate(ready.index(s))
+        for s in gl.static_range(2):
+            mbarrier.invalidate(turns.index(s))
+
+    @gluon.jit
+    def _grouped_gemm_fp8_gluon_kernel(a_desc, w_desc, as_ptr, ws_ptr, offs_ptr, out_ptr, M, N, E, n_tiles, all_tiles,
                                        s_asm, s_asg, s_wse, s_wsn, s_wsk, s_om,
                                        K: gl.constexpr, GA: gl.constexpr, BO: gl.constexpr, BI: gl.constexpr,
                                        E8M0: gl.constexpr, E_PAD: gl.constexpr, STAGES: gl.constexpr,
-                                       GROUP: gl.constexpr, WS: gl.constexpr, num_warps: gl.constexpr):
-        """One output tile a program. WS: the warp-specialised kernel, a tile of 2 x 64 rows (a_desc's block), a
-        producer warp filling the slots and two consumer warpgroups (the default partition, num_warps == 4, and a
-        4-warp worker), one a half, sharing the W tile."""
+                                       GROUP: gl.constexpr, WS: gl.constexpr, PERSISTENT: gl.constexpr,
+                                       num_warps: gl.constexpr):
+        """One output tile a program, of the `all_tiles` (row tiles x n_tiles column tiles). WS: the warp-specialised
+        kernel, tiles of 2 x 64 rows (a_desc's block), a producer warp filling the slots and two consumer warpgroups
+        (the default partition, num_warps == 4, and a 4-warp worker), one a half, sharing the W tile; PERSISTENT:
+        each program takes tiles pid, pid + programs, ... (its producer loads the next tile's first steps while the
+        consumers finish and store this one)."""
         BLOCK_M: gl.constexpr = a_desc.block_type.shape[0]
         BLOCK_K: gl.constexpr = a_desc.block_type.shape[1]
         KT: gl.constexpr = (K + BLOCK_K - 1) // BLOCK_K
-        live, row0, row_end, e, pid_n, w_row = _this_tile(offs_ptr, N, E, n_tiles, w_desc, E_PAD, BLOCK_M, num_warps)
-        if live:
-            a_bufs, w_bufs, ready = _alloc_slots(a_desc, w_desc, STAGES)
+        live, row0, row_end, e, pid_n, w_row = _this_tile(gl.program_id(0), offs_ptr, N, E, n_tiles, w_desc, E_PAD,
+                                                          BLOCK_M, num_warps)
+        if WS and PERSISTENT:  # a program whose first tile is past the last expert may own later ones
+            _ws_run(a_desc, w_desc, as_ptr, ws_ptr, offs_ptr, out_ptr, M, N, E, n_tiles, all_tiles, row0, row_end, e,
+                    pid_n, w_row, s_asm, s_asg, s_wse, s_wsn, s_wsk, s_om, K, GA, BO, BI, E8M0, E_PAD, STAGES, GROUP,
+                    True)
+        elif live:
             if WS:
-                empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-                turns = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-                for s in gl.static_range(STAGES):
-                    mbarrier.init(empty.index(s), count=2)  # one arrival from each consumer
-                for s in gl.static_range(2):
-                    mbarrier.init(turns.index(s), count=1)
-                gl.warp_specialize([
-                    (_ws_consumer, (a_desc, w_desc, a_bufs, w_bufs, ready, empty, turns, as_ptr, ws_ptr, out_ptr, M, N,
-                                    row0, row_end, e, pid_n, s_asm, s_asg, s_wse, s_wsn, s_wsk, s_om, K, GA, BO, BI,
-                                    E8M0, STAGES, GROUP, 0)),
-                    (_ws_consumer, (a_desc, w_desc, a_bufs, w_bufs, ready, empty, turns, as_ptr, ws_ptr, out_ptr, M, N,
-                                    row0, row_end, e, pid_n, s_asm, s_asg, s_wse, s_wsn, s_wsk, s_om, K, GA, BO, BI,
-                                    E8M0, STAGES, GROUP, 1)),
-                    (_ws_producer, (a_desc, w_desc, a_bufs, w_bufs, ready, empty, row0, w_row, K, STAGES))],
-                    [4, 1], [WS_CONSUMER_REGS, WS_PRODUCER_REGS])
-                for s in gl.static_range(STAGES):
-                    mbarrier.invalidate(empty.index(s))
-                for s in gl.static_range(2):
-                    mbarrier.invalidate(turns.index(s))
+                _ws_run(a_desc, w_desc, as_ptr, ws_ptr, offs_ptr, out_ptr, M, N, E, n_tiles, all_tiles, row0, row_end,
+                        e, pid_n, w_row, s_asm, s_asg, s_wse, s_wsn, s_wsk, s_om, K, GA, BO, BI, E8M0, E_PAD, STAGES,
+                        GROUP, False)
             else:
+                a_bufs, w_bufs, ready = _alloc_slots(a_desc, w_desc, STAGES)
                 for t in gl.static_range(STAGES):  # the first STAGES steps in flight
-                    _issue_load(a_desc, w_desc, a_bufs, w_bufs, ready, t, row0, w_row, t < KT, STAGES, BLOCK_K)
-                _mma_tile(a_desc, w_desc, a_bufs, w_bufs, (ready, ready, ready), False, as_ptr, ws_ptr, out_ptr, M, N,
-                          row0, row_end, e, pid_n, s_asm, s_asg, s_wse, s_wsn, s_wsk, s_om, K, GA, BO, BI, E8M0, STAGES,
-                          GROUP, BLOCK_M, 0, False, num_warps)
-            for s in gl.static_range(STAGES):
-                mbarrier.invalidate(ready.index(s))
+                    _issue_load(a_desc, w_desc, a_bufs, w_bufs, ready, t, t, row0, w_row, t < KT, STAGES, BLOCK_K)
+                _mma_tile(a_desc, w_desc, a_bufs, w_bufs, (ready, ready, ready), (0, 0, False), as_ptr, ws_ptr,
+                          out_ptr, M, N, row0, row_end, e, pid_n, s_asm, s_asg, s_wse, s_wsn, s_wsk, s_om, K, GA, BO,
+                          BI, E8M0, STAGES, GROUP, BLOCK_M, 0, False, num_warps)
+                for s in gl.static_range(STAGES):
+                    mbarrier.invalidate(ready.index(s))
 
 
 _NEEDS = "grouped_gemm_fp8: variant 'gluon' needs"
@@ -405,8 +478,11 @@ def _refuse(a, a_scale, w, w_scale, offs, group, block, cfg) -> None:
         raise ValueError(f"{_NEEDS} num_stages >= 2, got num_stages {st}")
     if cfg["group_steps"] < 1:
         raise ValueError(f"{_NEEDS} group_steps >= 1, got group_steps {cfg['group_steps']}")
-    if cfg["ws"] not in (False, True):
-        raise ValueError(f"{_NEEDS} ws True or False, got ws {cfg['ws']!r}")
+    for opt in ("ws", "persistent"):
+        if cfg[opt] not in (False, True):
+            raise ValueError(f"{_NEEDS} {opt} True or False, got {opt} {cfg[opt]!r}")
+    if cfg["persistent"] and not cfg["ws"]:
+        raise ValueError(f"{_NEEDS} ws=True for persistent=True (the warp-specialised kernel's loop over tiles)")
     if cfg["ws"] and (nw != 4 or bn > 128):
         raise ValueError(f"{_NEEDS} with ws=True consumer warpgroups of 64 rows (BLOCK_M 64, num_warps 4) and "
                          f"BLOCK_N <= 128 (their accumulators' registers), got BLOCK_M {bm}, num_warps {nw}, "
@@ -419,8 +495,8 @@ def _refuse(a, a_scale, w, w_scale, offs, group, block, cfg) -> None:
 def launch(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, offs: torch.Tensor,
            group: int = 128, block: tuple[int, int] = (1, 128), **tiles) -> torch.Tensor:
     """out [M, N] bf16 (rows past offs[-1] unwritten) for inputs that grouped_gemm_fp8._check accepted.
-    `tiles`: BLOCK_M / BLOCK_N / num_warps / num_stages / group_steps / ws over default_config's (BLOCK_K is 128;
-    None values are ignored). Raises ValueError for inputs or tiles this kernel does not take."""
+    `tiles`: BLOCK_M / BLOCK_N / num_warps / num_stages / group_steps / ws / persistent over default_config's
+    (BLOCK_K is 128; None values are ignored). Raises ValueError for inputs or tiles this kernel does not take."""
     cfg = default_config()
     bk = tiles.pop("BLOCK_K", None)
     if bk not in (None, BLOCK_K):
@@ -443,10 +519,13 @@ def launch(a: torch.Tensor, a_scale: torch.Tensor, w: torch.Tensor, w_scale: tor
     w_desc = GluonTensorDescriptor(w, [E * N, K], [w.stride(1), 1], [bn, BLOCK_K],
                                    gl.NVMMASharedLayout.get_default_for([bn, BLOCK_K], gl.float8e4nv))
     n_tiles = triton.cdiv(N, bn)
-    grid = (max_m_tiles(M, E, bm) * n_tiles,)
+    all_tiles = max_m_tiles(M, E, bm) * n_tiles
+    sms = torch.cuda.get_device_properties(a.device).multi_processor_count if a.is_cuda else SM90_SMS
+    grid = (min(all_tiles, sms) if cfg["persistent"] else all_tiles,)
     _grouped_gemm_fp8_gluon_kernel[grid](
-        a_desc, w_desc, a_scale, ws, offs, out, M, N, E, n_tiles,
+        a_desc, w_desc, a_scale, ws, offs, out, M, N, E, n_tiles, all_tiles,
         a_scale.stride(0), a_scale.stride(1), ws.stride(0), ws.stride(1), ws.stride(2), out.stride(0),
         K=K, GA=group, BO=block[0], BI=block[1], E8M0=e8m0, E_PAD=max(32 * cfg["num_warps"], triton.next_power_of_2(E)),
-        STAGES=cfg["num_stages"], GROUP=cfg["group_steps"], WS=cfg["ws"], num_warps=cfg["num_warps"])
+        STAGES=cfg["num_stages"], GROUP=cfg["group_steps"], WS=cfg["ws"], PERSISTENT=cfg["persistent"],
+        num_warps=cfg["num_warps"])
     return out

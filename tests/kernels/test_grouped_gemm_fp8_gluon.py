@@ -29,6 +29,7 @@ from sm90 import SM90  # noqa: E402
 from test_grouped_gemm_fp8 import make_case, rel_err  # noqa: E402
 
 from deepinfer.kernels import grouped_gemm_fp8 as g8  # noqa: E402
+from deepinfer.kernels.grouped_gemm import max_m_tiles  # noqa: E402
 
 SM90_MAX_SHARED = ggl.SM90_MAX_SHARED  # dynamic shared memory one block may take on H100 / H200
 E4 = torch.float8_e4m3fn
@@ -38,11 +39,11 @@ EXPERTS, ROWS = 256, 8192 * 6                      # 8192 tokens x top-6
 
 def _recorded(**kw):
     """The Gluon launch grouped_gemm_fp8._launch(variant="gluon") makes for `kw`, recorded, not run:
-    (kernel, {parameter: value}, launch options)."""
+    (kernel, {parameter: value, launch option: value, "grid": grid})."""
     got = []
 
     def fake(self, *args, grid, warmup, **kwargs):
-        got.append((self, {**dict(zip(self.arg_names, args)), **kwargs}))
+        got.append((self, {**dict(zip(self.arg_names, args)), **kwargs, "grid": grid}))
     own = GluonJITFunction.__dict__.get("run")  # None: inherited from JITFunction, which sm90.record patches
     GluonJITFunction.run = fake
     try:
@@ -53,7 +54,7 @@ def _recorded(**kw):
         else:
             GluonJITFunction.run = own
     (fn, bound), = got
-    return fn, bound
+    return fn, bound  # bound["grid"]: the launch grid
 
 
 def _expert_launch(shape="w1", scales="e8m0", **tiles):
@@ -198,6 +199,29 @@ def test_ws_variants_build_for_sm90(tiles):
         assert k_loop_waits(kernel.asm["ptx"]) == [[0], [0]]
 
 
+def test_ws_persistent_builds_for_sm90():
+    """persistent=True: one program an SM (132 on a launch recorded without a device) over the bound on 128-row
+    tiles x 16 column tiles; every partition loops over its tiles (the loads, both consumers' K loops inside a tile
+    loop), no wgmma serialisation; no spills at group_steps 1; at the default group_steps 3 a few per-tile scalars
+    spill (ptxas: 56 bytes), what the bench rows measure."""
+    fn, bound = _expert_launch("w1", ws=True, persistent=True)
+    assert bound["PERSISTENT"] is True and bound["grid"] == (ggl.SM90_SMS,)
+    assert bound["all_tiles"] == max_m_tiles(ROWS, EXPERTS, 128) * 2048 // 128
+    fn_one, bound_one = _expert_launch("w1", ws=True)
+    assert bound_one["grid"] == (bound["all_tiles"],) and bound_one["PERSISTENT"] is False
+    kernel = compile_sm90(fn, bound)
+    ptx = kernel.asm["ptx"]
+    consumers = [body for body in loop_bodies(ptx) if "wgmma.mma_async" in body]
+    assert len(consumers) == 2 and all("Parent Loop" in body.split("\n", 1)[0] for body in consumers)
+    producer = kernel.asm["ttgir"].split("partition1(", 1)[1]
+    assert producer.count("scf.for") >= 2 and "ttng.async_tma_copy_global_to_local" in producer  # tiles, steps
+    log = ptxas_log(ptx)
+    assert "C7514" not in log, log
+    assert int(re.search(r"(\d+) bytes spill stores", log).group(1)) <= 64, log
+    log = ptxas_log(compile_sm90(*_expert_launch("w1", ws=True, persistent=True, group_steps=1)).asm["ptx"])
+    assert "C7514" not in log and re.search(r"\b0 bytes spill stores", log), log
+
+
 # ---------------------------------------------------------------- CPU: refusals
 
 
@@ -231,6 +255,10 @@ def test_refusals_name_the_field(monkeypatch):
         run(ws=True, BLOCK_N=256)
     with pytest.raises(ValueError, match=r"ws=True .*num_stages 7"):
         run(ws=True, num_stages=7)
+    with pytest.raises(ValueError, match="ws=True for persistent=True"):
+        run(persistent=True)
+    with pytest.raises(ValueError, match="persistent True or False"):
+        run(ws=True, persistent=1.5)
     with pytest.raises(ValueError, match="a_scale"):
         run(a_scale=s.to(torch.bfloat16))
     with pytest.raises(ValueError, match="offs"):
@@ -253,8 +281,9 @@ def test_refusals_name_the_field(monkeypatch):
 
 GPU_TILES = [{}, dict(BLOCK_M=64, num_warps=4), dict(group_steps=1), dict(group_steps=2), dict(group_steps=4),
              dict(num_stages=3), dict(ws=True), dict(ws=True, group_steps=1), dict(ws=True, num_stages=6),
-             dict(ws=True, BLOCK_N=64, num_stages=8)]
-WS = [dict(), dict(ws=True)]  # the default kernel and the warp-specialised one
+             dict(ws=True, BLOCK_N=64, num_stages=8), dict(ws=True, persistent=True),
+             dict(ws=True, persistent=True, group_steps=1)]
+WS = [dict(), dict(ws=True), dict(ws=True, persistent=True)]  # the default kernel and the warp-specialised ones
 
 
 @pytest.mark.gpu

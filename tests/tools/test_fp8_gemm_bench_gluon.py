@@ -22,7 +22,8 @@ def test_gluon_rows_launch_variant_gluon_with_their_tiles(monkeypatch):
     assert set(paths) == set(bench.GLUON_PATHS) == {"w8a8-gemm-gluon", "w8a8-gemm-gluon-m128", "w8a8-gemm-gluon-s3",
                                                     "w8a8-gemm-gluon-s6", "w8a8-gemm-gluon-g2",
                                                     "w8a8-gemm-gluon-ws", "w8a8-gemm-gluon-ws-g1",
-                                                    "w8a8-gemm-gluon-ws-s6", "w8a8-gemm-gluon-serial"}
+                                                    "w8a8-gemm-gluon-ws-s6", "w8a8-gemm-gluon-ws-persistent",
+                                                    "w8a8-gemm-gluon-ws-persistent-g1", "w8a8-gemm-gluon-serial"}
     assert set(paths) <= set(bench.MEASURED_PATHS)  # summed per layer, with their ratio to bf16
     for name, fn in paths.items():
         fn()
@@ -48,6 +49,7 @@ def test_gluon_rows_tiles_are_taken_by_the_launcher(monkeypatch):
         cfg = {**ggl.default_config(), **tiles}
         ws = cfg["ws"]  # the warp-specialised kernel: a tile is its two consumers' BLOCK_M rows
         assert fn.__name__ == "_grouped_gemm_fp8_gluon_kernel" and bound["WS"] == ws, name
+        assert bound["PERSISTENT"] == cfg["persistent"] == ("persistent" in name), name
         assert ws == name.startswith("w8a8-gemm-gluon-ws"), name
         assert bound["a_desc"].block_shape == [cfg["BLOCK_M"] * (1 + ws), ggl.BLOCK_K], name
         assert bound["w_desc"].block_shape == [cfg["BLOCK_N"], ggl.BLOCK_K], name
