@@ -286,8 +286,13 @@ GPU_TILES = [{}, dict(BLOCK_M=64, num_warps=4), dict(group_steps=1), dict(group_
 WS = [dict(), dict(ws=True), dict(ws=True, persistent=True)]  # the default kernel and the warp-specialised ones
 
 
+def tiles_id(tiles: dict) -> str:
+    """A test id from tile options: "default", "ws-group_steps1", ... (so that `-k ws` picks the ws kernels)."""
+    return "-".join(k if v is True else f"{k}{v}" for k, v in tiles.items()) or "default"
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("tiles", GPU_TILES)
+@pytest.mark.parametrize("tiles", GPU_TILES, ids=tiles_id)
 @pytest.mark.parametrize("N,K", [(2048, 4096), (4096, 2048)])
 def test_prefill_shape_matches_the_reference_on_gpu(N, K, tiles):
     """256 experts, ~192 rows each on average (8192 tokens x top-6), every 37th empty, skewed counts (experts
@@ -310,7 +315,7 @@ def test_prefill_shape_matches_the_reference_on_gpu(N, K, tiles):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tiles", WS)
+@pytest.mark.parametrize("tiles", WS, ids=tiles_id)
 @pytest.mark.parametrize("counts,N,K,block,scales", [
     ([300, 0, 500, 224], 1024, 2048, (1, 128), "e8m0"),     # empty expert, tiles crossing experts' ends
     ([1, 0, 129, 0, 7], 384, 640, (128, 128), "fp32"),      # fp32 (128, 128) blocks; K 640: 5 steps (odd)
@@ -328,7 +333,7 @@ def test_ragged_cases_match_the_reference_on_gpu(counts, N, K, block, scales, ti
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tiles", WS)
+@pytest.mark.parametrize("tiles", WS, ids=tiles_id)
 def test_replays_in_a_cuda_graph_with_new_offsets(tiles):
     x, q, s, w, ws, offs = make_case([300, 0, 500, 224], 1024, 2048, device="cuda")
     g8.grouped_gemm_fp8(q, s, w, ws, offs, variant="gluon", **tiles)  # compile outside the capture
