@@ -139,10 +139,15 @@ class Indexer(nn.Module):
         # per-token path: all tokens (plain slices), or the short requests' rows
         rows = None if not lens or len(rest) == len(lens) else \
             to_device(torch.cat([torch.arange(a, a + n) for a, n in rest]), x.device)
-        if fused and keys.fmt == "bfloat16" and not inv:  # CUDA: keys gathered by address in the kernel
+        fp4_kernel = keys.fmt == "fp4" and _scores.supported_store(q, "mxfp4")
+        if fused and (keys.fmt == "bfloat16" or fp4_kernel) and not inv:  # CUDA: keys read by address in the kernel
             pick = (lambda t: t) if rows is None else (lambda t: t[rows])  # noqa: E731
             vis = pick(plan.visible)
-            s = _scores.index_scores_per_token(pick(q), keys.data, plan.addr, pick(batch.token_req), pick(w), vis)
+            if keys.fmt == "bfloat16":
+                s = _scores.index_scores_per_token(pick(q), keys.data, plan.addr, pick(batch.token_req), pick(w), vis)
+            else:  # FP4 keys are rows of the kernel's mxfp4 layout (E2M1 pairs, low nibble first; E8M0 per 32)
+                s = _scores._launch_per_token(pick(q), keys.packed.view(torch.uint8), plan.addr, pick(batch.token_req),
+                                              pick(w), vis, scale=keys.scale, fmt="mxfp4")
             out[slice(None) if rows is None else rows] = self._top(s, vis, k)
             return out
         count = x.shape[0] if rows is None else rows.numel()

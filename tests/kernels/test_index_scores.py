@@ -212,3 +212,19 @@ def test_store_kernels_at_flash_width_on_gpu(fmt):
                                reference_store_per_token(q, store, fmt, table, req, w, vis), atol=1e-3, rtol=1e-4)
     torch.testing.assert_close(index_scores_store(q, store, fmt, table[1], w, vis),
                                reference_store(q, store, fmt, table[1], w, vis), atol=1e-3, rtol=1e-4)
+
+
+def test_v4_fp4_index_keys_are_rows_of_the_kernels_mxfp4_layout():
+    """V4's FP4 indexer keys (state/kv_state.py IndexKeyStore "fp4": packed int8 pairs + E8M0 per 32) decode to
+    the same values as the kernels' mxfp4 rows read from the same bytes, so the V4 indexer's decode path hands
+    them to the per-token kernel as they are (layers/attention.py)."""
+    from deepinfer.kernels import index_scores as K
+    from deepinfer.state.kv_state import IndexKeyStore
+
+    g = torch.Generator().manual_seed(0)
+    store = IndexKeyStore(40, 128, "fp4", "cpu")
+    store.write(torch.arange(3, 40), (torch.randn(37, 128, generator=g) * 4).to(torch.bfloat16))
+    rows = torch.tensor([39, 3, 0, 17, 17, 25])
+    want = store.read(rows, torch.float32)
+    assert want[1:].abs().sum() > 0
+    assert torch.equal(K.read_keys((store.packed.view(torch.uint8), store.scale), "mxfp4", rows), want)
