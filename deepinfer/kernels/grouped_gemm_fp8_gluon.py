@@ -36,8 +36,9 @@ Schedule per output tile (BLOCK_M rows of one expert x BLOCK_N columns; grid and
     sm_90 build spills.
 Rows of a tile past its expert's end (the next expert's rows) are multiplied but never stored.
 
-Warp-specialised kernel (tile option ws=True; not the default until measured), in the "ping-pong" style: a tile is
-2 x BLOCK_M rows of one expert (BLOCK_M 64) x BLOCK_N columns, and gl.warp_specialize splits the CTA into
+Warp-specialised kernel (tile option ws=True; opt-in: measured slower than the default tiles, benchmarks/NOTES.md),
+in the "ping-pong" style: a tile is 2 x BLOCK_M rows of one expert (BLOCK_M 64) x BLOCK_N columns, and
+gl.warp_specialize splits the CTA into
   * a producer partition (1 warp, 40 registers a thread by setmaxnreg) issuing step t's TMA loads (the A tile of
     both halves' rows, the W tile) into slot t % STAGES once the slot's `empty` mbarrier says both consumers
     released step t - STAGES;
@@ -88,7 +89,7 @@ def default_config() -> dict:
     no spills, no wgmma serialisation; group_steps 4 spills.
     ws=True selects the warp-specialised kernel (a producer warp and two consumer warpgroups of BLOCK_M rows each,
     tiles of 2 x BLOCK_M rows; see the module docstring), persistent=True (ws only) runs it on one program an SM,
-    each taking every SMs-th tile; neither measured yet, so off."""
+    each taking every SMs-th tile; both measured slower than the default tiles (benchmarks/NOTES.md), so off."""
     return dict(BLOCK_M=64, BLOCK_N=128, num_warps=4, num_stages=4, group_steps=3, ws=False, persistent=False)
 
 
