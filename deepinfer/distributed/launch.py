@@ -50,10 +50,10 @@ from deepinfer.distributed.tensor_parallel import load_shard
 from deepinfer.engine.engine_core import EngineCore
 from deepinfer.engine.kv_manager import KVCacheManager, plan_capacity
 from deepinfer.engine.memory_fit import WeightBytes
-from deepinfer.layers.moe import repack_fp4_experts
 from deepinfer.engine.outputs import CompletionOutput, ModelOutput, SchedulerOutput
 from deepinfer.engine.request import Request, Status
 from deepinfer.engine.scheduler import Scheduler
+from deepinfer.layers.moe import repack_fp4_experts
 from deepinfer.loader.model_loader import weight_bytes
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.worker.kv_cache import V4Cache, allocate_v4_cache, cache_spec, default_cache_memory
