@@ -248,3 +248,25 @@ def test_cuda_graph_decode_replays_the_fixed_shape_step_exactly(tmp_path):
     graph, runner = _decode_steps(model, "cuda", "fp8", "graph")
     assert len(runner.graphs) > 1  # several batch / entry-width buckets were captured
     assert torch.equal(graph, _decode_steps(model, "cuda", "fp8", "fixed")[0])
+
+
+@pytest.mark.gpu
+def test_fp4_index_keys_score_through_the_per_token_kernel_as_through_torch(tmp_path, monkeypatch):
+    """FP8 cache on CUDA (FP4 index keys): decode's indexer scores through the per-token Triton kernel reading the
+    keys as mxfp4 rows (layers/attention.py) and, with that kernel refused, through the gathered fp32 keys and torch
+    einsums. The two differ in fp32 summation order only, so the decode logits agree to bf16 noise."""
+    from deepinfer.kernels import index_scores
+
+    d = write_checkpoint(tmp_path / "ckpt", CFG_A, seed=0, dtype="fp8")
+    model = load_model(str(d), dtype=torch.bfloat16, device="cuda")[0]
+    launched = []
+    real = index_scores._launch_per_token
+    monkeypatch.setattr(index_scores, "_launch_per_token",
+                        lambda *a, **k: launched.append(k.get("fmt")) or real(*a, **k))
+    kernel = _decode_steps(model, "cuda", "fp8", "fixed")[0]
+    assert "mxfp4" in launched
+    monkeypatch.setattr(index_scores, "supported_store", lambda q, fmt: False)
+    launched.clear()
+    torch_path = _decode_steps(model, "cuda", "fp8", "fixed")[0]
+    assert "mxfp4" not in launched
+    _assert_close(kernel, torch_path, rel=2e-2)
