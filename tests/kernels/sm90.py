@@ -86,6 +86,26 @@ def _specialize(fn: JITFunction, sig: dict, consts: dict, bound: dict, kwargs: d
     return sig, consts, attrs
 
 
+def launch_of(fn: JITFunction, bound: dict, kwargs: dict) -> Launch:
+    """The Launch of `fn` called with positional values `bound` ({name: value}) and keyword values `kwargs`
+    (parameters and launch options such as num_warps), as `record` keeps it."""
+    sig, consts = {}, {}
+    for p in fn.params:
+        name = p.name
+        if name in kwargs:
+            v = kwargs[name]
+        elif name in bound:
+            v = bound[name]
+        else:
+            v = p.default
+        if p.is_constexpr or v is None:
+            sig[name], consts[name] = "constexpr", v
+        else:
+            sig[name] = _type(v)
+    return Launch(fn, sig, consts, {k: kwargs[k] for k in OPTIONS if k in kwargs},
+                  _specialize(fn, sig, consts, bound, kwargs))
+
+
 @contextlib.contextmanager
 def record():
     """Launches made inside the block are recorded (and not run): yields the list they go to."""
@@ -93,22 +113,7 @@ def record():
     real = JITFunction.run
 
     def fake(self, *args, grid, warmup, **kwargs):
-        sig, consts = {}, {}
-        bound = dict(zip(self.arg_names, args))
-        for p in self.params:
-            name = p.name
-            if name in kwargs:
-                v = kwargs[name]
-            elif name in bound:
-                v = bound[name]
-            else:
-                v = p.default
-            if p.is_constexpr or v is None:
-                sig[name], consts[name] = "constexpr", v
-            else:
-                sig[name] = _type(v)
-        launches.append(Launch(self, sig, consts, {k: kwargs[k] for k in OPTIONS if k in kwargs},
-                               _specialize(self, sig, consts, bound, kwargs)))
+        launches.append(launch_of(self, dict(zip(self.arg_names, args)), kwargs))
 
     JITFunction.run = fake
     try:

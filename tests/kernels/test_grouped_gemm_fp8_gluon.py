@@ -20,12 +20,10 @@ ggl = pytest.importorskip("deepinfer.kernels.grouped_gemm_fp8_gluon")
 if not ggl.available():
     pytest.skip("this Triton has no Gluon", allow_module_level=True)
 
-from triton._C.libtriton import native_specialize_impl  # noqa: E402
 from triton.backends.nvidia.compiler import get_ptxas  # noqa: E402
-from triton.compiler.compiler import make_backend  # noqa: E402
-from triton.experimental.gluon._runtime import GluonASTSource, GluonJITFunction  # noqa: E402
+from triton.experimental.gluon._runtime import GluonJITFunction  # noqa: E402
 
-from sm90 import SM90  # noqa: E402
+import sm90  # noqa: E402
 from test_grouped_gemm_fp8 import make_case, rel_err  # noqa: E402
 
 from deepinfer.kernels import grouped_gemm_fp8 as g8  # noqa: E402
@@ -70,23 +68,8 @@ def _expert_launch(shape="w1", scales="e8m0", **tiles):
 
 def compile_sm90(fn, bound):
     """The kernel as the JIT would build it on an H200 for these argument values (CPU tensors stand for
-    device ones: 16-byte aligned)."""
-    backend = make_backend(SM90)
-    sig, consts, attrs = {}, {}, {}
-    for i, p in enumerate(fn.params):
-        v = bound[p.name]
-        if p.is_constexpr:
-            sig[p.name], consts[p.name] = "constexpr", v
-            continue
-        ty, attr = native_specialize_impl(type(backend), v, False, True, True)
-        if ty == "constexpr":
-            sig[p.name], consts[p.name] = "constexpr", attr
-        else:
-            sig[p.name] = ty
-            if isinstance(attr, str) and attr:
-                attrs[(i,)] = backend.parse_attr(attr)
-    return triton.compile(GluonASTSource(fn, sig, consts, attrs), target=SM90,
-                          options=dict(num_warps=bound["num_warps"]))
+    device ones: 16-byte aligned): tests/kernels/sm90.py's specialisation and Gluon build."""
+    return sm90.compile_sm90(sm90.launch_of(fn, {}, {k: v for k, v in bound.items() if k != "grid"}), specialize=True)
 
 
 def ptxas_log(ptx: str) -> str:
