@@ -338,13 +338,18 @@ if triton is not None:
     @triton.jit
     def _grouped_gemv_kernel(a_ptr, w_ptr, s_ptr, offs_ptr, out_ptr, M, N, E,
                              s_am, s_ak, s_we, s_wn, s_wk, s_se, s_sn, s_sk, s_om, s_on,
+                             pair_w, pair_s, extra_w, extra_s, extra_pair_w, extra_pair_s,
                              K: tl.constexpr, FMT: tl.constexpr, E8M0: tl.constexpr, BO: tl.constexpr,
                              BI: tl.constexpr, ONE_GROUP: tl.constexpr, E_PAD: tl.constexpr, ROWS: tl.constexpr,
                              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, KV: tl.constexpr,
-                             SPLIT_K: tl.constexpr = 1, STAGES: tl.constexpr = 1):
+                             SPLIT_K: tl.constexpr = 1, STAGES: tl.constexpr = 1, PAIR: tl.constexpr = False,
+                             EXTRA: tl.constexpr = False, BO_EXTRA: tl.constexpr = 1):
         """The few-row path (module docstring, "GEMV"): ROWS (1, 2 or 4) rows x BLOCK_N columns a program, fp32
         FMAs of exactly widened operands, no tl.dot. Same arguments and tile -> group map as the dot kernel;
-        KV: the weight elements one thread loads contiguously (16 bytes)."""
+        KV: the weight elements one thread loads contiguously (16 bytes). PAIR / EXTRA (grouped_gemv_fused):
+        the second half of grid axis 1 multiplies by a second weight of w's shape at element offset pair_w
+        (scales pair_s) into output columns N .. 2N - 1; the last of E groups multiplies by another weight
+        at offset extra_w (scales extra_s, scale blocks BO_EXTRA rows; its pair at extra_pair_w / _s)."""
         K_PART: tl.constexpr = K // SPLIT_K  # a multiple of BLOCK_K (the launcher checks)
         k_lo = tl.program_id(2) * K_PART     # grid axis 2: the K splits (one without split-K)
         live, row0, row_end, w_base, s_base = group_tile(tl.program_id(0), offs_ptr, M, E, w_ptr, s_ptr, s_we,
@@ -352,8 +357,27 @@ if triton is not None:
         if live == 0:
             return
 
-        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        pid_n = tl.program_id(1)
+        half = 0
+        if PAIR:  # grid axis 1: N tiles of the first weight, then as many of its pair
+            n_tiles = tl.cdiv(N, BLOCK_N)
+            half = (pid_n >= n_tiles).to(tl.int32)
+            pid_n -= half * n_tiles
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         nmask = cols < N
+        srow = cols // BO  # each column's scale row
+        if EXTRA:  # the last group reads the extra weight (element offsets from w_ptr / s_ptr: 1-byte elements)
+            last = row0 >= tl.load(offs_ptr + E - 2)
+            if PAIR:
+                w_base = tl.where(last, w_ptr + extra_w + half * extra_pair_w, w_base + half * pair_w)
+                s_base = tl.where(last, s_ptr + extra_s + half * extra_pair_s, s_base + half * pair_s)
+            else:
+                w_base = tl.where(last, w_ptr + extra_w, w_base)
+                s_base = tl.where(last, s_ptr + extra_s, s_base)
+            srow = tl.where(last, cols // BO_EXTRA, srow)
+        elif PAIR:
+            w_base += half * pair_w
+            s_base += half * pair_s
         w_rows = w_base + cols.to(tl.int64)[:, None] * s_wn
         chunk = tl.arange(0, BLOCK_K // KV)
         # one accumulator per row (ROWS is 1, 2 or 4; unused ones are never updated or stored)
@@ -370,19 +394,19 @@ if triton is not None:
             sc = 1.0
             if FMT == 1:  # FP8: the block scale of each thread's KV-wide chunk (or of each element)
                 if BI % BLOCK_K == 0:  # one scale per column over the K tile
-                    s = tl.load(s_base + (cols // BO) * s_sn + (k0 // BI) * s_sk, mask=nmask, other=0)
+                    s = tl.load(s_base + srow * s_sn + (k0 // BI) * s_sk, mask=nmask, other=0)
                     sc = (_e8m0(s) if E8M0 else s.to(tl.float32))[:, None]
                 elif BI % KV == 0 and BLOCK_K % BI == 0:  # a chunk never straddles two scale blocks
                     # BLOCK_K / BI per-column scale vectors, spread over the chunks by selects: loads of
                     # [BLOCK_N] take the chunks' layout, a [BLOCK_N, chunks] gather would impose its own
                     sc = tl.zeros([BLOCK_N, BLOCK_K // KV], dtype=tl.float32)
                     for j in tl.static_range(BLOCK_K // BI):
-                        s = tl.load(s_base + (cols // BO) * s_sn + (k0 // BI + j) * s_sk,
+                        s = tl.load(s_base + srow * s_sn + (k0 // BI + j) * s_sk,
                                     mask=nmask & (k0 + j * BI < K), other=0)
                         s = _e8m0(s) if E8M0 else s.to(tl.float32)
                         sc = tl.where((chunk * KV // BI == j)[None, :], s[:, None], sc)
                 else:  # odd blocks: scale each weight element
-                    s = tl.load(s_base + (cols // BO)[:, None] * s_sn + (ks // BI)[None, :] * s_sk, mask=wmask,
+                    s = tl.load(s_base + srow[:, None] * s_sn + (ks // BI)[None, :] * s_sk, mask=wmask,
                                 other=0)
                     w = w * (_e8m0(s) if E8M0 else s.to(tl.float32))
             acc0 = _gemv_row(acc0, w, a_rows, 0, row0, row_end, M, ks, kmask, s_ak, sc, FMT, BLOCK_N, BLOCK_K, KV)
@@ -395,9 +419,9 @@ if triton is not None:
                 acc3 = _gemv_row(acc3, w, a_rows + 3 * s_am, 3, row0, row_end, M, ks, kmask, s_ak, sc, FMT,
                                  BLOCK_N, BLOCK_K, KV)
 
-        out = out_ptr + row0.to(tl.int64) * s_om + cols * s_on
-        if SPLIT_K > 1:  # fp32 partials [SPLIT_K, M, N] (contiguous), summed in split order
-            out += tl.program_id(2).to(tl.int64) * M * N
+        out = out_ptr + row0.to(tl.int64) * s_om + (cols + half * N) * s_on
+        if SPLIT_K > 1:  # fp32 partials [SPLIT_K, M, N or 2N] (contiguous), summed in split order
+            out += tl.program_id(2).to(tl.int64) * M * s_om
         ty = out_ptr.dtype.element_ty
         tl.store(out, tl.sum(acc0, axis=1).to(ty), mask=nmask & (row0 < row_end) & (row0 < M))
         if ROWS > 1:
@@ -544,7 +568,8 @@ def _launch(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor | None, scale: 
                   E_PAD=max(16, triton.next_power_of_2(E)), SPLIT_K=split_k)
     if gemv:
         grid = (max_m_tiles(M, E, cfg["ROWS"], one_group), triton.cdiv(N, cfg["BLOCK_N"]), split_k)
-        _grouped_gemv_kernel[grid](*args, **common, KV=16 // w.element_size(), STAGES=cfg["num_stages"], **cfg)
+        _grouped_gemv_kernel[grid](*args, 0, 0, 0, 0, 0, 0, **common, KV=16 // w.element_size(),
+                                   STAGES=cfg["num_stages"], **cfg)
     elif swap:
         grid = (max_m_tiles(M, E, cfg["BLOCK_M"], one_group), triton.cdiv(N, cfg["BLOCK_N"]), split_k)
         common.pop("E8M0")
@@ -575,6 +600,125 @@ def grouped_gemm(a: torch.Tensor, w: torch.Tensor, offs: torch.Tensor | None, sc
     tiles = dict(BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=num_warps, num_stages=num_stages)
     return _launch(a, w, offs, scale, block_size,
                    **launch_kwargs(a.shape[0], w, offs, tiles, sm_count(a.device), scale, block_size))
+
+
+def grouped_gemv_fused(a: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, offs: torch.Tensor,
+                       block_size: tuple[int, int], pair: tuple[torch.Tensor, torch.Tensor] | None = None,
+                       extra: tuple | None = None, extra_block: tuple[int, int] | None = None,
+                       **tiles) -> torch.Tensor:
+    """One GEMV launch for the expert-sorted rows a [M, K] bf16 over FP8 experts w [E, N, K] (E8M0 scales
+    `scale`, blocks `block_size`), with up to two more weights in the same launch:
+      * pair (w2, s2), w's shape and layout: out [M, 2N] = [a W^T | a W2^T] per group (gate and up);
+      * extra: the last of offs' E + 1 groups multiplies by another [N, K] weight instead of an expert, as
+        (wx, sx), or ((wx, sx), (wx2, sx2)) with pair; its scales in `extra_block` blocks (bo, block_size[1]),
+        its rows and columns strided as one expert's (the shared expert as group E).
+    Per output element the same products and sums as grouped_gemm's GEMV with the same tiles; no host sync
+    (CUDA-graph capturable). `tiles`: GEMV tiles and split_k (default: gemv_config / split_k_for for the
+    launch's programs). Elsewhere than CUDA, `fused_reference`."""
+    error = fused_layout_error(w, scale, offs.shape[0], pair, extra, extra_block or block_size, block_size)
+    if error:
+        raise ValueError(f"grouped_gemv_fused: {error}")
+    halves = [(w, scale)] + ([pair] if pair is not None else [])
+    xparts = None if extra is None else (list(extra) if pair is not None else [extra])
+    bx = None if extra is None else (extra_block or block_size)
+    if triton is None or not a.is_cuda:
+        return fused_reference(a, w, scale, offs, block_size, pair, extra, bx)
+    if a.dtype != torch.bfloat16:
+        raise TypeError(f"grouped_gemv_fused: activations must be bf16, got {a.dtype}")
+    return _launch_fused(a, halves, xparts, offs, block_size, bx or block_size, sm_count(a.device), **tiles)
+
+
+def fused_layout_error(w: torch.Tensor, scale: torch.Tensor, groups: int, pair=None, extra=None,
+                       extra_block: tuple[int, int] | None = None,
+                       block_size: tuple[int, int] | None = None) -> str | None:
+    """Why grouped_gemv_fused cannot take these weights (its arguments; `groups`: offs' length), or None."""
+    halves = [(w, scale)] + ([pair] if pair is not None else [])
+    xparts = None if extra is None else (list(extra) if pair is not None else [extra])
+    E = w.shape[0] + (extra is not None)
+    if (w.dim() != 3 or w.dtype != torch.float8_e4m3fn or scale.dim() != 3
+            or scale.dtype not in (torch.float8_e8m0fnu, torch.uint8) or groups != E):
+        return (f"FP8 experts [E, N, K] with E8M0 scales and offs for {E} groups, got w {tuple(w.shape)} {w.dtype}, "
+                f"scale {scale.dtype}, {groups} offsets")
+    for wh, sh in halves[1:]:
+        if (wh.shape != w.shape or wh.stride() != w.stride() or sh.shape != scale.shape
+                or sh.stride() != scale.stride() or wh.dtype != w.dtype or sh.dtype != scale.dtype):
+            return "pair must have w's and scale's shapes, strides and dtypes"
+    if xparts is not None:
+        if len(xparts) != len(halves) or (block_size and extra_block and extra_block[1] != block_size[1]):
+            return "extra needs one weight per half and the experts' K blocks"
+        for wx, sx in xparts:
+            want = (_cdiv(w.shape[1], extra_block[0]), scale.shape[2])
+            if (wx.shape != w.shape[1:] or wx.stride() != w.stride()[1:] or wx.dtype != w.dtype
+                    or tuple(sx.shape) != want or sx.stride(1) != scale.stride(2) or sx.dtype != scale.dtype
+                    or (want[0] > 1 and sx.stride(0) != scale.stride(1))):
+                return (f"extra weight {tuple(wx.shape)} / scale {tuple(sx.shape)} must be laid out as one expert's "
+                        f"({tuple(w.shape[1:])}, scale {want})")
+    return None
+
+
+def _launch_fused(a, halves, xparts, offs, block_size, bx, sms: int, ROWS=None, BLOCK_N=None, BLOCK_K=None,
+                  num_warps=None, num_stages=None, split_k=None) -> torch.Tensor:
+    """grouped_gemv_fused's launch without the device check (also runs under TRITON_INTERPRET=1)."""
+    (w, scale), M, E = halves[0], a.shape[0], offs.shape[0]
+    N, K = w.shape[1], w.shape[2]
+    if a.dim() != 2 or a.shape[1] != K:
+        raise ValueError(f"grouped_gemv_fused: A {tuple(a.shape)} does not match weight {tuple(w.shape)}")
+    n_out = N * len(halves)
+    cfg = gemv_config(M, E)
+    for k, v in (("ROWS", ROWS), ("BLOCK_N", BLOCK_N), ("BLOCK_K", BLOCK_K), ("num_warps", num_warps),
+                 ("num_stages", num_stages)):
+        if v is not None:
+            cfg[k] = v
+    if split_k is None:
+        split_k = split_k_for(max_m_tiles(M, E, cfg["ROWS"]), n_out, K, cfg, sms)
+    if K % (split_k * cfg["BLOCK_K"]):
+        raise ValueError(f"grouped_gemv_fused: split_k {split_k} needs K % (split_k * BLOCK_K) == 0")
+    out = torch.empty(M, n_out, dtype=torch.bfloat16, device=a.device)
+    if M == 0:
+        return out
+    dst = out if split_k == 1 else torch.empty(split_k, M, n_out, dtype=torch.float32, device=a.device)
+    u8 = scale.view(torch.uint8)
+
+    def delta(t, base):  # element offsets between 1-byte tensors (the kernel's pointer arithmetic)
+        return t.data_ptr() - base.data_ptr()
+
+    pair_w = delta(halves[1][0], w) if len(halves) > 1 else 0
+    pair_s = delta(halves[1][1], scale) if len(halves) > 1 else 0
+    extra_w = extra_s = extra_pair_w = extra_pair_s = 0
+    if xparts is not None:
+        extra_w, extra_s = delta(xparts[0][0], w), delta(xparts[0][1], scale)
+        if len(xparts) > 1:
+            extra_pair_w, extra_pair_s = delta(xparts[1][0], xparts[0][0]), delta(xparts[1][1], xparts[0][1])
+    grid = (max_m_tiles(M, E, cfg["ROWS"]), triton.cdiv(N, cfg["BLOCK_N"]) * len(halves), split_k)
+    _grouped_gemv_kernel[grid](
+        a, w, u8, offs, dst, M, N, E, a.stride(0), a.stride(1), w.stride(0), w.stride(1), w.stride(2),
+        u8.stride(0), u8.stride(1), u8.stride(2), n_out, 1, pair_w, pair_s, extra_w, extra_s, extra_pair_w,
+        extra_pair_s, K=K, FMT=FP8, E8M0=True, BO=block_size[0], BI=block_size[1], ONE_GROUP=False,
+        E_PAD=max(16, triton.next_power_of_2(E)), SPLIT_K=split_k, KV=16, STAGES=cfg["num_stages"],
+        PAIR=len(halves) > 1, EXTRA=xparts is not None, BO_EXTRA=bx[0], **cfg)
+    if split_k > 1:
+        split_sum_into(dst, out)
+    return out
+
+
+def fused_reference(a: torch.Tensor, w: torch.Tensor, scale: torch.Tensor, offs: torch.Tensor,
+                    block_size: tuple[int, int], pair=None, extra=None,
+                    extra_block: tuple[int, int] | None = None) -> torch.Tensor:
+    """grouped_gemv_fused in plain torch (`reference` per weight; the extra group's rows through its weight)."""
+    halves = [(w, scale)] + ([pair] if pair is not None else [])
+    xparts = None if extra is None else (list(extra) if pair is not None else [extra])
+    outs = []
+    for h, (wh, sh) in enumerate(halves):
+        if xparts is None:
+            outs.append(reference(a, wh, offs, sh, block_size))
+            continue
+        y = reference(a, wh, offs[:-1], sh, block_size)  # rows past offs[-2] stay zero there
+        lo, hi = (int(v) for v in offs[-2:].tolist())
+        if hi > lo:
+            wx = dequant_fp8_blocks(xparts[h][0], xparts[h][1], extra_block or block_size, a.dtype)
+            y[lo:hi] = (a[lo:hi].float() @ wx.float().T).to(a.dtype)
+        outs.append(y)
+    return torch.cat(outs, dim=1)
 
 
 def launch_kwargs(M: int, w: torch.Tensor, offs: torch.Tensor | None, tiles: dict, sms: int,

@@ -15,7 +15,9 @@ fp32 add at a time, never fused into an FMA; `add` comes last, one more fp32 add
 token's result would depend on which experts the other tokens chose; here it depends on the
 token's own k outputs and weights only (batch invariance).
 
-`inv` comes from moe_align, or is built on the device with a scatter (no host sync); the grid is
+`inv_stride` k + 1 (moe_align's shared_slot: slot k of each token is the shared expert's row, passed as
+`add`): inv holds k + 1 rows a token and the first k are summed. `inv` comes from moe_align, or is built on the
+device with a scatter (no host sync); the grid is
 (T, cdiv(D, BLOCK_D)) from shapes only, so the whole thing is CUDA-graph capturable. Each program
 loads its token's k row indices and weights, then k row segments of BLOCK_D columns.
 """
@@ -37,12 +39,13 @@ def inverse_permutation(order: torch.Tensor) -> torch.Tensor:
 
 
 def reference(y: torch.Tensor, order: torch.Tensor, weights: torch.Tensor, k: int, inv: torch.Tensor | None = None,
-              add: torch.Tensor | None = None, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+              add: torch.Tensor | None = None, out_dtype: torch.dtype = torch.float32,
+              inv_stride: int | None = None) -> torch.Tensor:
     """y [T*k, D] sorted by expert, order [T*k] (sorted row -> pair t*k+j), weights [T, k] -> [T, D],
     summed over j in order in fp32, plus `add` [T, D] when given, rounded to out_dtype. `inv`:
     order's inverse when the caller has it (kernels/moe_align.py returns it)."""
     T = weights.shape[0]
-    rows = (inverse_permutation(order) if inv is None else inv).view(T, k)
+    rows = (inverse_permutation(order) if inv is None else inv).view(T, inv_stride or k)
     w = weights.float()
     out = torch.zeros(T, y.shape[1], dtype=torch.float32, device=y.device)
     for j in range(k):
@@ -55,13 +58,13 @@ def reference(y: torch.Tensor, order: torch.Tensor, weights: torch.Tensor, k: in
 if triton is not None:
     @triton.jit
     def _combine_kernel(y_ptr, inv_ptr, w_ptr, add_ptr, out_ptr, D, stride_y, stride_add, K: tl.constexpr,
-                        BLOCK_D: tl.constexpr, HAS_ADD: tl.constexpr):
+                        BLOCK_D: tl.constexpr, HAS_ADD: tl.constexpr, INV_STRIDE: tl.constexpr):
         t = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
         live = cols < D
         acc = tl.zeros([BLOCK_D], dtype=tl.float32)
         for j in tl.static_range(K):
-            row = tl.load(inv_ptr + t * K + j).to(tl.int64)
+            row = tl.load(inv_ptr + t * INV_STRIDE + j).to(tl.int64)
             w = tl.load(w_ptr + t * K + j)
             v = tl.load(y_ptr + row * stride_y + cols, mask=live, other=0.0).to(tl.float32)
             acc += v * w  # enable_fp_fusion=False at launch: a rounded product, then a rounded add
@@ -71,17 +74,21 @@ if triton is not None:
 
 
 def moe_combine(y: torch.Tensor, order: torch.Tensor, weights: torch.Tensor, k: int, inv: torch.Tensor | None = None,
-                add: torch.Tensor | None = None, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+                add: torch.Tensor | None = None, out_dtype: torch.dtype = torch.float32,
+                inv_stride: int | None = None) -> torch.Tensor:
     """Fused on CUDA (Triton), the torch reference elsewhere; same contract (and bits) as `reference`."""
     if triton is None or not y.is_cuda:
-        return reference(y, order, weights, k, inv, add, out_dtype)
-    return _launch(y, order, weights, k, inv, add, out_dtype)
+        return reference(y, order, weights, k, inv, add, out_dtype, inv_stride)
+    return _launch(y, order, weights, k, inv, add, out_dtype, inv_stride)
 
 
-def _launch(y, order, weights, k: int, inv=None, add=None, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def _launch(y, order, weights, k: int, inv=None, add=None, out_dtype: torch.dtype = torch.float32,
+            inv_stride: int | None = None) -> torch.Tensor:
     """The launch without the device check (also runs under TRITON_INTERPRET=1)."""
     T, D = weights.shape[0], y.shape[1]
-    assert weights.shape == (T, k) and y.shape[0] == order.numel() == T * k, (y.shape, order.shape, weights.shape)
+    stride = inv_stride or k
+    assert weights.shape == (T, k) and y.shape[0] == order.numel() == T * stride and stride >= k, \
+        (y.shape, order.shape, weights.shape, inv_stride)
     if y.stride(1) != 1:
         y = y.contiguous()
     if add is not None and (add.shape != (T, D) or add.stride(1) != 1):
@@ -94,5 +101,6 @@ def _launch(y, order, weights, k: int, inv=None, add=None, out_dtype: torch.dtyp
     block = min(512, triton.next_power_of_2(D))
     _combine_kernel[(T, triton.cdiv(D, block))](y, inv, w, y if add is None else add, out, D, y.stride(0),
                                                 0 if add is None else add.stride(0), K=k, BLOCK_D=block,
-                                                HAS_ADD=add is not None, num_warps=4, enable_fp_fusion=False)
+                                                HAS_ADD=add is not None, INV_STRIDE=stride, num_warps=4,
+                                                enable_fp_fusion=False)
     return out

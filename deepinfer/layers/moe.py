@@ -11,7 +11,8 @@ from torch import nn
 from deepinfer.kernels import grouped_gemm_fp8_gluon as gluon_fp8
 from deepinfer.kernels import router as _router
 from deepinfer.kernels.act_quant import act_quant
-from deepinfer.kernels.grouped_gemm import FP4_GROUP, grouped_gemm, triton_available
+from deepinfer.kernels.grouped_gemm import (FP4_GROUP, FP8, fused_layout_error, grouped_gemm, grouped_gemv_fused,
+                                            triton_available, use_gemv)
 from deepinfer.kernels.grouped_gemm_fp8 import grouped_gemm_fp8, tma_variant_ok
 from deepinfer.kernels.moe_align import moe_align
 from deepinfer.kernels.moe_combine import moe_combine
@@ -35,6 +36,11 @@ W8A8_ROWS_PER_EXPERT = 1
 # 4.52 ms against variant "tma"'s 1.76 / 1.81 / 3.19 / 5.25 (benchmarks/NOTES.md, "2026-12-02, third session");
 # fewer rows not measured.
 GLUON_ROWS = 3072
+# Up to this many tokens a step, FP8 routed experts whose GEMV reads the shared expert's layout run the shared
+# expert as one more group of their GEMVs, w1 and w3 in one launch (Experts.with_shared): three GEMV-side launches
+# a layer instead of seven. One token only: the shared group takes one row tile per token, each reading the whole
+# shared weight (the separate Linear reads it once).
+SHARED_AS_GROUP_TOKENS = 1
 
 
 def clamped_swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
@@ -266,6 +272,40 @@ class Experts(nn.Module):
         out.index_add_(0, tok, y.float() * weights.flatten()[order, None])
         return out if shared is None else (out + shared.float()).to(x.dtype)
 
+    def with_shared(self, x: torch.Tensor, weights: torch.Tensor, idx: torch.Tensor, shared: "MLP") -> torch.Tensor | None:
+        """The layer's result (routed sum + shared expert, x.dtype) with the shared expert as group E of the
+        routed experts' GEMVs (grouped_gemv_fused: w1 and w3 in one launch, then w2), or None where that does not
+        apply: CUDA bf16 outside batch-invariant mode, at most SHARED_AS_GROUP_TOKENS tokens, all of this
+        module's experts, FP8 codes with E8M0 scales in the GEMV's regime, and a shared expert of one expert's
+        shape whose FP8 scales share their K blocks. Same kernels' arithmetic per element as `grouped` plus
+        MLP.forward, with the GEMV tiles of E + 1 groups; the combine adds the shared row last, as there."""
+        T = x.shape[0]
+        if not (x.is_cuda and x.dtype == torch.bfloat16 and triton_available() and 0 < T <= SHARED_AS_GROUP_TOKENS
+                and not invariant.enabled() and self.num_experts == self.num_global):
+            return None
+        if not self.quant.quantized or any(getattr(self, n).dtype != torch.float8_e4m3fn for n in ("w1", "w2", "w3")):
+            return None
+        E, k = self.num_experts, idx.shape[1]
+        (w1, s1), (w3, s3), (w2, s2) = ((getattr(self, n), getattr(self, f"{n}_scale")) for n in ("w1", "w3", "w2"))
+        b13, b2 = self._block("w1"), self._block("w2")
+        up = ((shared.w1.weight, shared.w1.scale), (shared.w3.weight, shared.w3.scale))
+        down = (shared.w2.weight, shared.w2.scale)
+        lins = (shared.w1, shared.w3, shared.w2)
+        if (self._block("w3") != b13 or any(m.block_size is None for m in lins)
+                or shared.w1.block_size != shared.w3.block_size
+                or not use_gemv(T * (k + 1), E + 1, FP8)
+                or fused_layout_error(w1, s1, E + 1, (w3, s3), up, shared.w1.block_size, b13)
+                or fused_layout_error(w2, s2, E + 1, None, down, shared.w2.block_size, b2)):
+            return None
+        order, tok, offs, inv = moe_align(idx, E + 1, shared_slot=True)
+        gate_up = grouped_gemv_fused(x[tok], w1, s1, offs, b13, pair=(w3, s3), extra=up,
+                                     extra_block=shared.w1.block_size)
+        F_ = w1.shape[1]
+        h = swiglu(gate_up[:, :F_], gate_up[:, F_:], self.limit, x.dtype)
+        y = grouped_gemv_fused(h, w2, s2, offs, b2, extra=down, extra_block=shared.w2.block_size)
+        # group E's rows are the last T (the largest id; stable sort keeps token order): the shared outputs
+        return moe_combine(y, order, weights, k, inv, y[T * k:], x.dtype, inv_stride=k + 1)
+
     def _use_grouped(self, x: torch.Tensor) -> bool:
         if not (x.is_cuda and x.dtype == torch.bfloat16):
             return False
@@ -308,6 +348,10 @@ class MoE(nn.Module):
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor, image_mask: torch.Tensor | None = None):
         weights, idx = self.gate(x, input_ids, image_mask)
+        if self.expert_parallel is None:
+            fused = self.experts.with_shared(x, weights, idx, self.shared_experts)
+            if fused is not None:
+                return fused
         routed = self.experts if self.expert_parallel is None else self.expert_parallel
         return routed(x, weights, idx, self.shared_experts(x))
 

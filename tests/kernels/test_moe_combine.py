@@ -95,6 +95,22 @@ def test_kernel_under_cuda_graph_capture():
     assert torch.equal(out, reference(y, order, weights, 6))
 
 
+# moe_align's shared slot: inv holds k + 1 rows a token; the first k are summed with their weights and the shared
+# expert's rows (the last T of y) come last as `add`: the same sum as k routed slots plus the shared output
+SHARED_SLOT_CHECK = (
+    "    from deepinfer.kernels.moe_align import reference as align\n"
+    "    from deepinfer.kernels.moe_combine import _launch\n"
+    "    E = 8\n"
+    "    order, tok, offs, inv = align(idx, E + 1, shared_slot=True)\n"
+    "    ys = (torch.randn(T * (k + 1), D, generator=g) * 3).to(torch.bfloat16)\n"
+    "    assert torch.equal(tok[T * k:], torch.arange(T))\n"
+    "    got = _launch(ys, order, w, k, inv, ys[T * k:], torch.float32, inv_stride=k + 1)\n"
+    "    rows = inv.view(T, k + 1)\n"
+    "    want = sum(ys[rows[:, j]].float() * w[:, j, None] for j in range(k)) + ys[T * k:].float()\n"
+    "    assert torch.equal(got, want), (T, k, D)\n"
+    "    assert torch.equal(got, reference(ys, order, w, k, inv, ys[T * k:], inv_stride=k + 1))\n")
+
+
 def test_kernel_matches_reference_in_the_triton_interpreter():
     pytest.importorskip("triton")
     code = (
@@ -108,16 +124,17 @@ def test_kernel_matches_reference_in_the_triton_interpreter():
         "    w = torch.rand(T, k, generator=g)\n"
         "    out = torch.empty(T, D)\n"
         "    _combine_kernel[(T, triton.cdiv(D, 16))](y, inverse_permutation(order), w, y, out, D, D, 0, K=k,\n"
-        "                                             BLOCK_D=16, HAS_ADD=False, enable_fp_fusion=False)\n"
+        "                                             BLOCK_D=16, HAS_ADD=False, INV_STRIDE=k, enable_fp_fusion=False)\n"
         "    assert torch.equal(out, reference(y, order, w, k)), (T, k, D)\n"
         "    add = (torch.randn(T, D + 3, generator=g) * 2).to(torch.bfloat16)[:, :D]\n"  # strided rows
         # fp32 output: the interpreter's fp32 -> bf16 cast truncates (the GPU rounds to nearest
         # even), so the bf16 output is checked bit for bit on the GPU only
         "    out = torch.empty(T, D)\n"
         "    _combine_kernel[(T, triton.cdiv(D, 16))](y, inverse_permutation(order), w, add, out, D, D, D + 3, K=k,\n"
-        "                                             BLOCK_D=16, HAS_ADD=True, enable_fp_fusion=False)\n"
+        "                                             BLOCK_D=16, HAS_ADD=True, INV_STRIDE=k, enable_fp_fusion=False)\n"
         "    assert torch.equal(out, reference(y, order, w, k, add=add)), (T, k, D)\n"
         "    assert torch.equal(reference(y, order, w, k, add=add, out_dtype=torch.bfloat16),\n"
-        "                       (reference(y, order, w, k) + add.float()).to(torch.bfloat16))\n"
+        "                       (reference(y, order, w, k) + add.float()).to(torch.bfloat16))\n" +
+        SHARED_SLOT_CHECK +
         "print('ok')\n")
     run_interpreted(code)

@@ -82,6 +82,14 @@ def gemv_expert_launches():
             assert kw.get("gemv"), (M, N, K)
             grouped_gemm._launch(_e(M, K), _e(256, N, K, dtype=torch.float8_e4m3fn), _i(256, dtype=torch.int32),
                                  _i(256, N, K // block[1], dtype=torch.uint8).view(torch.float8_e8m0fnu), block, **kw)
+    # one token: the shared expert as group 256 of its 6 routed rows (grouped_gemv_fused), w1 | w3 in one launch
+    # (128 x 128 blocks for the shared expert), then w2
+    e4, e8 = torch.float8_e4m3fn, torch.float8_e8m0fnu
+    for N, K, pair in ((2048, 4096, True), (4096, 2048, False)):
+        halves = [(_e(256, N, K, dtype=e4), _i(256, N, K // 128, dtype=torch.uint8).view(e8))
+                  for _ in range(1 + pair)]
+        extra = [(_e(N, K, dtype=e4), _i(N // 128, K // 128, dtype=torch.uint8).view(e8)) for _ in range(1 + pair)]
+        grouped_gemm._launch_fused(_e(7, K), halves, extra, _i(257, dtype=torch.int32), (1, 128), (128, 128), 132)
 
 
 def gemv_linear_launches():

@@ -275,3 +275,58 @@ def test_w8a8_experts_take_the_gluon_variant_at_prefill_rows(monkeypatch, rows, 
     ex._grouped_mm(xs, "w1", torch.tensor([rows // 4 * (i + 1) for i in range(3)] + [rows], dtype=torch.int32),
                    act_quant(xs, 128))
     assert seen == [want]
+
+
+# ---------------------------------------------------------------- the shared expert as a group of the routed GEMVs
+
+def _moe_fp8(dim=512, inter=256, E=16, topk=4):
+    """An MoE layer as the FP8 engine holds V4's: FP4 experts repacked to FP8 codes with folded (1, 128) scales,
+    the shared expert FP8 with 128 x 128 E8M0 blocks, the gate in bf16."""
+    from deepinfer.layers.linear import QuantSpec
+    from deepinfer.layers.moe import MoE
+
+    g = torch.Generator().manual_seed(3)
+    moe_ = MoE(dim, inter, E, topk, 1, 100, False, 1.5, 10.0, torch.bfloat16,
+               expert_quant=QuantSpec(block_size=(128, 128), fp4_experts=True), shared_quant=QuantSpec((128, 128)))
+    moe_.experts = _fp4_experts(dim=dim, inter=inter, E=E, dtype=torch.bfloat16)
+    moe_.experts.repack_fp4_as_fp8()
+    for lin in (moe_.shared_experts.w1, moe_.shared_experts.w2, moe_.shared_experts.w3):
+        lin.weight.copy_((torch.randn(lin.weight.shape, generator=g) * 2).to(torch.float8_e4m3fn))
+        lin.scale.view(torch.uint8).copy_(torch.randint(112, 118, lin.scale.shape, generator=g, dtype=torch.uint8))
+    moe_.gate.weight.data.copy_(torch.randn(moe_.gate.weight.shape, generator=g) * 0.05)
+    return moe_.cuda()
+
+
+@pytest.mark.gpu
+def test_shared_expert_as_a_group_matches_the_separate_path_on_gpu(monkeypatch):
+    """One token: the routed experts and the shared expert in two fused GEMV launches give the separate path's
+    result up to the GEMV tiles' fp32 summation order (same products); in a CUDA graph too."""
+    from deepinfer.layers import moe
+
+    calls = []
+    real = moe.grouped_gemv_fused
+    monkeypatch.setattr(moe, "grouped_gemv_fused", lambda *a, **k: calls.append(1) or real(*a, **k))
+    m = _moe_fp8()
+    x = torch.randn(1, 512, dtype=torch.bfloat16, device="cuda")
+    ids = torch.zeros(1, dtype=torch.long, device="cuda")
+    fused = m(x, ids)
+    assert len(calls) == 2
+    monkeypatch.setattr(moe, "SHARED_AS_GROUP_TOKENS", 0)
+    separate = m(x, ids)
+    assert len(calls) == 2 and fused.dtype == separate.dtype == torch.bfloat16
+    assert float((fused.float() - separate.float()).norm() / separate.float().norm()) < 4e-3
+    monkeypatch.setattr(moe, "SHARED_AS_GROUP_TOKENS", 1)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = m(x, ids)
+    x.copy_(torch.randn(1, 512, dtype=torch.bfloat16, device="cuda"))
+    graph.replay()
+    assert torch.equal(out, m(x, ids))
+
+
+def test_shared_expert_as_a_group_stays_off_the_cpu_and_the_bf16_experts():
+    from deepinfer.layers.moe import MoE
+
+    m = MoE(64, 32, 4, 2, 1, 10, False, 1.0, 10.0, torch.bfloat16)
+    x = torch.randn(1, 64, dtype=torch.bfloat16)
+    assert m.experts.with_shared(x, torch.rand(1, 2), torch.tensor([[0, 1]]), m.shared_experts) is None
