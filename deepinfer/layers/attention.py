@@ -94,13 +94,15 @@ class Indexer(nn.Module):
 
     def forward(self, x: torch.Tensor, qr: torch.Tensor, batch: ForwardBatch, plan: CompressPlan,
                 keys: IndexKeyStore, carry: CarryState, rope: RopeCache, entry_rope: RopeCache,
-                gather=None) -> torch.Tensor:
+                gather=None, q_proj: torch.Tensor | None = None) -> torch.Tensor:
         """-> [T, k] selected entry ids (ascending score order not guaranteed), -1 = none. `rope`: at
         the tokens' positions (queries); `entry_rope`: at the new entries' (plan.rope_pos); `gather`:
-        see Compressor.forward."""
+        see Compressor.forward; `q_proj`: wq_b(qr) when the caller computed it (with its own query
+        projection, in one GEMM)."""
         new_keys, dst = self.compressor(x, batch.positions, plan, carry, entry_rope, gather)
         keys.write(dst, new_keys)
-        q = apply_rope(self.wq_b(qr).view(-1, self.n_heads, self.head_dim), rope, overwrite=True)
+        q_proj = self.wq_b(qr) if q_proj is None else q_proj
+        q = apply_rope(q_proj.view(-1, self.n_heads, self.head_dim), rope, overwrite=True)
         q = keys.prepare_query(q)
         # the fused score kernel: bf16 queries, keys readable in bf16 without rounding
         fused = keys.fmt in ("bfloat16", "fp4") and _scores.supported(q, q)

@@ -93,7 +93,12 @@ class Attention(nn.Module):
         rope = ctx.rope_main if self.kind == SLIDING else ctx.rope_compress
         q_lat, kv_lat = stacked_forward(self, "_wq_a_wkv", (self.wq_a, self.wkv), x)  # same x: one GEMM on CUDA
         qr = self.q_norm(q_lat)
-        q = norm_rope(self.wq_b(qr).view(T, self.n_heads, self.head_dim), self.eps, rope)  # per-head norm + rope
+        index_q = None
+        if self.kind == CSA:  # the indexer's query projection reads qr too: one GEMM on CUDA
+            q_full, index_q = stacked_forward(self, "_wq_b_index", (self.wq_b, self.indexer.wq_b), qr)
+        else:
+            q_full = self.wq_b(qr)
+        q = norm_rope(q_full.view(T, self.n_heads, self.head_dim), self.eps, rope)  # per-head norm + rope
         kv = cache.ring.roundtrip(apply_rope(self.kv_norm(kv_lat), rope, overwrite=True))
         if ctx.gather is not None:
             kv = ctx.gather(kv)  # every window key of the step: the queries read them by step row
@@ -105,7 +110,7 @@ class Attention(nn.Module):
             cache.entries.write(dst, entries)
         if self.kind == CSA:
             entry_ids = self.indexer(x, qr, batch, plan, cache.index_keys, cache.carry["indexer"],
-                                     rope, ctx.entry_rope(plan), ctx.gather)
+                                     rope, ctx.entry_rope(plan), ctx.gather, index_q)
         elif self.kind == HCA:
             entry_ids = ctx.all_entries(plan)
         o = sparse_attention(q, kv, batch, cache.ring, entry_ids, plan, cache.entries,
