@@ -100,6 +100,27 @@ def profiled(step, n: int, args, cuda: bool) -> None:
         print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=args.rows, max_name_column_width=70))
 
 
+REPLAYS = 50
+
+
+def back_to_back_replays(graphs) -> tuple[float, float]:
+    """(GPU ms, host ms) per replay of the most recently captured decode graph, REPLAYS in a row with no host
+    work between them: the GPU's own time for a step's kernels (launch gaps inside the graph included) and
+    the host's cost of launching it. Rewrites the same cache rows each time (timing only)."""
+    graph = list(graphs.graphs.values())[-1][0]
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    t0 = time.perf_counter()
+    start.record()
+    for _ in range(REPLAYS):
+        graph.replay()
+    end.record()
+    host = time.perf_counter() - t0
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / REPLAYS, 1e3 * host / REPLAYS
+
+
 def synchronising_calls(step, n: int = 1) -> list:
     """The warnings torch's sync debug mode raises over `n` calls of `step` (one per synchronising call)."""
     torch.cuda.set_sync_debug_mode("warn")
@@ -123,6 +144,10 @@ def decode(model, kv: str, args, cuda: bool) -> None:
         step_s = fs.decode_seconds(engine, args.steps)
         replay_s = fs.graph_replay_seconds(engine.runner.graphs, reqs, args.steps)
         print(f"engine step {1e3 * step_s:.3f} ms, graph replay alone {1e3 * replay_s:.3f} ms")
+        gpu_ms, host_ms = back_to_back_replays(engine.runner.graphs)
+        print(f"one captured decode graph replayed {REPLAYS} times back to back: {gpu_ms:.3f} ms a replay on the GPU "
+              f"(CUDA events), {host_ms:.3f} ms of host time a replay call (cudaGraphLaunch); an engine step longer "
+              f"than the GPU's time is host-bound")
         before = torch.cuda.memory_stats()
         caught = synchronising_calls(engine.step, args.steps)
         after = torch.cuda.memory_stats()
