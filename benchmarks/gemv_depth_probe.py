@@ -1,0 +1,125 @@
+"""GEMV tiles with deeper pipelines at one token (H200): V4's decode projections and the fused expert launches,
+each timed as 20 calls in one CUDA graph over weights (and routings) that together exceed the L2.
+
+Rows: shape, tiles (BLOCK_N, BLOCK_K, num_warps, num_stages, split_k), us per call, GB/s of FP8 bytes read.
+`default` is what grouped_gemm / grouped_gemv_fused pick today.
+
+    python benchmarks/gemv_depth_probe.py --commit <hash> --out benchmarks/results/<file>.json
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+
+import torch
+
+from common import add_commit_arg, recorded_commit
+from deepinfer.kernels import grouped_gemm as gg
+
+CALLS = 20
+TILES = [(bn, bk, nw, ns) for (bn, nw), bk, ns in itertools.product(((8, 2), (16, 2), (16, 4), (32, 4)), (256, 512),
+                                                                      (3, 5))]
+
+
+def timed(fn) -> float:
+    fn(0)
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for i in range(CALLS):
+            fn(i)
+    g.replay()
+    torch.cuda.synchronize()
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    e0.record()
+    for _ in range(10):
+        g.replay()
+    e1.record()
+    torch.cuda.synchronize()
+    return e0.elapsed_time(e1) / 10 / CALLS * 1e3
+
+
+def scale(*shape):
+    return torch.randint(118, 124, shape, dtype=torch.uint8, device="cuda").view(torch.float8_e8m0fnu)
+
+
+def fp8(*shape):
+    return (torch.randn(*shape, device="cuda") * 4).to(torch.float8_e4m3fn)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--out")
+    add_commit_arg(ap)
+    args = ap.parse_args()
+    rows = []
+
+    def record(shape, tiles, us, nbytes):
+        rows.append({"shape": shape, "tiles": tiles, "us": round(us, 2), "GBs": round(nbytes / us / 1e3, 1)})
+        print(json.dumps(rows[-1]), flush=True)
+
+    for N, K in ((4096, 8192), (40960, 1024), (4096, 4096), (1536, 4096)):
+        copies = max(2, -(-300_000_000 // (N * K)))
+        ws = [(fp8(N, K), scale(N // 128, K // 128)) for _ in range(copies)]
+        a = torch.randn(1, K, device="cuda", dtype=torch.bfloat16)
+        record(f"linear {N}x{K}", "default", timed(lambda i: gg.grouped_gemm(a, *ws[i % copies], block_size=(128, 128))),
+               N * K)
+        for bn, bk, nw, ns in TILES:
+            for sk in (1,):
+                if K % (bk * sk) or K // (bk * sk) < 2:
+                    continue
+                kw = dict(gemv=True, BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, num_stages=ns, split_k=sk)
+                record(f"linear {N}x{K}", [bn, bk, nw, ns, sk],
+                       timed(lambda i: gg._launch(a, ws[i % copies][0], None, ws[i % copies][1], (128, 128), **kw)), N * K)
+        del ws
+    # wo_a: 8 groups of 1024 x 4096, one row each (Linear.forward_grouped at one token)
+    G, O, I = 8, 1024, 4096
+    copies = 10
+    ws = [(fp8(G, O, I), scale(G, O // 128, I // 128)) for _ in range(copies)]
+    a8 = torch.randn(G, I, device="cuda", dtype=torch.bfloat16)
+    o8 = torch.arange(1, G + 1, dtype=torch.int32, device="cuda")
+    record("wo_a 8 x 1024x4096", "default",
+           timed(lambda i: gg.grouped_gemm(a8, ws[i % copies][0], o8, ws[i % copies][1], (128, 128))), G * O * I)
+    for bn, bk, nw, ns in TILES:
+        kw = dict(gemv=True, ROWS=1, BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, num_stages=ns, split_k=1)
+        record("wo_a 8 x 1024x4096", [bn, bk, nw, ns, 1],
+               timed(lambda i: gg._launch(a8, ws[i % copies][0], o8, ws[i % copies][1], (128, 128), **kw)), G * O * I)
+    del ws
+    # experts: 256 x (F 2048, D 4096), 6 routed rows + the shared expert as group 256 (grouped_gemv_fused)
+    E, F, D = 256, 2048, 4096
+    w1, w3, w2 = fp8(E, F, D), fp8(E, F, D), fp8(E, D, F)
+    s1, s3, s2 = scale(E, F, D // 128), scale(E, F, D // 128), scale(E, D, F // 128)
+    x1, x3, x2 = fp8(F, D), fp8(F, D), fp8(D, F)
+    t1, t3, t2 = scale(F // 128, D // 128), scale(F // 128, D // 128), scale(D // 128, F // 128)
+    offs = []
+    for _ in range(CALLS):
+        ids = torch.randperm(E)[:6].sort().values
+        counts = torch.zeros(E + 1, dtype=torch.int32)
+        counts[ids] = 1
+        counts[E] = 1
+        offs.append(counts.cumsum(0).to(torch.int32).cuda())
+    a13 = torch.randn(7, D, device="cuda", dtype=torch.bfloat16)
+    a2 = torch.randn(7, F, device="cuda", dtype=torch.bfloat16)
+    up = dict(pair=(w3, s3), extra=((x1, t1), (x3, t3)), extra_block=(128, 128))
+    for name, a, w, s, kw, nbytes in (("experts w1|w3 + shared", a13, w1, s1, up, 7 * 2 * F * D),
+                                      ("experts w2 + shared", a2, w2, s2, dict(extra=(x2, t2), extra_block=(128, 128)),
+                                       7 * F * D)):
+        K = w.shape[2]
+        record(name, "default", timed(lambda i: gg.grouped_gemv_fused(a, w, s, offs[i], (1, 128), **kw)), nbytes)
+        for bn, bk, nw, ns in TILES:
+            for sk in (1,):
+                if K % (bk * sk) or K // (bk * sk) < 2:
+                    continue
+                tiles = dict(ROWS=1, BLOCK_N=bn, BLOCK_K=bk, num_warps=nw, num_stages=ns, split_k=sk)
+                record(name, [bn, bk, nw, ns, sk],
+                       timed(lambda i: gg.grouped_gemv_fused(a, w, s, offs[i], (1, 128), **kw, **tiles)), nbytes)
+    out = {"device": torch.cuda.get_device_name(), "commit": recorded_commit(args), "calls_per_graph": CALLS,
+           "rows": rows}
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

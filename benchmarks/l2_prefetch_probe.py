@@ -1,0 +1,68 @@
+"""Probe: does an L2 prefetch on a side stream, during a window of small kernels, speed up the next GEMV?"""
+import sys, json, torch, triton, triton.language as tl
+from deepinfer.kernels.grouped_gemm import grouped_gemm
+
+@triton.jit
+def _prefetch(ptr, n_bytes, LINES: tl.constexpr, EVICT_LAST: tl.constexpr):
+    offs = tl.program_id(0).to(tl.int64) * LINES * 128 + tl.arange(0, LINES).to(tl.int64) * 128
+    offs = tl.minimum(offs, n_bytes - 1)
+    if EVICT_LAST:
+        tl.inline_asm_elementwise("prefetch.global.L2::evict_last [$1];", "=r,l", [ptr + offs], dtype=tl.int32, is_pure=False, pack=1)
+    else:
+        tl.inline_asm_elementwise("prefetch.global.L2 [$1];", "=r,l", [ptr + offs], dtype=tl.int32, is_pure=False, pack=1)
+
+def prefetch(t, evict_last=True, lines=1024):
+    n = t.numel() * t.element_size()
+    u8 = t.view(-1).view(torch.uint8)
+    _prefetch[(triton.cdiv(n, 128 * lines),)](u8, n, LINES=lines, EVICT_LAST=evict_last, num_warps=4)
+
+res = {}
+for N, K, name in ((4096, 8192, "wo_b 4096x8192"), (32768, 1024, "wq_b 32768x1024"), (1536, 4096, "wq_a+wkv 1536x4096")):
+    n_w = max(8, int(300e6 // (N * K)))
+    ws = [((torch.randn(N, K, device="cuda") * 4).to(torch.float8_e4m3fn),
+           torch.randint(118, 124, (N // 128, K // 128), dtype=torch.uint8, device="cuda").view(torch.float8_e8m0fnu)) for _ in range(n_w)]
+    x = torch.randn(1, K, device="cuda", dtype=torch.bfloat16)
+    side = torch.cuda.Stream()
+    for w, s in ws[:2]:
+        grouped_gemm(x, w, None, s, (128, 128)); prefetch(w)
+    torch.cuda.synchronize()
+    def body(mode, sleep_cycles):
+        main = torch.cuda.current_stream()
+        for w, s in ws:
+            if mode != "none":
+                side.wait_stream(main)
+                with torch.cuda.stream(side):
+                    prefetch(w, evict_last=(mode == "evict_last"))
+            if sleep_cycles:
+                torch.cuda._sleep(sleep_cycles)
+            if mode != "none":
+                main.wait_stream(side)
+            grouped_gemm(x, w, None, s, (128, 128))
+    out = {}
+    for mode in ("none", "evict_last", "normal"):
+        for cyc in (0, 60000):
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                body(mode, cyc)
+            g.replay(); torch.cuda.synchronize()
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            e0.record()
+            for _ in range(20):
+                g.replay()
+            e1.record(); torch.cuda.synchronize()
+            out[f"{mode}-sleep{cyc}"] = e0.elapsed_time(e1) / 20 / n_w * 1e3  # us per (sleep + gemv)
+    # sleep alone
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in ws:
+            torch.cuda._sleep(60000)
+    g.replay(); torch.cuda.synchronize()
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    e0.record()
+    for _ in range(20):
+        g.replay()
+    e1.record(); torch.cuda.synchronize()
+    out["sleep-alone"] = e0.elapsed_time(e1) / 20 / n_w * 1e3
+    res[name] = out
+    print(name, json.dumps({k: round(v, 2) for k, v in out.items()}), flush=True)
+    del ws
