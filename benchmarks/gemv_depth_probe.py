@@ -63,7 +63,7 @@ def main() -> None:
         copies = max(2, -(-300_000_000 // (N * K)))
         ws = [(fp8(N, K), scale(N // 128, K // 128)) for _ in range(copies)]
         a = torch.randn(1, K, device="cuda", dtype=torch.bfloat16)
-        record(f"linear {N}x{K}", "default", timed(lambda i: gg.grouped_gemm(a, *ws[i % copies], block_size=(128, 128))),
+        record(f"linear {N}x{K}", "default", timed(lambda i: gg.grouped_gemm(a, ws[i % copies][0], None, ws[i % copies][1], (128, 128))),
                N * K)
         for bn, bk, nw, ns in TILES:
             for sk in (1,):
