@@ -170,6 +170,13 @@ SWAP_ROWS = 64
 # "2026-12-02, third session").
 NARROW_GEMV = dict(BLOCK_N=8, BLOCK_K=512, num_warps=2, num_stages=3)
 NARROW_GEMV_MIN_N = 2048
+# Several groups of one row each (V4's wo_a at one token: 8 groups of 1024 x 4096) whose default tiles would split K
+# take NARROW_GEMV unsplit too: 11.2 us a call against 12.9 with the split (gemv_depth_probe.py, H200; benchmarks/
+# NOTES.md, "2026-12-02, fourth session").
+# grouped_gemv_fused at up to one row a group (the shared expert as group 256 of one token's routed experts):
+# 16 x 256 tiles, 2 warps, 3 stages: w1 | w3 + shared 32.6 us against 44.5 with gemv_config's several-group tiles,
+# w2 + shared 18.0 against 20.8 (same probe).
+FUSED_GEMV = dict(ROWS=1, BLOCK_N=16, BLOCK_K=256, num_warps=2, num_stages=3)
 
 
 def use_gemv(M: int, E: int, fmt: int) -> bool:
@@ -664,7 +671,7 @@ def _launch_fused(a, halves, xparts, offs, block_size, bx, sms: int, ROWS=None, 
     if a.dim() != 2 or a.shape[1] != K:
         raise ValueError(f"grouped_gemv_fused: A {tuple(a.shape)} does not match weight {tuple(w.shape)}")
     n_out = N * len(halves)
-    cfg = gemv_config(M, E)
+    cfg = dict(FUSED_GEMV) if M <= E else gemv_config(M, E)
     for k, v in (("ROWS", ROWS), ("BLOCK_N", BLOCK_N), ("BLOCK_K", BLOCK_K), ("num_warps", num_warps),
                  ("num_stages", num_stages)):
         if v is not None:
@@ -751,7 +758,8 @@ def default_launch(M: int, E: int, fmt: int, N: int, K: int, sms: int, one_group
     if use_gemv(M, E, fmt):
         cfg = gemv_config(M, E)
         split = split_k_for(max_m_tiles(M, E, cfg["ROWS"], one_group), N, K, cfg, sms)
-        if E == 1 and split > 1 and N >= NARROW_GEMV_MIN_N and K % NARROW_GEMV["BLOCK_K"] == 0:
+        if split > 1 and K % NARROW_GEMV["BLOCK_K"] == 0 and (
+                (E == 1 and N >= NARROW_GEMV_MIN_N) or (E > 1 and M == E and cfg["ROWS"] == 1)):
             return dict(gemv=True, **NARROW_GEMV, split_k=1)
         return dict(gemv=True, split_k=split)
     if swap_ok and one_group and fmt == FP8 and 2 <= M < SWAP_ROWS:

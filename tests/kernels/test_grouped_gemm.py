@@ -431,6 +431,12 @@ def test_gemv_dispatch():
     assert default_launch(1, 1, FP8, 1536, 4096, 132, True)["split_k"] > 1  # N / 8 too few programs: split
     assert "BLOCK_N" not in default_launch(1, 1, FP8, 32768, 1024, 132, True)  # no split needed: default tiles
     assert "gemv" not in default_launch(64, 1, FP8, 4096, 8192, 132, True)
+    # one row in each of several groups (V4's wo_a at one token): the narrow tiles unsplit as well; routed experts
+    # (fewer rows than groups) keep gemv_config's tiles, unsplit at one token
+    assert default_launch(8, 8, FP8, 1024, 4096, 132, False) == dict(gemv=True, BLOCK_N=8, BLOCK_K=512, num_warps=2,
+                                                                       num_stages=3, split_k=1)
+    assert default_launch(16, 8, FP8, 1024, 4096, 132, False) == dict(gemv=True, split_k=1)  # two rows a group
+    assert default_launch(6, 256, FP8, 2048, 4096, 132, False) == dict(gemv=True, split_k=1)
     w8, wd = torch.empty(256, 64, 256, dtype=torch.float8_e4m3fn), torch.empty(256, 64, 256, dtype=torch.bfloat16)
     offs = torch.zeros(256, dtype=torch.int32)
     for M in (1, 2, 4, 6, 48, 512, 4096):
