@@ -678,7 +678,7 @@ def _launch_fused(a, halves, xparts, offs, block_size, bx, sms: int, ROWS=None, 
             cfg[k] = v
     if split_k is None:
         split_k = split_k_for(max_m_tiles(M, E, cfg["ROWS"]), n_out, K, cfg, sms)
-    if K % (split_k * cfg["BLOCK_K"]):
+    if split_k > 1 and K % (split_k * cfg["BLOCK_K"]):  # unsplit, the K loop masks its last tile
         raise ValueError(f"grouped_gemv_fused: split_k {split_k} needs K % (split_k * BLOCK_K) == 0")
     out = torch.empty(M, n_out, dtype=torch.bfloat16, device=a.device)
     if M == 0:
