@@ -12,6 +12,7 @@ FUSED_CASES = [
     ([2, 0, 1, 3, 0], 1, 64, 256, (1, 128), (128, 128), dict(ROWS=2, BLOCK_N=32, BLOCK_K=128), 2),
     ([0, 4, 1], 3, 64, 512, (1, 128), (128, 128), dict(ROWS=1, BLOCK_N=16, BLOCK_K=256), 1),
     ([1, 0, 2], 1, 32, 384, (1, 128), (128, 128), dict(ROWS=1, BLOCK_N=16, BLOCK_K=256), 1),  # K: 1.5 K tiles
+    ([1, 0, 2], 1, 64, 128, (1, 32), (32, 32), dict(ROWS=1, BLOCK_N=16, BLOCK_K=128), 1),  # V4.1's 32-wide blocks
 ]
 
 FUSED_CHECK = (
