@@ -171,11 +171,11 @@ SWAP_ROWS = 64
 NARROW_GEMV = dict(BLOCK_N=8, BLOCK_K=512, num_warps=2, num_stages=3)
 NARROW_GEMV_MIN_N = 2048
 # Several groups of one row each (V4's wo_a at one token: 8 groups of 1024 x 4096) whose default tiles would split K
-# take NARROW_GEMV unsplit too: 11.2 us a call against 12.9 with the split (gemv_depth_probe.py, H200; benchmarks/
-# NOTES.md, "2026-12-02, fourth session").
+# take NARROW_GEMV unsplit too: faster than the split in benchmarks/gemv_depth_probe.py (benchmarks/NOTES.md,
+# "2026-12-02, fourth session").
 # grouped_gemv_fused at up to one row a group (the shared expert as group 256 of one token's routed experts):
-# 16 x 256 tiles, 2 warps, 3 stages: w1 | w3 + shared 32.6 us against 44.5 with gemv_config's several-group tiles,
-# w2 + shared 18.0 against 20.8 (same probe).
+# 16 x 256 tiles, 2 warps, 3 stages, faster in the same probe than gemv_config's several-group tiles for both the
+# w1 | w3 and the w2 launches.
 FUSED_GEMV = dict(ROWS=1, BLOCK_N=16, BLOCK_K=256, num_warps=2, num_stages=3)
 
 
