@@ -160,6 +160,47 @@ def decode(model, kv: str, args, cuda: bool) -> None:
         free, total = torch.cuda.mem_get_info()
         print(f"device memory free {free / 2**30:.1f} of {total / 2**30:.1f} GiB")
     profiled(engine.step, args.steps, args, cuda)
+    if args.kernel_sites:
+        engine = None
+        eager = fs.deepinfer_engine(model, args.batch, args.context + args.steps + 64, kv,
+                                    max(8192, args.batch * args.context), False, False)
+        g = torch.Generator().manual_seed(1)
+        fs.start_decoding(eager, [torch.randint(0, model.config.vocab_size, (args.context,), generator=g).tolist()
+                                  for _ in range(args.batch)], 3 * args.steps + 16)
+        for _ in range(fs.DECODE_WARMUP):
+            eager.step()
+        kernel_sites(eager.step, args.steps, args.rows, cuda)
+
+
+def kernel_sites(step, n: int, rows: int, cuda: bool) -> None:
+    """`n` eager steps (no CUDA graphs: each kernel's launching op is visible) under the profiler with Python
+    stacks: each (kernel, the deepinfer line that launched it) with its launches and device us per step. Kernels
+    launched outside an aten op (Triton's own launcher) have no op to carry a stack: they show as "(no op)"."""
+    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+    with torch.profiler.profile(activities=activities, with_stack=True) as prof:
+        for _ in range(n):
+            step()
+        if cuda:
+            torch.cuda.synchronize()
+    sites: dict[tuple[str, str], list[float]] = collections.defaultdict(lambda: [0, 0.0])
+    for e in prof.events():
+        outer_op = e.name.startswith("aten::") and not (e.cpu_parent is not None
+                                                         and e.cpu_parent.name.startswith("aten::"))
+        if not cuda and not outer_op:
+            continue  # CPU: the outermost aten ops
+        site, parent = "(no op)", e.cpu_parent
+        while parent is not None:  # with_stack: the Python frames are the op's ancestors
+            if "deepinfer/" in parent.name and ".py(" in parent.name and "benchmarks/" not in parent.name:
+                site = parent.name[parent.name.index("deepinfer/"):]
+                break
+            parent = parent.cpu_parent
+        for k in (e.kernels if cuda else [e]):
+            entry = sites[(k.name[:60], site)]
+            entry[0] += 1
+            entry[1] += (k.duration if cuda else e.self_cpu_time_total)
+    print(f"kernel sites over {n} eager steps (launches and {'device' if cuda else 'CPU'} us per step):")
+    for (name, site), (count, us) in sorted(sites.items(), key=lambda kv: -kv[1][1])[:rows]:
+        print(f"  {count / n:5.1f} x {us / n:8.1f} us  {name:60s}  {site}")
 
 
 def prefill(model, kv: str, args, cuda: bool) -> None:
@@ -221,6 +262,8 @@ def main() -> None:
     ap.add_argument("--smoke", action="store_true")
     ap.add_argument("--gluon-ab", action="store_true", help="prefill: time the step again with the MoE's W8A8 on "
                     "variant 'tma' at every size (layers/moe.py GLUON_ROWS), then the default again; nothing else")
+    ap.add_argument("--kernel-sites", action="store_true", help="decode: also profile eager steps (no CUDA "
+                    "graphs) with Python stacks and list each kernel with the deepinfer line that launched it")
     add_commit_arg(ap)
     args = ap.parse_args()
     print(f"# commit {recorded_commit(args)}: profile_engine_step.py {' '.join(sys.argv[1:])}", flush=True)
