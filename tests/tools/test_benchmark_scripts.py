@@ -403,24 +403,21 @@ def test_host_step_stub_times_both_models(tmp_path):
     assert all("async=True" in h for h in heads)
 
 
-def test_profile_engine_step_lists_kernel_sites():
-    """--kernel-sites: eager steps under the profiler, each op (CPU) / kernel (CUDA) with the deepinfer line under it."""
-    res = run([sys.executable, "benchmarks/profile_engine_step.py", "--arch", "v4", "--smoke", "--kernel-sites",
-               "--commit", "abcdef1"])
-    assert res.returncode == 0, res.stderr[-3000:]
-    out = res.stdout.splitlines()
-    head = out.index(next(line for line in out if line.startswith("kernel sites over 3 eager steps")))
-    sites = out[head + 1:]
-    assert sites and all(" x " in line and " us " in line for line in sites)
-    assert any("deepinfer/layers/" in line or "deepinfer/kernels/" in line for line in sites)
-
-
 @pytest.mark.parametrize("arch", ["v4", "v41"])
 def test_profile_engine_step_smoke(arch):
-    res = run([sys.executable, "benchmarks/profile_engine_step.py", "--arch", arch, "--smoke", "--commit", "abcdef1"])
+    """v4 also with --kernel-sites: eager steps under the profiler, each op (CPU) / kernel (CUDA) with the deepinfer
+    line under it."""
+    sites = ["--kernel-sites"] if arch == "v4" else []
+    res = run([sys.executable, "benchmarks/profile_engine_step.py", "--arch", arch, "--smoke", *sites,
+               "--commit", "abcdef1"])
     assert res.returncode == 0, res.stderr[-3000:]
     head, *lines = res.stdout.splitlines()
-    assert head == f"# commit abcdef1: profile_engine_step.py --arch {arch} --smoke --commit abcdef1"
+    assert head == f"# commit abcdef1: profile_engine_step.py --arch {arch} --smoke {' '.join(sites + [''])}--commit abcdef1"
+    if sites:
+        at = lines.index(next(line for line in lines if line.startswith("kernel sites over 3 eager steps")))
+        listed = lines[at + 1:]
+        assert listed and all(" x " in line and " us " in line for line in listed)
+        assert any("deepinfer/layers/" in line or "deepinfer/kernels/" in line for line in listed)
     rows = [json.loads(line.split(": ", 1)[1]) for line in lines if line.startswith("sweep decode row")]
     steps = {"v4": 10, "v41": 5}[arch]  # flash_slice.DECODE_STEPS_PER_REP, --reps 1
     assert len(rows) == 2 and all(len(r["step_ms_each"]) == steps and r["graphs_captured"] == 0 for r in rows)
