@@ -1,5 +1,10 @@
 """Probe: does an L2 prefetch on a side stream, during a window of small kernels, speed up the next GEMV?"""
-import sys, json, torch, triton, triton.language as tl
+import json
+
+import torch
+import triton
+import triton.language as tl
+
 from deepinfer.kernels.grouped_gemm import grouped_gemm
 
 @triton.jit
@@ -15,6 +20,22 @@ def prefetch(t, evict_last=True, lines=1024):
     n = t.numel() * t.element_size()
     u8 = t.view(-1).view(torch.uint8)
     _prefetch[(triton.cdiv(n, 128 * lines),)](u8, n, LINES=lines, EVICT_LAST=evict_last, num_warps=4)
+
+def graph_us(capture, replays: int = 20) -> float:
+    """us per replay of a CUDA graph holding what `capture` launches (one warm replay first)."""
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        capture()
+    g.replay()
+    torch.cuda.synchronize()
+    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    e0.record()
+    for _ in range(replays):
+        g.replay()
+    e1.record()
+    torch.cuda.synchronize()
+    return e0.elapsed_time(e1) / replays * 1e3
+
 
 res = {}
 for N, K, name in ((4096, 8192, "wo_b 4096x8192"), (32768, 1024, "wq_b 32768x1024"), (1536, 4096, "wq_a+wkv 1536x4096")):
@@ -41,28 +62,8 @@ for N, K, name in ((4096, 8192, "wo_b 4096x8192"), (32768, 1024, "wq_b 32768x102
     out = {}
     for mode in ("none", "evict_last", "normal"):
         for cyc in (0, 60000):
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                body(mode, cyc)
-            g.replay(); torch.cuda.synchronize()
-            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            e0.record()
-            for _ in range(20):
-                g.replay()
-            e1.record(); torch.cuda.synchronize()
-            out[f"{mode}-sleep{cyc}"] = e0.elapsed_time(e1) / 20 / n_w * 1e3  # us per (sleep + gemv)
-    # sleep alone
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in ws:
-            torch.cuda._sleep(60000)
-    g.replay(); torch.cuda.synchronize()
-    e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    e0.record()
-    for _ in range(20):
-        g.replay()
-    e1.record(); torch.cuda.synchronize()
-    out["sleep-alone"] = e0.elapsed_time(e1) / 20 / n_w * 1e3
+            out[f"{mode}-sleep{cyc}"] = graph_us(lambda: body(mode, cyc)) / n_w  # us per (sleep + gemv)
+    out["sleep-alone"] = graph_us(lambda: [torch.cuda._sleep(60000) for _ in ws]) / n_w
     res[name] = out
     print(name, json.dumps({k: round(v, 2) for k, v in out.items()}), flush=True)
     del ws
