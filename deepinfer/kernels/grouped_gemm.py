@@ -173,6 +173,15 @@ NARROW_GEMV_MIN_N = 2048
 # Several groups of one row each (V4's wo_a at one token: 8 groups of 1024 x 4096) whose default tiles would split K
 # take NARROW_GEMV unsplit too: faster than the split in benchmarks/gemv_depth_probe.py (benchmarks/NOTES.md,
 # "2026-12-02, fourth session").
+# One group at one row, from gemv_depth_probe.py --grid wide (benchmarks/NOTES.md, "2026-12-02, fifth session"):
+# K <= SHORT_K_MAX with N >= SHORT_K_MIN_N (V4's wq_b) takes 16 x 512 tiles, 2 warps, no shared-memory pipeline; N below
+# NARROW_GEMV_MIN_N whose default tiles would split K (V4's stacked wq_a | wkv, N 1536) takes 8 x 2048 tiles,
+# 2 warps, 2 stages, unsplit (no split_sum launch), from WIDE_K_GEMV_MIN_N columns (enough programs to fill the GPU).
+SHORT_K_GEMV = dict(BLOCK_N=16, BLOCK_K=512, num_warps=2, num_stages=1)
+SHORT_K_MAX = 1024
+SHORT_K_MIN_N = 8192
+WIDE_K_GEMV = dict(BLOCK_N=8, BLOCK_K=2048, num_warps=2, num_stages=2)
+WIDE_K_GEMV_MIN_N = 1024
 # grouped_gemv_fused at up to one row a group (the shared expert as group 256 of one token's routed experts):
 # 16 x 256 tiles, 2 warps, 3 stages, faster in the same probe than gemv_config's several-group tiles for both the
 # w1 | w3 and the w2 launches.
@@ -761,6 +770,11 @@ def default_launch(M: int, E: int, fmt: int, N: int, K: int, sms: int, one_group
         if split > 1 and K % NARROW_GEMV["BLOCK_K"] == 0 and (
                 (E == 1 and N >= NARROW_GEMV_MIN_N) or (E > 1 and M == E and cfg["ROWS"] == 1)):
             return dict(gemv=True, **NARROW_GEMV, split_k=1)
+        if E == 1 and M == 1 and split > 1 and WIDE_K_GEMV_MIN_N <= N and K % WIDE_K_GEMV["BLOCK_K"] == 0:
+            return dict(gemv=True, **WIDE_K_GEMV, split_k=1)
+        if E == 1 and M == 1 and split == 1 and K <= SHORT_K_MAX and N >= SHORT_K_MIN_N and \
+                K % SHORT_K_GEMV["BLOCK_K"] == 0:
+            return dict(gemv=True, **SHORT_K_GEMV, split_k=1)
         return dict(gemv=True, split_k=split)
     if swap_ok and one_group and fmt == FP8 and 2 <= M < SWAP_ROWS:
         cfg = swap_config(M)

@@ -412,6 +412,7 @@ test_gemv_matches_reference_in_the_triton_interpreter, test_gemv_matches_referen
 def test_gemv_dispatch():
     """Default tiles send FP8 at few rows per group to the GEMV (ROWS covering the mean rows per group), the
     rest to the dot kernel; explicit tiles (batch-invariant mode's GEMM_TILES) never reach the GEMV, at any M."""
+    from deepinfer.kernels import grouped_gemm as gg
     from deepinfer.kernels.grouped_gemm import (DENSE, FP4, FP8, GEMV_ROWS, GEMV_ROWS_ONE, default_launch,
                                                 gemv_config, launch_kwargs, use_gemv)
     from deepinfer.layers.invariant import GEMM_TILES
@@ -428,8 +429,13 @@ def test_gemv_dispatch():
     assert kw["gemv"] and -(-4096 // kw.get("BLOCK_N", cfg["BLOCK_N"])) * kw["split_k"] >= 2 * 132
     # where the default tiles would split K, the narrow split-free tiles run instead (no split_sum launch)
     assert kw == dict(gemv=True, BLOCK_N=8, BLOCK_K=512, num_warps=2, num_stages=3, split_k=1)
-    assert default_launch(1, 1, FP8, 1536, 4096, 132, True)["split_k"] > 1  # N / 8 too few programs: split
-    assert "BLOCK_N" not in default_launch(1, 1, FP8, 32768, 1024, 132, True)  # no split needed: default tiles
+    # N / 8 too few programs for the narrow tiles: 8 x 2048 tiles unsplit (stacked wq_a | wkv); a narrower N splits
+    assert default_launch(1, 1, FP8, 1536, 4096, 132, True) == dict(gemv=True, **gg.WIDE_K_GEMV, split_k=1)
+    assert default_launch(1, 1, FP8, 512, 4096, 132, True)["split_k"] > 1
+    # short K over many columns (wq_b): 16 x 512 tiles without a shared-memory pipeline; few columns: defaults
+    assert default_launch(1, 1, FP8, 32768, 1024, 132, True) == dict(gemv=True, **gg.SHORT_K_GEMV, split_k=1)
+    assert default_launch(2, 1, FP8, 32768, 1024, 132, True).get("BLOCK_K") != gg.SHORT_K_GEMV["BLOCK_K"]
+    assert "BLOCK_N" not in default_launch(1, 1, FP8, 1024, 1024, 132, True)
     assert "gemv" not in default_launch(64, 1, FP8, 4096, 8192, 132, True)
     # one row in each of several groups (V4's wo_a at one token): the narrow tiles unsplit as well; routed experts
     # (fewer rows than groups) keep gemv_config's tiles, unsplit at one token
