@@ -99,7 +99,9 @@ class Attention(nn.Module):
         else:
             q_full = self.wq_b(qr)
         q = norm_rope(q_full.view(T, self.n_heads, self.head_dim), self.eps, rope)  # per-head norm + rope
-        kv = cache.ring.roundtrip(apply_rope(self.kv_norm(kv_lat), rope, overwrite=True))
+        kv = apply_rope(self.kv_norm(kv_lat), rope, overwrite=True)
+        stored = cache.ring.roundtrip_into(batch.ring_dst, kv) if batch.ring_early and ctx.gather is None else None
+        kv = cache.ring.roundtrip(kv) if stored is None else stored
         if ctx.gather is not None:
             kv = ctx.gather(kv)  # every window key of the step: the queries read them by step row
         entry_ids = plan = None
@@ -115,7 +117,8 @@ class Attention(nn.Module):
             entry_ids = ctx.all_entries(plan)
         o = sparse_attention(q, kv, batch, cache.ring, entry_ids, plan, cache.entries,
                              self.attn_sink, self.head_dim ** -0.5)
-        cache.ring.write_from(batch.ring_dst, kv, batch.ring_src)
+        if stored is None:
+            cache.ring.write_from(batch.ring_dst, kv, batch.ring_src)
         o = apply_rope(o, rope, inverse=True, overwrite=True).view(T, self.o_groups, -1)
         return self.wo_b(self.wo_a.forward_grouped(o))
 

@@ -99,6 +99,10 @@ class ForwardBatch:
     replay: "ReplayPlan | None" = None
     history: HistoryPlan | None = None
     req_lens: tuple[int, ...] = ()  # (host) tokens of each request this step, in token order
+    # (host) the window kv may be written to the ring before attention reads it: no replay, and every request
+    # has at most ring_slack + 1 tokens, so ring_src is every token in order and no row written holds a key
+    # of any query's window (the newest overwritten is position end - 1 - W', below start - W + 1)
+    ring_early: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -325,6 +329,7 @@ def build_forward_batch(chunks: list[SeqChunk], window: int, compress_kinds: set
     # (replay_from 0: nothing lies below it, whatever the window)
     if not keep.all() or ((replay_from > 0) & (pos - window + 1 < replay_from)).any():
         batch.replay = _replay_plan(batch, keep, pos, start, end, slot, replay_from, window, to, ring)
+    batch.ring_early = batch.replay is None and int(lens.max()) <= ring_slack + 1
     return batch
 
 

@@ -49,6 +49,11 @@ class RowStore:
         else:
             self.write(rows, x[src])
 
+    def roundtrip_into(self, rows: torch.Tensor, x: torch.Tensor) -> torch.Tensor | None:
+        """The round trip of x with row i of x also written at rows[i], in one launch where the format has such a
+        kernel (EntryStore "fp8"); None elsewhere: nothing is written, the caller writes."""
+        return None
+
 
 class EntryStore(RowStore):
     """Rows of head_dim vectors (window kv or compressed entries).
@@ -93,6 +98,11 @@ class EntryStore(RowStore):
         if self.fmt == "fp8":
             return entry_roundtrip(x, self.dim - self.nope)
         return x.to(self.data.dtype).to(x.dtype)
+
+    def roundtrip_into(self, rows: torch.Tensor, x: torch.Tensor) -> torch.Tensor | None:
+        if self.fmt == "fp8":  # the codes written are those the round trip decodes
+            return entry_roundtrip(x, self.dim - self.nope, self.tensors(), rows)
+        return None
 
 
 class IndexKeyStore:

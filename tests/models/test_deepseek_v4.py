@@ -149,6 +149,22 @@ def test_fp8_kv_cache_is_consistent_across_chunking_and_differs_from_exact(tmp_p
     assert torch.equal(inc8.argmax(-1), full8.argmax(-1))
 
 
+def test_fp8_ring_written_before_attention_gives_the_logits_of_the_write_after(tmp_path, monkeypatch):
+    """Decode steps (ForwardBatch.ring_early) store the window kv in the round trip's launch; forcing the store
+    after attention instead changes no logit, token by token or with chunks (which always store after)."""
+    from deepinfer.state.kv_state import EntryStore
+
+    model = _tiny_model(tmp_path, CFG_A)
+    ids = _ids(6, 2, 40, CFG_A["vocab_size"])
+    calls = []
+    real = EntryStore.roundtrip_into
+    monkeypatch.setattr(EntryStore, "roundtrip_into", lambda self, rows, x: calls.append(1) or real(self, rows, x))
+    early = _incremental_logits(model, ids, [3, 1], kv="fp8")
+    assert calls  # the single-token steps took the early store
+    monkeypatch.setattr(EntryStore, "roundtrip_into", lambda self, rows, x: None)
+    assert torch.equal(early, _incremental_logits(model, ids, [3, 1], kv="fp8"))
+
+
 def test_mtp_block_loads_and_drafts(tmp_path):
     model = _tiny_model(tmp_path, CFG_A, dtype="fp8")
     cfg = model.config

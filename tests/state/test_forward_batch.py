@@ -87,3 +87,17 @@ def test_entry_addresses_follow_each_block_table_and_refuse_short_ones():
     chunks[5] = SeqChunk(5, 30, [3], {m: [1]})
     with pytest.raises(ValueError, match="slot 5: block table for ratio 2 has 1 blocks, needs 4"):
         build_forward_batch(chunks, 4, {(m, False)}, bs, "cpu")
+
+
+def test_ring_early_only_where_no_written_row_is_read_by_the_step():
+    """ring_early: every request has at most ring_slack + 1 tokens and no replay (the ring rows written are
+    then below every query's window)."""
+    def plan(lens, slack, replay_from=0):
+        chunks = [SeqChunk(i, 50, list(range(n)), {}, replay_from=replay_from) for i, n in enumerate(lens)]
+        return build_forward_batch(chunks, 8, set(), 4, "cpu", ring_slack=slack)
+
+    assert plan([1, 1, 1], 0).ring_early
+    assert plan([2, 1], 1).ring_early and plan([3, 2], 2).ring_early
+    assert not plan([2, 1], 0).ring_early and not plan([5], 3).ring_early
+    b = plan([2], 1, replay_from=48)
+    assert b.replay is not None and not b.ring_early
