@@ -9,6 +9,11 @@ For x [..., dim] (bf16 / fp16 / fp32) with nope = dim - rope_dim and g = gcd(64,
     roundtrip: decode(encode(x)) in x's dtype                                       (`reference_roundtrip`)
 With `out` = the store's (q, scale, rope) tensors and `rows`, the codes of row i go to out[.][rows[i]]
 (and with `src`, row i is x[src[i]]): a store write is one launch.
+With `norm` = (weight, eps, cos, sin) (x bf16 or fp32), the row is first what the model's RMSNorm then
+RoPE make of it (`reference_norm_rope`): y = ((x * rsqrt(sum(x^2) / dim + eps)) * weight) in fp32, cast to
+x's dtype; pairs (2j, 2j+1) of the trailing rope_dim dims rotated by row i's cos / sin [n, rope_dim / 2]
+(e * c - o * s, e * s + o * c in fp32, no fused multiply-add), cast to x's dtype; then encoded as above. The
+sum of squares is reduced in the kernel's order, torch's differs: equal where the sums are exact.
 
 The torch form's arithmetic, bit for bit (finite x; +-inf as torch >= 2.12 casts it):
   * amax as the max of |x|'s bit patterns (ordered as the values; above inf's for a NaN);
@@ -66,6 +71,18 @@ def reference(x: torch.Tensor, rope_dim: int) -> tuple[torch.Tensor, torch.Tenso
     return q, (exp + 127).to(torch.uint8), x[..., nope:].to(torch.bfloat16)
 
 
+def reference_norm_rope(x: torch.Tensor, norm: tuple) -> torch.Tensor:
+    """Plain torch: the row before encoding when `norm` = (weight, eps, cos, sin) is given (module docstring)."""
+    weight, eps, cos, sin = norm
+    y = x.float()
+    y = ((y * torch.rsqrt(y.square().mean(-1, keepdim=True) + eps)) * weight.float()).to(x.dtype)
+    half = cos.shape[-1]
+    r = y[..., y.shape[-1] - 2 * half:].float()
+    e, o = r[..., 0::2], r[..., 1::2]
+    rot = torch.stack((e * cos - o * sin, e * sin + o * cos), dim=-1).flatten(-2).to(x.dtype)
+    return torch.cat((y[..., :y.shape[-1] - 2 * half], rot), dim=-1)
+
+
 def reference_decode(q: torch.Tensor, scale: torch.Tensor, rope: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """Plain torch decode of stored codes -> [..., nope + rope_dim] in dtype."""
     s = torch.exp2(scale.float() - 127).unsqueeze(-1)
@@ -104,12 +121,26 @@ if triton is not None:
         return tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
 
     @triton.jit
-    def _entry_quant_kernel(x_ptr, src_ptr, dst_ptr, q_ptr, s_ptr, r_ptr, out_ptr, n_rows,
-                            stride_x, stride_q, stride_s, stride_r,
+    def _round_bf16(v):
+        """fp32 -> the nearest bf16 value (ties to even) as fp32, on the bits (the interpreter truncates casts)."""
+        b = v.to(tl.uint32, bitcast=True)
+        return ((b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _to_x_dtype(v, BF16: tl.constexpr):
+        """fp32 values cast to x's dtype (bf16 or fp32) and back to fp32."""
+        if BF16:
+            return _round_bf16(v)
+        return v
+
+    @triton.jit
+    def _entry_quant_kernel(x_ptr, src_ptr, dst_ptr, q_ptr, s_ptr, r_ptr, out_ptr, w_ptr, cos_ptr, sin_ptr, n_rows,
+                            stride_x, stride_q, stride_s, stride_r, stride_c, eps,
                             NOPE: tl.constexpr, ROPE: tl.constexpr, G: tl.constexpr, NG: tl.constexpr,
                             NG_P: tl.constexpr, ROPE_P: tl.constexpr, ROWS: tl.constexpr,
                             HAS_SRC: tl.constexpr, HAS_DST: tl.constexpr, STORE: tl.constexpr,
-                            DECODE: tl.constexpr, INV_FMT_MAX: tl.constexpr, CUDA_MATH: tl.constexpr):
+                            DECODE: tl.constexpr, INV_FMT_MAX: tl.constexpr, CUDA_MATH: tl.constexpr,
+                            NORM_ROPE: tl.constexpr = False, HALF_P: tl.constexpr = 1):
         i = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
         live = i < n_rows
         xr = i.to(tl.int64)
@@ -123,6 +154,26 @@ if triton is not None:
         gm = live[:, None] & (grp < NG)[None, :]                                     # [ROWS, NG_P]
         m = gm[:, :, None]
         x = _load_f32(x_ptr + xr[:, None, None] * stride_x + cols[None, :, :], m)
+        if NORM_ROPE:  # RMSNorm over the whole row, then RoPE on the rope pairs, each cast to x's dtype
+            BF16: tl.constexpr = x_ptr.dtype.element_ty == tl.int16
+            HALF: tl.constexpr = ROPE // 2
+            hc = tl.arange(0, HALF_P)
+            hm = live[:, None] & (hc < HALF)[None, :]
+            pair = x_ptr + xr[:, None] * stride_x + NOPE + 2 * hc[None, :]
+            ye, yo = _load_f32(pair, hm), _load_f32(pair + 1, hm)
+            ss = tl.sum(tl.sum(x * x, axis=2), axis=1) + tl.sum(ye * ye, axis=1) + tl.sum(yo * yo, axis=1)
+            rn = tl.rsqrt(ss / (NOPE + ROPE) + eps)                                 # [ROWS]
+            wn = tl.load(w_ptr + cols, mask=(grp < NG)[:, None], other=0.0)
+            x = _to_x_dtype((x * rn[:, None, None]) * wn[None, :, :], BF16)
+            we = tl.load(w_ptr + NOPE + 2 * hc, mask=hc < HALF, other=0.0)[None, :]
+            wo = tl.load(w_ptr + NOPE + 2 * hc + 1, mask=hc < HALF, other=0.0)[None, :]
+            ev = _to_x_dtype((ye * rn[:, None]) * we, BF16)
+            od = _to_x_dtype((yo * rn[:, None]) * wo, BF16)
+            cs = tl.load(cos_ptr + i.to(tl.int64)[:, None] * stride_c + hc[None, :], mask=hm, other=0.0)
+            sn = tl.load(sin_ptr + i.to(tl.int64)[:, None] * stride_c + hc[None, :], mask=hm, other=0.0)
+            # as stored (bf16): exact after the cast to x's dtype when that is bf16
+            ye = _round_bf16(_to_x_dtype(ev * cs - od * sn, BF16))
+            yo = _round_bf16(_to_x_dtype(ev * sn + od * cs, BF16))
         bits = x.to(tl.int32, bitcast=True)
         top = tl.max(bits & 0x7FFFFFFF, axis=2)                                      # [ROWS, NG_P]
         nan = top > 0x7F800000
@@ -153,11 +204,14 @@ if triton is not None:
         # rope dims: fp32 -> bf16, to nearest even on the bits (exact in bf16 afterwards)
         rc = tl.arange(0, ROPE_P)
         rm = live[:, None] & (rc < ROPE)[None, :]
-        y = _load_f32(x_ptr + xr[:, None] * stride_x + NOPE + rc[None, :], rm)
-        yb = y.to(tl.uint32, bitcast=True)
-        y = ((yb + 0x7FFF + ((yb >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
+        if not NORM_ROPE:
+            y = _round_bf16(_load_f32(x_ptr + xr[:, None] * stride_x + NOPE + rc[None, :], rm))
         if STORE:  # bf16 as its bits (int16 view): the interpreter's bf16 cast flushes subnormals
-            tl.store(r_ptr + dr[:, None] * stride_r + rc[None, :], _bf16_bits(y), mask=rm)
+            if NORM_ROPE:
+                tl.store(r_ptr + dr[:, None] * stride_r + 2 * hc[None, :], _bf16_bits(ye), mask=hm)
+                tl.store(r_ptr + dr[:, None] * stride_r + 2 * hc[None, :] + 1, _bf16_bits(yo), mask=hm)
+            else:
+                tl.store(r_ptr + dr[:, None] * stride_r + rc[None, :], _bf16_bits(y), mask=rm)
         if DECODE:
             val = tl.where(big, 448.0, v).to(tl.int32, bitcast=True) | (neg.to(tl.int32) << 31)
             val = tl.where(bad, float("nan"), val.to(tl.float32, bitcast=True))
@@ -165,10 +219,19 @@ if triton is not None:
             o = out_ptr + i.to(tl.int64)[:, None] * (NOPE + ROPE)
             if out_ptr.dtype.element_ty == tl.int16:  # bf16 out (values exact in bf16: their bits)
                 tl.store(o[:, :, None] + cols[None, :, :], _bf16_bits(val), mask=m)
-                tl.store(o + NOPE + rc[None, :], _bf16_bits(y), mask=rm)
+                if NORM_ROPE:
+                    tl.store(o + NOPE + 2 * hc[None, :], _bf16_bits(ye), mask=hm)
+                    tl.store(o + NOPE + 2 * hc[None, :] + 1, _bf16_bits(yo), mask=hm)
+                else:
+                    tl.store(o + NOPE + rc[None, :], _bf16_bits(y), mask=rm)
             else:
-                tl.store(o[:, :, None] + cols[None, :, :], val.to(out_ptr.dtype.element_ty), mask=m)
-                tl.store(o + NOPE + rc[None, :], y.to(out_ptr.dtype.element_ty), mask=rm)
+                ty = out_ptr.dtype.element_ty
+                tl.store(o[:, :, None] + cols[None, :, :], val.to(ty), mask=m)
+                if NORM_ROPE:
+                    tl.store(o + NOPE + 2 * hc[None, :], ye.to(ty), mask=hm)
+                    tl.store(o + NOPE + 2 * hc[None, :] + 1, yo.to(ty), mask=hm)
+                else:
+                    tl.store(o + NOPE + rc[None, :], y.to(ty), mask=rm)
 
 
 def _check(x: torch.Tensor, rope_dim: int) -> torch.Tensor:
@@ -200,18 +263,45 @@ def _index(t: torch.Tensor | None, n: int, name: str) -> torch.Tensor | None:
     return t.reshape(-1).contiguous()
 
 
+def _check_norm(norm: tuple, x: torch.Tensor, n: int, rope_dim: int) -> tuple:
+    """(weight fp32 [dim], eps, cos, sin fp32 [n, rope_dim / 2] with unit column stride and equal row strides)."""
+    weight, eps, cos, sin = norm
+    half = rope_dim // 2
+    if x.dtype not in (torch.bfloat16, torch.float32) or rope_dim % 2 or rope_dim == 0:
+        raise ValueError(f"entry_quant: norm takes bf16 / fp32 rows with an even rope_dim > 0, got {x.dtype}, "
+                         f"rope_dim {rope_dim}")
+    if weight.dtype != torch.float32 or weight.shape != (x.shape[-1],) or weight.device != x.device:
+        raise ValueError(f"entry_quant: norm weight must be fp32 [{x.shape[-1]}] on {x.device}, got "
+                         f"{weight.dtype} {tuple(weight.shape)} on {weight.device}")
+    cs = []
+    for name, t in (("cos", cos), ("sin", sin)):
+        if t.dtype != torch.float32 or t.shape[-1] != half or t.numel() not in (half, n * half) or \
+                t.device != x.device:
+            raise ValueError(f"entry_quant: norm {name} must be fp32 [{n}, {half}] (or one row) on {x.device}, got "
+                             f"{t.dtype} {tuple(t.shape)} on {t.device}")
+        cs.append(t.reshape(-1, half).expand(n, half))
+    if cs[0].stride() != cs[1].stride() or cs[0].stride(-1) != 1:
+        cs = [t.contiguous() for t in cs]
+    return weight, float(eps), cs[0], cs[1]
+
+
 def _launch(x: torch.Tensor, rope_dim: int, out=None, rows: torch.Tensor | None = None,
             src: torch.Tensor | None = None, decode: bool = False, ROWS: int | None = None, num_warps: int = 4,
-            cuda_math: bool | None = None):
+            cuda_math: bool | None = None, norm: tuple | None = None):
     """The Triton launch on whatever device x is on (CPU only under TRITON_INTERPRET=1). Encodes row i
     (x's row src[i] when given) into out[.][rows[i]] (rows: i when not given; out: fresh tensors when not
     given); `decode` also returns the round trip [n, dim] in x's dtype. Returns out, or the round trip.
-    Indices are not checked against the tensors' rows (no host sync)."""
+    `norm` (no src): RMSNorm + RoPE first (module docstring). Indices are not checked against the tensors'
+    rows (no host sync)."""
     xr = _check(x, rope_dim)
     dim = x.shape[-1]
     nope = dim - rope_dim
     G = group_size(nope)
     n = xr.shape[0] if src is None else src.numel()
+    if norm is not None:
+        if src is not None:
+            raise ValueError("entry_quant: norm does not take src")
+        weight, eps, cos, sin = _check_norm(norm, x, n, rope_dim)
     src, rows = _index(src, n, "src"), _index(rows, n, "rows")
     if out is None and not decode:
         lead = x.shape[:-1] if src is None else (n,)
@@ -232,12 +322,15 @@ def _launch(x: torch.Tensor, rope_dim: int, out=None, rows: torch.Tensor | None 
         _entry_quant_kernel[(triton.cdiv(n, ROWS),)](
             xr.view(torch.int16) if xr.dtype == torch.bfloat16 else xr, dummy if src is None else src, dummy if rows is None else rows,
             dummy if flat is None else q, dummy if flat is None else s, dummy if flat is None else r,
-            dummy if rt is None else rt.view(torch.int16) if rt.dtype == torch.bfloat16 else rt, n, xr.stride(0),
+            dummy if rt is None else rt.view(torch.int16) if rt.dtype == torch.bfloat16 else rt,
+            *((weight, cos, sin) if norm is not None else (dummy, dummy, dummy)), n, xr.stride(0),
             *((q.stride(0), s.stride(0), r.stride(0)) if flat is not None else (0, 0, 0)),
+            cos.stride(0) if norm is not None else 0, eps if norm is not None else 0.0,
             NOPE=nope, ROPE=rope_dim, G=G, NG=nope // G, NG_P=triton.next_power_of_2(nope // G),
             ROPE_P=triton.next_power_of_2(max(rope_dim, 1)), ROWS=ROWS, HAS_SRC=src is not None,
             HAS_DST=rows is not None, STORE=flat is not None, DECODE=decode, INV_FMT_MAX=_inv_fmt_max(),
-            CUDA_MATH=x.is_cuda if cuda_math is None else cuda_math, num_warps=num_warps, enable_fp_fusion=False)
+            CUDA_MATH=x.is_cuda if cuda_math is None else cuda_math, NORM_ROPE=norm is not None,
+            HALF_P=triton.next_power_of_2(max(rope_dim // 2, 1)), num_warps=num_warps, enable_fp_fusion=False)
     if decode:
         return rt.view(*(x.shape[:-1] if src is None else (n,)), dim)
     return out
@@ -253,12 +346,16 @@ def _kernel_takes(x: torch.Tensor, rope_dim: int, out=None, *index: torch.Tensor
 
 
 def entry_encode(x: torch.Tensor, rope_dim: int, out=None, rows: torch.Tensor | None = None,
-                 src: torch.Tensor | None = None):
-    """Encode x (its rows src when given). Without `out`: returns (q, scale, rope) as `reference`. With the
-    store's tensors `out`: writes them at `rows` (or rows 0..n-1). Triton on CUDA (one launch), torch
-    elsewhere."""
+                 src: torch.Tensor | None = None, norm: tuple | None = None):
+    """Encode x (its rows src when given; with `norm`, RMSNorm + RoPE first: module docstring). Without
+    `out`: returns (q, scale, rope) as `reference`. With the store's tensors `out`: writes them at `rows`
+    (or rows 0..n-1). Triton on CUDA (one launch), torch elsewhere."""
     if _kernel_takes(x, rope_dim, out, rows, src):
-        return _launch(x, rope_dim, out, rows, src)
+        return _launch(x, rope_dim, out, rows, src, norm=norm)
+    if norm is not None:
+        if src is not None:
+            raise ValueError("entry_quant: norm does not take src")
+        x = reference_norm_rope(x, norm)
     codes = reference(x if src is None else x[src], rope_dim)
     if out is None:
         return codes
@@ -268,11 +365,15 @@ def entry_encode(x: torch.Tensor, rope_dim: int, out=None, rows: torch.Tensor | 
     return out
 
 
-def entry_roundtrip(x: torch.Tensor, rope_dim: int, out=None, rows: torch.Tensor | None = None) -> torch.Tensor:
-    """decode(encode(x)) in x's dtype (`reference_roundtrip`); with the store's tensors `out` and `rows`,
-    the codes are also written there (as entry_encode). Triton on CUDA (one launch), torch elsewhere."""
+def entry_roundtrip(x: torch.Tensor, rope_dim: int, out=None, rows: torch.Tensor | None = None,
+                    norm: tuple | None = None) -> torch.Tensor:
+    """decode(encode(x)) in x's dtype (`reference_roundtrip`; with `norm`, of x after RMSNorm + RoPE); with the
+    store's tensors `out` and `rows`, the codes are also written there (as entry_encode). Triton on CUDA (one
+    launch), torch elsewhere."""
     if _kernel_takes(x, rope_dim, out, rows):
-        return _launch(x, rope_dim, out, rows, decode=True)
+        return _launch(x, rope_dim, out, rows, decode=True, norm=norm)
+    if norm is not None:
+        x = reference_norm_rope(x, norm)
     if out is not None:
         entry_encode(x, rope_dim, out, rows)
     return reference_roundtrip(x, rope_dim)

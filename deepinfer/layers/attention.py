@@ -16,7 +16,7 @@ from deepinfer.kernels import sparse_attention as _sa_kernel
 from deepinfer.kernels.copy_rows import copy_rows
 from deepinfer.layers import invariant
 from deepinfer.state.forward_batch import CompressPlan, ForwardBatch, to_device
-from deepinfer.state.kv_state import CarryState, EntryStore, IndexKeyStore
+from deepinfer.state.kv_state import CarryState, EntryStore, IndexKeyStore, RowStore
 from deepinfer.layers.linear import DENSE, Linear, QuantSpec, stacked_forward
 from deepinfer.layers.norm import RMSNorm
 from deepinfer.layers.rotary import RopeCache, apply_rope
@@ -50,11 +50,13 @@ class Compressor(nn.Module):
         self.norm = RMSNorm(dim, eps)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, plan: CompressPlan, carry: CarryState,
-                rope: RopeCache, gather=None) -> tuple[torch.Tensor, torch.Tensor]:
+                rope: RopeCache, gather=None, store: RowStore | None = None) -> tuple[torch.Tensor | None, torch.Tensor]:
         """Returns (new entries [N, dim] normed + rotated, their addresses); updates carry. `rope`:
         cos/sin at plan.rope_pos (shared by every compressor of the plan's kind in a step). `gather`
         (context parallelism): x holds some rows of the step, the plan indexes all of them; the
-        rows' projections are gathered before pooling (StepContext.gather)."""
+        rows' projections are gathered before pooling (StepContext.gather). `store`: where its format
+        normalises, rotates and writes in one launch (RowStore.write_normed), the entries are written
+        there and None is returned in their place."""
         kv, score = stacked_forward(self, "_wkv_wgate", (self.wkv, self.wgate), x, fp32=True)  # one GEMM on CUDA
         score = score + self.ape[positions % self.ratio]
         if gather is not None:
@@ -62,7 +64,7 @@ class Compressor(nn.Module):
         if x.is_cuda and _pool.triton is not None:  # one launch; slots reduced in order (batch-invariant)
             pooled = _pool.compress_pool(kv, score, carry.kv, carry.score, plan.src_new, plan.src_carry, self.dim,
                                          self.overlap).to(x.dtype)
-            return self._finish(pooled, kv, score, plan, carry, rope)
+            return self._finish(pooled, kv, score, plan, carry, rope, store)
         new, old = plan.src_new, plan.src_carry
         src_kv = torch.where((new >= 0)[..., None], kv[new.clamp(min=0)], carry.kv[old.clamp(min=0)])
         src_score = torch.where((new >= 0)[..., None], score[new.clamp(min=0)], carry.score[old.clamp(min=0)])
@@ -73,12 +75,15 @@ class Compressor(nn.Module):
             src_score = torch.cat((src_score[:, :m, :d], src_score[:, m:, d:]), dim=1)
         weights = torch.softmax(src_score.transpose(1, 2), dim=-1).transpose(1, 2)  # row-local over the S slots
         pooled = invariant.reduce_sum(weights * src_kv, 1).to(x.dtype)
-        return self._finish(pooled, kv, score, plan, carry, rope)
+        return self._finish(pooled, kv, score, plan, carry, rope, store)
 
-    def _finish(self, pooled, kv, score, plan: CompressPlan, carry: CarryState, rope: RopeCache):
-        entries = apply_rope(self.norm(pooled), rope, overwrite=True)
+    def _finish(self, pooled, kv, score, plan: CompressPlan, carry: CarryState, rope: RopeCache,
+                store: RowStore | None):
         copy_rows(((carry.kv, kv), (carry.score, score)), plan.carry_dst, plan.carry_src)  # one launch on CUDA
-        return entries, plan.dst
+        if store is not None and store.write_normed(plan.dst, pooled, (self.norm.weight, self.norm.eps, rope.cos,
+                                                                       rope.sin)):
+            return None, plan.dst
+        return apply_rope(self.norm(pooled), rope, overwrite=True), plan.dst
 
 
 class Indexer(nn.Module):

@@ -99,17 +99,22 @@ class Attention(nn.Module):
         else:
             q_full = self.wq_b(qr)
         q = norm_rope(q_full.view(T, self.n_heads, self.head_dim), self.eps, rope)  # per-head norm + rope
-        kv = apply_rope(self.kv_norm(kv_lat), rope, overwrite=True)
-        stored = cache.ring.roundtrip_into(batch.ring_dst, kv) if batch.ring_early and ctx.gather is None else None
-        kv = cache.ring.roundtrip(kv) if stored is None else stored
+        kv = None
+        if batch.ring_early and ctx.gather is None:  # FP8 ring: norm, rope, round trip and store in one launch
+            norm = (self.kv_norm.weight, self.kv_norm.eps, rope.cos, rope.sin)
+            kv = cache.ring.roundtrip_into(batch.ring_dst, kv_lat, norm)
+        stored = kv is not None
+        if not stored:
+            kv = cache.ring.roundtrip(apply_rope(self.kv_norm(kv_lat), rope, overwrite=True))
         if ctx.gather is not None:
             kv = ctx.gather(kv)  # every window key of the step: the queries read them by step row
         entry_ids = plan = None
         if self.kind != SLIDING:
             plan = batch.plans[(self.ratio, self.kind == CSA)]
             entries, dst = self.compressor(x, batch.positions, plan, cache.carry["main"], ctx.entry_rope(plan),
-                                           ctx.gather)
-            cache.entries.write(dst, entries)
+                                           ctx.gather, store=cache.entries)
+            if entries is not None:  # not written by the compressor's store
+                cache.entries.write(dst, entries)
         if self.kind == CSA:
             entry_ids = self.indexer(x, qr, batch, plan, cache.index_keys, cache.carry["indexer"],
                                      rope, ctx.entry_rope(plan), ctx.gather, index_q)
@@ -117,7 +122,7 @@ class Attention(nn.Module):
             entry_ids = ctx.all_entries(plan)
         o = sparse_attention(q, kv, batch, cache.ring, entry_ids, plan, cache.entries,
                              self.attn_sink, self.head_dim ** -0.5)
-        if stored is None:
+        if not stored:
             cache.ring.write_from(batch.ring_dst, kv, batch.ring_src)
         o = apply_rope(o, rope, inverse=True, overwrite=True).view(T, self.o_groups, -1)
         return self.wo_b(self.wo_a.forward_grouped(o))

@@ -23,6 +23,7 @@ from deepinfer.formats import group_quant
 from deepinfer.formats.quant import dequant_fp4
 
 EXACT_FORMATS = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+NORM_DTYPES = (torch.bfloat16, torch.float32)  # rows entry_quant's norm path takes
 KV_CACHE_DTYPES = ("auto", "fp8", "bfloat16", "float32")
 
 
@@ -49,10 +50,16 @@ class RowStore:
         else:
             self.write(rows, x[src])
 
-    def roundtrip_into(self, rows: torch.Tensor, x: torch.Tensor) -> torch.Tensor | None:
-        """The round trip of x with row i of x also written at rows[i], in one launch where the format has such a
-        kernel (EntryStore "fp8"); None elsewhere: nothing is written, the caller writes."""
+    def roundtrip_into(self, rows: torch.Tensor, x: torch.Tensor, norm: tuple) -> torch.Tensor | None:
+        """RMSNorm + RoPE of x (norm = (weight, eps, cos, sin): kernels/entry_quant.py), its round trip, and row i
+        written at rows[i], in one launch where the format has such a kernel (EntryStore "fp8"; the torch form
+        on the CPU); None elsewhere: nothing is computed or written."""
         return None
+
+    def write_normed(self, rows: torch.Tensor, x: torch.Tensor, norm: tuple) -> bool:
+        """write(rows, RMSNorm + RoPE of x) in one launch where the format has such a kernel (as roundtrip_into);
+        False elsewhere: nothing is written."""
+        return False
 
 
 class EntryStore(RowStore):
@@ -99,10 +106,16 @@ class EntryStore(RowStore):
             return entry_roundtrip(x, self.dim - self.nope)
         return x.to(self.data.dtype).to(x.dtype)
 
-    def roundtrip_into(self, rows: torch.Tensor, x: torch.Tensor) -> torch.Tensor | None:
-        if self.fmt == "fp8":  # the codes written are those the round trip decodes
-            return entry_roundtrip(x, self.dim - self.nope, self.tensors(), rows)
+    def roundtrip_into(self, rows: torch.Tensor, x: torch.Tensor, norm: tuple) -> torch.Tensor | None:
+        if self.fmt == "fp8" and x.dtype in NORM_DTYPES:  # the codes written are those the round trip decodes
+            return entry_roundtrip(x, self.dim - self.nope, self.tensors(), rows, norm=norm)
         return None
+
+    def write_normed(self, rows: torch.Tensor, x: torch.Tensor, norm: tuple) -> bool:
+        if self.fmt == "fp8" and x.dtype in NORM_DTYPES:
+            entry_encode(x, self.dim - self.nope, self.tensors(), rows, norm=norm)
+            return True
+        return False
 
 
 class IndexKeyStore:

@@ -223,7 +223,7 @@ CHECK = (
     "if DEV == 'cpu':\n"
     "    src = pathlib.Path(eq.__file__).read_text()\n"
     "    for old, new in (('tl.ceil(lg)', 'tl.floor(lg)'), ('neg = (bits < 0)', 'neg = (x < 0.0)'),\n"
-    "                     ('0x7FFF + ((yb >> 16) & 1)', '0x8000')):\n"
+    "                     ('0x7FFF + ((b >> 16) & 1)', '0x8000')):\n"
     "        assert old in src, old\n"
     "        path = pathlib.Path(tempfile.mkdtemp()) / 'entry_quant_mutant.py'\n"
     "        path.write_text(src.replace(old, new))\n"
@@ -253,6 +253,74 @@ CHECK = (
 
 test_kernel_in_the_triton_interpreter, test_kernel_on_gpu = interpreted_and_gpu(CHECK, "DEV = 'cpu'\n",
                                                                                 "DEV = 'cuda'\n")
+
+
+# `norm` (RMSNorm + RoPE before encoding) against reference_norm_rope then the torch encode: rows of multiples of
+# 1/8 (their sums of squares are exact in any order), so under the interpreter (numpy's rsqrt as torch's on the
+# CPU) codes and round trip are bit-equal; compiled (the GPU's approximate rsqrt) the round trip is within one
+# e4m3 step of its group and nearly every code equal. Mutants: the weight applied after the cast, sine's sign.
+NORM_CHECK = (
+    "import importlib.util, pathlib, tempfile\n"
+    "import torch\n"
+    "from deepinfer.kernels import entry_quant as eq\n"
+    "from test_entry_quant import _store, check, check_scatter, check_norm_close\n"
+    "def run(mod):\n"
+    "    for dim, rope, dtype in ((512, 64, torch.bfloat16), (512, 64, torch.float32), (48, 16, torch.float32),\n"
+    "                             (40, 8, torch.bfloat16)):\n"
+    "        g = torch.Generator().manual_seed(dim + rope)\n"
+    "        x = (torch.randint(-16, 17, (37, dim), generator=g).float() / 8)\n"
+    "        x[0] = 0  # rsqrt(eps)\n"
+    "        x = x.to(dtype).to(DEV)\n"
+    "        w = (1 + torch.randint(-8, 9, (dim,), generator=g).float() / 16).to(DEV)\n"
+    "        cos, sin = (torch.rand(2, 37, rope // 2, generator=g) * 2 - 1).to(DEV).unbind(0)\n"
+    "        for norm in ((w, 1e-6, cos, sin), (w, 1e-6, cos[:1], sin[:1])):  # per row; one position for all\n"
+    "            xn = eq.reference_norm_rope(x.cpu(), tuple(t.cpu() if torch.is_tensor(t) else t for t in norm))\n"
+    "            rows = torch.randperm(50, generator=g)[:37].to(DEV)\n"
+    "            store = _store(50, dim, rope, DEV)\n"
+    "            back = mod._launch(x, rope, store, rows, decode=True, norm=norm)\n"
+    "            codes = mod._launch(x, rope, norm=norm)\n"
+    "            if DEV == 'cpu':\n"
+    "                check(xn, rope, codes, back)\n"
+    "                check_scatter(xn, rope, store, rows, back=back)\n"
+    "            else:\n"
+    "                check_norm_close(xn, rope, [t.cpu() for t in codes], back.cpu())\n"
+    "                check_norm_close(xn, rope, [t[rows].cpu() for t in store], back.cpu())\n"
+    "run(eq)\n"
+    "if DEV == 'cpu':\n"
+    "    src = pathlib.Path(eq.__file__).read_text()\n"
+    "    for old, new in (('x = _to_x_dtype((x * rn[:, None, None]) * wn[None, :, :], BF16)',\n"
+    "                      'x = _to_x_dtype(x * rn[:, None, None], BF16) * wn[None, :, :]'),\n"
+    "                     ('ev * cs - od * sn', 'ev * cs + od * sn')):\n"
+    "        assert old in src, old\n"
+    "        path = pathlib.Path(tempfile.mkdtemp()) / 'entry_quant_mutant.py'\n"
+    "        path.write_text(src.replace(old, new))\n"
+    "        spec = importlib.util.spec_from_file_location('entry_quant_mutant', path)\n"
+    "        mutant = importlib.util.module_from_spec(spec)\n"
+    "        spec.loader.exec_module(mutant)\n"
+    "        try:\n"
+    "            run(mutant)\n"
+    "        except AssertionError:\n"
+    "            continue\n"
+    "        raise SystemExit(f'the mutant {new!r} passed the checks')\n"
+    "print('ok')\n")
+
+test_norm_in_the_triton_interpreter, test_norm_on_gpu = interpreted_and_gpu(NORM_CHECK, "DEV = 'cpu'\n",
+                                                                            "DEV = 'cuda'\n")
+
+
+def check_norm_close(xn: torch.Tensor, rope_dim: int, codes, back: torch.Tensor) -> None:
+    """The compiled norm path against the torch form on the CPU: the round trip within one e4m3 step (1/8 of the
+    value's binade, at least the group's smallest step) of the reference's, rope dims within one bf16 step,
+    at least 99 % of the codes equal."""
+    want = eq.reference(xn, rope_dim)
+    want_back = eq.reference_decode(*want, xn.dtype).float()
+    nope = xn.shape[-1] - rope_dim
+    scale = torch.exp2(want[1].float() - 127).repeat_interleave(eq.group_size(nope), -1)
+    step = torch.maximum(want_back[:, :nope].abs() / 8, scale * 2.0 ** -9)
+    assert ((back.float()[:, :nope] - want_back[:, :nope]).abs() <= step * 1.001).all()
+    r_got, r_want = back.float()[:, nope:], want_back[:, nope:]
+    assert ((r_got - r_want).abs() <= r_want.abs() * 2.0 ** -7 + 1e-30).all()
+    assert (_bits(codes[0]) == _bits(want[0])).float().mean() >= 0.99
 
 
 # groups whose amax is 448 * 2^k * (1 + d * 2^-23) for every k the rule reaches and d in -3..3, fp32 and bf16:

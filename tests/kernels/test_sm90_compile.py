@@ -320,15 +320,19 @@ def test_w4a8_experts_compile_for_sm90():
 def entry_quant_launches():
     """EntryStore fp8 (V4: 448 nope dims in 7 groups of 64 + 64 rope dims): the scattered write with and
     without the ring's gather (write_from), the round trip, bf16 and fp32 rows (the tiny models'); decode batch
-    1 and 64 rows (a program's tile does not depend on the row count)."""
+    1 and 64 rows (a program's tile does not depend on the row count); with the norm (RMSNorm + RoPE first):
+    the window kv's store and round trip, the compressed entries' write."""
     from deepinfer.kernels import entry_quant
     E4, U8 = torch.float8_e4m3fn, torch.uint8
     for T in (1, 64):
         store = (_e(T + 8, 448, dtype=E4), _i(T + 8, 7, dtype=U8), _e(T + 8, 64))
+        norm = (_e(512, dtype=torch.float32), 1e-6, _e(T, 32, dtype=torch.float32), _e(T, 32, dtype=torch.float32))
         for dtype in (BF, torch.float32):
             x = _e(T, 512, dtype=dtype)
             entry_quant._launch(x, 64, store, _i(T), cuda_math=True)
             entry_quant._launch(x, 64, decode=True, cuda_math=True)
+            entry_quant._launch(x, 64, store, _i(T), decode=True, cuda_math=True, norm=norm)
+            entry_quant._launch(x, 64, store, _i(T), cuda_math=True, norm=norm)
         entry_quant._launch(_e(T, 512), 64, store, _i(T), _i(T), cuda_math=True)
 
 

@@ -150,18 +150,24 @@ def test_fp8_kv_cache_is_consistent_across_chunking_and_differs_from_exact(tmp_p
 
 
 def test_fp8_ring_written_before_attention_gives_the_logits_of_the_write_after(tmp_path, monkeypatch):
-    """Decode steps (ForwardBatch.ring_early) store the window kv in the round trip's launch; forcing the store
-    after attention instead changes no logit, token by token or with chunks (which always store after)."""
+    """Decode steps (ForwardBatch.ring_early) normalise, rotate, round-trip and store the window kv in one launch
+    (the torch form on the CPU); forcing the separate ops and the store after attention changes no logit, token
+    by token or with chunks (which always store after); nor do separate ops for the compressed entries."""
     from deepinfer.state.kv_state import EntryStore
 
     model = _tiny_model(tmp_path, CFG_A)
     ids = _ids(6, 2, 40, CFG_A["vocab_size"])
-    calls = []
-    real = EntryStore.roundtrip_into
-    monkeypatch.setattr(EntryStore, "roundtrip_into", lambda self, rows, x: calls.append(1) or real(self, rows, x))
+    calls, written = [], []
+    real, real_written = EntryStore.roundtrip_into, EntryStore.write_normed
+    monkeypatch.setattr(EntryStore, "roundtrip_into", lambda self, *a: calls.append(1) or real(self, *a))
+    monkeypatch.setattr(EntryStore, "write_normed", lambda self, *a: written.append(real_written(self, *a))
+                        or written[-1])
     early = _incremental_logits(model, ids, [3, 1], kv="fp8")
-    assert calls  # the single-token steps took the early store
-    monkeypatch.setattr(EntryStore, "roundtrip_into", lambda self, rows, x: None)
+    assert calls and all(written) and written  # the single-token steps took the early store; entries one op
+    monkeypatch.setattr(EntryStore, "roundtrip_into", lambda self, *a: None)
+    assert torch.equal(early, _incremental_logits(model, ids, [3, 1], kv="fp8"))
+    # the compressed entries likewise: normalised, rotated and encoded by the store in one launch, or separately
+    monkeypatch.setattr(EntryStore, "write_normed", lambda self, *a: False)
     assert torch.equal(early, _incremental_logits(model, ids, [3, 1], kv="fp8"))
 
 
