@@ -54,6 +54,7 @@ except ImportError:  # CPU-only installs: the torch reference is used
     triton = None
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+SHORT_ROWS = 64  # up to this many rows (decode), one row a program
 AMAX_FLOOR = 1e-30
 
 
@@ -316,7 +317,10 @@ def _launch(x: torch.Tensor, rope_dim: int, out=None, rows: torch.Tensor | None 
             raise ValueError(f"entry_quant: out has {flat[0].shape[0]} rows for {n} rows of x (no `rows` given)")
         q, s, r = _check_out(flat, nope, rope_dim)
     rt = torch.empty(n, dim, dtype=x.dtype, device=x.device) if decode else None
-    ROWS = ROWS or max(1, 4096 // (triton.next_power_of_2(nope // G) * G))
+    # one row a program with the norm (its sum's order then never depends on the row count) or at few rows
+    # (decode: the shorter per-thread chain is the launch's latency); up to 4096 elements a program otherwise
+    if not ROWS:
+        ROWS = 1 if norm is not None or n <= SHORT_ROWS else max(1, 4096 // (triton.next_power_of_2(nope // G) * G))
     if n:
         dummy = xr
         _entry_quant_kernel[(triton.cdiv(n, ROWS),)](

@@ -204,6 +204,7 @@ CHECK = (
     "    for i, (dim, rope, dtype) in enumerate(CASES):\n"
     "        x = _random(37, dim, dtype, i).to(DEV)\n"
     "        check(x, rope, mod._launch(x, rope), mod._launch(x, rope, decode=True))\n"
+    "        check(x, rope, mod._launch(x, rope, ROWS=8), mod._launch(x, rope, decode=True, ROWS=8))  # 37 > 4 x 8\n"
     "        if dtype == torch.float32:\n"
     "            for y in (_edges(dim, rope), _specials(dim, rope)):\n"
     "                y = y.to(DEV)\n"
@@ -310,16 +311,17 @@ test_norm_in_the_triton_interpreter, test_norm_on_gpu = interpreted_and_gpu(NORM
 
 def check_norm_close(xn: torch.Tensor, rope_dim: int, codes, back: torch.Tensor) -> None:
     """The compiled norm path against the torch form on the CPU: the round trip within one e4m3 step (1/8 of the
-    value's binade, at least the group's smallest step) of the reference's, rope dims within one bf16 step,
-    at least 99 % of the codes equal."""
+    value's binade, at least the smallest step of twice the group's scale) of the reference's; rope dims within
+    2^-6 of their row's largest (a bf16 step of a rotated pair's inputs: e * c - o * s may cancel); at least
+    99 % of the codes equal."""
     want = eq.reference(xn, rope_dim)
     want_back = eq.reference_decode(*want, xn.dtype).float()
     nope = xn.shape[-1] - rope_dim
     scale = torch.exp2(want[1].float() - 127).repeat_interleave(eq.group_size(nope), -1)
-    step = torch.maximum(want_back[:, :nope].abs() / 8, scale * 2.0 ** -9)
+    step = torch.maximum(want_back[:, :nope].abs() / 8, scale * 2.0 ** -8)
     assert ((back.float()[:, :nope] - want_back[:, :nope]).abs() <= step * 1.001).all()
     r_got, r_want = back.float()[:, nope:], want_back[:, nope:]
-    assert ((r_got - r_want).abs() <= r_want.abs() * 2.0 ** -7 + 1e-30).all()
+    assert ((r_got - r_want).abs() <= r_want.abs().amax(-1, keepdim=True) * 2.0 ** -6 + 1e-30).all()
     assert (_bits(codes[0]) == _bits(want[0])).float().mean() >= 0.99
 
 
