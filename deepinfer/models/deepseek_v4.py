@@ -99,12 +99,13 @@ class Attention(nn.Module):
         else:
             q_full = self.wq_b(qr)
         q = norm_rope(q_full.view(T, self.n_heads, self.head_dim), self.eps, rope)  # per-head norm + rope
-        kv = None
-        if batch.ring_early and ctx.gather is None:  # FP8 ring: norm, rope, round trip and store in one launch
-            norm = (self.kv_norm.weight, self.kv_norm.eps, rope.cos, rope.sin)
-            kv = cache.ring.roundtrip_into(batch.ring_dst, kv_lat, norm)
-        stored = kv is not None
-        if not stored:
+        # FP8 ring: norm, rope and round trip in one launch at every step (so a token's kv never depends on the
+        # step's mix), storing too where the step allows it early; other formats: the separate ops
+        early = batch.ring_early and ctx.gather is None
+        kv = cache.ring.norm_roundtrip(kv_lat, (self.kv_norm.weight, self.kv_norm.eps, rope.cos, rope.sin),
+                                       batch.ring_dst if early else None)
+        stored = early and kv is not None
+        if kv is None:
             kv = cache.ring.roundtrip(apply_rope(self.kv_norm(kv_lat), rope, overwrite=True))
         if ctx.gather is not None:
             kv = ctx.gather(kv)  # every window key of the step: the queries read them by step row

@@ -50,14 +50,14 @@ class RowStore:
         else:
             self.write(rows, x[src])
 
-    def roundtrip_into(self, rows: torch.Tensor, x: torch.Tensor, norm: tuple) -> torch.Tensor | None:
-        """RMSNorm + RoPE of x (norm = (weight, eps, cos, sin): kernels/entry_quant.py), its round trip, and row i
-        written at rows[i], in one launch where the format has such a kernel (EntryStore "fp8"; the torch form
-        on the CPU); None elsewhere: nothing is computed or written."""
+    def norm_roundtrip(self, x: torch.Tensor, norm: tuple, rows: torch.Tensor | None = None) -> torch.Tensor | None:
+        """RMSNorm + RoPE of x (norm = (weight, eps, cos, sin): kernels/entry_quant.py) and its round trip, with
+        row i also written at rows[i] when given, in one launch where the format has such a kernel (EntryStore
+        "fp8"; the torch form on the CPU); None elsewhere: nothing is computed or written."""
         return None
 
     def write_normed(self, rows: torch.Tensor, x: torch.Tensor, norm: tuple) -> bool:
-        """write(rows, RMSNorm + RoPE of x) in one launch where the format has such a kernel (as roundtrip_into);
+        """write(rows, RMSNorm + RoPE of x) in one launch where the format has such a kernel (as norm_roundtrip);
         False elsewhere: nothing is written."""
         return False
 
@@ -106,9 +106,9 @@ class EntryStore(RowStore):
             return entry_roundtrip(x, self.dim - self.nope)
         return x.to(self.data.dtype).to(x.dtype)
 
-    def roundtrip_into(self, rows: torch.Tensor, x: torch.Tensor, norm: tuple) -> torch.Tensor | None:
+    def norm_roundtrip(self, x: torch.Tensor, norm: tuple, rows: torch.Tensor | None = None) -> torch.Tensor | None:
         if self.fmt == "fp8" and x.dtype in NORM_DTYPES:  # the codes written are those the round trip decodes
-            return entry_roundtrip(x, self.dim - self.nope, self.tensors(), rows, norm=norm)
+            return entry_roundtrip(x, self.dim - self.nope, None if rows is None else self.tensors(), rows, norm=norm)
         return None
 
     def write_normed(self, rows: torch.Tensor, x: torch.Tensor, norm: tuple) -> bool:

@@ -150,21 +150,24 @@ def test_fp8_kv_cache_is_consistent_across_chunking_and_differs_from_exact(tmp_p
 
 
 def test_fp8_ring_written_before_attention_gives_the_logits_of_the_write_after(tmp_path, monkeypatch):
-    """Decode steps (ForwardBatch.ring_early) normalise, rotate, round-trip and store the window kv in one launch
-    (the torch form on the CPU); forcing the separate ops and the store after attention changes no logit, token
-    by token or with chunks (which always store after); nor do separate ops for the compressed entries."""
+    """The FP8 ring normalises, rotates and round-trips the window kv in one launch (the torch form on the CPU),
+    storing it there too at decode steps (ForwardBatch.ring_early); forcing the separate ops and the store after
+    attention changes no logit, token by token or with chunks (which always store after); nor do separate ops
+    for the compressed entries."""
     from deepinfer.state.kv_state import EntryStore
 
     model = _tiny_model(tmp_path, CFG_A)
     ids = _ids(6, 2, 40, CFG_A["vocab_size"])
     calls, written = [], []
-    real, real_written = EntryStore.roundtrip_into, EntryStore.write_normed
-    monkeypatch.setattr(EntryStore, "roundtrip_into", lambda self, *a: calls.append(1) or real(self, *a))
+    real, real_written = EntryStore.norm_roundtrip, EntryStore.write_normed
+    monkeypatch.setattr(EntryStore, "norm_roundtrip", lambda self, x, norm, rows=None: calls.append(rows is not None)
+                        or real(self, x, norm, rows))
     monkeypatch.setattr(EntryStore, "write_normed", lambda self, *a: written.append(real_written(self, *a))
                         or written[-1])
     early = _incremental_logits(model, ids, [3, 1], kv="fp8")
-    assert calls and all(written) and written  # the single-token steps took the early store; entries one op
-    monkeypatch.setattr(EntryStore, "roundtrip_into", lambda self, *a: None)
+    assert any(calls) and not all(calls)  # single-token steps stored early, the chunked ones after attention
+    assert written and all(written)  # the entries: one op
+    monkeypatch.setattr(EntryStore, "norm_roundtrip", lambda self, *a: None)
     assert torch.equal(early, _incremental_logits(model, ids, [3, 1], kv="fp8"))
     # the compressed entries likewise: normalised, rotated and encoded by the store in one launch, or separately
     monkeypatch.setattr(EntryStore, "write_normed", lambda self, *a: False)
