@@ -321,7 +321,7 @@ def entry_quant_launches():
     """EntryStore fp8 (V4: 448 nope dims in 7 groups of 64 + 64 rope dims): the scattered write with and
     without the ring's gather (write_from), the round trip, bf16 and fp32 rows (the tiny models'); decode batch
     1 and 64 rows (a program's tile does not depend on the row count); with the norm (RMSNorm + RoPE first):
-    the window kv's store and round trip, the compressed entries' write."""
+    the window kv's round trip with and without its store, the compressed entries' write."""
     from deepinfer.kernels import entry_quant
     E4, U8 = torch.float8_e4m3fn, torch.uint8
     for T in (1, 64):
@@ -333,6 +333,7 @@ def entry_quant_launches():
             entry_quant._launch(x, 64, decode=True, cuda_math=True)
             entry_quant._launch(x, 64, store, _i(T), decode=True, cuda_math=True, norm=norm)
             entry_quant._launch(x, 64, store, _i(T), cuda_math=True, norm=norm)
+            entry_quant._launch(x, 64, decode=True, cuda_math=True, norm=norm)  # the ring at prefill: no store
         entry_quant._launch(_e(T, 512), 64, store, _i(T), _i(T), cuda_math=True)
 
 
