@@ -292,7 +292,8 @@ TIMING = {
         "otherwise a step schedules, launches, waits for its tokens and updates; CUDA graphs where "
         "ModelRunner uses them. The row's note names what the engine did not use (graphs, async "
         "scheduling). The timed steps compute positions `context` - 1 - steps .. `context` - 2 (and, async, launch "
-        "the step at `context` - 1), steps = 10 * reps (V4 slice) or 5 * reps (V4.1 slice); `diag` lists each "
+        "the step at `context` - 1), steps = 10 * reps (V4 slice) or 5 * reps (V4.1 slice), after "
+        f"{DECODE_WARMUP} untimed steps (the first captures the row's CUDA graph); `diag` lists each "
         "timed step's ms, the CUDA graphs captured during them (captures happen on a graph's first use), GC "
         "pauses and allocator retries. The requests' cache state comes from a prefill that is "
         "scheduled but not computed (the cache stays zero): step times do not depend on cache values.",
