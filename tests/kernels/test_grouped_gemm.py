@@ -537,8 +537,10 @@ def _gemv_builds(launches) -> list:
 
 def test_gemv_default_launches_build_for_sm90_without_spills(monkeypatch):
     """test_sm90_compile's GEMV launches (V4's decode linears and experts, default tiles): no spills, at most 128
-    registers (4 programs of 4 warps an SM), the weight tile pipelined by cp.async, and no layout conversion
-    inside the K loop (each thread's 16-wide chunks summed where they were loaded)."""
+    registers (4 programs of 4 warps an SM); where the tiles ask for stages, the weight tile pipelined by cp.async
+    and no layout conversion inside the K loop (each thread's 16-wide chunks summed where they were loaded).
+    SHORT_K_GEMV's single stage loads straight to registers and converts the activations' layout in each of its
+    K steps (two at wq_b's K = 1024; faster in gemv_depth_probe.py all the same)."""
     pytest.importorskip("triton")
     from pathlib import Path
     monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[2] / "benchmarks"))
@@ -548,9 +550,10 @@ def test_gemv_default_launches_build_for_sm90_without_spills(monkeypatch):
         what = (launch.constexprs, launch.options, usage)
         assert usage["spill_stores"] == 0 and usage["spill_loads"] == 0 and usage["registers"] <= 128, what
         ttgir = kernel.asm["ttgir"]
-        assert ttgir.count("ttg.async_copy_global_to_local") >= 1, what
+        staged = launch.options.get("num_stages", 3) > 1
+        assert (ttgir.count("ttg.async_copy_global_to_local") >= 1) == staged, what
         loop = ttgir[ttgir.index("scf.for"):ttgir.index("scf.yield")]
-        assert "ttg.convert_layout" not in loop, what
+        assert "ttg.convert_layout" not in loop or not staged, what
 
 
 def test_gemv_sweep_entries_build_for_sm90_without_spills(monkeypatch):
