@@ -17,6 +17,9 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+# joining the process group and building the groups wait this long at least for every rank to arrive
+START_TIMEOUT_S = 120.0
+
 
 @dataclass(frozen=True)
 class ParallelConfig:
@@ -82,7 +85,9 @@ def init_parallel(parallel: ParallelConfig, rank: int, device: torch.device | st
                   timeout_s: float = 600.0, backend: str | None = None) -> RankInfo:
     """Join the default process group (`init_method`: "env://", "tcp://host:port" or "file://path"),
     then build the TP and DP groups. Every collective of these groups raises after `timeout_s`
-    seconds without its peers (gloo; NCCL with TORCH_NCCL_BLOCKING_WAIT or async error handling).
+    seconds without its peers (gloo; NCCL with TORCH_NCCL_BLOCKING_WAIT or async error handling). Joining
+    and building the groups wait at least START_TIMEOUT_S for every rank: spawned ranks are still starting
+    (importing torch takes seconds on a loaded host) and that is no peer being stuck.
     `backend` overrides backend_for(device): "gloo" on CUDA lets several ranks share one GPU (NCCL
     refuses two ranks on a device), for testing the GPU path with fewer GPUs than ranks.
     Context parallelism (context_parallel_size > 1) runs alone (tensor and data parallel sizes 1):
@@ -101,30 +106,39 @@ def init_parallel(parallel: ParallelConfig, rank: int, device: torch.device | st
         device = torch.device("cuda", device.index if device.index is not None else rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
     timeout = timedelta(seconds=timeout_s)
+    start = timedelta(seconds=max(timeout_s, START_TIMEOUT_S))
     backend = backend or backend_for(device)
     if backend not in ("gloo", "nccl"):
         raise ValueError(f"backend: expected 'gloo' or 'nccl', got {backend!r}")
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world, timeout=timeout)
-    cpu_group = dist.group.WORLD if backend == "gloo" else dist.new_group(backend="gloo", timeout=timeout)
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world, timeout=start)
+    cpu_group = dist.group.WORLD if backend == "gloo" else dist.new_group(backend="gloo", timeout=start)
     tp, dp = parallel.tensor_parallel_size, parallel.data_parallel_size
     tp_group = dp_group = None
     if cp != 1:  # every rank one CP rank of the one group
+        _collective_timeout(timeout, (cpu_group,))
         _STATE = _State(RankInfo(rank, world, 0, 1, 0, 1, device), None, None, cpu_group)
         return _STATE.info
     # every rank creates every group, in the same order (torch.distributed's rule for new_group)
     for d in range(dp):
         ranks = list(range(d * tp, (d + 1) * tp))
-        g = dist.new_group(ranks, timeout=timeout) if tp < world else dist.group.WORLD
+        g = dist.new_group(ranks, timeout=start) if tp < world else dist.group.WORLD
         if rank in ranks:
             tp_group = g
     for t in range(tp):
         ranks = list(range(t, world, tp))
-        g = dist.new_group(ranks, timeout=timeout) if dp < world else dist.group.WORLD
+        g = dist.new_group(ranks, timeout=start) if dp < world else dist.group.WORLD
         if rank in ranks:
             dp_group = g
+    _collective_timeout(timeout, (cpu_group, tp_group, dp_group))
     info = RankInfo(rank, world, rank % tp, tp, rank // tp, dp, device)
     _STATE = _State(info, tp_group, dp_group, cpu_group)
     return info
+
+
+def _collective_timeout(timeout: timedelta, groups) -> None:
+    """Every collective of the world and of `groups` (None: not this rank's) raises after `timeout`."""
+    for g in {dist.group.WORLD, *(g for g in groups if g is not None)}:
+        dist.distributed_c10d._set_pg_timeout(timeout, g)
 
 
 def destroy() -> None:
