@@ -160,6 +160,7 @@ def _build_rank(args: EngineArgs, rank: int, init_method: str,
         from deepinfer.distributed.context_parallel import CPRunner
 
         runner = CPRunner(runner, dist.group.WORLD)
+    ps.set_collective_timeout(args.timeout_s)  # start-up done: from here a peer this late is stuck
     return _Rank(info, model, runner, num_slots, num_blocks, cache, [w for _, w in gathered])
 
 

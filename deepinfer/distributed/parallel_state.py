@@ -85,9 +85,9 @@ def init_parallel(parallel: ParallelConfig, rank: int, device: torch.device | st
                   timeout_s: float = 600.0, backend: str | None = None) -> RankInfo:
     """Join the default process group (`init_method`: "env://", "tcp://host:port" or "file://path"),
     then build the TP and DP groups. Every collective of these groups raises after `timeout_s`
-    seconds without its peers (gloo; NCCL with TORCH_NCCL_BLOCKING_WAIT or async error handling). Joining
-    and building the groups wait at least START_TIMEOUT_S for every rank: spawned ranks are still starting
-    (importing torch takes seconds on a loaded host) and that is no peer being stuck.
+    seconds without its peers (gloo; NCCL with TORCH_NCCL_BLOCKING_WAIT or async error handling) once
+    set_collective_timeout() is called; until then at least START_TIMEOUT_S: ranks still starting (importing
+    torch, loading their shards: seconds apart on a loaded host) are no peer being stuck.
     `backend` overrides backend_for(device): "gloo" on CUDA lets several ranks share one GPU (NCCL
     refuses two ranks on a device), for testing the GPU path with fewer GPUs than ranks.
     Context parallelism (context_parallel_size > 1) runs alone (tensor and data parallel sizes 1):
@@ -105,7 +105,6 @@ def init_parallel(parallel: ParallelConfig, rank: int, device: torch.device | st
     if device.type == "cuda":
         device = torch.device("cuda", device.index if device.index is not None else rank % torch.cuda.device_count())
         torch.cuda.set_device(device)
-    timeout = timedelta(seconds=timeout_s)
     start = timedelta(seconds=max(timeout_s, START_TIMEOUT_S))
     backend = backend or backend_for(device)
     if backend not in ("gloo", "nccl"):
@@ -115,7 +114,6 @@ def init_parallel(parallel: ParallelConfig, rank: int, device: torch.device | st
     tp, dp = parallel.tensor_parallel_size, parallel.data_parallel_size
     tp_group = dp_group = None
     if cp != 1:  # every rank one CP rank of the one group
-        _collective_timeout(timeout, (cpu_group,))
         _STATE = _State(RankInfo(rank, world, 0, 1, 0, 1, device), None, None, cpu_group)
         return _STATE.info
     # every rank creates every group, in the same order (torch.distributed's rule for new_group)
@@ -129,15 +127,17 @@ def init_parallel(parallel: ParallelConfig, rank: int, device: torch.device | st
         g = dist.new_group(ranks, timeout=start) if dp < world else dist.group.WORLD
         if rank in ranks:
             dp_group = g
-    _collective_timeout(timeout, (cpu_group, tp_group, dp_group))
     info = RankInfo(rank, world, rank % tp, tp, rank // tp, dp, device)
     _STATE = _State(info, tp_group, dp_group, cpu_group)
     return info
 
 
-def _collective_timeout(timeout: timedelta, groups) -> None:
-    """Every collective of the world and of `groups` (None: not this rank's) raises after `timeout`."""
-    for g in {dist.group.WORLD, *(g for g in groups if g is not None)}:
+def set_collective_timeout(timeout_s: float) -> None:
+    """From here on every collective of this rank's groups raises after timeout_s (the end of start-up)."""
+    if _STATE is None:
+        raise RuntimeError("set_collective_timeout: no process group joined (init_parallel)")
+    timeout = timedelta(seconds=timeout_s)
+    for g in {dist.group.WORLD, *(g for g in (_STATE.cpu_group, _STATE.tp_group, _STATE.dp_group) if g is not None)}:
         dist.distributed_c10d._set_pg_timeout(timeout, g)
 
 
