@@ -110,6 +110,28 @@ def check(x: torch.Tensor, rope_dim: int, codes, back: torch.Tensor | None = Non
         assert b[nan].isnan().all() and torch.equal(b[g.isinf()], g[g.isinf()]) and (b[fin_in_inf] == 0).all()
 
 
+def mutants_fail(run, swaps) -> None:
+    """For each (old, new): kernels/entry_quant.py with old replaced by new, loaded as its own module, must fail
+    run(module) with an AssertionError (under the interpreter)."""
+    import importlib.util
+    import pathlib
+    import tempfile
+
+    src = pathlib.Path(eq.__file__).read_text()
+    for old, new in swaps:
+        assert old in src, old
+        path = pathlib.Path(tempfile.mkdtemp()) / "entry_quant_mutant.py"
+        path.write_text(src.replace(old, new))
+        spec = importlib.util.spec_from_file_location("entry_quant_mutant", path)
+        mutant = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(mutant)
+        try:
+            run(mutant)
+        except AssertionError:
+            continue
+        raise SystemExit(f"the mutant {new!r} passed the checks")
+
+
 def _store(n: int, dim: int, rope_dim: int, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     nope = dim - rope_dim
     return (torch.zeros(n, nope, dtype=torch.float8_e4m3fn, device=device),
@@ -195,11 +217,11 @@ def test_bad_input_is_named():
 # gather (src) and with the round trip; under the interpreter, mutants of the kernel (floor for ceil, the sign
 # taken from the value, bf16 ties rounded up) must fail the same checks.
 CHECK = (
-    "import importlib.util, pathlib, tempfile, warnings\n"
+    "import warnings\n"
     "import torch\n"
     "warnings.simplefilter('ignore')  # the interpreter's numpy overflows on inf rows\n"
     "from deepinfer.kernels import entry_quant as eq\n"
-    "from test_entry_quant import CASES, _random, _edges, _specials, _store, check, check_scatter\n"
+    "from test_entry_quant import CASES, _random, _edges, _specials, _store, check, check_scatter, mutants_fail\n"
     "def run(mod):\n"
     "    for i, (dim, rope, dtype) in enumerate(CASES):\n"
     "        x = _random(37, dim, dtype, i).to(DEV)\n"
@@ -222,20 +244,8 @@ CHECK = (
     "    check(x, 64, mod._launch(x, 64), mod._launch(x, 64, decode=True))  # [4, 6, 512]\n"
     "run(eq)\n"
     "if DEV == 'cpu':\n"
-    "    src = pathlib.Path(eq.__file__).read_text()\n"
-    "    for old, new in (('tl.ceil(lg)', 'tl.floor(lg)'), ('neg = (bits < 0)', 'neg = (x < 0.0)'),\n"
-    "                     ('0x7FFF + ((b >> 16) & 1)', '0x8000')):\n"
-    "        assert old in src, old\n"
-    "        path = pathlib.Path(tempfile.mkdtemp()) / 'entry_quant_mutant.py'\n"
-    "        path.write_text(src.replace(old, new))\n"
-    "        spec = importlib.util.spec_from_file_location('entry_quant_mutant', path)\n"
-    "        mutant = importlib.util.module_from_spec(spec)\n"
-    "        spec.loader.exec_module(mutant)\n"
-    "        try:\n"
-    "            run(mutant)\n"
-    "        except AssertionError:\n"
-    "            continue\n"
-    "        raise SystemExit(f'the mutant {new!r} passed the checks')\n"
+    "    mutants_fail(run, (('tl.ceil(lg)', 'tl.floor(lg)'), ('neg = (bits < 0)', 'neg = (x < 0.0)'),\n"
+    "                       ('0x7FFF + ((b >> 16) & 1)', '0x8000')))\n"
     "if DEV == 'cuda':  # V4's shapes through EntryStore (decode batch 64, a 4 x 2048 prefill), torch on CUDA\n"
     "    from deepinfer.state.kv_state import EntryStore\n"
     "    g = torch.Generator(device='cuda').manual_seed(0)\n"
@@ -261,10 +271,9 @@ test_kernel_in_the_triton_interpreter, test_kernel_on_gpu = interpreted_and_gpu(
 # CPU) codes and round trip are bit-equal; compiled (the GPU's approximate rsqrt) the round trip is within one
 # e4m3 step of its group and nearly every code equal. Mutants: the weight applied after the cast, sine's sign.
 NORM_CHECK = (
-    "import importlib.util, pathlib, tempfile\n"
     "import torch\n"
     "from deepinfer.kernels import entry_quant as eq\n"
-    "from test_entry_quant import _store, check, check_scatter, check_norm_close\n"
+    "from test_entry_quant import _store, check, check_scatter, check_norm_close, mutants_fail\n"
     "def run(mod):\n"
     "    for dim, rope, dtype in ((512, 64, torch.bfloat16), (512, 64, torch.float32), (48, 16, torch.float32),\n"
     "                             (40, 8, torch.bfloat16)):\n"
@@ -291,21 +300,9 @@ NORM_CHECK = (
     "                check_norm_close(xn, rope, [t[rows].cpu() for t in store], back.cpu())\n"
     "run(eq)\n"
     "if DEV == 'cpu':\n"
-    "    src = pathlib.Path(eq.__file__).read_text()\n"
-    "    for old, new in (('x = _to_x_dtype((x * rn[:, None, None]) * wn[None, :, :], BF16)',\n"
-    "                      'x = _to_x_dtype(x * rn[:, None, None], BF16) * wn[None, :, :]'),\n"
-    "                     ('ev * cs - od * sn', 'ev * cs + od * sn')):\n"
-    "        assert old in src, old\n"
-    "        path = pathlib.Path(tempfile.mkdtemp()) / 'entry_quant_mutant.py'\n"
-    "        path.write_text(src.replace(old, new))\n"
-    "        spec = importlib.util.spec_from_file_location('entry_quant_mutant', path)\n"
-    "        mutant = importlib.util.module_from_spec(spec)\n"
-    "        spec.loader.exec_module(mutant)\n"
-    "        try:\n"
-    "            run(mutant)\n"
-    "        except AssertionError:\n"
-    "            continue\n"
-    "        raise SystemExit(f'the mutant {new!r} passed the checks')\n"
+    "    mutants_fail(run, (('x = _to_x_dtype((x * rn[:, None, None]) * wn[None, :, :], BF16)',\n"
+    "                        'x = _to_x_dtype(x * rn[:, None, None], BF16) * wn[None, :, :]'),\n"
+    "                       ('ev * cs - od * sn', 'ev * cs + od * sn')))\n"
     "print('ok')\n")
 
 test_norm_in_the_triton_interpreter, test_norm_on_gpu = interpreted_and_gpu(NORM_CHECK, "DEV = 'cpu'\n",
