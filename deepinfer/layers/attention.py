@@ -50,7 +50,8 @@ class Compressor(nn.Module):
         self.norm = RMSNorm(dim, eps)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, plan: CompressPlan, carry: CarryState,
-                rope: RopeCache, gather=None, store: RowStore | None = None) -> tuple[torch.Tensor | None, torch.Tensor]:
+                rope: RopeCache, gather=None,
+                store: RowStore | None = None) -> tuple[torch.Tensor | None, torch.Tensor]:
         """Returns (new entries [N, dim] normed + rotated, their addresses); updates carry. `rope`:
         cos/sin at plan.rope_pos (shared by every compressor of the plan's kind in a step). `gather`
         (context parallelism): x holds some rows of the step, the plan indexes all of them; the
