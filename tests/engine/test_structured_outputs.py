@@ -207,12 +207,28 @@ def test_n_siblings_chunked_prefill_and_preemption_stay_valid(ckpt):
     assert small.get_metrics()["num_preemptions"] > 0 and small.scheduler.kv.all_free()
 
 
-def test_dspark_drafts_are_checked_against_the_grammar(ckpt41):
+def test_dspark_drafts_are_checked_against_the_grammar(ckpt41, monkeypatch):
+    from deepinfer.engine.scheduler import Scheduler
+
+    checked = []  # (drafts proposed, drafts the grammar kept) per call
+    prefix = Scheduler._grammar_prefix
+
+    def recording(req, drafts):
+        kept = prefix(req, drafts)
+        if req.grammar is not None and drafts:
+            checked.append((len(drafts), len(kept)))
+        return kept
+
+    monkeypatch.setattr(Scheduler, "_grammar_prefix", staticmethod(recording))
     llm = LLM(str(ckpt41), device="cpu", dtype="float32", kv_cache_memory=64 << 20, seed=0, num_speculative_tokens=3)
     pattern = REGEXES[0]
     outs = llm.generate(_prompts(llm, 2), SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS,
                                                           so_args={"schema_type": "regex", "schema": pattern}), use_tqdm=False)
     _check_all(outs, lambda text: re.fullmatch(pattern, text) or pytest.fail(text))
+    # the random-weight draft stages propose tokens the grammar refuses: some drafts were cut, and some
+    # survived to be verified
+    assert checked and any(kept < n for n, kept in checked), checked
+    assert llm.get_metrics()["num_draft_tokens"] > 0
 
 
 def test_greedy_constrained_tokens_do_not_depend_on_speculation(ckpt):
