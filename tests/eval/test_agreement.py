@@ -1,8 +1,7 @@
-"""eval.agreement: the fields on hand-made logprob rows, and the command on the tiny V4 checkpoint (CPU, fp32,
+"""deepinfer.eval.agreement: the fields on hand-made logprob rows, and the command on the tiny V4 checkpoint (CPU, fp32,
 exact cache values) against transformers' argmax after each prefix, computed in the test."""
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
@@ -12,9 +11,10 @@ import torch
 from deepinfer.loader.model_loader import load_model
 from deepinfer.tools.make_checkpoint import PRESETS
 
+from deepinfer.eval.agreement import compare, main
+
 ROOT = Path(__file__).resolve().parents[2]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "models")]
-from eval.agreement import compare, main  # noqa: E402
+sys.path.insert(0, str(ROOT / "tests" / "models"))
 from oracle import transformers_model  # noqa: E402
 
 
@@ -29,11 +29,10 @@ def test_compare_on_hand_made_rows():
     assert compare([[0]], [[[0.0, -1.0]]])["identical_completions"] == 1
 
 
-def test_engine_agrees_with_transformers_greedy_on_tiny_v4(tiny, tmp_path, capsys):
+def test_engine_agrees_with_transformers_greedy_on_tiny_v4(tiny, tmp_path, command):
     ckpt = tiny
-    result = main(["--model", str(ckpt), "--prompts", "def add(a, b):", "--max-tokens", "5",
-                   "--device", "cpu", "--kv-cache-dtype", "float32", "--kv-cache-memory", str(32 << 20)])
-    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == result
+    result = command(main, ["--model", str(ckpt), "--prompts", "def add(a, b):", "--max-tokens", "5",
+                            "--device", "cpu", "--kv-cache-dtype", "float32", "--kv-cache-memory", str(32 << 20)])
     assert result["reference"] == "transformers" and result["prompts"] == 1
     # independently: transformers' argmax after each prefix of prompt + the engine's tokens (one forward a prompt;
     # up to the first difference this is transformers' own greedy continuation)

@@ -1,18 +1,11 @@
-"""eval.dspark: the ECE per position of a hand-made log, and the command on the tiny V4.1 checkpoint (CPU) against
-the engine's own counters and the scheduler's log."""
+"""deepinfer.eval.dspark: the ECE per position of a hand-made log, and the command on the tiny V4.1 checkpoint (CPU)
+against the engine's own counters and the scheduler's log."""
 from __future__ import annotations
 
-import json
-import sys
-from pathlib import Path
-
-import numpy as np
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
-from eval.common import cut_prompts  # noqa: E402
-from eval.dspark import calibrated, conditional_rows, ece_per_position, main, survival_rows  # noqa: E402
+from deepinfer.eval.common import cut_prompts
+from deepinfer.eval.dspark import calibrated, conditional_rows, ece_per_position, main, survival_rows
 
 # (confidences, drafted, accepted) of three verified blocks
 LOG = [([0.9, 0.5], 2, 2), ([0.9, 0.5], 2, 0), ([0.2], 1, 0)]
@@ -41,13 +34,12 @@ def test_prompts_cut_from_tokens():
 TEXT = " ".join(f"def f{i}(x): return x + {i}" for i in range(60))
 
 
-def test_dspark_acceptance_and_ece_on_tiny_v41(tiny41, tmp_path, capsys):
+def test_dspark_acceptance_and_ece_on_tiny_v41(tiny41, tmp_path, command):
     text = tmp_path / "held_out.txt"
     text.write_text(TEXT)
-    result = main(["--model", str(tiny41), "--file", str(text), "--prompt-len", "16", "--max-prompts", "2",
-                   "--max-tokens", "6", "--gamma", "3", "--bins", "10", "--device", "cpu",
-                   "--kv-cache-dtype", "float32", "--kv-cache-memory", str(32 << 20)])
-    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == result
+    result = command(main, ["--model", str(tiny41), "--file", str(text), "--prompt-len", "16", "--max-prompts", "2",
+                            "--max-tokens", "6", "--gamma", "3", "--bins", "10", "--device", "cpu",
+                            "--kv-cache-dtype", "float32", "--kv-cache-memory", str(32 << 20)])
     assert result["prompts"] == 2 and result["gamma"] == 3 and result["method"] == "dspark"
     n, acc, drafted = result["num_drafts"], result["accepted_per_position"], result["drafted_per_position"]
     assert n > 0 and len(drafted) == 3 and drafted[0] == n

@@ -1,8 +1,7 @@
-"""eval.perplexity on tiny checkpoints (fp32, CPU): windows, the engine's teacher-forced perplexity against
+"""deepinfer.eval.perplexity on tiny checkpoints (fp32, CPU): windows, the engine's teacher-forced perplexity against
 one computed independently (transformers' DeepseekV4ForCausalLM on the same windows), the reference column."""
 from __future__ import annotations
 
-import json
 import math
 import sys
 from pathlib import Path
@@ -14,9 +13,10 @@ from tokenizers import Tokenizer
 from deepinfer.loader.model_loader import load_model
 from deepinfer.tools.make_checkpoint import PRESETS, write_checkpoint
 
+from deepinfer.eval.perplexity import main, make_windows, run
+
 ROOT = Path(__file__).resolve().parents[2]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "models")]
-from eval.perplexity import main, make_windows  # noqa: E402
+sys.path.insert(0, str(ROOT / "tests" / "models"))
 from oracle import transformers_model  # noqa: E402
 
 TEXT = '''def fibonacci(n: int) -> list[int]:
@@ -74,13 +74,11 @@ def text(tmp_path) -> Path:
 ENGINE = ["--device", "cpu", "--kv-cache-dtype", "float32", "--kv-cache-memory", str(32 << 20)]
 
 
-def test_perplexity_is_exp_of_minus_the_mean_teacher_forced_logprob(ckpt, text, tmp_path, capsys):
+def test_perplexity_is_exp_of_minus_the_mean_teacher_forced_logprob(ckpt, text, tmp_path, command):
     tokens = Tokenizer.from_file(str(ckpt / "tokenizer.json")).encode(TEXT, add_special_tokens=False).ids
     assert len(tokens) > 60
-    result = main(["--model", str(ckpt), "--file", str(text), "--max-tokens", "60", "--window", "40", "--context", "5",
-                   "--reference", "transformers", *ENGINE])
-    printed = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
-    assert printed == result
+    result = command(main, ["--model", str(ckpt), "--file", str(text), "--max-tokens", "60", "--window", "40",
+                            "--context", "5", "--reference", "transformers", *ENGINE])
 
     # independently: prompts [BOS] + 5 tokens of context + 34 scored tokens, transformers' full forward of each
     hf = transformers_model(load_model(str(ckpt), dtype=torch.float32)[0], tmp_path)
@@ -111,7 +109,7 @@ def test_bad_arguments_are_refused(ckpt, text):
 
 def test_nemo_reference_scores_the_same_tokens_on_v41(text, tmp_path):
     ckpt41 = write_checkpoint(tmp_path / "ckpt41", PRESETS["tiny41"], seed=5, dtype="fp8")
-    result = main(["--model", str(ckpt41), "--file", str(text), "--max-tokens", "40", "--window", "30",
+    result = run(["--model", str(ckpt41), "--file", str(text), "--max-tokens", "40", "--window", "30",
                    "--reference", "nemo", *ENGINE])
     assert result["tokens"] == 40 and result["windows"] == 2 and result["reference"] == "nemo"
     assert result["max_abs_logprob_diff"] < 1e-4

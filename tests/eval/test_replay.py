@@ -1,9 +1,8 @@
-"""eval.replay on the tiny V4.1 checkpoint (CPU, fp32, exact cache values): the KL per KEEP against the one
+"""deepinfer.eval.replay on the tiny V4.1 checkpoint (CPU, fp32, exact cache values): the KL per KEEP against the one
 benchmarks/bounded_replay.py's Session computes outside the engine (static cache, the model called directly),
 a KEEP covering the whole prompt against the exact prefill, and the agreement fields on hand-made inputs."""
 from __future__ import annotations
 
-import json
 import math
 import sys
 from pathlib import Path
@@ -15,11 +14,12 @@ from tokenizers import Tokenizer
 from deepinfer.loader.model_loader import load_model
 from deepinfer.tools.make_checkpoint import PRESETS
 
+from deepinfer.eval.common import cut_prompts
+from deepinfer.eval.replay import common_prefix, deviation, kl, main
+
 ROOT = Path(__file__).resolve().parents[2]
-sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
+sys.path.insert(0, str(ROOT / "benchmarks"))
 from bounded_replay import Session  # noqa: E402
-from eval.common import cut_prompts  # noqa: E402
-from eval.replay import common_prefix, deviation, kl, main  # noqa: E402
 
 TEXT = " ".join(f"def f{i}(x): return x * {i} + len(str(x))" for i in range(40))
 
@@ -36,15 +36,14 @@ def test_deviation_fields_of_hand_made_runs():
     assert kl(lp(0.3, 0.7), lp(0.3, 0.7)) == 0 and common_prefix([1, 2], [1, 2, 3]) == 2
 
 
-def test_replay_deviation_per_keep_on_tiny_v41(tiny41, tmp_path, capsys):
+def test_replay_deviation_per_keep_on_tiny_v41(tiny41, tmp_path, command):
     ckpt = tiny41
     text = tmp_path / "held_out.txt"
     text.write_text(TEXT)
     # window 16 + draft block 5: KEEP >= 21; 64 covers the 41-token prompts (then replay is exact)
-    result = main(["--model", str(ckpt), "--file", str(text), "--prompt-len", "40", "--max-prompts", "2",
-                   "--keep", "21", "64", "--max-tokens", "4", "--device", "cpu", "--kv-cache-dtype", "float32",
-                   "--kv-cache-memory", str(32 << 20)])
-    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == result
+    result = command(main, ["--model", str(ckpt), "--file", str(text), "--prompt-len", "40", "--max-prompts", "2",
+                            "--keep", "21", "64", "--max-tokens", "4", "--device", "cpu",
+                            "--kv-cache-dtype", "float32", "--kv-cache-memory", str(32 << 20)])
     assert result["prompts"] == 2 and result["prompt_tokens_mean"] == 41 and result["replay_layer"] >= 0
     short, whole = result["per_keep"]
     assert whole["keep"] == 64 and abs(whole["kl_max"]) < 1e-9 and whole["identical_completions"] == 1.0

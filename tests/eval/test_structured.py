@@ -1,19 +1,13 @@
-"""eval.structured: the independent validity check on hand-made texts, and the command on a tiny random-weight
+"""deepinfer.eval.structured: the independent validity check on hand-made texts, and the command on a tiny random-weight
 checkpoint (CPU), where only the grammar makes a completion valid."""
 from __future__ import annotations
-
-import json
-import sys
-from pathlib import Path
 
 import pytest
 
 pytest.importorskip("xgrammar")
 pytest.importorskip("jsonschema")
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT))
-from eval import structured  # noqa: E402
-from eval.structured import CASES, evaluate, main, why_invalid  # noqa: E402
+from deepinfer.eval import structured  # noqa: E402
+from deepinfer.eval.structured import CASES, evaluate, main, why_invalid  # noqa: E402
 
 BY_NAME = {c.name: c for c in CASES}
 
@@ -62,11 +56,10 @@ def test_json_completions_under_a_grammar_are_valid_and_cut_ones_are_not(llm):
     assert {f["why"] for f in cut["failures"]} == {"cut at --max-tokens"}
 
 
-def test_command_prints_one_json_object(ckpt, llm, capsys, monkeypatch):
+def test_command_prints_one_json_object(ckpt, llm, command, monkeypatch):
     monkeypatch.setattr(structured, "engine", lambda args: llm)  # the module's engine, not a second one
     monkeypatch.setattr(llm, "close", lambda: None)
-    result = main(["--model", str(ckpt), "--cases", "regex", "--max-tokens", "60", *ENGINE])
-    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == result
+    result = command(main, ["--model", str(ckpt), "--cases", "regex", "--max-tokens", "60", *ENGINE])
     regexes = [c.name for c in CASES if c.kind == "regex"]
     assert result["completions"] == len(regexes) and list(result["validity_per_kind"]) == ["regex"]
     assert result["validity_rate"] == 1.0 and list(result["validity_per_case"]) == regexes

@@ -3,7 +3,6 @@ trained (its perplexity on Python the training never saw is far below a random m
 from __future__ import annotations
 
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
@@ -34,12 +33,11 @@ def test_a_damaged_demo_file_is_refused_by_name(tmp_path, damage):
 
 
 def _perplexity(model: str) -> float:
-    """eval.perplexity, reduced: the first 256 tokens of a file of this repository, one window, fp32."""
-    sys.path.insert(0, str(ROOT))
-    from eval.perplexity import main
+    """deepinfer.eval.perplexity, reduced: the first 256 tokens of a file of this repository, one window, fp32."""
+    from deepinfer.eval.perplexity import run
 
-    result = main(["--model", model, "--file", str(ROOT / "deepinfer" / "sampling_params.py"), "--max-tokens", "256",
-                   "--device", "cpu", "--max-model-len", "512", "--kv-cache-memory", str(64 << 20)])
+    result = run(["--model", model, "--file", str(ROOT / "deepinfer" / "sampling_params.py"), "--max-tokens", "256",
+                  "--device", "cpu", "--max-model-len", "512", "--kv-cache-memory", str(64 << 20)])
     assert result["tokens"] == 256
     return result["perplexity"]
 
@@ -53,17 +51,16 @@ def test_the_demo_is_trained_and_the_random_demo_is_not(tmp_path, monkeypatch):
 
 
 def test_the_demo_draft_is_trained_and_calibrated(tmp_path, capsys):
-    """eval.dspark on the shipped demo, reduced: 4 prompts of the standard library's ast.py (one of the files
-    held out of the training data) x 32 greedy tokens, fp32. The drafts are accepted far more often than a
+    """deepinfer.eval.dspark on the shipped demo, reduced: 4 prompts of the standard library's ast.py (one of
+    the files held out of the training data) x 32 greedy tokens, fp32. The drafts are accepted far more often than a
     random draft's (1.017 tokens a block on the random demo); measured when shipped (Python 3.11.7): mean
     acceptance length 1.89. The checkpoint's calibration is applied."""
     import ast
 
-    sys.path.insert(0, str(ROOT))
-    from eval.dspark import main
+    from deepinfer.eval.dspark import run
 
-    result = main(["--model", "demo", "--file", ast.__file__, "--prompt-len",
-                   "64", "--max-prompts", "4", "--max-tokens", "32", "--device", "cpu",
-                   "--kv-cache-memory", str(64 << 20), "--max-model-len", "512"])
+    result = run(["--model", "demo", "--file", ast.__file__, "--prompt-len",
+                  "64", "--max-prompts", "4", "--max-tokens", "32", "--device", "cpu",
+                  "--kv-cache-memory", str(64 << 20), "--max-model-len", "512"])
     assert result["mean_acceptance_length"] > 1.3, result
     assert len(result["temperatures"]) == 5 and len(result["ece_calibrated_per_position"]) == 5

@@ -1,8 +1,8 @@
 """SWA bounded replay against the exact prefill, per KEEP: KL of the next-token distribution after each prompt
 and the greedy agreement of the continuations.
 
-    python -m eval.replay --model M (--file F | --prompts S [S ...]) [--keep K [K ...]] [--max-tokens N]
-                          [--prompt-len L] [--max-prompts P] [--device D] ...
+    python -m deepinfer.eval.replay --model M (--file F | --prompts S [S ...]) [--keep K [K ...]] [--max-tokens N]
+                                    [--prompt-len L] [--max-prompts P] [--device D] ...
 
 Bounded replay (DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE=compact, KEEP rows = DEEPINFER_YOCO_PREFILL_KEEP_TOKENS)
 runs the layers above the model's replay layer on each prompt's last KEEP rows only. One engine serves every
@@ -23,11 +23,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import math
+import sys
 
-from eval.common import add_engine_args, add_prompt_args, check_positive, engine, prompts
+from deepinfer.eval.common import add_engine_args, add_prompt_args, check_positive, engine, prompts, run_main, source
 
+PROG = "python -m deepinfer.eval.replay"
 # LLM's max_logprobs: above any vocabulary, so a request may ask for all of it (the limit is min(this, vocab))
 ALL_LOGPROBS = 1 << 30
 
@@ -90,8 +91,9 @@ def evaluate(llm, prompt_ids: list[list[int]], keeps: list[int], max_tokens: int
             "per_keep": [{"keep": k, **deviation(exact, run_mode(llm, prompt_ids, k, max_tokens))} for k in keeps]}
 
 
-def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(prog="python -m eval.replay", description=__doc__.split("\n\n")[0])
+def run(argv: list[str] | None = None) -> dict:
+    """The JSON object the command prints, from its arguments."""
+    ap = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
     add_engine_args(ap)
     add_prompt_args(ap, prompt_len=512, max_prompts=16)
     ap.add_argument("--keep", type=int, nargs="+", default=[140], help="bounded-replay rows to compare (KEEP)")
@@ -102,11 +104,13 @@ def main(argv: list[str] | None = None) -> dict:
         ap.error("--keep values must be >= 1")
     llm = engine(args, max_logprobs=ALL_LOGPROBS, yoco_prefill_truncation_mode="compact",
                  yoco_prefill_keep_tokens=max(args.keep))
-    source = {"file": str(args.file)} if args.file is not None else {"prompts_given": len(args.prompts)}
-    result = {"model": str(llm.model_dir), **source, **evaluate(llm, prompts(llm, args), args.keep, args.max_tokens)}
-    print(json.dumps(result))
-    return result
+    return {"model": str(llm.model_dir), **source(args),
+            **evaluate(llm, prompts(llm, args), args.keep, args.max_tokens)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_main(run, argv)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

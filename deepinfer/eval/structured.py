@@ -1,7 +1,7 @@
 """Structured-output validity: the share of completions under `so_args` that parse and validate.
 
-    python -m eval.structured --model M [--max-tokens N] [--samples K] [--temperature T] [--seed S]
-                              [--cases json,regex] [--device D] ...
+    python -m deepinfer.eval.structured --model M [--max-tokens N] [--samples K] [--temperature T] [--seed S]
+                                        [--cases json,regex] [--device D] ...
 
 Every built-in case (CASES: JSON schemas and regular expressions, each with its own prompt) is generated K
 times (temperature T; K = 1 at temperature 0) under `so_args` {"schema_type": "json" | "regex", "schema": ...}.
@@ -15,9 +15,12 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import sys
 from dataclasses import dataclass
 
-from eval.common import add_engine_args, check_positive, engine
+from deepinfer.eval.common import add_engine_args, check_positive, engine, run_main
+
+PROG = "python -m deepinfer.eval.structured"
 
 
 @dataclass(frozen=True)
@@ -103,8 +106,9 @@ def evaluate(llm, cases=CASES, max_tokens: int = 256, samples: int = 1, temperat
             "validity_per_case": {name: v / n for name, (v, n) in per_case.items()}, "failures": failures}
 
 
-def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(prog="python -m eval.structured", description=__doc__.split("\n\n")[0])
+def run(argv: list[str] | None = None) -> dict:
+    """The JSON object the command prints, from its arguments."""
+    ap = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
     add_engine_args(ap)
     ap.add_argument("--max-tokens", type=int, default=256, help="tokens per completion, at most")
     ap.add_argument("--samples", type=int, default=None, help="completions per case (default: 1 greedy, else 4)")
@@ -123,13 +127,15 @@ def main(argv: list[str] | None = None) -> dict:
     if llm.detokenizer is None:
         raise ValueError("--model: the checkpoint has no tokenizer to encode the prompts with")
     try:
-        result = {"model": str(llm.model_dir), **evaluate(llm, [c for c in CASES if c.kind in kinds],
-                                                           args.max_tokens, samples, args.temperature, args.seed)}
+        return {"model": str(llm.model_dir), **evaluate(llm, [c for c in CASES if c.kind in kinds],
+                                                         args.max_tokens, samples, args.temperature, args.seed)}
     finally:
         llm.close()
-    print(json.dumps(result))
-    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_main(run, argv)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,7 +1,7 @@
 """Held-out perplexity: the engine's own logprobs of a text file's tokens, teacher-forced.
 
-    python -m eval.perplexity --model M --file F [--max-tokens N] [--window W] [--context C]
-                              [--device D] [--reference nemo|transformers]
+    python -m deepinfer.eval.perplexity --model M --file F [--max-tokens N] [--window W] [--context C]
+                                        [--device D] [--reference nemo|transformers]
 
 prints one JSON object: `perplexity` = exp(-mean logprob) over `tokens` scored tokens, and with
 `--reference` the same tokens scored by the reference implementation and the differences.
@@ -16,7 +16,6 @@ near the start of a window sees only BOS and the C context tokens before it.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys
@@ -24,7 +23,10 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from deepinfer.eval.common import add_engine_args, check_positive, engine, run_main
+
+PROG = "python -m deepinfer.eval.perplexity"
+ROOT = Path(__file__).resolve().parents[2]  # a source checkout: the references are the oracles of its tests/models
 REFERENCES = ("nemo", "transformers")
 
 
@@ -141,39 +143,28 @@ def evaluate(llm, text: str, max_tokens: int | None = None, window: int | None =
     return result
 
 
-def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(prog="python -m eval.perplexity", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", required=True, help="checkpoint directory, hub id, or 'demo'")
+def run(argv: list[str] | None = None) -> dict:
+    """The JSON object the command prints, from its arguments."""
+    ap = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
+    add_engine_args(ap)
     ap.add_argument("--file", required=True, type=Path, help="UTF-8 text file to score")
     ap.add_argument("--max-tokens", type=int, default=None, help="score the file's first N tokens only")
     ap.add_argument("--window", type=int, default=None, help="tokens per prompt (default: max_model_len - 1)")
     ap.add_argument("--context", type=int, default=0, help="unscored tokens of the previous window each repeats")
-    ap.add_argument("--device", default=None, help="cuda (default where present) or cpu")
-    ap.add_argument("--dtype", default=None, help="activations (default: float32 on the CPU, else bfloat16)")
-    ap.add_argument("--kv-cache-dtype", default="auto")
-    ap.add_argument("--max-model-len", type=int, default=None)
-    ap.add_argument("--kv-cache-memory", type=int, default=None, help="cache bytes (default: the engine's)")
     ap.add_argument("--reference", choices=REFERENCES, default=None,
                     help="also score with the reference (fp32 on the CPU; small checkpoints only)")
     args = ap.parse_args(argv)
-    if args.max_tokens is not None and args.max_tokens < 1:
-        ap.error("--max-tokens must be >= 1")
+    check_positive(ap, args, "max-tokens")
     if args.context < 0:
         ap.error("--context must be >= 0")
-    import torch
-
-    from deepinfer import LLM
-
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = args.dtype or ("float32" if device == "cpu" else "bfloat16")
     text = args.file.read_text(encoding="utf-8")
-    llm = LLM(args.model, device=device, dtype=dtype, kv_cache_dtype=args.kv_cache_dtype,
-              max_model_len=args.max_model_len, kv_cache_memory=args.kv_cache_memory)
-    result = {"file": str(args.file), **evaluate(llm, text, args.max_tokens, args.window, args.context,
-                                                 args.reference)}
-    print(json.dumps(result))
-    return result
+    llm = engine(args)
+    return {"file": str(args.file), **evaluate(llm, text, args.max_tokens, args.window, args.context, args.reference)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_main(run, argv)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,7 +1,7 @@
 """DSpark acceptance per draft position and the calibration (ECE) of the draft confidences, greedy.
 
-    python -m eval.dspark --model M (--file F | --prompts S [S ...]) [--max-tokens N] [--gamma G]
-                          [--prompt-len L] [--max-prompts P] [--bins B] [--device D] ...
+    python -m deepinfer.eval.dspark --model M (--file F | --prompts S [S ...]) [--max-tokens N] [--gamma G]
+                                    [--prompt-len L] [--max-prompts P] [--bins B] [--device D] ...
 
 The engine generates N greedy tokens (ignore_eos) after each prompt with its own draft stages at a fixed
 length of G drafts (no confidence scheduling), so every verify step checks the block the drafter gave it.
@@ -22,15 +22,15 @@ i, over the blocks drafted that far,
 from __future__ import annotations
 
 import argparse
-import json
+import sys
 
 import numpy as np
 
 from deepinfer.spec.calibration import DEFAULT_BINS, ece
 from deepinfer.spec.ngram import ModelDrafts
+from deepinfer.eval.common import add_engine_args, add_prompt_args, check_positive, engine, prompts, run_main, source
 
-from eval.common import add_engine_args, add_prompt_args, check_positive, engine, prompts
-
+PROG = "python -m deepinfer.eval.dspark"
 # one verified block: (the drafter's confidences of its drafts, drafts verified, drafts accepted)
 Block = tuple[list[float], int, int]
 
@@ -118,8 +118,9 @@ def evaluate(llm, prompt_ids: list[list[int]], max_tokens: int, bins: int = DEFA
     return result
 
 
-def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(prog="python -m eval.dspark", description=__doc__.split("\n\n")[0])
+def run(argv: list[str] | None = None) -> dict:
+    """The JSON object the command prints, from its arguments."""
+    ap = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
     add_engine_args(ap)
     add_prompt_args(ap)
     ap.add_argument("--max-tokens", type=int, default=64, help="greedy tokens generated per prompt")
@@ -130,12 +131,13 @@ def main(argv: list[str] | None = None) -> dict:
     from deepinfer.llm import _calibration
 
     llm = engine(args, num_speculative_tokens=args.gamma, enable_mtp_varlen=False)
-    source = {"file": str(args.file)} if args.file is not None else {"prompts_given": len(args.prompts)}
-    result = {"model": str(llm.model_dir), **source,
-              **evaluate(llm, prompts(llm, args), args.max_tokens, args.bins, _calibration(llm.model_dir))}
-    print(json.dumps(result))
-    return result
+    return {"model": str(llm.model_dir), **source(args),
+            **evaluate(llm, prompts(llm, args), args.max_tokens, args.bins, _calibration(llm.model_dir))}
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_main(run, argv)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

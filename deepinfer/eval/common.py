@@ -10,7 +10,9 @@ BOS first.
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
+from typing import Callable
 
 
 def add_engine_args(ap: argparse.ArgumentParser) -> None:
@@ -59,6 +61,17 @@ def cut_prompts(tokens: list[int], prompt_len: int, max_prompts: int, bos: int |
     prefix = [] if bos is None else [bos]
     starts = range(skip * prompt_len, len(tokens) - prompt_len + 1, prompt_len)
     return [prefix + tokens[i:i + prompt_len] for i in starts][:max_prompts]
+
+
+def source(args: argparse.Namespace) -> dict:
+    """Where the prompts came from, for the result."""
+    return {"file": str(args.file)} if args.file is not None else {"prompts_given": len(args.prompts)}
+
+
+def run_main(run: Callable[[list[str] | None], dict], argv: list[str] | None) -> int:
+    """A tool's main: prints the JSON object `run(argv)` returns as one line; the exit status."""
+    print(json.dumps(run(argv)))
+    return 0
 
 
 def prompts(llm, args: argparse.Namespace) -> list[list[int]]:

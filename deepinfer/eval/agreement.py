@@ -1,9 +1,10 @@
 """Greedy agreement of the engine with the reference implementation (NeMo for V4.1, transformers for V4).
 
-    python -m eval.agreement --model M (--file F | --prompts S [S ...]) [--max-tokens N]
-                             [--reference nemo|transformers] [--prompt-len L] [--max-prompts P] [--device D] ...
+    python -m deepinfer.eval.agreement --model M (--file F | --prompts S [S ...]) [--max-tokens N]
+                                       [--reference nemo|transformers] [--prompt-len L] [--max-prompts P]
+                                       [--device D] ...
 
-The engine generates N greedy tokens (ignore_eos) after each prompt. The reference (eval.perplexity's: a
+The engine generates N greedy tokens (ignore_eos) after each prompt. The reference (deepinfer.eval.perplexity's: a
 full-sequence fp32 forward on the CPU, small checkpoints only) then reads each prompt with the engine's
 continuation, teacher-forced, and gives its whole next-token distribution at every continuation position.
 Position i agrees when the reference's argmax is the engine's token i. Since both run greedily from the same
@@ -17,12 +18,14 @@ token at the first disagreement (near 0: a near tie that rounding can flip; larg
 from __future__ import annotations
 
 import argparse
-import json
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from eval.common import add_engine_args, add_prompt_args, check_positive, engine, prompts
-from eval.perplexity import REFERENCES, Window, check_reference, reference_logprobs
+from deepinfer.eval.common import add_engine_args, add_prompt_args, check_positive, engine, prompts, run_main, source
+from deepinfer.eval.perplexity import REFERENCES, Window, check_reference, reference_logprobs
+
+PROG = "python -m deepinfer.eval.agreement"
 
 
 @dataclass(frozen=True)
@@ -75,8 +78,9 @@ def evaluate(llm, prompt_ids: list[list[int]], max_tokens: int, reference: str |
             "completions": toks}
 
 
-def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(prog="python -m eval.agreement", description=__doc__.split("\n\n")[0])
+def run(argv: list[str] | None = None) -> dict:
+    """The JSON object the command prints, from its arguments."""
+    ap = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
     add_engine_args(ap)
     add_prompt_args(ap, prompt_len=64, max_prompts=8)
     ap.add_argument("--max-tokens", type=int, default=32, help="greedy tokens generated per prompt")
@@ -85,12 +89,13 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     check_positive(ap, args, "max-tokens", "prompt-len", "max-prompts")
     llm = engine(args)
-    source = {"file": str(args.file)} if args.file is not None else {"prompts_given": len(args.prompts)}
-    result = {"model": str(llm.model_dir), **source, **evaluate(llm, prompts(llm, args), args.max_tokens,
-                                                                args.reference)}
-    print(json.dumps(result))
-    return result
+    return {"model": str(llm.model_dir), **source(args), **evaluate(llm, prompts(llm, args), args.max_tokens,
+                                                                    args.reference)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_main(run, argv)
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
