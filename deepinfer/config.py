@@ -29,6 +29,7 @@ ENV_FIELDS = {
     "DEEPINFER_BATCH_INVARIANT": "batch_invariant",
     "DEEPINFER_USE_NEXTN_DECODE": "num_speculative_tokens",
     "DEEPINFER_ENABLE_MTP_VARLEN": "enable_mtp_varlen",
+    "DEEPINFER_ALLOW_LONG_MAX_MODEL_LEN": "allow_long_max_model_len",
 }
 REPLAY_MODES = ("compact", "none")
 LOGGING_ENV_FIELDS = {"DEEPINFER_CONFIGURE_LOGGING": "configure", "DEEPINFER_LOGGING_LEVEL": "level"}
@@ -45,6 +46,9 @@ class EngineConfig:
     dtype: str = "bfloat16"
     kv_cache_dtype: str = "auto"
     max_model_len: int | None = None         # None: the model's, capped by what the cache holds
+    # DEEPINFER_ALLOW_LONG_MAX_MODEL_LEN (vLLM's VLLM_ALLOW_LONG_MAX_MODEL_LEN): a max_model_len above the
+    # model's max_position_embeddings is accepted (with a warning) instead of refused
+    allow_long_max_model_len: bool = False
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     kv_cache_memory: int | None = None       # bytes for the cache pools; None: sized from free memory
@@ -96,8 +100,9 @@ class EngineConfig:
             object.__setattr__(self, "yoco_prefill_keep_tokens", _parse_int("yoco_prefill_keep_tokens",
                                                                              self.yoco_prefill_keep_tokens))
         _check_positive("yoco_prefill_keep_tokens", self.yoco_prefill_keep_tokens)
-        if isinstance(self.batch_invariant, str):  # from the environment
-            object.__setattr__(self, "batch_invariant", _parse_bool("batch_invariant", self.batch_invariant))
+        for name in ("batch_invariant", "allow_long_max_model_len"):
+            if isinstance(getattr(self, name), str):  # from the environment
+                object.__setattr__(self, name, _parse_bool(name, getattr(self, name)))
         if self.engram_device not in (None, "cpu"):
             raise ValueError(f"engram_device: {self.engram_device!r} is not None or 'cpu'")
         if not (self.device == "cpu" or self.device.startswith("cuda")):

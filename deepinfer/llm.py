@@ -585,13 +585,15 @@ def _resolve_checked(cfg: EngineConfig, ref: str, check: Callable[[torch.nn.Modu
     parts: its small files (config.json, shard index, tokenizer), then, once `check` passed on the model
     built from them on the meta device, its weight shards; a model that cannot fit fails before they are
     downloaded. Other directories are returned as found, unchecked (load_model checks them before any
-    weight is read)."""
+    weight is read). max_model_len is checked against config.json first, on every path."""
     from types import SimpleNamespace
 
+    from deepinfer.loader.model_config import read_model_config
     from deepinfer.loader.model_loader import model_spec
     from deepinfer.loader.resolve import fetch_weights, has_weights, resolve_model_dir, weight_index
 
     path = resolve_model_dir(ref, hf_model_dir=cfg.hf_model_dir, offline=cfg.hf_hub_offline, weights=False)
+    _check_max_model_len(cfg, read_model_config(path))
     if has_weights(path) or cfg.load_format == "dummy":  # dummy: config.json is all it reads
         return path, False
     index = weight_index(path)  # without one (a single-file checkpoint) the tensor names need the weights
@@ -600,6 +602,21 @@ def _resolve_checked(cfg: EngineConfig, ref: str, check: Callable[[torch.nn.Modu
         with torch.device("meta"):
             check(model_cls(mcfg, dtype=getattr(torch, cfg.dtype), quantized=cfg.keeps_checkpoint_formats, **extra))
     return fetch_weights(ref, path, offline=cfg.hf_hub_offline), index is not None
+
+
+def _check_max_model_len(cfg: EngineConfig, mcfg) -> None:
+    """max_model_len within the model's max_position_embeddings (config.json: for V4 / V4.1 the context their
+    YaRN rope scaling was trained to, original_max_position_embeddings x factor); above it only with
+    allow_long_max_model_len (DEEPINFER_ALLOW_LONG_MAX_MODEL_LEN=1), as vLLM does."""
+    asked, limit = cfg.max_model_len, mcfg.max_position_embeddings
+    if asked is None or asked <= limit:
+        return
+    if not cfg.allow_long_max_model_len:
+        raise ValueError(f"max_model_len: {asked} is above the model's max_position_embeddings {limit} (config.json); "
+                         f"pass max_model_len <= {limit}, or set DEEPINFER_ALLOW_LONG_MAX_MODEL_LEN=1 to run past "
+                         "the positions the model was trained on")
+    logger.warning("max_model_len=%d is above the model's max_position_embeddings %d "
+                   "(DEEPINFER_ALLOW_LONG_MAX_MODEL_LEN=1): outputs past %d tokens may be wrong", asked, limit, limit)
 
 
 def _check_ranks_fit(cfg: EngineConfig, meta: torch.nn.Module) -> bool:

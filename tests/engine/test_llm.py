@@ -159,6 +159,17 @@ def test_cli_generate(ckpt):
     assert "finish_reason" in res.stdout
 
 
+def test_cli_refuses_a_max_model_len_above_the_model_in_one_line(ckpt):
+    env = {k: v for k, v in os.environ.items() if k != "DEEPINFER_ALLOW_LONG_MAX_MODEL_LEN"}
+    res = subprocess.run([sys.executable, "-m", "deepinfer.entrypoints.cli", "generate", "--model", str(ckpt),
+                          "--prompt", "Hello", "--max-model-len", "100000", "--device", "cpu"],
+                         env={**env, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=300)
+    limit = CFG["max_position_embeddings"]
+    assert res.returncode == 2, res.stderr[-2000:]
+    assert res.stderr.startswith("deepinfer: error: max_model_len: 100000") and res.stderr.count("\n") == 1, res.stderr
+    assert f"max_position_embeddings {limit}" in res.stderr
+
+
 @pytest.mark.gpu
 def test_cuda_engine_matches_cpu_greedy(ckpt, llm):
     prompts = _prompts(6, seed=13)
