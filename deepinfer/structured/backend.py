@@ -27,6 +27,9 @@ SCHEMA_TYPES = ("json", "regex", "ebnf", "json_object")
 _KEYS = ("schema_type", "schema", "any_whitespace")
 # Compact JSON: no whitespace around separators, so a bounded schema bounds the completion's length.
 _COMPACT = (",", ":")
+# json_object: a JSON object, as OpenAI's response_format json_object promises. Its grammar starts at "{" (no
+# leading whitespace) and is complete only at the object's closing "}".
+_OBJECT = '{"type":"object"}'
 THINK_START, THINK_END = "<think>", "</think>"
 
 
@@ -65,7 +68,7 @@ def opens_thinking(prompt: list[int], think_start_id: int | None, think_end_id: 
 
 def parse_so_args(so_args: dict) -> GrammarKey:
     """DeepInfer's API: {"schema_type": "regex"|"json"|"ebnf"|"json_object", "schema": ...} (a JSON
-    schema as a dict or a JSON string; none for json_object), optional "any_whitespace": bool (json
+    schema as a dict or a JSON string; none for json_object, which is any JSON object), optional "any_whitespace": bool (json
     and json_object only). Structural checks only (no tokenizer, no xgrammar): ValueError naming the
     field."""
     if not isinstance(so_args, dict):
@@ -84,7 +87,7 @@ def parse_so_args(so_args: dict) -> GrammarKey:
     schema = so_args.get("schema")
     if kind == "json_object":
         if schema is not None:
-            raise ValueError("so_args.schema must be absent for schema_type 'json_object' (any JSON value)")
+            raise ValueError("so_args.schema must be absent for schema_type 'json_object' (any JSON object)")
         return GrammarKey(kind, "", ws)
     if kind == "json":
         if isinstance(schema, str):
@@ -110,7 +113,7 @@ def _build_grammar(key: GrammarKey):
     """The xgrammar Grammar for a key (parse only, no vocab): ValueError naming so_args.schema."""
     xgr = _xgrammar()
     try:
-        schema = key.schema if key.schema_type == "json" else "{}"
+        schema = key.schema if key.schema_type == "json" else _OBJECT
         if key.schema_type == "regex":
             grammar = xgr.Grammar.from_regex(key.schema)
         elif key.schema_type == "ebnf":

@@ -84,12 +84,14 @@ def test_regex_prefix_is_completed(served):
 def test_json_object_prefix(served):
     """recipe refuses response_format json_object with a prefix (as DeepSeek's API does); vLLM's
     structured_outputs json_object continues it."""
-    r = _post(served, {"messages": _prefix("[1,"), "response_format": {"type": "json_object"}, **OFF})
+    r = _post(served, {"messages": _prefix('{"a":[1,'), "response_format": {"type": "json_object"}, **OFF})
     assert r.status_code == 400 and "prefix" in r.json()["error"]["message"], r.text
-    r = _post(served, {"messages": _prefix("[1,"), "structured_outputs": {"json_object": True}, "max_tokens": 60,
-                       "seed": 5, "temperature": 1.0, **OFF})
+    r = _post(served, {"messages": _prefix('{"a":[1,'), "structured_outputs": {"json_object": True},
+                       "max_tokens": 60, "seed": 4, "temperature": 1.0, **OFF})
     (c,) = _contents(r)
-    assert isinstance(json.loads("[1," + c), list), c
+    assert isinstance(json.loads('{"a":[1,' + c), dict), c
+    r = _post(served, {"messages": _prefix("[1,"), "structured_outputs": {"json_object": True}, **OFF})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages[1].content", r.text
 
 
 def test_prefix_after_the_reasoning_advances_the_grammar(served):

@@ -135,6 +135,22 @@ def test_structured_outputs_regex_with_thinking_each_sample(served):
         assert re.fullmatch(pattern, c["message"]["content"]), c
 
 
+@pytest.mark.parametrize("fmt", [{"response_format": {"type": "json_object"}},
+                                 {"structured_outputs": {"json_object": True}}], ids=["response_format", "so"])
+def test_json_object_content_is_an_object(served, fmt):
+    """recipe parses a json_object answer as JSON: the grammar must give an object, whole when it stops."""
+    r = _post(served, {"messages": [{"role": "user", "content": "Reply in JSON"}], **fmt, "n": 4, "max_tokens": 40,
+                       "seed": 1, "temperature": 1.0, "thinking": {"type": "disabled"}})
+    assert r.status_code == 200, r.text
+    choices = r.json()["choices"]
+    assert "stop" in [c["finish_reason"] for c in choices], choices
+    for c in choices:
+        content = c["message"]["content"]
+        assert content.startswith("{"), c
+        if c["finish_reason"] == "stop":
+            assert isinstance(json.loads(content), dict), c
+
+
 def test_refused_where_the_engine_cannot_find_the_reasoning(tmp_path):
     """A tokenizer.json without <think> / </think>: the server gives them padding entries, but the engine's
     grammar would not know them and would constrain the reasoning. Thinking off stays allowed."""

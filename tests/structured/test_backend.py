@@ -209,15 +209,32 @@ def test_sampled_json_validates(backend, tok, forbidden, schema):
         assert not whitespace_outside_strings(text), text
 
 
-def test_json_object_any_value_and_property_order(backend, tok, forbidden):
+def test_json_object_any_object_and_property_order(backend, tok, forbidden):
     rng = np.random.default_rng(1)
     rg = ready(backend, {"schema_type": "json_object"})
     for _ in range(10):
         text = text_of(tok, sample(rg.fork(), rng, forbidden, max_steps=2000))
-        json.loads(text)
+        assert isinstance(json.loads(text), dict), text
         assert not whitespace_outside_strings(text), text
     schema = {"type": "object", "properties": {"z": {"const": 1}, "a": {"const": 2}}, "required": ["z", "a"]}
     assert text_of(tok, sample(ready(backend, {"schema_type": "json", "schema": schema}), rng, forbidden)) == '{"z":1,"a":2}'
+
+
+@pytest.mark.parametrize("any_ws", [False, True])
+def test_json_object_starts_at_its_brace_and_ends_only_at_its_close(backend, tok, any_ws):
+    """No leading whitespace, no other JSON value, no stop token before the object is closed."""
+    rg = ready(backend, {"schema_type": "json_object", "any_whitespace": any_ws})
+    mask = np.zeros(W, np.int32)
+    rg.fill_bitmask(mask)
+    first = allowed(mask)
+    assert len(first) and all(tok.decode([t]).startswith("{") for t in first), tok.decode(list(first))
+    for t in tok.encode('{"a":[1').ids:
+        assert not rg.terminated and rg.accept(t)
+        rg.fill_bitmask(mask)
+        assert EOS not in allowed(mask)
+    for t in tok.encode(']}').ids:
+        assert rg.accept(t)
+    assert rg.terminated
 
 
 def test_any_whitespace_allows_whitespace_compact_does_not(backend, tok):
@@ -277,7 +294,7 @@ def _byte_token(backend, b: bytes) -> int:
 @pytest.mark.parametrize("so_args, prefix", [
     ({"schema_type": "json", "schema": {"type": "string", "maxLength": 4}}, b'"'),
     ({"schema_type": "json", "schema": {"type": "string"}}, b'"'),
-    ({"schema_type": "json_object"}, b'["'),
+    ({"schema_type": "json_object"}, b'{"'),
     ({"schema_type": "regex", "schema": "a.b"}, b"a"),
     ({"schema_type": "regex", "schema": "a[^b]c"}, b"a"),
     ({"schema_type": "regex", "schema": r"a[\s\S]c"}, b"a"),
