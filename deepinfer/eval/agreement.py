@@ -17,12 +17,11 @@ token at the first disagreement (near 0: a near tie that rounding can flip; larg
 """
 from __future__ import annotations
 
-import argparse
 import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from deepinfer.eval.common import add_engine_args, add_prompt_args, check_positive, engine, prompts, run_main, source
+from deepinfer.eval.common import Parser, add_engine_args, add_prompt_args, at_least, engine, prompts, run_main, source
 from deepinfer.eval.perplexity import REFERENCES, Window, check_reference, reference_logprobs
 
 PROG = "python -m deepinfer.eval.agreement"
@@ -80,21 +79,20 @@ def evaluate(llm, prompt_ids: list[list[int]], max_tokens: int, reference: str |
 
 def run(argv: list[str] | None = None) -> dict:
     """The JSON object the command prints, from its arguments."""
-    ap = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
+    ap = Parser(prog=PROG, description=__doc__.split("\n\n")[0])
     add_engine_args(ap)
     add_prompt_args(ap, prompt_len=64, max_prompts=8)
-    ap.add_argument("--max-tokens", type=int, default=32, help="greedy tokens generated per prompt")
+    ap.add_argument("--max-tokens", type=at_least(1), default=32, help="greedy tokens generated per prompt")
     ap.add_argument("--reference", choices=REFERENCES, default=None,
                     help="default: the checkpoint's (nemo for V4.1, transformers for V4)")
     args = ap.parse_args(argv)
-    check_positive(ap, args, "max-tokens", "prompt-len", "max-prompts")
     llm = engine(args)
     return {"model": str(llm.model_dir), **source(args), **evaluate(llm, prompts(llm, args), args.max_tokens,
                                                                     args.reference)}
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_main(run, argv)
+    return run_main(PROG, run, argv)
 
 
 if __name__ == "__main__":

@@ -21,14 +21,13 @@ i, over the blocks drafted that far,
 """
 from __future__ import annotations
 
-import argparse
 import sys
 
 import numpy as np
 
 from deepinfer.spec.calibration import DEFAULT_BINS, ece
 from deepinfer.spec.ngram import ModelDrafts
-from deepinfer.eval.common import add_engine_args, add_prompt_args, check_positive, engine, prompts, run_main, source
+from deepinfer.eval.common import Parser, add_engine_args, add_prompt_args, at_least, engine, prompts, run_main, source
 
 PROG = "python -m deepinfer.eval.dspark"
 # one verified block: (the drafter's confidences of its drafts, drafts verified, drafts accepted)
@@ -120,14 +119,13 @@ def evaluate(llm, prompt_ids: list[list[int]], max_tokens: int, bins: int = DEFA
 
 def run(argv: list[str] | None = None) -> dict:
     """The JSON object the command prints, from its arguments."""
-    ap = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
+    ap = Parser(prog=PROG, description=__doc__.split("\n\n")[0])
     add_engine_args(ap)
     add_prompt_args(ap)
-    ap.add_argument("--max-tokens", type=int, default=64, help="greedy tokens generated per prompt")
-    ap.add_argument("--gamma", type=int, default=5, help="drafts per block (num_speculative_tokens)")
-    ap.add_argument("--bins", type=int, default=DEFAULT_BINS, help="equal-width ECE bins of [0, 1]")
+    ap.add_argument("--max-tokens", type=at_least(1), default=64, help="greedy tokens generated per prompt")
+    ap.add_argument("--gamma", type=at_least(1), default=5, help="drafts per block (num_speculative_tokens)")
+    ap.add_argument("--bins", type=at_least(1), default=DEFAULT_BINS, help="equal-width ECE bins of [0, 1]")
     args = ap.parse_args(argv)
-    check_positive(ap, args, "max-tokens", "gamma", "bins", "prompt-len", "max-prompts")
     from deepinfer.llm import _calibration
 
     llm = engine(args, num_speculative_tokens=args.gamma, enable_mtp_varlen=False)
@@ -136,7 +134,7 @@ def run(argv: list[str] | None = None) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_main(run, argv)
+    return run_main(PROG, run, argv)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,6 @@ near the start of a window sees only BOS and the C context tokens before it.
 """
 from __future__ import annotations
 
-import argparse
 import math
 import os
 import sys
@@ -23,7 +22,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from deepinfer.eval.common import add_engine_args, check_positive, engine, run_main
+from deepinfer.eval.common import Parser, add_engine_args, at_least, engine, read_text, run_main, text_file
 
 PROG = "python -m deepinfer.eval.perplexity"
 ROOT = Path(__file__).resolve().parents[2]  # a source checkout: the references are the oracles of its tests/models
@@ -51,7 +50,7 @@ def make_windows(tokens: list[int], width: int, bos: int | None, context: int = 
     lead = context + (bos is None)  # unscored file tokens before a window's own (without BOS: one more)
     own = width - len(prefix) - lead
     if own < 1:
-        raise ValueError(f"window: {width} tokens leave no room to score any after BOS and context={context}")
+        raise ValueError(f"--window: {width} tokens leave no room to score any after BOS and --context={context}")
     out, i = [], 0 if bos is not None else 1
     while i < len(tokens):
         ctx = tokens[max(0, i - lead):i]
@@ -77,7 +76,7 @@ def engine_logprobs(llm, windows: list[Window]) -> list[list[float]]:
 def check_reference(name: str, model_type: str) -> None:
     want = {"nemo": "deepseek_v41", "transformers": "deepseek_v4"}[name]
     if model_type != want:
-        raise ValueError(f"reference: {name!r} is the reference for {want}; this checkpoint is {model_type} "
+        raise ValueError(f"--reference: {name!r} is the reference for {want}; this checkpoint is {model_type} "
                          f"(use --reference {'nemo' if model_type == 'deepseek_v41' else 'transformers'})")
 
 
@@ -89,6 +88,9 @@ def reference_logprobs(name: str, model_dir: Path, model_type: str, windows: lis
     import torch
 
     check_reference(name, model_type)
+    if not (ROOT / "tests" / "models").is_dir():
+        raise ValueError(f"--reference: the references are the test oracles of a source checkout (tests/models), "
+                         f"not installed with the package; none at {ROOT}")
     os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")  # NeMo runs eagerly
     sys.path.insert(0, str(ROOT / "tests" / "models"))
     if name == "nemo":
@@ -123,11 +125,11 @@ def evaluate(llm, text: str, max_tokens: int | None = None, window: int | None =
     tokens = llm.detokenizer.encode(text, None)[:max_tokens]
     width = window or llm.max_model_len - 1
     if not 2 <= width < llm.max_model_len:
-        raise ValueError(f"window: {width} must be in [2, max_model_len={llm.max_model_len}) (one token must fit "
-                         "after a prompt)")
+        raise ValueError(f"--window: {width} must be in [2, max_model_len={llm.max_model_len}) (one token must "
+                         "fit after a prompt)")
     windows = make_windows(tokens, width, cfg.bos_token_id, context)
     if not windows:
-        raise ValueError("file: no token to score (the text is empty, or one token without BOS)")
+        raise ValueError("--file: no token to score (the text is empty, or one token without BOS)")
     ours = engine_logprobs(llm, windows)
     flat = [x for w in ours for x in w]
     result = {"model": str(llm.model_dir), "tokens": len(flat), "windows": len(windows), "window": width,
@@ -145,25 +147,23 @@ def evaluate(llm, text: str, max_tokens: int | None = None, window: int | None =
 
 def run(argv: list[str] | None = None) -> dict:
     """The JSON object the command prints, from its arguments."""
-    ap = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
+    ap = Parser(prog=PROG, description=__doc__.split("\n\n")[0])
     add_engine_args(ap)
-    ap.add_argument("--file", required=True, type=Path, help="UTF-8 text file to score")
-    ap.add_argument("--max-tokens", type=int, default=None, help="score the file's first N tokens only")
-    ap.add_argument("--window", type=int, default=None, help="tokens per prompt (default: max_model_len - 1)")
-    ap.add_argument("--context", type=int, default=0, help="unscored tokens of the previous window each repeats")
+    ap.add_argument("--file", required=True, type=text_file, help="UTF-8 text file to score")
+    ap.add_argument("--max-tokens", type=at_least(1), default=None, help="score the file's first N tokens only")
+    ap.add_argument("--window", type=at_least(2), default=None, help="tokens per prompt (default: max_model_len - 1)")
+    ap.add_argument("--context", type=at_least(0), default=0,
+                    help="unscored tokens of the previous window each repeats")
     ap.add_argument("--reference", choices=REFERENCES, default=None,
                     help="also score with the reference (fp32 on the CPU; small checkpoints only)")
     args = ap.parse_args(argv)
-    check_positive(ap, args, "max-tokens")
-    if args.context < 0:
-        ap.error("--context must be >= 0")
-    text = args.file.read_text(encoding="utf-8")
+    text = read_text(args.file)
     llm = engine(args)
     return {"file": str(args.file), **evaluate(llm, text, args.max_tokens, args.window, args.context, args.reference)}
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_main(run, argv)
+    return run_main(PROG, run, argv)
 
 
 if __name__ == "__main__":

@@ -21,12 +21,12 @@ random prompt outside the engine, with the prefill FLOPs (tests/eval/test_replay
 """
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import math
 import sys
 
-from deepinfer.eval.common import add_engine_args, add_prompt_args, check_positive, engine, prompts, run_main, source
+from deepinfer.eval.common import (Parser, UsageError, add_engine_args, add_prompt_args, at_least, engine, prompts,
+                                   run_main, source)
 
 PROG = "python -m deepinfer.eval.replay"
 # LLM's max_logprobs: above any vocabulary, so a request may ask for all of it (the limit is min(this, vocab))
@@ -43,11 +43,14 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 
 def check_keep(llm, keep: int) -> int:
-    """`keep` checked by the engine's own start-up rule (ValueError naming yoco_prefill_keep_tokens)."""
+    """`keep` checked by the engine's own start-up rule (UsageError naming --keep)."""
     from deepinfer.llm import _replay_keep
 
-    return _replay_keep(dataclasses.replace(llm.config, yoco_prefill_truncation_mode="compact",
-                                            yoco_prefill_keep_tokens=keep), llm.model.config)
+    try:
+        return _replay_keep(dataclasses.replace(llm.config, yoco_prefill_truncation_mode="compact",
+                                                yoco_prefill_keep_tokens=keep), llm.model.config)
+    except ValueError as e:
+        raise UsageError(f"--keep {keep}: {e}") from None
 
 
 def run_mode(llm, prompt_ids: list[list[int]], keep: int | None, max_tokens: int) -> tuple[list[dict], list[list[int]]]:
@@ -93,15 +96,12 @@ def evaluate(llm, prompt_ids: list[list[int]], keeps: list[int], max_tokens: int
 
 def run(argv: list[str] | None = None) -> dict:
     """The JSON object the command prints, from its arguments."""
-    ap = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
+    ap = Parser(prog=PROG, description=__doc__.split("\n\n")[0])
     add_engine_args(ap)
     add_prompt_args(ap, prompt_len=512, max_prompts=16)
-    ap.add_argument("--keep", type=int, nargs="+", default=[140], help="bounded-replay rows to compare (KEEP)")
-    ap.add_argument("--max-tokens", type=int, default=64, help="greedy tokens generated per prompt")
+    ap.add_argument("--keep", type=at_least(1), nargs="+", default=[140], help="bounded-replay rows to compare (KEEP)")
+    ap.add_argument("--max-tokens", type=at_least(1), default=64, help="greedy tokens generated per prompt")
     args = ap.parse_args(argv)
-    check_positive(ap, args, "max-tokens", "prompt-len", "max-prompts")
-    if min(args.keep) < 1:
-        ap.error("--keep values must be >= 1")
     llm = engine(args, max_logprobs=ALL_LOGPROBS, yoco_prefill_truncation_mode="compact",
                  yoco_prefill_keep_tokens=max(args.keep))
     return {"model": str(llm.model_dir), **source(args),
@@ -109,7 +109,7 @@ def run(argv: list[str] | None = None) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_main(run, argv)
+    return run_main(PROG, run, argv)
 
 
 if __name__ == "__main__":

@@ -12,13 +12,12 @@ kind and per case, and every completion that failed (case, finish_reason, text, 
 """
 from __future__ import annotations
 
-import argparse
 import json
 import re
 import sys
 from dataclasses import dataclass
 
-from deepinfer.eval.common import add_engine_args, check_positive, engine, run_main
+from deepinfer.eval.common import Parser, add_engine_args, at_least, engine, run_main
 
 PROG = "python -m deepinfer.eval.structured"
 
@@ -108,25 +107,25 @@ def evaluate(llm, cases=CASES, max_tokens: int = 256, samples: int = 1, temperat
 
 def run(argv: list[str] | None = None) -> dict:
     """The JSON object the command prints, from its arguments."""
-    ap = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0])
+    ap = Parser(prog=PROG, description=__doc__.split("\n\n")[0])
     add_engine_args(ap)
-    ap.add_argument("--max-tokens", type=int, default=256, help="tokens per completion, at most")
-    ap.add_argument("--samples", type=int, default=None, help="completions per case (default: 1 greedy, else 4)")
+    ap.add_argument("--max-tokens", type=at_least(1), default=256, help="tokens per completion, at most")
+    ap.add_argument("--samples", type=at_least(1), default=None,
+                    help="completions per case (default: 1 greedy, else 4)")
     ap.add_argument("--temperature", type=float, default=0.0)
     ap.add_argument("--seed", type=int, default=0, help="seq_seed of a case's first sample (then +1 each)")
     ap.add_argument("--cases", default="json,regex", help="kinds of cases to run: json, regex or both")
     args = ap.parse_args(argv)
-    check_positive(ap, args, "max-tokens", "samples")
     kinds = set(args.cases.split(","))
     if not kinds or kinds - {"json", "regex"}:
-        ap.error(f"--cases: a comma-separated subset of json,regex, got {args.cases!r}")
-    if args.temperature < 0:
-        ap.error("--temperature must be >= 0")
+        ap.error(f"argument --cases: a comma-separated subset of json,regex, got {args.cases!r}")
+    if not 0 <= args.temperature < float("inf"):
+        ap.error(f"argument --temperature: need a finite number >= 0, got {args.temperature}")
     samples = args.samples or (1 if args.temperature == 0 else 4)
     llm = engine(args)
-    if llm.detokenizer is None:
-        raise ValueError("--model: the checkpoint has no tokenizer to encode the prompts with")
     try:
+        if llm.detokenizer is None:
+            raise ValueError("--model: the checkpoint has no tokenizer to encode the prompts with")
         return {"model": str(llm.model_dir), **evaluate(llm, [c for c in CASES if c.kind in kinds],
                                                          args.max_tokens, samples, args.temperature, args.seed)}
     finally:
@@ -134,7 +133,7 @@ def run(argv: list[str] | None = None) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_main(run, argv)
+    return run_main(PROG, run, argv)
 
 
 if __name__ == "__main__":

@@ -60,3 +60,11 @@ def test_replay_deviation_per_keep_on_tiny_v41(tiny41, tmp_path, command):
     assert short["kl_mean"] == pytest.approx(sum(kls) / 2, rel=1e-3, abs=1e-7)
     assert short["kl_max"] == pytest.approx(max(kls), rel=1e-3, abs=1e-7)
 
+
+
+def test_a_keep_below_the_engines_rule_is_one_line_and_status_2(tiny41, capsys):
+    # window 16 + draft block 5: KEEP 20 does not cover them
+    assert main(["--model", str(tiny41), "--prompts", "def f(x):", "--keep", "20", "64", "--device", "cpu",
+                 "--kv-cache-memory", str(32 << 20)]) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and "--keep 20: yoco_prefill_keep_tokens" in err
