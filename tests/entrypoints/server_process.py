@@ -77,6 +77,11 @@ class ServerProcess:
                 return int(pid)
         raise RuntimeError(f"no engine-core child among {kids}")
 
+    def stop_cleanly(self) -> None:
+        """SIGTERM; the server must exit 0 without a traceback."""
+        code = self.stop()
+        assert code == 0 and "Traceback" not in self.log_path.read_text(), (code, self.log())
+
     def stop(self, timeout: float = 60) -> int:
         """SIGTERM (a graceful shutdown) and the exit status."""
         if self.proc.poll() is None:

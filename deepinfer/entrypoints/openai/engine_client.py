@@ -63,6 +63,8 @@ class EngineClient:
         self._streams: dict[str, asyncio.Queue] = {}
         self._ids = itertools.count()
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._reader: threading.Thread | None = None
+        self._detached = False  # set by detach(): the reader thread hands nothing more to the loop
         self._stopping = False
 
     # --- start-up and shutdown (blocking; called outside the event loop or from lifespan) ---
@@ -87,7 +89,15 @@ class EngineClient:
     def attach(self, loop: asyncio.AbstractEventLoop) -> None:
         """Start delivering the engine's messages to `loop`."""
         self._loop = loop
-        threading.Thread(target=self._read, name="engine-reader", daemon=True).start()
+        self._reader = threading.Thread(target=self._read, name="engine-reader", daemon=True)
+        self._reader.start()
+
+    def detach(self) -> None:
+        """Stop delivering to the loop; the reader thread has ended when this returns (within POLL_S), so the
+        loop may close."""
+        self._detached = True
+        if self._reader is not None:
+            self._reader.join()
 
     def shutdown(self, timeout: float = 10.0) -> None:
         self._stopping = True
@@ -139,7 +149,7 @@ class EngineClient:
     # --- the reader thread and its hand-off to the loop ---
 
     def _read(self) -> None:
-        while True:
+        while not self._detached:
             try:
                 msg = self._poll()
             except (EOFError, OSError):

@@ -77,7 +77,10 @@ def serve(llm_kwargs: dict, host: str, port: int, served_name: str, api_key: str
 
         async def main():
             client.attach(asyncio.get_running_loop())
-            await server.serve()
+            try:
+                await server.serve()
+            finally:
+                client.detach()  # before asyncio.run closes the loop
         # uvicorn turns SIGINT / SIGTERM into a graceful shutdown, then re-raises the signal to the handler it
         # found: a no-op one lets a requested shutdown end with status 0
         for sig in (signal.SIGINT, signal.SIGTERM):
