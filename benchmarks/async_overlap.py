@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from common import add_commit_arg, recorded_commit
+from common import add_commit_arg, new_results_path, recorded_commit, refuse_existing_out
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.tools.make_checkpoint import PRESETS, write_checkpoint
@@ -61,6 +61,7 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     add_commit_arg(ap)
     args = ap.parse_args()
+    refuse_existing_out(args)
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = write_checkpoint(Path(tmp) / "ckpt", PRESETS[args.preset], seed=0, dtype="bfloat16")
         g = torch.Generator().manual_seed(0)
@@ -73,7 +74,7 @@ def main() -> None:
     result = {"device": torch.cuda.get_device_name(), "date": str(date.today()), "commit": recorded_commit(args),
               "workload": {"preset": args.preset, "num_prompts": args.num_prompts, "input_len": args.input_len,
                            "output_len": args.output_len, "dtype": "bfloat16"}, "rows": rows}
-    out = Path(args.out or Path(__file__).parent / "results" / f"{date.today()}-async-overlap.json")
+    out = new_results_path(args.out or Path(__file__).parent / "results" / f"{date.today()}-async-overlap.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {out}")

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from common import add_commit_arg, recorded_commit
+from common import add_commit_arg, new_results_path, recorded_commit, refuse_existing_out
 
 from deepinfer.state.forward_batch import SeqChunk, build_forward_batch
 from deepinfer.loader.model_loader import load_model
@@ -64,6 +64,7 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     add_commit_arg(ap)
     args = ap.parse_args()
+    refuse_existing_out(args)
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = write_checkpoint(Path(tmp) / "ckpt", PRESETS[args.preset], seed=0, dtype="fp8")
@@ -103,7 +104,8 @@ def main() -> None:
         "command": f"python benchmarks/bounded_replay.py --preset {args.preset} --prompt-len {args.prompt_len} "
                    f"--steps {args.steps} --keep {args.keep} --kv-cache-dtype {args.kv_cache_dtype}",
     }
-    out = Path(args.out or Path(__file__).parent / "results" / f"{date.today()}-cpu-bounded-replay-{args.preset}.json")
+    out = new_results_path(args.out or Path(__file__).parent / "results" /
+                           f"{date.today()}-cpu-bounded-replay-{args.preset}.json")
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result, indent=2))
 

@@ -2,6 +2,10 @@
 
 A results file records the commit it measured, taken from git (`git_commit`) or from `--commit`
 (a commit hash, checked for its form) and from nowhere else: free text never reaches the field.
+
+A results file is never overwritten: a script checks its `--out` before measuring (`refuse_existing_out`) and
+its default path when it picks it (`new_results_path`); `write_results` creates a file exclusively. A new run
+gets a new name; the old file stays in git history.
 """
 from __future__ import annotations
 
@@ -41,6 +45,33 @@ def commit_hash(value: str) -> str:
 def add_commit_arg(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--commit", type=commit_hash, default=None,
                     help="commit recorded in the results (default: git HEAD, -dirty when tracked files differ)")
+
+
+def new_results_path(path: str | Path) -> Path:
+    """`path` as a Path, for a results file that does not exist yet; FileExistsError naming it otherwise."""
+    p = Path(path)
+    if p.exists():
+        raise FileExistsError(f"{p}: results file exists; a results file is never overwritten "
+                              "(pass --out with a new name; the old file stays in git history)")
+    return p
+
+
+def refuse_existing_out(args: argparse.Namespace) -> None:
+    """Right after parse_args: a run whose --out names an existing file stops before measuring anything."""
+    if getattr(args, "out", None):
+        new_results_path(args.out)
+
+
+def write_results(path: str | Path, text: str) -> Path:
+    """Creates the results file `path` holding `text`; never replaces one (FileExistsError naming it)."""
+    p = new_results_path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        with open(p, "x") as f:
+            f.write(text)
+    except FileExistsError:
+        new_results_path(p)  # appeared meanwhile: the same error
+    return p
 
 
 def recorded_commit(args: argparse.Namespace) -> str:

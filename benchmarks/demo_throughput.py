@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from common import add_commit_arg, recorded_commit
+from common import add_commit_arg, new_results_path, recorded_commit, refuse_existing_out
 from offline_throughput import _prompts, _sync
 
 MODELS = ("v4", "v41", "v41-host")
@@ -120,6 +120,7 @@ def main() -> None:
     ap.add_argument("--out", default=None,
                     help="JSON results path (default: benchmarks/results/<date>-<device>-demo-throughput.json)")
     args = ap.parse_args()
+    refuse_existing_out(args)
     if args.model_only:
         row = measure(args.model_only, args.preset_only, Path(args.ckpt), args)
         Path(args.row_out).write_text(json.dumps(row))
@@ -151,7 +152,8 @@ def main() -> None:
     elif args.smoke:
         out = Path(tempfile.mkdtemp(prefix="demo-throughput-smoke-")) / "demo-throughput.json"
     else:
-        out = Path(__file__).parent / "results" / f"{date.today()}-{device.replace(' ', '-')}-demo-throughput.json"
+        out = new_results_path(Path(__file__).parent / "results" /
+                               f"{date.today()}-{device.replace(' ', '-')}-demo-throughput.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"{'model':<30}{'out tok/s':>12}{'seconds':>10}{'async':>8}{'graphs':>8}")

@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from common import add_commit_arg, recorded_commit
+from common import add_commit_arg, recorded_commit, refuse_existing_out
 from deepinfer import LLM, SamplingParams
 from deepinfer.engine.request import Request
 from deepinfer.tools.make_checkpoint import PRESETS, write_checkpoint
@@ -132,6 +132,7 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="JSON results")
     add_commit_arg(ap)
     args = ap.parse_args()
+    refuse_existing_out(args)
     torch.set_num_threads(args.threads)
     sizes = [int(b) for b in args.requests.split(",")]
     rows = []

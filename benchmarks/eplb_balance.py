@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from common import add_commit_arg, recorded_commit
+from common import add_commit_arg, recorded_commit, refuse_existing_out
 
 # (name, experts, top-k, GPUs, nodes, groups, redundant slots, policy)
 SETUPS = [
@@ -55,6 +55,7 @@ def main() -> None:
     ap.add_argument("--out")
     add_commit_arg(ap)
     args = ap.parse_args()
+    refuse_existing_out(args)
 
     from deepinfer.distributed.eplb import contiguous_placement, gpu_loads, rebalance_experts
 

@@ -31,7 +31,7 @@ from pathlib import Path
 
 import torch
 
-from common import add_commit_arg, recorded_commit
+from common import add_commit_arg, new_results_path, recorded_commit, refuse_existing_out
 
 DEVICE = "cuda"
 PREFILL = [(1, 2048), (4, 2048), (1, 8192)]
@@ -820,7 +820,7 @@ def results_path(args, device: str) -> Path:
         import tempfile
 
         return Path(tempfile.mkdtemp(prefix="flash-slice-smoke-")) / name
-    return Path(__file__).parent / "results" / name
+    return new_results_path(Path(__file__).parent / "results" / name)
 
 
 def print_table(rows: list[dict]) -> None:
@@ -854,6 +854,7 @@ def main() -> None:
     ap.add_argument("--decode-batches", default=None, help="a subset of rows: comma-separated decode batches")
     ap.add_argument("--decode-contexts", default=None, help="a subset of rows: comma-separated decode contexts")
     args = ap.parse_args()
+    refuse_existing_out(args)
     if args.smoke:
         use_smoke_settings()
     select_rows(args)

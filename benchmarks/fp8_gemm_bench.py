@@ -70,7 +70,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from common import add_commit_arg, recorded_commit
+from common import add_commit_arg, recorded_commit, refuse_existing_out
 
 from deepinfer.formats.quant import FP4_VALUES, dequant_fp8_blocks
 from deepinfer.kernels import sm_count
@@ -483,6 +483,7 @@ def main() -> None:
                     "SWEEP entries are timed (default: all entries, and W4A8's)")
     add_commit_arg(ap)
     args = ap.parse_args()
+    refuse_existing_out(args)
     device = "cpu" if args.smoke else "cuda"
     if device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("fp8_gemm_bench: needs CUDA (or --smoke)")

@@ -16,7 +16,7 @@ import json
 
 import torch
 
-from common import add_commit_arg, recorded_commit
+from common import add_commit_arg, recorded_commit, refuse_existing_out
 from deepinfer.kernels import grouped_gemm as gg
 
 CALLS = 20
@@ -65,6 +65,7 @@ def main() -> None:
     ap.add_argument("--grid", choices=sorted(GRIDS), default="depth")
     add_commit_arg(ap)
     args = ap.parse_args()
+    refuse_existing_out(args)
     tiles_grid = GRIDS[args.grid]
     rows = []
 

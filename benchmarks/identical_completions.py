@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from common import add_commit_arg, recorded_commit
+from common import add_commit_arg, new_results_path, recorded_commit, refuse_existing_out
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.tools.make_checkpoint import PRESETS, write_checkpoint
@@ -80,6 +80,7 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     add_commit_arg(ap)
     args = ap.parse_args()
+    refuse_existing_out(args)
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = write_checkpoint(Path(tmp) / "ckpt", PRESETS[args.preset], seed=0, dtype=args.dtype)
         rows = [run(ckpt, args, inv) for inv in {"both": (False, True), "on": (True,), "off": (False,)}[args.modes]]
@@ -89,7 +90,7 @@ def main() -> None:
     result = {"device": device, "date": str(date.today()), "commit": recorded_commit(args),
               "workload": {k: v for k, v in vars(args).items() if k not in ("out", "commit")}, "rows": rows}
     name = f"{date.today()}-{device.replace(' ', '-')}-identical-completions.json"
-    out = Path(args.out or Path(__file__).parent / "results" / name)
+    out = new_results_path(args.out or Path(__file__).parent / "results" / name)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {out}")
 

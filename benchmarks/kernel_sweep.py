@@ -16,7 +16,7 @@ import json
 
 import torch
 
-from common import add_commit_arg, recorded_commit
+from common import add_commit_arg, recorded_commit, refuse_existing_out
 
 from deepinfer.kernels import grouped_gemm as gg
 from deepinfer.kernels import sparse_attention as sa
@@ -575,6 +575,7 @@ def main() -> None:
     ap.add_argument("--out")
     add_commit_arg(ap)
     args = ap.parse_args()
+    refuse_existing_out(args)
     global QUICK
     QUICK = args.quick
     torch.manual_seed(0)

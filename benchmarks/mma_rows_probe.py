@@ -22,7 +22,7 @@ import json
 import torch
 import triton
 
-from common import add_commit_arg, recorded_commit
+from common import add_commit_arg, recorded_commit, refuse_existing_out
 
 from deepinfer.kernels import grouped_gemm as gg
 from deepinfer.kernels import invariant_matmul as im
@@ -43,6 +43,7 @@ def main() -> None:
     ap.add_argument("--out")
     add_commit_arg(ap)
     args = ap.parse_args()
+    refuse_existing_out(args)
     torch.manual_seed(0)
     rows = []
     for dtype, (M, N, K) in itertools.product((torch.bfloat16, torch.float32), ((200, 1024, 4096), (7, 512, 1024))):

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from common import add_commit_arg, recorded_commit
+from common import add_commit_arg, new_results_path, recorded_commit, refuse_existing_out
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.tools.make_checkpoint import PRESETS, write_checkpoint
@@ -113,6 +113,7 @@ def main() -> None:
     add_commit_arg(ap)
     ap.add_argument("--out", default=None, help="JSON results path (default: benchmarks/results/<date>-<device>-offline.json)")
     args = ap.parse_args()
+    refuse_existing_out(args)
 
     dummy = args.load_format == "dummy"
     if dummy:
@@ -151,7 +152,8 @@ def main() -> None:
         result["ratio_output_tokens_per_s"] = round(by["deepinfer"] / by["transformers"], 2)
     if "deepinfer (batch_invariant)" in by:
         result["batch_invariant_cost"] = round(1 - by["deepinfer (batch_invariant)"] / by["deepinfer"], 3)
-    out = Path(args.out or Path(__file__).parent / "results" / f"{date.today()}-{device.replace(' ', '-')}-offline.json")
+    out = new_results_path(args.out or Path(__file__).parent / "results" /
+                           f"{date.today()}-{device.replace(' ', '-')}-offline.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"{'engine':<30}{'requests':>10}{'req/s':>10}{'out tok/s':>12}{'seconds':>10}")

@@ -11,7 +11,7 @@ import argparse
 import tempfile
 from pathlib import Path
 
-from common import add_commit_arg, recorded_commit
+from common import add_commit_arg, recorded_commit, refuse_existing_out
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.tools.make_checkpoint import PRESETS, write_checkpoint
@@ -38,6 +38,7 @@ def main() -> None:
     add_commit_arg(ap)
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
+    refuse_existing_out(args)
     params = SamplingParams(temperature=0, max_tokens=8, logprobs=3)
     long = [0] + [(i * 37 + 11) % 1000 + 2 for i in range(255)]  # 256 tokens: CP splits its prefill
     prompts = {"cp=2": [long]}

@@ -13,7 +13,7 @@ import json
 import platform
 import time
 
-from common import add_commit_arg, recorded_commit
+from common import add_commit_arg, recorded_commit, refuse_existing_out
 
 
 def main() -> None:
@@ -24,6 +24,7 @@ def main() -> None:
     ap.add_argument("--out")
     add_commit_arg(ap)
     args = ap.parse_args()
+    refuse_existing_out(args)
 
     import flash_slice as fs
     from deepinfer import SamplingParams

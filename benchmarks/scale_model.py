@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from common import add_commit_arg, recorded_commit
+from common import add_commit_arg, recorded_commit, refuse_existing_out
 
 GIB = 1 << 30
 GPU_COUNTS = (4, 8, 16, 64)
@@ -416,6 +416,7 @@ def main() -> None:
     ap.add_argument("--out")
     add_commit_arg(ap)
     args = ap.parse_args()
+    refuse_existing_out(args)
     text = report(args)
     if args.out:
         Path(args.out).write_text(text)

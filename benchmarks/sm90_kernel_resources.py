@@ -34,7 +34,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "kernels"), str(ROOT / "benchmar
 import triton  # noqa: E402
 from triton.backends.nvidia.compiler import get_ptxas  # noqa: E402
 
-from common import add_commit_arg, recorded_commit  # noqa: E402
+from common import add_commit_arg, recorded_commit, refuse_existing_out  # noqa: E402
 from sm90 import compile_sm90, record  # noqa: E402
 
 from deepinfer.kernels import grouped_gemm_fp8 as g8  # noqa: E402
@@ -119,6 +119,7 @@ def main() -> None:
     ap.add_argument("--out", default=None, help="results JSON (default: printed only)")
     add_commit_arg(ap)
     args = ap.parse_args()
+    refuse_existing_out(args)
     from fp8_gemm_bench import SWEEP
     configs = grid_configs()
     for entry in SWEEP:  # the bench's tile choices outside the grid (its variants are compiled below anyway)

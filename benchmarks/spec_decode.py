@@ -61,7 +61,7 @@ from pathlib import Path
 
 import torch
 
-from common import add_commit_arg, recorded_commit
+from common import add_commit_arg, new_results_path, recorded_commit, refuse_existing_out
 
 METHODS = ("dspark", "oracle", "ngram")
 PROMPT_LOOKUP_MAX = 4
@@ -422,6 +422,7 @@ def resolve_model(args, tmp: Path) -> tuple[str, str]:
 
 def main() -> None:
     args = parse_args()
+    refuse_existing_out(args)
     if args.child:
         plan = json.loads(Path(args.child_plan).read_text())
         Path(args.child_out).write_text(json.dumps(run_config(plan, args.child, args.child_k, args.child_varlen)))
@@ -480,7 +481,7 @@ def main() -> None:
     else:
         out_dir = args.out_dir or (tempfile.mkdtemp(prefix="spec-decode-smoke-") if args.smoke
                                    else Path(__file__).parent / "results")
-        out = Path(out_dir) / name
+        out = new_results_path(Path(out_dir) / name)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"{device}, {model_name}, {args.dtype}, {args.input_len} in / {args.output_len} out, commit {commit}")

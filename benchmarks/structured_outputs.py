@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import add_commit_arg, recorded_commit  # noqa: E402
+from common import add_commit_arg, new_results_path, recorded_commit, refuse_existing_out  # noqa: E402
 
 SCHEMA = {"type": "array", "minItems": 1000,
           "items": {"type": "object", "additionalProperties": False, "required": ["name", "age", "tags"],
@@ -87,12 +87,13 @@ def main() -> None:
     ap.add_argument("--out", default=None)
     add_commit_arg(ap)
     args = ap.parse_args()
+    refuse_existing_out(args)
     args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
     res = run(args)
     for r in res["rows"]:
         extra = f"  overhead {100 * r['overhead_vs_free']:+.1f} %" if "overhead_vs_free" in r else ""
         print(f"{r['mode']:5s} batch {r['batch']:4d}  {r['tokens_per_s']:10.1f} tok/s  {r['ms_per_step']:8.3f} ms/step{extra}")
-    out = Path(args.out) if args.out else (Path(__file__).parent / "results" /
+    out = Path(args.out) if args.out else new_results_path(Path(__file__).parent / "results" /
                                            f"{res['date']}-{res['device'].replace(' ', '-')}-{res['commit']}-structured-outputs.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(res, indent=1) + "\n")

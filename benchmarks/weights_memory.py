@@ -41,7 +41,7 @@ from pathlib import Path
 
 import torch
 
-from common import add_commit_arg, recorded_commit
+from common import add_commit_arg, new_results_path, recorded_commit, refuse_existing_out
 
 LAYERS = 2
 # V4: layer 0 CSA (ratio 4: compressor + indexer) with hash routing, layer 1 HCA (ratio 128) with
@@ -183,7 +183,7 @@ def results_path(out: str | None, smoke: bool, device: str) -> Path:
     if out:
         return Path(out)
     folder = Path(tempfile.mkdtemp(prefix="weights-memory-smoke-")) if smoke else Path(__file__).parent / "results"
-    return folder / f"{date.today()}-{device.replace(' ', '-')}-weights-memory.json"
+    return new_results_path(folder / f"{date.today()}-{device.replace(' ', '-')}-weights-memory.json")
 
 
 def main() -> None:
@@ -196,6 +196,7 @@ def main() -> None:
     add_commit_arg(ap)
     ap.add_argument("--smoke", action="store_true", help="tiny / tiny41 widths on the CPU, one process")
     args = ap.parse_args()
+    refuse_existing_out(args)
     archs = args.archs.split(",")
     if not archs or any(a not in PRESETS["full"] for a in archs):
         raise SystemExit(f"--archs: one or more of {', '.join(PRESETS['full'])}, got {args.archs!r}")
