@@ -5,7 +5,9 @@ c_j = sigmoid(z_j / T_j) and the survival a_j = prod_{i<=j} c_i estimates the ch
 1..j are all accepted. The scheduler (`schedule.py`) uses a as an absolute probability, so it must
 be calibrated, not only well ranked. STS fits T_1, T_2, ... left to right: with T_1..T_{j-1} fixed,
 T_j is the point of a 1-D grid minimising the ECE of a_j against the label "positions 1..j were all
-accepted" on held-out blocks (drafted and fully verified with the target).
+accepted" on held-out blocks (drafted and fully verified with the target). A minimum on an edge of the
+grid may lie beyond it: the grid is then continued past that edge, at its outer step, up to T_LIMITS
+(and a minimum still on the edge there is logged as a warning).
 
 The result lives beside the checkpoint as `dspark_calibration.json` (CALIBRATION_FILE):
 
@@ -24,6 +26,7 @@ Loading validates every field and names the one that is wrong.
 from __future__ import annotations
 
 import json
+import logging
 import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -35,7 +38,9 @@ CALIBRATION_FILE = "dspark_calibration.json"
 FORMAT = "deepinfer.dspark_calibration"
 VERSION = 1
 DEFAULT_BINS = 15
-DEFAULT_GRID = tuple(np.geomspace(0.05, 20.0, 241).tolist())     # 2.5 % steps, symmetric about T = 1
+DEFAULT_GRID = tuple(np.geomspace(0.01, 100.0, 369).tolist())    # 2.5 % steps, symmetric about T = 1
+T_LIMITS = (1e-4, 1e4)                                            # the farthest a grid is continued
+logger = logging.getLogger(__name__)
 
 
 def _ece_rows(pred: np.ndarray, label: np.ndarray, bins: int) -> np.ndarray:
@@ -89,22 +94,52 @@ def survival(logits, temperatures) -> np.ndarray:
     return np.cumprod(_sigmoid(np.asarray(logits, dtype=np.float64) / np.asarray(temperatures)), axis=1)
 
 
+def _grid_minimum(prefix: np.ndarray, z: np.ndarray, label: np.ndarray, t: np.ndarray,
+                  bins: int) -> tuple[int, np.ndarray]:
+    """(index into t of the T minimising ECE(prefix * sigmoid(z / T), label), ties to the T nearest 1;
+    the candidate survivals [G, N])."""
+    cand = prefix[None, :] * _sigmoid(z[None, :] / t[:, None])
+    err = _ece_rows(cand, label, bins)
+    best = np.flatnonzero(err <= err.min() + 1e-12)
+    return int(best[np.argmin(np.abs(np.log(t[best])))]), cand
+
+
+def _continued(t: np.ndarray, pick: int) -> np.ndarray | None:
+    """t (ascending) continued past the edge at `pick` by its outer step ratio for one decade, the last step
+    cut at T_LIMITS; None when `pick` is not an edge or the edge is a limit."""
+    if t.size < 2 or pick not in (0, t.size - 1):
+        return None
+    top = pick == t.size - 1
+    edge, ratio = (t[-1], t[-1] / t[-2]) if top else (t[0], t[0] / t[1])
+    if (edge >= T_LIMITS[1]) if top else (edge <= T_LIMITS[0]):
+        return None
+    steps = np.unique(np.clip(edge * ratio ** np.arange(1, math.ceil(math.log(10) / abs(math.log(ratio))) + 1),
+                              *T_LIMITS))
+    return np.concatenate([t, steps] if top else [steps, t])
+
+
 def fit_temperatures(logits, accepted_len, bins: int = DEFAULT_BINS, grid=DEFAULT_GRID) -> list[float]:
-    """STS: T_j, left to right, the grid point minimising ECE(a_j, label_j) given T_1..T_{j-1}.
-    Ties (e.g. no block survives to position j, so every T fits alike) go to the T nearest 1."""
+    """STS: T_j, left to right, the grid point minimising ECE(a_j, label_j) given T_1..T_{j-1}, the grid
+    continued past an edge the minimum lands on (module doc). Ties (e.g. no block survives to position j,
+    so every T fits alike) go to the T nearest 1."""
     z, accepted = _inputs(logits, accepted_len)
-    t = np.asarray(grid, dtype=np.float64)
-    if t.ndim != 1 or t.size == 0 or not np.all(np.isfinite(t)) or np.any(t <= 0):
+    t0 = np.asarray(grid, dtype=np.float64)
+    if t0.ndim != 1 or t0.size == 0 or not np.all(np.isfinite(t0)) or np.any(t0 <= 0):
         raise ValueError("grid: need a 1-D array of finite temperatures > 0")
+    t0 = np.unique(t0)  # ascending: its edges are its first and last points
     _check_bins(bins)
     labels = survival_labels(accepted, z.shape[1])
     prefix = np.ones(z.shape[0])
     out = []
     for j in range(z.shape[1]):
-        cand = prefix[None, :] * _sigmoid(z[None, :, j] / t[:, None])     # [G, N]
-        err = _ece_rows(cand, labels[:, j], bins)
-        best = np.flatnonzero(err <= err.min() + 1e-12)
-        pick = best[np.argmin(np.abs(np.log(t[best])))]
+        t = t0
+        pick, cand = _grid_minimum(prefix, z[:, j], labels[:, j], t, bins)
+        while (wider := _continued(t, pick)) is not None:
+            t = wider
+            pick, cand = _grid_minimum(prefix, z[:, j], labels[:, j], t, bins)
+        if t.size > 1 and pick in (0, t.size - 1):
+            logger.warning("DSpark calibration: position %d's temperature %.4g is the edge of the temperatures "
+                           "searched (%.4g..%.4g); the ECE may fall further beyond it", j + 1, t[pick], t[0], t[-1])
         out.append(float(t[pick]))
         prefix = cand[pick]
     return out

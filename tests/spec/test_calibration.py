@@ -129,3 +129,31 @@ def test_load_accepts_the_good_document_and_rejects_non_objects(tmp_path):
 def test_bad_fit_input_names_the_field(call, field):
     with pytest.raises(ValueError, match=field):
         call()
+
+
+def scaled(seed: int, blocks: int, temperatures):
+    """synthetic(...) with position j's logits scaled by T_j: z_j / T_j ~ N(1.5, 2) whatever T_j is."""
+    z, length = synthetic(seed, blocks, [1.0] * len(temperatures))
+    return z * np.array(temperatures), length
+
+
+@pytest.mark.parametrize("true_t", [[40.0, 1.0], [0.02, 1.0]])
+def test_a_temperature_beyond_the_old_grid_is_found(true_t):
+    # the old grid (0.05..20) would give its edge, 20 or 0.05
+    z, accepted = scaled(3, 5000, true_t)
+    np.testing.assert_allclose(fit_temperatures(z, accepted), true_t, rtol=0.2)
+
+
+@pytest.mark.parametrize("true_t", [[300.0, 1.0], [0.003, 1.0]])
+def test_a_minimum_on_the_grid_edge_continues_the_grid(true_t, caplog):
+    z, accepted = scaled(4, 5000, true_t)                                         # beyond DEFAULT_GRID (0.01..100)
+    np.testing.assert_allclose(fit_temperatures(z, accepted), true_t, rtol=0.2)
+    assert not caplog.records
+
+
+def test_a_minimum_at_the_search_limit_is_a_warning(caplog):
+    with caplog.at_level("WARNING", logger="deepinfer.spec.calibration"):
+        # z = 5 everywhere, half accepted: ECE = sigmoid(5 / T) - 0.5 falls with T for ever
+        z, accepted = np.full((100, 1), 5.0), np.arange(100) % 2
+        assert fit_temperatures(z, accepted) == [pytest.approx(1e4)]
+    assert "position 1's temperature 1e+04 is the edge" in caplog.text
