@@ -28,6 +28,7 @@ from pathlib import Path
 from deepinfer.entrypoints import bench_client
 from deepinfer.entrypoints.bench_datasets import (count_tokens, load_tokenizer, random_requests,
                                                   sharegpt_requests)
+from deepinfer.entrypoints.cli import OneLineParser, port
 
 METRICS = ("ttft", "tpot", "itl", "e2el")
 _METRIC_TITLES = {"ttft": ("TTFT", "Time to First Token"), "tpot": ("TPOT", "Time per Output Token (excl. 1st token)"),
@@ -84,7 +85,7 @@ def _percentile_list(text: str) -> list[float]:
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--base-url", default=None, help="server URL, e.g. http://host:8000 (default: http://HOST:PORT)")
     ap.add_argument("--host", default="127.0.0.1")
-    ap.add_argument("--port", type=int, default=8000)
+    ap.add_argument("--port", type=port, default=8000)
     ap.add_argument("--endpoint", default=bench_client.COMPLETIONS, choices=bench_client.ENDPOINTS)
     ap.add_argument("--model", default=None, help="model name sent in requests (default: the first of /v1/models)")
     ap.add_argument("--api-key", default=None, help="sent as 'Authorization: Bearer KEY'")
@@ -361,7 +362,7 @@ def main(args: argparse.Namespace) -> dict:
 
 
 def _standalone(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(prog="python -m deepinfer.entrypoints.bench_serve", description=__doc__.split("\n")[0])
+    ap = OneLineParser(prog="python -m deepinfer.entrypoints.bench_serve", description=__doc__.split("\n")[0])
     add_arguments(ap)
     args = ap.parse_args(argv)
     try:

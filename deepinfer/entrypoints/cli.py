@@ -1,17 +1,68 @@
 """deepinfer command line: `deepinfer generate --model M --prompt "..." [sampling flags]` and
 `deepinfer serve --model M [--host --port --api-key ...]` (an OpenAI-compatible server; the same engine flags).
 
-Flags are checked before the model is loaded; a problem the user can fix (a bad flag value, a
-model that cannot be found, a device this build cannot use) is one line on stderr and exit code 2.
+Flags are checked before the model is loaded (serve: and its address is bound before the engine process
+starts); a problem the user can fix (a bad flag value, an address that cannot be bound, a model that cannot
+be found, a device this build cannot use) is one line on stderr naming the flag, and exit code 2.
 torch is imported only once a command runs, so `--help` is instant.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 
 USAGE_ERROR = 2  # argparse's exit code for a bad command line
+# a message's leading field, or one of its leading "field=value, field=value" list
+_FIELD = re.compile(r"(?:SamplingParams\.)?([a-z][a-z0-9_]*)\b(=[^,:\s]*)?")
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse's own errors (a bad type or choice, a missing argument) as one line, as every usage error;
+    subcommands' parsers are of this class too (add_subparsers uses the parent's class)."""
+
+    def error(self, message: str):
+        self.exit(USAGE_ERROR, f"deepinfer: error: {message}\n")
+
+
+def port(text: str) -> int:
+    """argparse type of a TCP port."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not 1 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be an integer in 1..65535, got {text!r}")
+    return value
+
+
+def at_least_zero(kind: type):
+    """argparse type: a number of `kind` >= 0."""
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            value = -1
+        if not value >= 0:
+            raise argparse.ArgumentTypeError(f"must be {'an integer' if kind is int else 'a number'} >= 0, "
+                                             f"got {text!r}")
+        return value
+    return parse
+
+
+def flag_message(message: str, args: argparse.Namespace) -> str:
+    """A usage error's message with its leading field names ("top_p: ...", "model 'x' not found", "a=2, b=2: ...")
+    as the command's flags ("--top-p: ...", "--model 'x' not found", "--a=2, --b=2: ...")."""
+    dests, out, at = set(vars(args)) - {"command", "run"}, [], 0
+    while (m := _FIELD.match(message, at)) and m.group(1) in dests:
+        out.append("--" + m.group(1).replace("_", "-") + (m.group(2) or ""))
+        at = m.end()
+        if not message.startswith(", ", at):
+            break
+        out.append(", ")
+        at += 2
+    return "".join(out) + message[at:]
 
 
 def _llm_kwargs(args: argparse.Namespace) -> dict:
@@ -50,12 +101,17 @@ def _generate(args: argparse.Namespace) -> None:
 
 
 def _serve(args: argparse.Namespace) -> None:
+    """The engine flags, then the address, are checked before the engine process starts."""
     import os
 
-    from deepinfer.entrypoints.openai.server import serve
+    from deepinfer.config import EngineConfig
+    from deepinfer.entrypoints.openai.server import bind_socket, serve
 
+    llm_kwargs = _llm_kwargs(args)
+    EngineConfig.from_env(**llm_kwargs)
+    sock = bind_socket(args.host, args.port)
     api_key = args.api_key or os.environ.get("DEEPINFER_API_KEY") or None
-    sys.exit(serve(_llm_kwargs(args), args.host, args.port, args.served_model_name or args.model or "default",
+    sys.exit(serve(llm_kwargs, sock, args.served_model_name or args.model or "default",
                    api_key=api_key, max_queue_len=args.max_queue_len, default_thinking=not args.no_thinking,
                    shutdown_timeout=args.shutdown_timeout, log_level=args.log_level))
 
@@ -109,7 +165,7 @@ def _add_llm_args(g: argparse.ArgumentParser) -> None:
 
 
 def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="deepinfer")
+    ap = OneLineParser(prog="deepinfer")
     sub = ap.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="generate completions for one or more prompts (one JSON line each)")
     _add_llm_args(g)
@@ -129,15 +185,15 @@ def _parser() -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="serve the model over HTTP (OpenAI / Anthropic-compatible endpoints)")
     _add_llm_args(s)
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
-    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--port", type=port, default=8000)
     s.add_argument("--api-key", default=None,
                    help="require `Authorization: Bearer KEY` (or x-api-key); default DEEPINFER_API_KEY, else none")
     s.add_argument("--served-model-name", default=None, help="the model name clients send (default: --model)")
-    s.add_argument("--max-queue-len", type=int, default=1024,
+    s.add_argument("--max-queue-len", type=at_least_zero(int), default=1024,
                    help="requests that may wait beyond --max-num-seqs; more are refused with 429 + Retry-After")
     s.add_argument("--no-thinking", action="store_true",
                    help="chat requests that do not ask for a thinking mode get none (default: thinking on)")
-    s.add_argument("--shutdown-timeout", type=float, default=30.0,
+    s.add_argument("--shutdown-timeout", type=at_least_zero(float), default=30.0,
                    help="seconds SIGTERM waits for requests in flight to finish")
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     s.set_defaults(run=_serve)
@@ -151,12 +207,10 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> None:
     args = _parser().parse_args(argv)
-    from deepinfer.loader.resolve import ModelNotFoundError
-
     try:
         args.run(args)
-    except (ValueError, ModelNotFoundError) as e:
-        print(f"deepinfer: error: {e}", file=sys.stderr)
+    except (ValueError, FileNotFoundError) as e:  # FileNotFoundError: the loader's ModelNotFoundError
+        print(f"deepinfer: error: {flag_message(str(e), args)}", file=sys.stderr)
         sys.exit(USAGE_ERROR)
 
 

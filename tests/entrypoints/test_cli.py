@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -11,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from server_process import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
@@ -43,10 +45,63 @@ def _one_line_error(res: subprocess.CompletedProcess, *words: str) -> None:
 
 
 def test_a_model_that_cannot_be_found_is_one_line(tmp_path):
-    local, hub = _clis(("generate", "--model", str(tmp_path / "nowhere"), "--prompt", "hi", "--device", "cpu"),
-                       ("generate", "--model", "no-such-org/no-such-model", "--prompt", "hi", "--device", "cpu"))
-    _one_line_error(local, "not found", "nowhere")
-    _one_line_error(hub, "not found", "no-such-model")
+    local, hub, served = _clis(
+        ("generate", "--model", str(tmp_path / "nowhere"), "--prompt", "hi", "--device", "cpu"),
+        ("generate", "--model", "no-such-org/no-such-model", "--prompt", "hi", "--device", "cpu"),
+        ("serve", "--model", str(tmp_path / "nowhere"), "--device", "cpu", "--port", str(free_port())))
+    _one_line_error(local, "--model", "not found", "nowhere")
+    _one_line_error(hub, "--model", "not found", "no-such-model")
+    _one_line_error(served, "--model", "not found", "nowhere")
+
+
+@pytest.fixture
+def no_engine(monkeypatch):
+    """In-process CLI runs whose engine process must never start (their errors come first)."""
+    from deepinfer.entrypoints.openai.engine_client import EngineClient
+
+    def start(self, timeout=None):
+        raise AssertionError("the engine process was started")
+    monkeypatch.setattr(EngineClient, "start", start)
+
+
+def _main_error(capsys, *argv: str) -> str:
+    """cli.main in this process: its exit status must be 2 and its stderr one line; that line."""
+    from deepinfer.entrypoints import cli
+
+    with pytest.raises(SystemExit) as e:
+        cli.main(list(argv))
+    err = capsys.readouterr().err
+    lines = err.strip().splitlines()
+    assert e.value.code == 2 and len(lines) == 1 and lines[0].startswith("deepinfer: error: "), (e.value.code, err)
+    return lines[0]
+
+
+@pytest.mark.parametrize("argv, words", [
+    (("serve", "--port", "x"), ("argument --port", "'x'")),
+    (("serve", "--port", "70000"), ("argument --port", "70000")),
+    (("serve", "--max-queue-len", "-1"), ("argument --max-queue-len",)),
+    (("serve", "--log-level", "loud"), ("argument --log-level", "invalid choice")),
+    (("generate", "--prompt", "hi", "--max-tokens", "many"), ("argument --max-tokens", "invalid int value")),
+    (("generate", "--prompt", "hi", "--dtype", "float8"), ("argument --dtype", "invalid choice")),
+    (("generate",), ("--prompt",)),
+    (("bench", "serve", "--port", "-1"), ("argument --port",)),
+    (("bench", "serve", "--request-rate", "fast"), ("argument --request-rate",)),
+    (("nonsense",), ("invalid choice",)),
+])
+def test_argparse_errors_are_one_line(capsys, argv, words):
+    line = _main_error(capsys, *argv)
+    assert all(w in line for w in words), line
+
+
+def test_serve_checks_its_flags_and_port_before_the_engine_starts(capsys, no_engine):
+    line = _main_error(capsys, "serve", "--model", "demo", "--max-num-seqs", "0")
+    assert "--max-num-seqs" in line, line
+    assert "--host" in _main_error(capsys, "serve", "--model", "demo", "--host", "no-such-host.invalid")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        line = _main_error(capsys, "serve", "--model", "demo", "--port", str(taken.getsockname()[1]))
+    assert "--port" in line and "in use" in line, line
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a build or machine without CUDA")
@@ -57,12 +112,11 @@ def test_cuda_without_a_cuda_device_is_one_line(tmp_path):
 
 def test_sampling_flags_are_checked_before_the_model_is_looked_for(tmp_path):
     # the model does not exist: the error must be the flag's, found before any loading
-    cases = [("--top-p", "2", "top_p"), ("--temperature", "-1", "temperature"), ("--max-tokens", "0", "max_tokens"),
-             ("--n", "0", "n")]
+    cases = [("--top-p", "2"), ("--temperature", "-1"), ("--max-tokens", "0"), ("--n", "0")]
     runs = _clis(*[("generate", "--model", str(tmp_path / "nowhere"), "--prompt", "hi", flag, value)
-                   for flag, value, _ in cases])
-    for res, (_, _, field) in zip(runs, cases):
-        _one_line_error(res, field)
+                   for flag, value in cases])
+    for res, (flag, _) in zip(runs, cases):
+        _one_line_error(res, flag)
 
 
 @pytest.fixture(scope="module")
@@ -93,14 +147,14 @@ def test_quantization_and_parallel_flags_are_checked_before_any_weight_is_read(f
 
     bf16 = write_checkpoint(tmp_path / "bf16", PRESETS["tiny"], seed=3, dtype="bfloat16")
     _one_line_error(_cli("generate", "--model", str(bf16), "--prompt", "hi", "--device", "cpu",
-                         "--quantization", "fp8"), "quantization", "no quantization_config")
+                         "--quantization", "fp8"), "--quantization", "no quantization_config")
     # the model does not exist: the parallel sizes are refused before it is looked for
     common = ("generate", "--model", str(tmp_path / "nowhere"), "--prompt", "hi", "--device", "cpu")
     dp_tp, cp, eplb = _clis((*common, "-dp", "2", "-tp", "2"), (*common, "--context-parallel-size", "0"),
                             (*common, "--enable-eplb"))
-    _one_line_error(dp_tp, "data_parallel_size=2", "tensor_parallel_size=2")
-    _one_line_error(cp, "context_parallel_size")
-    _one_line_error(eplb, "enable_eplb", "enable_expert_parallel")
+    _one_line_error(dp_tp, "--data-parallel-size=2", "--tensor-parallel-size=2")
+    _one_line_error(cp, "--context-parallel-size")
+    _one_line_error(eplb, "--enable-eplb", "enable_expert_parallel")
 
 
 def test_tensor_parallel_flag_runs_two_ranks_with_the_same_greedy_tokens(fp8_ckpt):
@@ -119,7 +173,7 @@ def test_eplb_config_flag_is_checked_before_the_model_is_looked_for(tmp_path):
               "--enable-expert-parallel", "--enable-eplb")
     res, bogus = _clis((*common, "--eplb-config", "{not json"), (*common, "--eplb-config", '{"bogus": 1}'))
     assert res.returncode == 2 and "--eplb-config" in res.stderr and "not JSON" in res.stderr
-    _one_line_error(bogus, "eplb_config", "unknown key", "bogus")
+    _one_line_error(bogus, "--eplb-config", "unknown key", "bogus")
 
 
 def test_bench_serve_is_a_deepinfer_command():

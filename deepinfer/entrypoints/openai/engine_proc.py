@@ -38,11 +38,10 @@ def engine_main(llm_kwargs: dict, inbox, outbox, log_level: int = logging.INFO) 
     logging.basicConfig(level=log_level, format="%(levelname)s %(asctime)s engine-core %(name)s: %(message)s")
     from deepinfer.llm import LLM
 
-    from deepinfer.loader.resolve import ModelNotFoundError
-
     try:
         llm = LLM(**llm_kwargs)
-    except (ValueError, ModelNotFoundError) as e:  # a bad flag or model: the API process reports it and exits
+    except (ValueError, FileNotFoundError) as e:  # a bad flag, a model not found (ModelNotFoundError): the API
+        # process reports it and exits
         outbox.put(("fatal", str(e), True))
         return
     except Exception as e:

@@ -1,14 +1,16 @@
-"""Start-up of `deepinfer serve`: the engine-core process first (the model loads there), then the HTTP
-server. Exit status: 0 after a requested shutdown (SIGINT / SIGTERM: requests in flight are drained
-first), 1 when the engine-core process died (every request then got 503) or failed to start, 2 (the CLI's
-usage error) when it refused its arguments or found no model (one line on stderr)."""
+"""Start-up of `deepinfer serve`: the listening address is bound first, then the engine-core process
+starts (the model loads there), then the HTTP server. Exit status: 0 after a requested shutdown (SIGINT /
+SIGTERM: requests in flight are drained first), 1 when the engine-core process died (every request then
+got 503) or failed to start; an address that cannot be bound, or arguments / a model the engine refused,
+raise ValueError (the CLI's one-line usage error, exit status 2)."""
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
 import logging
 import signal
-import sys
+import socket
 from pathlib import Path
 
 import deepseek_recipe as recipe
@@ -22,7 +24,25 @@ from deepinfer.entrypoints.openai.tokenizer import ServingTokenizer
 
 logger = logging.getLogger(__name__)
 ENGINE_FAILED = 1
-USAGE_ERROR = 2
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to (host, port), not listening yet (uvicorn listens once the engine is ready);
+    ValueError naming `host` or `port` if it cannot be bound."""
+    try:
+        family, kind, proto, _, addr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                          flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror as e:
+        raise ValueError(f"host: cannot resolve {host!r}: {e.strerror}") from None
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn: a restart beside TIME_WAIT binds
+    try:
+        sock.bind(addr)
+    except OSError as e:
+        sock.close()
+        field = "port" if e.errno in (errno.EADDRINUSE, errno.EACCES) else "host"
+        raise ValueError(f"{field}: cannot listen on {host}:{port}: {e.strerror}") from None
+    return sock
 
 
 def model_version(model_dir: str | Path):
@@ -48,24 +68,26 @@ def build_state(client: EngineClient, served_name: str, max_queue_len: int, defa
                        aliases={served_name, *options.model_versions_by_name}, model_dir=info["model_dir"])
 
 
-def serve(llm_kwargs: dict, host: str, port: int, served_name: str, api_key: str | None = None,
+def serve(llm_kwargs: dict, sock: socket.socket, served_name: str, api_key: str | None = None,
           max_queue_len: int = 1024, default_thinking: bool = True, shutdown_timeout: float = 30.0,
           log_level: str = "info") -> int:
-    """Run the server until it is asked to stop; returns the process exit status."""
+    """Run the server on `sock` (bind_socket's) until it is asked to stop; returns the process exit status.
+    ValueError (the engine's message) when the engine refused its arguments or found no model."""
     level = getattr(logging, log_level.upper(), logging.INFO)
     logging.basicConfig(level=level, format="%(levelname)s %(asctime)s %(name)s: %(message)s")
     client = EngineClient(llm_kwargs, level)
     try:
         client.start()
     except EngineStartError as e:
+        sock.close()
         if e.usage:
-            print(f"deepinfer: error: {e}", file=sys.stderr)
-            return USAGE_ERROR
+            raise ValueError(str(e)) from None
         logger.error("the engine failed to start: %s", e)
         return ENGINE_FAILED
     try:
         state = build_state(client, served_name, max_queue_len, default_thinking)
         app = build_app(state, api_key)
+        host, port = sock.getsockname()[:2]
         config = uvicorn.Config(app, host=host, port=port, log_level=log_level, access_log=False,
                                 timeout_graceful_shutdown=shutdown_timeout)
         server = uvicorn.Server(config)
@@ -78,7 +100,7 @@ def serve(llm_kwargs: dict, host: str, port: int, served_name: str, api_key: str
         async def main():
             client.attach(asyncio.get_running_loop())
             try:
-                await server.serve()
+                await server.serve(sockets=[sock])
             finally:
                 client.detach()  # before asyncio.run closes the loop
         # uvicorn turns SIGINT / SIGTERM into a graceful shutdown, then re-raises the signal to the handler it
@@ -88,6 +110,7 @@ def serve(llm_kwargs: dict, host: str, port: int, served_name: str, api_key: str
         asyncio.run(main())
     finally:
         client.shutdown()
+        sock.close()
     if client.dead:
         logger.error("exiting: %s", client.dead)
         return ENGINE_FAILED
