@@ -80,6 +80,26 @@ def no_cache_quant(*modules: str):
         yield
 
 
+# Text prompts for the trained demo (deepinfer/assets/demo41: Python source), written for these checks; each is
+# encoded with the demo's tokenizer, BOS first, cut to DEMO_PROMPT_TOKENS.
+DEMO_PROMPTS = (
+    "import os\n\n\ndef read_lines(path):\n    \"\"\"Return the lines of the file at path.\"\"\"\n"
+    "    with open(path) as f:\n        return [line.rstrip('\\n') for line in f]\n\n\ndef count_words(",
+    "class Counter:\n    def __init__(self):\n        self.counts = {}\n\n    def add(self, key):\n"
+    "        self.counts[key] = self.counts.get(key, 0) + 1\n\n    def most_common(self, n=None):\n",
+    "def _parse_header(line):\n    if not line.startswith('#'):\n        raise ValueError('not a header: %r' % (line,))\n"
+    "    name, _, value = line[1:].partition('=')\n    return name.strip(), value.strip()\n\n",
+    "try:\n    import json\nexcept ImportError:\n    json = None\n\n__all__ = ['dump', 'load']\n\n\n"
+    "def dump(obj, fp, *, indent=None):\n    if json is None:\n        raise RuntimeError(",
+)
+DEMO_PROMPT_TOKENS = 48
+
+
+def demo_prompts(tokenizer) -> list[list[int]]:
+    """DEMO_PROMPTS as token ids (`tokenizer`: a tokenizers.Tokenizer), BOS (0) first."""
+    return [[0] + tokenizer.encode(text).ids[:DEMO_PROMPT_TOKENS] for text in DEMO_PROMPTS]
+
+
 @torch.no_grad()
 def teacher_forced_gap(llm, prompts: list[list[int]], ref_logprobs, max_tokens: int = 10) -> tuple[float, int, int]:
     """Greedy generations of `llm` (top-5 logprobs), then the reference's fp32 logprobs on every
