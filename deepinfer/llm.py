@@ -5,6 +5,7 @@ import gc
 import itertools
 import logging
 import numbers
+import weakref
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -81,6 +82,10 @@ class LLM:
                              "sees none; use device='cpu'")
         _require_one_process(cfg)
         self.config = cfg
+        # what close() releases (a multi-process engine, the grammar threads), last acquired first; the
+        # finalizer holds this list and never the LLM, so dropping the LLM, or interpreter exit, closes it
+        self._owned: list = []
+        self._finalizer = weakref.finalize(self, _release, self._owned)
         ref = cfg.model or cfg.hf_model_dir or DEFAULT_MODEL
         ref = resolve_demo(ref) or ref
         self._ids = itertools.count()
@@ -203,6 +208,7 @@ class LLM:
                           batch_invariant=cfg.batch_invariant, load_format=cfg.load_format,
                           repack_fp4_experts=bool(repack and repack[0]))
         self.engine = engine(args, self.detokenizer)
+        self._owned.append(self.engine)
         self.model, self.scheduler = self.engine.model, self.engine.scheduler
         self.max_model_len = self.engine.max_model_len
         _log_capacity(self.model, self.engine.cache, self.scheduler.kv, self.max_model_len, cfg,
@@ -219,12 +225,17 @@ class LLM:
                 "num_preemptions": getattr(sched, "num_preemptions", 0)}
 
     def close(self) -> None:
-        """Stop the other ranks of a multi-process engine and the grammar compile threads."""
-        close = getattr(self.engine, "close", None)
-        if close is not None:
-            close()
-        if self._grammars is not None:
-            self._grammars.close()
+        """Stop the other ranks of a multi-process engine (leaving its process group, so that this process
+        can start another) and the grammar compile threads. A closed LLM serves no more requests; closing
+        again does nothing. Also done when the LLM is garbage-collected, at interpreter exit, and on
+        leaving a `with LLM(...) as llm:` block."""
+        self._finalizer()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -237,6 +248,7 @@ class LLM:
         `outputs` (aborted ones have finish_reason "abort" and `error`). If generate itself is
         interrupted (KeyboardInterrupt, ...), its requests are aborted and freed before the
         exception propagates. Either way the engine then serves as a fresh one would."""
+        self._check_open()
         prompts = _as_prompt_list(prompts)
         params = self._params_for(prompts, sampling_params)
         inputs = [self._prepare(i, p) for i, p in enumerate(prompts)]
@@ -266,6 +278,7 @@ class LLM:
     def add_request(self, prompt: PromptType, params: SamplingParams) -> list[Request]:
         """Validate one prompt and its parameters (ValueError naming the field, nothing queued on
         error) and queue it; returns its params.n Requests, the leader first."""
+        self._check_open()
         ids, images = self._prepare(0, prompt)
         self._check_params(0, params, ids)
         return self._submit(ids, params, images)
@@ -295,6 +308,10 @@ class LLM:
         return {"num_waiting": len(sched.waiting), "num_running": len(sched.running),
                 "free_slots": slots, "total_slots": kv.num_slots,
                 "free_blocks": sum(blocks.values()), "total_blocks": sum(kv.num_blocks.values())}
+
+    def _check_open(self) -> None:
+        if not self._finalizer.alive:
+            raise RuntimeError("this LLM is closed (LLM.close() or the end of its `with` block); build a new one")
 
     def _check_params(self, i: int, sp: SamplingParams, ids: list[int]) -> None:
         """What SamplingParams cannot check alone: limits that depend on the model, engine and prompt (`ids`)."""
@@ -348,6 +365,7 @@ class LLM:
 
             mcfg = self.model.config
             self._grammars = GrammarBackend(self.model_dir / "tokenizer.json", mcfg.vocab_size, [mcfg.eos_token_id])
+            self._owned.append(self._grammars)
         return self._grammars
 
     def _prepare(self, i: int, prompt: PromptType) -> tuple[list[int], list]:
@@ -458,6 +476,15 @@ class GenerationError(RuntimeError):
         more = f"; and {len(failed) - 5} more" if len(failed) > 5 else ""
         super().__init__(f"{len(failed)} request(s) aborted by a failing step: {names}{more}. "
                          "Their outputs have finish_reason 'abort'; every output is in this error's .outputs")
+
+
+def _release(owned: list) -> None:
+    """An LLM's finalizer: close what it owns, last acquired first (every one, even after one raised)."""
+    if owned:
+        try:
+            owned.pop().close()
+        finally:
+            _release(owned)
 
 
 def _as_prompt_list(prompts) -> list:

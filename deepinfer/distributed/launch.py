@@ -339,7 +339,8 @@ class TPEngine:
 
     def _start_ranks(self, args: EngineArgs, target: Callable, *extra) -> str:
         """Spawn ranks 1..world-1 as target(rank, args, init_method, reports, *extra); -> init_method."""
-        self.args, self._error = args, None
+        ps.check_free()  # before any rank is spawned: this process is to be rank 0
+        self.args, self._error, self._closed = args, None, False
         self._threads = torch.get_num_threads()  # rank 0 (this process) may set its own; close() restores it
         self._tmp = None
         init_method = ps.init_method_from_env()
@@ -399,7 +400,11 @@ class TPEngine:
         return [[self.completion(r, j) for j, r in enumerate(g)] for g in groups]
 
     def close(self) -> None:
-        """Stop the other ranks (a clean goodbye when the group is healthy) and leave the group."""
+        """Stop the other ranks (a clean goodbye when the group is healthy) and leave the group; once only
+        (a second call must not leave the group of an engine started since)."""
+        if self._closed:
+            return
+        self._closed = True
         self._watch.stop()
         if self._procs and self._error is None and self._watch.dead is None and ps.rank_info() is not None:
             try:
@@ -421,6 +426,7 @@ class TPEngine:
         if self._tmp is not None:
             shutil.rmtree(self._tmp, ignore_errors=True)
             self._tmp = None
+        self._reports.close()
         torch.set_num_threads(self._threads)
 
     def __enter__(self) -> TPEngine:
@@ -433,6 +439,8 @@ class TPEngine:
         """Raises the engine's failure: kept, or found now (a rank that died since the last step)."""
         if self._error is not None:
             raise self._error
+        if self._closed:
+            raise RuntimeError(f"the {self.kind} engine is closed; build a new one")
         try:
             self._watch.check()
         except RankDied as e:

@@ -93,8 +93,7 @@ def init_parallel(parallel: ParallelConfig, rank: int, device: torch.device | st
     Context parallelism (context_parallel_size > 1) runs alone (tensor and data parallel sizes 1):
     its group is the whole world."""
     global _STATE
-    if _STATE is not None:
-        raise RuntimeError(f"this process already holds rank {_STATE.info.rank} of an engine; call destroy() first")
+    check_free()
     cp = parallel.context_parallel_size
     if cp != 1 and (parallel.tensor_parallel_size != 1 or parallel.data_parallel_size != 1):
         raise ValueError("context_parallel_size: runs alone so far (tensor_parallel_size and data_parallel_size 1)")
@@ -130,6 +129,15 @@ def init_parallel(parallel: ParallelConfig, rank: int, device: torch.device | st
     info = RankInfo(rank, world, rank % tp, tp, rank // tp, dp, device)
     _STATE = _State(info, tp_group, dp_group, cpu_group)
     return info
+
+
+def check_free() -> None:
+    """Raises unless this process is free to join a new engine's groups (it holds no rank of an open one)."""
+    if _STATE is not None:
+        raise RuntimeError(f"this process already holds rank {_STATE.info.rank} of a parallel engine that is still "
+                           "open (an LLM with tensor_parallel_size, data_parallel_size or context_parallel_size > 1); "
+                           "close it first with LLM.close(), or build it as `with LLM(...) as llm:` (a TPEngine or "
+                           "DPEngine: its close())")
 
 
 def set_collective_timeout(timeout_s: float) -> None:

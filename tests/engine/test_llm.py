@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import weakref
 from pathlib import Path
 
 import pytest
@@ -157,6 +158,17 @@ def test_cli_generate(ckpt):
                          env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
     assert "finish_reason" in res.stdout
+
+
+def test_an_llm_is_a_context_manager_closed_once_and_freed_when_dropped(ckpt):
+    with LLM(str(ckpt), device="cpu", dtype="float32", kv_cache_dtype="float32", kv_cache_memory=16 << 20) as llm:
+        assert llm.generate("Hello", GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+    llm.close()  # closing again does nothing
+    with pytest.raises(RuntimeError, match="LLM is closed"):
+        llm.generate("Hello", GREEDY, use_tqdm=False)
+    ref = weakref.ref(llm)
+    del llm  # no reference cycle holds it
+    assert ref() is None
 
 
 def test_cli_refuses_a_max_model_len_above_the_model_in_one_line(ckpt):
