@@ -1,11 +1,9 @@
-"""training/plot_loss.py: the loss curve of a run's log.jsonl (matplotlib optional)."""
+"""training/plot_loss.py: the loss curve of a run's log.jsonl (matplotlib optional for the tool; a test
+dependency, requirements/test.txt, so the curve is always drawn here)."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
-
-import pytest
 
 from training.plot_loss import main, moving_average
 
@@ -28,7 +26,6 @@ def test_without_matplotlib_it_says_so(tmp_path, monkeypatch, capsys):
     assert not (tmp_path / "loss.png").exists()
 
 
-@pytest.mark.skipif(importlib.util.find_spec("matplotlib") is None, reason="matplotlib is not installed")
 def test_draws_the_curve(tmp_path):
     assert main(["--run", str(_run(tmp_path)), "--smooth", "5"]) == 0
     assert (tmp_path / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
