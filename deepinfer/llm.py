@@ -640,7 +640,7 @@ def _check_max_model_len(cfg: EngineConfig, mcfg) -> None:
         return
     if not cfg.allow_long_max_model_len:
         raise ValueError(f"max_model_len: {asked} is above the model's max_position_embeddings {limit} (config.json); "
-                         f"pass max_model_len <= {limit}, or set DEEPINFER_ALLOW_LONG_MAX_MODEL_LEN=1 to run past "
+                         f"use at most {limit}, or set DEEPINFER_ALLOW_LONG_MAX_MODEL_LEN=1 to run past "
                          "the positions the model was trained on")
     logger.warning("max_model_len=%d is above the model's max_position_embeddings %d "
                    "(DEEPINFER_ALLOW_LONG_MAX_MODEL_LEN=1): outputs past %d tokens may be wrong", asked, limit, limit)
