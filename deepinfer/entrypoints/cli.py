@@ -111,8 +111,8 @@ def _serve(args: argparse.Namespace) -> None:
     EngineConfig.from_env(**llm_kwargs)
     sock = bind_socket(args.host, args.port)
     api_key = args.api_key or os.environ.get("DEEPINFER_API_KEY") or None
-    sys.exit(serve(llm_kwargs, sock, args.served_model_name or args.model or "default",
-                   api_key=api_key, max_queue_len=args.max_queue_len, default_thinking=not args.no_thinking,
+    sys.exit(serve(llm_kwargs, sock, args.served_model_name or args.model or "default", api_key=api_key,
+                   max_queue_len=args.max_queue_len, default_thinking=False if args.no_thinking else None,
                    shutdown_timeout=args.shutdown_timeout, log_level=args.log_level))
 
 
@@ -192,7 +192,8 @@ def _parser() -> argparse.ArgumentParser:
     s.add_argument("--max-queue-len", type=at_least_zero(int), default=1024,
                    help="requests that may wait beyond --max-num-seqs; more are refused with 429 + Retry-After")
     s.add_argument("--no-thinking", action="store_true",
-                   help="chat requests that do not ask for a thinking mode get none (default: thinking on)")
+                   help="chat requests that do not ask for a thinking mode get none (default: thinking on, as in "
+                        "DeepSeek's API; off for the demo models, which never learnt to think)")
     s.add_argument("--shutdown-timeout", type=at_least_zero(float), default=30.0,
                    help="seconds SIGTERM waits for requests in flight to finish")
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])

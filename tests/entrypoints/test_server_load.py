@@ -44,6 +44,16 @@ async def _one(client: openai.AsyncOpenAI, i: int) -> tuple[int, int]:
     return usage[0].prompt_tokens, usage[0].completion_tokens
 
 
+def test_a_first_chat_of_the_demo_has_content(server):
+    """The demo never learnt to think: a chat that names no thinking mode gets none, and an answer."""
+    client = openai.OpenAI(api_key="none", base_url=f"{server.url}/v1", max_retries=0, timeout=120)
+    kw = dict(model="demo", messages=[{"role": "user", "content": "def add(a, b):"}], max_tokens=16, seed=0)
+    msg = client.chat.completions.create(**kw).choices[0].message
+    assert msg.content and msg.model_extra.get("reasoning_content") is None, msg
+    asked = client.chat.completions.create(**kw, extra_body={"thinking": {"type": "enabled"}}).choices[0].message
+    assert asked.model_extra.get("reasoning_content") is not None, asked
+
+
 def test_200_concurrent_streams_complete_and_metrics_agree(server):
     before = server.metrics()
 

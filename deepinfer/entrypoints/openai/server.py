@@ -51,10 +51,20 @@ def model_version(model_dir: str | Path):
     return recipe.ModelVersion.DeepseekV41Flash if model_type == "deepseek_v41" else recipe.ModelVersion.DeepseekV4Pro
 
 
-def build_state(client: EngineClient, served_name: str, max_queue_len: int, default_thinking: bool) -> ServerState:
+def thinking_default(info: dict) -> bool:
+    """Whether a chat request that names no thinking mode thinks: as deepseek-recipe's V4 / V4.1 conversion and
+    DeepSeek's API do (on), unless the engine's model was never trained to think (`thinks`: the demo models)."""
+    return recipe.ConversionOptions().default_thinking_mode and info.get("thinks", True)
+
+
+def build_state(client: EngineClient, served_name: str, max_queue_len: int,
+                default_thinking: bool | None = None) -> ServerState:
+    """`default_thinking`: the thinking mode of chat requests that name none (None: thinking_default)."""
     info = client.info
     tok = ServingTokenizer.load(info["model_dir"])
     version = model_version(info["model_dir"])
+    if default_thinking is None:
+        default_thinking = thinking_default(info)
     options = recipe.ConversionOptions(default_thinking_mode=default_thinking)
     # every accepted name (the served one and recipe's DeepSeek names) renders and parses as the model served
     options = options.with_model_versions_by_name({n: version for n in [served_name, *options.model_versions_by_name]})
@@ -69,7 +79,7 @@ def build_state(client: EngineClient, served_name: str, max_queue_len: int, defa
 
 
 def serve(llm_kwargs: dict, sock: socket.socket, served_name: str, api_key: str | None = None,
-          max_queue_len: int = 1024, default_thinking: bool = True, shutdown_timeout: float = 30.0,
+          max_queue_len: int = 1024, default_thinking: bool | None = None, shutdown_timeout: float = 30.0,
           log_level: str = "info") -> int:
     """Run the server on `sock` (bind_socket's) until it is asked to stop; returns the process exit status.
     ValueError (the engine's message) when the engine refused its arguments or found no model."""
