@@ -68,8 +68,8 @@ def opens_thinking(prompt: list[int], think_start_id: int | None, think_end_id: 
 
 def parse_so_args(so_args: dict) -> GrammarKey:
     """DeepInfer's API: {"schema_type": "regex"|"json"|"ebnf"|"json_object", "schema": ...} (a JSON
-    schema as a dict or a JSON string; none for json_object, which is any JSON object), optional "any_whitespace": bool (json
-    and json_object only). Structural checks only (no tokenizer, no xgrammar): ValueError naming the
+    schema as a dict or a JSON string; none for json_object, any JSON object), optional "any_whitespace":
+    bool (json and json_object only). Structural checks only (no tokenizer, no xgrammar): ValueError naming the
     field."""
     if not isinstance(so_args, dict):
         raise ValueError(f"so_args must be a dict, got {type(so_args).__name__}")

@@ -9,6 +9,7 @@ import pytest
 
 from deepinfer.entrypoints.openai.engine_client import Delta
 from deepinfer.entrypoints.openai.protocol import APIError
+from deepinfer.entrypoints.openai.serving import constraint_error
 from deepinfer.entrypoints.openai.serving_recipe import CHAT, SampleParser
 from deepinfer.entrypoints.openai.tokenizer import ServingTokenizer, complete_specials, special_spellings
 from deepinfer.tools.tiny_tokenizer import EOS, build_tokenizer, write_tokenizer
@@ -85,26 +86,59 @@ def test_aborted_sample_is_a_server_error(tok):
     with pytest.raises(APIError) as e:
         p.push(Delta(0, [40], None, "abort", "step failed"))
     assert e.value.status == 500 and "step failed" in e.value.message
-    p = SampleParser(CHAT, conv, "chatcmpl-2", "m", tok.recipe, 7, 1, None)
-    with pytest.raises(APIError) as e:  # a grammar that failed to compile: the request's fault
-        p.push(Delta(0, [], None, "abort", "so_args.schema: compiling the json grammar failed: x"))
-    assert e.value.status == 400 and e.value.param == "response_format"
+    # a grammar that failed to compile: the request's fault (state.run raises it), naming the field it came from
+    e = constraint_error("so_args.schema: compiling the json grammar failed: x", "structured_outputs.json", "messages")
+    assert (e.status, e.param, e.message) == (400, "structured_outputs.json",
+                                              "structured_outputs.json: compiling the json grammar failed: x")
+    assert constraint_error("step failed", "response_format", "messages") is None
+
+
+def _no_engine(model_dir, **kw):
+    """An EngineClient stand-in of a V4.1 checkpoint in model_dir (its tokenizer and config written here)."""
+    from types import SimpleNamespace
+
+    write_tokenizer(model_dir, VOCAB)
+    (model_dir / "config.json").write_text(json.dumps({"model_type": "deepseek_v41"}))
+    return SimpleNamespace(info={"model_dir": str(model_dir), "max_model_len": 512, "max_num_seqs": 4,
+                                 "vocab_size": VOCAB, "bos_token_id": 0, "eos_token_id": 1}, stats={}, **kw)
 
 
 def test_every_model_name_renders_as_the_served_model(tmp_path):
     """A V4.1 checkpoint asked for by recipe's V4 name still gets the V4.1 encoding."""
-    from types import SimpleNamespace
-
     from deepinfer.entrypoints.openai.server import build_state
 
-    write_tokenizer(tmp_path, VOCAB)
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "deepseek_v41"}))
-    client = SimpleNamespace(info={"model_dir": str(tmp_path), "max_model_len": 512, "max_num_seqs": 4,
-                                   "vocab_size": VOCAB, "bos_token_id": 0, "eos_token_id": 1}, stats={})
-    state = build_state(client, "mine", 8, default_thinking=False)
+    state = build_state(_no_engine(tmp_path), "mine", 8, default_thinking=False)
     assert {"mine", "DeepSeek-V4-Pro", "DeepSeek-V4.1-Flash"} <= state.aliases
     for name in state.aliases:
         conv = recipe.ChatCompletionRequest({"model": name, "messages": [{"role": "user", "content": "x"}]}).convert(
             state.recipe_options)
         assert conv.model_version == recipe.ModelVersion.DeepseekV41Flash
         assert not conv.conversation.thinking_mode  # --no-thinking: the default for requests that do not ask
+
+
+def test_error_bodies_have_openai_types_and_codes(tmp_path):
+    """Every error status has its snake_case type; an unknown model is a 404 with code model_not_found."""
+    import asyncio
+
+    import httpx
+
+    from deepinfer.entrypoints.openai.app import build_app
+    from deepinfer.entrypoints.openai.server import build_state
+
+    app = build_app(build_state(_no_engine(tmp_path, dead="gone"), "mine", 8, default_thinking=False), api_key="k")
+
+    async def call(method, path, key="k", **kw):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://test") as c:
+            r = await c.request(method, path, headers={"Authorization": f"Bearer {key}"}, **kw)
+            return r.status_code, r.json()["error"]
+    chat = {"model": "mine", "messages": [{"role": "user", "content": "x"}]}
+    cases = [(("POST", "/v1/chat/completions"), {"json": {**chat, "model": "nope"}},
+              (404, "not_found_error", "model", "model_not_found")),
+             (("GET", "/v1/nowhere"), {}, (404, "not_found_error", None, None)),
+             (("POST", "/v1/chat/completions", "wrong"), {"json": chat},
+              (401, "authentication_error", None, "invalid_api_key")),
+             (("POST", "/v1/chat/completions"), {"json": {**chat, "n": 0}}, (400, "invalid_request_error", "n", None)),
+             (("POST", "/v1/chat/completions"), {"json": chat}, (503, "service_unavailable_error", None, None))]
+    for args, kw, want in cases:
+        status, err = asyncio.run(call(*args, **kw))
+        assert (status, err["type"], err["param"], err["code"]) == want, (args, err)

@@ -128,6 +128,7 @@ def test_a_prefix_that_completes_the_value_ends_the_answer(served):
 
 def test_a_prefix_the_engine_refuses_later_is_400_too():
     """The engine's token-level check (after the compile) names the prefix, as the submission check does."""
-    from deepinfer.entrypoints.openai.serving import aborted
-    e = aborted("so_prefix_tokens: the grammar refuses the output prefix's token 0 (id 5) of 3")
-    assert (e.status, e.param) == (400, "messages") and "token 0" in e.message
+    from deepinfer.entrypoints.openai.serving import constraint_error
+    e = constraint_error("so_prefix_tokens: the grammar refuses the output prefix's token 0 (id 5) of 3",
+                         "response_format", "messages[1].content")
+    assert (e.status, e.param) == (400, "messages[1].content") and "token 0" in e.message

@@ -191,3 +191,26 @@ def test_responses_text_format_with_thinking(served):
     assert "reasoning" in kinds, out
     (text,) = [c["text"] for o in out["output"] if o["type"] == "message" for c in o["content"]]
     jsonschema.validate(json.loads(text), SCHEMA)
+
+
+BAD_SCHEMA = {"type": "nonsense"}
+BAD_FORMAT = {"type": "json_schema", "json_schema": {"name": "x", "schema": BAD_SCHEMA}}
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("/v1/chat/completions", {"response_format": BAD_FORMAT}, "response_format.json_schema.schema"),
+    ("/v1/chat/completions", {"structured_outputs": {"json": BAD_SCHEMA}}, "structured_outputs.json"),
+    ("/v1/chat/completions", {"structured_outputs": {"regex": "(unclosed"}}, "structured_outputs.regex"),
+    ("/v1/completions", {"response_format": BAD_FORMAT}, "response_format.json_schema.schema"),
+    ("/v1/completions", {"structured_outputs": {"grammar": "root ::= nope"}}, "structured_outputs.grammar"),
+    ("/v1/responses", {"text": {"format": {"type": "json_schema", "name": "x", "schema": BAD_SCHEMA}}},
+     "text.format.schema"),
+])
+def test_an_invalid_constraint_is_400_naming_its_field(served, path, body, param):
+    loop, http = served
+    prompt = {"/v1/chat/completions": {"messages": ASK, "thinking": {"type": "disabled"}, "max_tokens": 4},
+              "/v1/completions": {"prompt": "x", "max_tokens": 4}, "/v1/responses": {"input": "x"}}[path]
+    r = loop.run_until_complete(http.post(path, json={"model": "tiny", **prompt, **body}))
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["type"] == "invalid_request_error" and err["param"] == param, err
+    assert err["message"].startswith(param), err

@@ -45,7 +45,7 @@ def build_app(state: ServerState, api_key: str | None = None) -> FastAPI:
         auth = request.headers.get("authorization", "")
         given = auth[7:] if auth[:7].lower() == "bearer " else request.headers.get("x-api-key", "")
         if not hmac.compare_digest(given.encode(), api_key.encode()):
-            raise APIError(401, "Incorrect API key provided.", None, "authentication_error")
+            raise APIError(401, "Incorrect API key provided.", None, "invalid_api_key")
 
     guarded = [Depends(check_key)]
 
@@ -62,11 +62,11 @@ def build_app(state: ServerState, api_key: str | None = None) -> FastAPI:
             msg, param = f"the body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}", "body"
         else:
             msg = f"{param}: {first['msg']}"
-        return JSONResponse(error_body(msg, param=param), status_code=400)
+        return JSONResponse(error_body(400, msg, param), status_code=400)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(_, e: StarletteHTTPException):
-        return JSONResponse(error_body(str(e.detail), "invalid_request_error"), status_code=e.status_code,
+        return JSONResponse(error_body(e.status_code, str(e.detail)), status_code=e.status_code,
                             headers=getattr(e, "headers", None))
 
     @app.exception_handler(ClientDisconnected)
@@ -76,8 +76,7 @@ def build_app(state: ServerState, api_key: str | None = None) -> FastAPI:
     @app.get("/health")
     async def health():
         if state.client.dead:
-            return JSONResponse(error_body(f"engine unavailable: {state.client.dead}", "service_unavailable"),
-                                status_code=503)
+            return JSONResponse(error_body(503, f"engine unavailable: {state.client.dead}"), status_code=503)
         return Response(status_code=200)
 
     @app.get("/metrics")

@@ -14,21 +14,30 @@ from deepinfer.sampling_params import SamplingParams
 SEED_RANGE = (-(1 << 63), (1 << 64) - 1)
 
 
-class APIError(Exception):
-    """An error answered with an OpenAI error body."""
+# the error body's `type` of each status, in OpenAI's snake_case style
+ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+               404: "not_found_error", 429: "rate_limit_error", 500: "server_error",
+               503: "service_unavailable_error"}
 
-    def __init__(self, status: int, message: str, param: str | None = None, type_: str = "invalid_request_error",
+
+def error_type(status: int) -> str:
+    return ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "server_error")
+
+
+class APIError(Exception):
+    """An error answered with an OpenAI error body; its type follows the status (ERROR_TYPES)."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
                  headers: dict | None = None):
         super().__init__(message)
-        self.status, self.message, self.param, self.type, self.headers = status, message, param, type_, headers
+        self.status, self.message, self.param, self.code, self.headers = status, message, param, code, headers
 
     def body(self) -> dict:
-        return error_body(self.message, self.type, self.param)
+        return error_body(self.status, self.message, self.param, self.code)
 
 
-def error_body(message: str, type_: str = "invalid_request_error", param: str | None = None,
-               code: str | None = None) -> dict:
-    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": error_type(status), "param": param, "code": code}}
 
 
 class StreamOptions(BaseModel):
@@ -59,19 +68,22 @@ class StructuredOutputs(BaseModel):
     grammar: str | None = None
     json_object: bool | None = None
 
-    def so_args(self) -> dict:
+    def so_args(self) -> tuple[dict, str]:
+        """(SamplingParams.so_args, the field it came from: "structured_outputs.json", ...)."""
         given = [k for k in ("json_schema", "regex", "choice", "grammar", "json_object") if getattr(self, k)]
         if len(given) != 1:
             raise APIError(400, "structured_outputs: give exactly one of json, regex, choice, grammar, json_object "
                                 f"(got {len(given)})", "structured_outputs")
         kind = given[0]
         if kind == "json_schema":
-            return {"schema_type": "json", "schema": self.json_schema}
-        if kind == "choice":
-            return {"schema_type": "regex", "schema": "(" + "|".join(_regex_literal(c) for c in self.choice) + ")"}
-        if kind == "json_object":
-            return {"schema_type": "json_object"}
-        return {"schema_type": "ebnf" if kind == "grammar" else "regex", "schema": getattr(self, kind)}
+            args = {"schema_type": "json", "schema": self.json_schema}
+        elif kind == "choice":
+            args = {"schema_type": "regex", "schema": "(" + "|".join(_regex_literal(c) for c in self.choice) + ")"}
+        elif kind == "json_object":
+            args = {"schema_type": "json_object"}
+        else:
+            args = {"schema_type": "ebnf" if kind == "grammar" else "regex", "schema": getattr(self, kind)}
+        return args, "structured_outputs." + ("json" if kind == "json_schema" else kind)
 
 
 def _regex_literal(text: str) -> str:
@@ -184,17 +196,17 @@ def check_prompt_logprobs(req: SamplingFields, stream: bool) -> None:
         raise APIError(400, "prompt_logprobs: not available with stream=true", "prompt_logprobs")
 
 
-def so_args_of(fmt: ResponseFormat | None, structured: StructuredOutputs | None = None) -> dict | None:
-    """response_format or structured_outputs -> SamplingParams.so_args (None for text)."""
+def so_args_of(fmt: ResponseFormat | None, structured: StructuredOutputs | None = None) -> tuple[dict | None, str]:
+    """response_format or structured_outputs -> (SamplingParams.so_args (None for text), the field it came from)."""
     if structured is not None:
         if fmt is not None and fmt.type != "text":
             raise APIError(400, "structured_outputs: give it or response_format, not both", "structured_outputs")
         return structured.so_args()
     if fmt is None or fmt.type == "text":
-        return None
+        return None, "response_format"
     if fmt.type == "json_object":
-        return {"schema_type": "json_object"}
+        return {"schema_type": "json_object"}, "response_format"
     if fmt.json_schema is None or fmt.json_schema.json_schema is None:
         raise APIError(400, "response_format.json_schema.schema: required for type 'json_schema'",
                        "response_format.json_schema")
-    return {"schema_type": "json", "schema": fmt.json_schema.json_schema}
+    return {"schema_type": "json", "schema": fmt.json_schema.json_schema}, "response_format.json_schema.schema"

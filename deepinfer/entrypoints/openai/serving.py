@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -19,6 +20,7 @@ from deepinfer.sampling_params import SamplingParams
 
 DISCONNECT_POLL_S = 0.2
 RETRY_AFTER_S = 1
+_SO_ARGS_NAME = re.compile(r"^so_args(\.\w+)?:? ")  # the engine's name of the constraint, in its messages
 
 
 @dataclass
@@ -45,7 +47,7 @@ class ServerState:
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name not in self.aliases:
-            raise APIError(404, f"The model `{name}` does not exist.", "model", "NotFoundError")
+            raise APIError(404, f"The model `{name}` does not exist.", "model", "model_not_found")
 
     def check_prompt(self, ids: list[int], max_tokens: int | None, param: str = "prompt") -> None:
         if len(ids) >= self.max_model_len:
@@ -58,14 +60,15 @@ class ServerState:
     async def run(self, ids: list[int], params: SamplingParams, so_field: str = "response_format",
                   prefix_field: str = "messages") -> AsyncIterator[Delta | None]:
         """None once the engine accepted the prompt, then its deltas (params.n samples), recording metrics;
-        APIError 429 when the queue is full, 400 when the engine refuses the parameters, 503 when the engine
-        is gone. `so_field`: the request field params.so_args came from (named in its errors); `prefix_field`:
-        the one holding the output prefix of params.so_prefix_tokens."""
+        APIError 429 when the queue is full, 400 when the engine refuses the parameters or aborts a sample for
+        its constraint (a grammar that failed to compile), 503 when the engine is gone. `so_field`: the request
+        field params.so_args came from (named in its errors); `prefix_field`: the one holding the output prefix
+        of params.so_prefix_tokens."""
         if params.n > self.max_num_seqs + self.max_queue_len:
             raise APIError(400, f"n: {params.n} samples can never be admitted (max_num_seqs + max_queue_len is "
                                 f"{self.max_num_seqs + self.max_queue_len})", "n")
         if self.client.dead:
-            raise APIError(503, f"engine unavailable: {self.client.dead}", None, "service_unavailable")
+            raise APIError(503, f"engine unavailable: {self.client.dead}")
         if self.in_flight + params.n > self.max_num_seqs + self.max_queue_len:
             self.metrics.rejected.labels(self.model_name, "429").inc()
             raise APIError(429, f"the server's queue is full ({self.in_flight} requests in flight); retry later",
@@ -88,21 +91,18 @@ class ServerState:
                 counts[d.index] += len(d.token_ids)
                 if d.finish_reason is not None:
                     finished(d.index, d.finish_reason)
+                err = constraint_error(d.error or "", so_field, prefix_field) if d.finish_reason == "abort" else None
+                if err is not None:
+                    raise err
                 yield d
         except RequestRejected as e:
             self.metrics.rejected.labels(self.model_name, "400").inc()
             done = [True] * params.n
             msg = str(e).removeprefix("SamplingParams.")
             param = msg.split(":", 1)[0].split(" ", 1)[0]
-            if param.startswith("so_args"):
-                msg, param = f"{so_field}: {msg}", so_field
-            elif param == "so_prefix_tokens":
-                msg = f"{prefix_field}: {msg.removeprefix('so_prefix_tokens: ')} ({so_field} applies to the whole " \
-                      "assistant message)"
-                param = prefix_field
-            raise APIError(400, msg, param)
+            raise constraint_error(msg, so_field, prefix_field) or APIError(400, msg, param)
         except EngineDeadError as e:
-            raise APIError(503, f"engine unavailable: {e}", None, "service_unavailable") from None
+            raise APIError(503, f"engine unavailable: {e}") from None
         finally:
             self.in_flight -= params.n
             for j in range(params.n):
@@ -135,14 +135,21 @@ def prompt_logprobs_json(lps: list[dict[int, float] | None], prompt: list[int], 
     return out
 
 
+def constraint_error(error: str, so_field: str, prefix_field: str) -> APIError | None:
+    """The 400 of an engine error about the request's constraint (SamplingParams.so_args: the request field
+    `so_field`) or its output prefix (so_prefix_tokens: `prefix_field`), naming that field; None for any other."""
+    if error.startswith("so_args"):
+        detail = _SO_ARGS_NAME.sub("", error, count=1)
+        return APIError(400, f"{so_field}: {detail}", so_field)
+    if error.startswith("so_prefix_tokens"):
+        return APIError(400, f"{prefix_field}: {error.removeprefix('so_prefix_tokens: ')} ({so_field} applies to the "
+                             "whole assistant message)", prefix_field)
+    return None
+
+
 def aborted(error: str | None) -> APIError:
-    """The error of a sample the engine aborted: 400 when its structured-output grammar failed to compile (the
-    request's response_format), 500 otherwise (a failed step)."""
-    if error and error.startswith("so_args"):
-        return APIError(400, f"response_format: {error}", "response_format")
-    if error and error.startswith("so_prefix_tokens"):  # the assistant prefix (check_prefix refuses most earlier)
-        return APIError(400, f"messages: {error}", "messages")
-    return APIError(500, f"generation failed: {error}", None, "server_error")
+    """The error of a sample the engine aborted for any reason but its constraint (state.run raises those)."""
+    return APIError(500, f"generation failed: {error}")
 
 
 def new_id(prefix: str) -> str:

@@ -89,12 +89,11 @@ async def create_completion(req: CompletionRequest, raw: Request, state: ServerS
     req.unsupported()
     check_prompt_logprobs(req, req.stream)
     prompts = _prompts(req, state)
-    params = sampling_params(req, max_tokens=req.max_tokens, logprobs=req.logprobs,
-                             so_args=so_args_of(req.response_format, req.structured_outputs))
+    so_args, so_field = so_args_of(req.response_format, req.structured_outputs)
+    params = sampling_params(req, max_tokens=req.max_tokens, logprobs=req.logprobs, so_args=so_args)
     rid, created, model = new_id("cmpl"), int(time.time()), req.model or state.model_name
     detok = Detokenizer(state.tokenizer.hf)
     choices = [_Choice(i * params.n + j, detok, params.stop) for i in range(len(prompts)) for j in range(params.n)]
-    so_field = "structured_outputs" if req.structured_outputs is not None else "response_format"
     source = merged([state.run(ids, params, so_field) for ids in prompts])
     want_lps = req.logprobs is not None
 

@@ -25,39 +25,47 @@ class Protocol:
     response: type     # recipe's response accumulator (chunks -> the non-streaming body)
     id_prefix: str
     n_choices: bool    # whether the protocol has OpenAI-style `choices` (n > 1 possible)
+    format_field: str  # the request field of the answer's format (recipe's output constraint)
+    schema_field: str  # the request field of that format's JSON schema
 
 
-CHAT = Protocol(recipe.ChatCompletionRequest, recipe.ChatCompletionResponse, "chatcmpl", True)
-MESSAGES = Protocol(recipe.MessagesRequest, recipe.MessagesResponse, "msg", False)
-RESPONSES = Protocol(recipe.ResponsesRequest, recipe.ResponsesResponse, "resp", False)
+CHAT = Protocol(recipe.ChatCompletionRequest, recipe.ChatCompletionResponse, "chatcmpl", True, "response_format",
+                "response_format.json_schema.schema")
+MESSAGES = Protocol(recipe.MessagesRequest, recipe.MessagesResponse, "msg", False, "output_config.format",
+                    "output_config.format.schema")
+RESPONSES = Protocol(recipe.ResponsesRequest, recipe.ResponsesResponse, "resp", False, "text.format",
+                     "text.format.schema")
+_RECIPE_SCHEMA_ERROR = "Invalid json schema"  # how recipe's message begins for a schema it refuses (param null)
 
 # fields this server reads itself (vLLM's sampling extras); recipe ignores them
 _OWN_FIELDS = ("n", "top_k", "min_p", "ignore_eos", "stop_token_ids", "seed", "presence_penalty",
                "frequency_penalty", "structured_outputs", "prompt_logprobs")
 
 
-def _conversion_error(e: Exception) -> APIError:
-    if isinstance(e, recipe.ConversionError):
-        try:
-            err = json.loads(e.body)["error"]
-            return APIError(e.status_code, err.get("message", str(e)), err.get("param"),
-                            err.get("type") or "invalid_request_error")
-        except (ValueError, KeyError, TypeError):
-            return APIError(e.status_code, str(e))
-    return APIError(400, str(e))
+def _conversion_error(e: Exception, proto: Protocol) -> APIError:
+    if not isinstance(e, recipe.ConversionError):
+        return APIError(400, str(e))
+    try:
+        err = json.loads(e.body)["error"]
+        message, param = err.get("message") or str(e), err.get("param")
+    except (ValueError, KeyError, TypeError, AttributeError):
+        return APIError(e.status_code, str(e))
+    if param is None and message.startswith(_RECIPE_SCHEMA_ERROR):
+        message, param = f"{proto.schema_field}: {message}", proto.schema_field
+    return APIError(e.status_code, message, param)
 
 
-def _so_args(io) -> dict | None:
-    """recipe's output constraint -> SamplingParams.so_args; tool-call constraints are not enforced (the
-    DSML grammar is not built yet), the output is still parsed for tool calls."""
+def _so_args(io, proto: Protocol) -> tuple[dict | None, str]:
+    """recipe's output constraint -> (SamplingParams.so_args, the request field it came from); tool-call
+    constraints are not enforced (the DSML grammar is not built yet), the output is still parsed for tool calls."""
     c = io.output_constraint
-    if c is None:
-        return None
-    if c.kind == "json":
-        return {"schema_type": "json", "schema": json.loads(c.schema)} if c.schema else {"schema_type": "json_object"}
-    if c.kind == "regex":
-        return {"schema_type": "regex", "schema": c.schema}
-    return None
+    if c is not None and c.kind == "json" and c.schema:
+        return {"schema_type": "json", "schema": json.loads(c.schema)}, proto.schema_field
+    if c is not None and c.kind == "json":
+        return {"schema_type": "json_object"}, proto.format_field
+    if c is not None and c.kind == "regex":
+        return {"schema_type": "regex", "schema": c.schema}, proto.format_field
+    return None, proto.format_field
 
 
 def _output_prefix(conv, ids: list[int], hf) -> int:
@@ -109,7 +117,7 @@ async def create(proto: Protocol, body: dict, raw: Request, state: ServerState):
     try:
         conv = proto.request(body).convert(state.recipe_options)
     except (recipe.ConversionError, ValueError, OverflowError, TypeError) as e:  # all about the request body
-        raise _conversion_error(e) from None
+        raise _conversion_error(e, proto) from None
     try:
         ids = state.encoding(conv.model_version).encode(conv.conversation)
     except RuntimeError as e:
@@ -118,17 +126,17 @@ async def create(proto: Protocol, body: dict, raw: Request, state: ServerState):
     try:
         max_tokens = conv.resolve_max_tokens(len(ids), state.max_model_len)
     except recipe.ConversionError as e:
-        raise _conversion_error(e) from None
+        raise _conversion_error(e, proto) from None
     io, po = conv.inference_options, conv.parsing_options
     top = (io.top_logprobs or 0) if io.logprobs else None
-    so_args, field = _so_args(io), "response_format"
+    (so_args, field), constraint = _so_args(io, proto), proto.format_field
     if own.structured_outputs is not None:
         if so_args is not None:
             raise APIError(400, "structured_outputs: give it or response_format, not both", "structured_outputs")
-        so_args, field = own.structured_outputs.so_args(), "structured_outputs"
+        (so_args, field), constraint = own.structured_outputs.so_args(), "structured_outputs"
     prefix_len, prefix_field = 0, "messages"
     if so_args is not None:
-        _check_constraint_follows_reasoning(po, ids, state.tokenizer.think_ids, field)
+        _check_constraint_follows_reasoning(po, ids, state.tokenizer.think_ids, constraint)
         prefix_len = _output_prefix(conv, ids, state.tokenizer.hf)
         if proto is CHAT:
             prefix_field = f"messages[{len(body['messages']) - 1}].content"
@@ -235,7 +243,7 @@ class SampleParser:
                     else recipe.InferenceFinishReason.Stop
                 out += self.proc.push(recipe.InferenceChunk.finish(reason)) + self.proc.finish()
         except RuntimeError as e:  # the output could not be parsed into the protocol's chunks
-            raise APIError(500, f"output parsing failed: {e}", None, "server_error") from None
+            raise APIError(500, f"output parsing failed: {e}") from None
         return out
 
 
