@@ -65,11 +65,12 @@ if [ "$what" = probes ]; then
   echo "probes: $(tail -1 "$out/mma-rows.log")" | tee -a "$out/summary.txt"
   exit 0
 fi
-# the V4 demo (preset demo) and the V4.1 demo (demo41: Engram from the device history, CSA2 roles)
+# the V4 demo (preset demo) and the V4.1 demo (demo41: Engram from the device history, CSA2 roles): 1000 with the
+# switch on, and the control, 200 with it off (must give more than one distinct completion)
 for preset in demo demo41; do
   timeout 280 python benchmarks/identical_completions.py --preset $preset --device cuda --dtype bfloat16 --num 1000 \
-    --modes on --out "$out/identical-completions-$preset.json" "${commit_arg[@]}" \
+    --control-num 200 --modes both --out "$out/identical-completions-$preset.json" "${commit_arg[@]}" \
     > "$out/identical-completions-$preset.log" 2>&1
-  echo "identical completions ($preset): $(tail -2 "$out/identical-completions-$preset.log" | head -1)" \
+  echo "identical completions ($preset): $(tail -1 "$out/identical-completions-$preset.log")" \
     | tee -a "$out/summary.txt"
 done

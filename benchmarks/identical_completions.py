@@ -1,6 +1,8 @@
 """The "1000 completions" check (Thinking Machines' batch-invariance test): one prompt submitted N
 times amid varied neighbours, token budgets and batch sizes; count the distinct completions (tokens
-and logprob bits). With batch_invariant the count must be 1; without it, it may be more.
+and logprob bits). With batch_invariant the count must be 1. The run without it is the control: it must
+give more than 1, or the workload did not vary what batch invariance guards against and the check shows
+nothing. The last line is the verdict (exit status 1 when the check fails).
 
     python benchmarks/identical_completions.py --device cpu --num 200
     python benchmarks/identical_completions.py --device cuda --dtype bfloat16 --num 1000
@@ -24,7 +26,7 @@ from deepinfer import LLM, SamplingParams
 from deepinfer.tools.make_checkpoint import PRESETS, write_checkpoint
 
 
-def run(ckpt: Path, args, invariant: bool) -> dict:
+def run(ckpt: Path, args, invariant: bool, num: int) -> dict:
     preset = PRESETS[args.preset]
     vocab = preset.get("text_config", preset)["vocab_size"]  # V4.1 presets nest the text model
     rng = random.Random(0)
@@ -38,8 +40,8 @@ def run(ckpt: Path, args, invariant: bool) -> dict:
                       max_num_batched_tokens=b, skip_tokenizer_init=True, batch_invariant=invariant,
                       kv_cache_memory=1 << 30)
                for b in budgets}
-    while done < args.num:
-        copies = min(args.num - done, rng.randint(1, 8))
+    while done < num:
+        copies = min(num - done, rng.randint(1, 8))
         noise = [[0] + [rng.randrange(3, vocab) for _ in range(rng.randint(2, 3 * args.prompt_len))]
                  for _ in range(rng.randint(0, 12))]
         batch = [prompt] * copies + noise
@@ -76,16 +78,20 @@ def main() -> None:
     ap.add_argument("--temperature", type=float, default=0.0, help="> 0: seeded sampling (seq_seed=42)")
     ap.add_argument("--budget", type=int, default=8192, help="max_num_batched_tokens of one of the engines")
     ap.add_argument("--modes", choices=("both", "on", "off"), default="both",
-                    help="batch-invariant mode on, off, or both")
+                    help="batch-invariant mode on, off (the control), or both")
+    ap.add_argument("--control-num", type=int, default=None, help="completions of the control (default: --num)")
     ap.add_argument("--out", default=None)
     add_commit_arg(ap)
     args = ap.parse_args()
     refuse_existing_out(args)
     with tempfile.TemporaryDirectory() as tmp:
         ckpt = write_checkpoint(Path(tmp) / "ckpt", PRESETS[args.preset], seed=0, dtype=args.dtype)
-        rows = [run(ckpt, args, inv) for inv in {"both": (False, True), "on": (True,), "off": (False,)}[args.modes]]
+        rows = [run(ckpt, args, inv, args.num if inv else args.control_num or args.num)
+                for inv in {"both": (False, True), "on": (True,), "off": (False,)}[args.modes]]
     for r in rows:
         print(json.dumps(r))
+    failed = [f"batch_invariant={r['batch_invariant']}: {r['unique']} distinct of {r['completions']}"
+              for r in rows if (r["unique"] == 1) != r["batch_invariant"]]
     device = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
     result = {"device": device, "date": str(date.today()), "commit": recorded_commit(args),
               "workload": {k: v for k, v in vars(args).items() if k not in ("out", "commit")}, "rows": rows}
@@ -93,6 +99,10 @@ def main() -> None:
     out = new_results_path(args.out or Path(__file__).parent / "results" / name)
     out.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {out}")
+    print(f"FAIL: {'; '.join(failed)} (switch on must give 1, the control off more than 1)" if failed else
+          "PASS: " + "; ".join(f"batch_invariant={r['batch_invariant']}: {r['unique']} distinct of "
+                               f"{r['completions']}" for r in rows))
+    raise SystemExit(1 if failed else 0)
 
 
 if __name__ == "__main__":
