@@ -109,6 +109,8 @@ def serve(llm_kwargs: dict, sock: socket.socket, served_name: str, api_key: str 
 
         async def main():
             client.attach(asyncio.get_running_loop())
+            # uvicorn logs its address only for sockets it bound itself
+            logger.info("serving on http://%s:%d (Ctrl+C to quit)", f"[{host}]" if ":" in host else host, port)
             try:
                 await server.serve(sockets=[sock])
             finally:
