@@ -217,7 +217,7 @@ class Section:
 
 SLICE_V4 = Json("2026-12-01-NVIDIA-H200-e1ceeea.json")
 SLICE_V41 = Json("2026-12-01-NVIDIA-H200-3e974b7.json")
-SLICE_FP8 = Json("2026-12-02-NVIDIA-H200-13d47bf-fp8-targets.json")
+SLICE_FP8 = Json("2026-12-02-NVIDIA-H200-4be8e2d-fp8-targets.json")
 SLICE_FP4 = Json("2026-12-01-NVIDIA-H200-14a04f6.json")
 
 
