@@ -5,9 +5,12 @@ c_j = sigmoid(z_j / T_j) and the survival a_j = prod_{i<=j} c_i estimates the ch
 1..j are all accepted. The scheduler (`schedule.py`) uses a as an absolute probability, so it must
 be calibrated, not only well ranked. STS fits T_1, T_2, ... left to right: with T_1..T_{j-1} fixed,
 T_j is the point of a 1-D grid minimising the ECE of a_j against the label "positions 1..j were all
-accepted" on held-out blocks (drafted and fully verified with the target). A minimum on an edge of the
-grid may lie beyond it: the grid is then continued past that edge, at its outer step, up to T_LIMITS
-(and a minimum still on the edge there is logged as a warning).
+accepted" on held-out blocks (drafted and fully verified with the target). Changing one block's label
+moves an ECE by at most 1/N (N blocks), so ECEs within 1/N of the minimum are not told apart by the data:
+among them the T nearest 1 is taken (the least change to the head; a flat tail, e.g. a position whose
+logits carry little information and whose ECE creeps down as T grows, does not drive T to a search limit).
+A minimum on an edge of the grid may lie beyond it: the grid is first continued past that edge, at its
+outer step, up to T_LIMITS; a pick on the edge there is logged as a warning.
 
 The result lives beside the checkpoint as `dspark_calibration.json` (CALIBRATION_FILE):
 
@@ -94,13 +97,13 @@ def survival(logits, temperatures) -> np.ndarray:
     return np.cumprod(_sigmoid(np.asarray(logits, dtype=np.float64) / np.asarray(temperatures)), axis=1)
 
 
-def _grid_minimum(prefix: np.ndarray, z: np.ndarray, label: np.ndarray, t: np.ndarray,
-                  bins: int) -> tuple[int, np.ndarray]:
-    """(index into t of the T minimising ECE(prefix * sigmoid(z / T), label), ties to the T nearest 1;
-    the candidate survivals [G, N])."""
+def _grid_minimum(prefix: np.ndarray, z: np.ndarray, label: np.ndarray, t: np.ndarray, bins: int,
+                  tol: float) -> tuple[int, np.ndarray]:
+    """(index into t of the T nearest 1 among those whose ECE(prefix * sigmoid(z / T), label) lies within
+    `tol` of the minimum; the candidate survivals [G, N])."""
     cand = prefix[None, :] * _sigmoid(z[None, :] / t[:, None])
     err = _ece_rows(cand, label, bins)
-    best = np.flatnonzero(err <= err.min() + 1e-12)
+    best = np.flatnonzero(err <= err.min() + tol)
     return int(best[np.argmin(np.abs(np.log(t[best])))]), cand
 
 
@@ -119,9 +122,9 @@ def _continued(t: np.ndarray, pick: int) -> np.ndarray | None:
 
 
 def fit_temperatures(logits, accepted_len, bins: int = DEFAULT_BINS, grid=DEFAULT_GRID) -> list[float]:
-    """STS: T_j, left to right, the grid point minimising ECE(a_j, label_j) given T_1..T_{j-1}, the grid
-    continued past an edge the minimum lands on (module doc). Ties (e.g. no block survives to position j,
-    so every T fits alike) go to the T nearest 1."""
+    """STS: T_j, left to right, the grid point minimising ECE(a_j, label_j) given T_1..T_{j-1} up to the
+    data's resolution 1/N, nearest 1 among those, the grid continued past an edge the pick lands on (module
+    doc). So a position every T fits alike (e.g. no block survives to it) keeps T = 1."""
     z, accepted = _inputs(logits, accepted_len)
     t0 = np.asarray(grid, dtype=np.float64)
     if t0.ndim != 1 or t0.size == 0 or not np.all(np.isfinite(t0)) or np.any(t0 <= 0):
@@ -133,10 +136,11 @@ def fit_temperatures(logits, accepted_len, bins: int = DEFAULT_BINS, grid=DEFAUL
     out = []
     for j in range(z.shape[1]):
         t = t0
-        pick, cand = _grid_minimum(prefix, z[:, j], labels[:, j], t, bins)
-        while (wider := _continued(t, pick)) is not None:
+        pick, _ = _grid_minimum(prefix, z[:, j], labels[:, j], t, bins, 1e-12)
+        while (wider := _continued(t, pick)) is not None:  # the minimum itself lies on an edge
             t = wider
-            pick, cand = _grid_minimum(prefix, z[:, j], labels[:, j], t, bins)
+            pick, _ = _grid_minimum(prefix, z[:, j], labels[:, j], t, bins, 1e-12)
+        pick, cand = _grid_minimum(prefix, z[:, j], labels[:, j], t, bins, 1.0 / z.shape[0])
         if t.size > 1 and pick in (0, t.size - 1):
             logger.warning("DSpark calibration: position %d's temperature %.4g is the edge of the temperatures "
                            "searched (%.4g..%.4g); the ECE may fall further beyond it", j + 1, t[pick], t[0], t[-1])

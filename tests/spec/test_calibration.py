@@ -34,8 +34,9 @@ def test_labels_mark_positions_up_to_the_accepted_length():
 
 
 def test_one_position_hand_case_finds_the_matching_temperature():
-    # four blocks, z = 2, three accepted: sigmoid(2 / T) = .75 at T = 2 / ln 3 = 1.820
-    z, accepted = np.full((4, 1), 2.0), np.array([1, 1, 1, 0])
+    # 400 blocks, z = 2, three in four accepted: sigmoid(2 / T) = .75 at T = 2 / ln 3 = 1.820 (ECE 0; T = 1
+    # and 3 are 0.13 and 0.09 off, far beyond the data's resolution 1 / 400)
+    z, accepted = np.full((400, 1), 2.0), np.array([1, 1, 1, 0] * 100)
     assert fit_temperatures(z, accepted, grid=[1.0, 1.82, 3.0]) == [1.82]
 
 
@@ -153,7 +154,18 @@ def test_a_minimum_on_the_grid_edge_continues_the_grid(true_t, caplog):
 
 def test_a_minimum_at_the_search_limit_is_a_warning(caplog):
     with caplog.at_level("WARNING", logger="deepinfer.spec.calibration"):
-        # z = 5 everywhere, half accepted: ECE = sigmoid(5 / T) - 0.5 falls with T for ever
-        z, accepted = np.full((100, 1), 5.0), np.arange(100) % 2
+        # z = 2000 everywhere, half of 2000 blocks accepted: ECE = sigmoid(2000 / T) - 0.5 still falls by
+        # ~0.0012 a grid step at T = 1e4, more than the data's resolution 1 / N = 0.0005
+        z, accepted = np.full((2000, 1), 2000.0), np.arange(2000) % 2
         assert fit_temperatures(z, accepted) == [pytest.approx(1e4)]
     assert "position 1's temperature 1e+04 is the edge" in caplog.text
+
+
+def test_an_ece_that_creeps_down_for_ever_stops_within_the_datas_resolution(caplog):
+    # z = 5 everywhere, half of 100 blocks accepted: ECE = sigmoid(5 / T) - 0.5 falls with T for ever, but
+    # below 1 / N = 0.01 above T ~ 125 (the shipped demo's first position: 20 -> 1e4 changed its ECE by 1e-5)
+    z, accepted = np.full((100, 1), 5.0), np.arange(100) % 2
+    with caplog.at_level("WARNING", logger="deepinfer.spec.calibration"):
+        (t,) = fit_temperatures(z, accepted)
+    assert 100 < t < 150 and not caplog.records
+    assert ece(survival(z, [t])[:, 0], accepted) <= ece(survival(z, [1e4])[:, 0], accepted) + 1 / 100
