@@ -164,6 +164,13 @@ def _add_llm_args(g: argparse.ArgumentParser) -> None:
     g.add_argument("--batch-invariant", action="store_true", help="same logits whatever the batch")
 
 
+def _eval(args: argparse.Namespace) -> None:
+    """`deepinfer eval TOOL ARGS`: deepinfer.eval.TOOL's main(ARGS), its exit status ours."""
+    import importlib
+
+    sys.exit(importlib.import_module(f"deepinfer.eval.{args.tool}").main(args.args))
+
+
 def _parser() -> argparse.ArgumentParser:
     ap = OneLineParser(prog="deepinfer")
     sub = ap.add_subparsers(dest="command", required=True)
@@ -198,6 +205,13 @@ def _parser() -> argparse.ArgumentParser:
                    help="seconds SIGTERM waits for requests in flight to finish")
     s.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     s.set_defaults(run=_serve)
+
+    from deepinfer.eval import TOOLS
+
+    e = sub.add_parser("eval", help="model-quality evaluations (deepinfer.eval: one JSON object each)")
+    e.add_argument("tool", choices=TOOLS, help="the evaluation; `deepinfer eval TOOL --help` lists its flags")
+    e.add_argument("args", nargs=argparse.REMAINDER, help="the tool's flags")
+    e.set_defaults(run=_eval)
 
     # subcommands of other modules: register(sub) adds a parser with set_defaults(run=callable(args))
     from deepinfer.entrypoints.bench_serve import register as register_bench

@@ -182,3 +182,14 @@ def test_bench_serve_is_a_deepinfer_command():
     res = subprocess.run([sys.executable, "-m", "deepinfer.entrypoints.cli", "bench", "serve", "--help"],
                          capture_output=True, text=True, timeout=60)
     assert res.returncode == 0 and "--max-concurrency" in res.stdout and "--request-rate" in res.stdout
+
+
+def test_eval_is_a_deepinfer_command(tmp_path):
+    """`deepinfer eval TOOL ARGS` runs deepinfer.eval.TOOL with ARGS and exits with its status."""
+    helped, missing = _clis(("eval", "perplexity", "--help"),
+                            ("eval", "perplexity", "--model", "demo", "--file", str(tmp_path / "missing.txt")))
+    assert helped.returncode == 0 and "--max-tokens" in helped.stdout, helped.stderr[-2000:]
+    assert missing.returncode == 2, missing.stderr[-2000:]
+    lines = missing.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--file" in lines[0] and "missing.txt" in lines[0], missing.stderr[-2000:]
+    _one_line_error(_cli("eval", "nope"), "tool", "nope", "perplexity")
