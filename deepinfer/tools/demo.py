@@ -20,6 +20,7 @@ from deepinfer.tools.make_checkpoint import PRESETS, write_checkpoint
 
 DEMO_NAME = "demo"
 RANDOM_DEMO_NAME = "demo-random"
+RANDOM_DEMO_DIRNAME = "demo-deepseek_v41"  # under default_cache_dir()
 DEMO_DIR = Path(__file__).resolve().parents[1] / "assets" / "demo41"
 # sha256 of every file the engine reads from DEMO_DIR (training.json, the provenance, is not read)
 DEMO_SHA256 = {
@@ -46,6 +47,12 @@ def resolve_demo(name: str) -> str | None:
     return None
 
 
+def is_demo_dir(path: str | Path) -> bool:
+    """Whether `path` is one of the demo checkpoints (however it was named: `demo`, `demo-random` or the path)."""
+    here = Path(path).resolve()
+    return here in (DEMO_DIR.resolve(), (default_cache_dir() / RANDOM_DEMO_DIRNAME).resolve())
+
+
 def demo_checkpoint(directory: Path = DEMO_DIR, sha256: dict[str, str] = DEMO_SHA256) -> Path:
     """The trained demo checkpoint, its files checked against `sha256` (once per process)."""
     if directory in _verified:
@@ -66,7 +73,7 @@ def demo_checkpoint(directory: Path = DEMO_DIR, sha256: dict[str, str] = DEMO_SH
 def random_demo_checkpoint(cache_dir: Path | None = None) -> Path:
     """Path of the random demo checkpoint; written once (into a temp dir, then renamed into place)."""
     root = cache_dir or default_cache_dir()
-    out = root / "demo-deepseek_v41"
+    out = root / RANDOM_DEMO_DIRNAME
     if (out / "model.safetensors.index.json").is_file():
         return out
     logger.info("model '%s': writing a small random DeepSeek-V4.1 checkpoint to %s (first use only; its "

@@ -42,6 +42,14 @@ def _perplexity(model: str) -> float:
     return result["perplexity"]
 
 
+def test_the_demo_checkpoints_are_known_by_path(tmp_path, monkeypatch):
+    """The server's thinking default asks this of the model directory, whatever name it was served under."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert demo.is_demo_dir(demo.DEMO_DIR) and demo.is_demo_dir(str(demo.DEMO_DIR) + "/")
+    assert demo.is_demo_dir(demo.default_cache_dir() / demo.RANDOM_DEMO_DIRNAME)
+    assert not demo.is_demo_dir(tmp_path) and not demo.is_demo_dir(demo.DEMO_DIR.parent)
+
+
 def test_the_demo_is_trained_and_the_random_demo_is_not(tmp_path, monkeypatch):
     """Python the training never saw (this repository, not the standard library): 54 for the trained demo
     when shipped, 6633 for the random one (vocabulary 4096)."""

@@ -48,24 +48,23 @@ def engine_main(llm_kwargs: dict, inbox, outbox, log_level: int = logging.INFO) 
         logging.getLogger(__name__).exception("engine start-up failed")
         outbox.put(("fatal", f"{type(e).__name__}: {e}", False))
         return
-    outbox.put(("ready", engine_info(llm, llm_kwargs.get("model"))))
+    outbox.put(("ready", engine_info(llm)))
     try:
         EngineLoop(llm, inbox, outbox).run()
     finally:
         llm.close()
 
 
-def engine_info(llm, model: str | None = None) -> dict:
-    """The "ready" message's payload: what the API process needs to know of the engine. `model`: the name the
-    LLM was given; `thinks` is False for the demo models (trained on source code, they never open or close a
-    thinking block)."""
-    from deepinfer.tools.demo import DEMO_NAME, RANDOM_DEMO_NAME
+def engine_info(llm) -> dict:
+    """The "ready" message's payload: what the API process needs to know of the engine. `thinks` is False for
+    the demo checkpoints, by name or path (trained on source code, they never open or close a thinking block)."""
+    from deepinfer.tools.demo import is_demo_dir
 
     mcfg = llm.model.config
     return {"model_dir": str(llm.model_dir), "max_model_len": llm.max_model_len, "vocab_size": mcfg.vocab_size,
             "eos_token_id": mcfg.eos_token_id, "bos_token_id": mcfg.bos_token_id,
             "max_logprobs": llm.config.max_logprobs, "max_num_seqs": llm.config.max_num_seqs, "stats": _stats(llm),
-            "thinks": model not in (DEMO_NAME, RANDOM_DEMO_NAME)}
+            "thinks": not is_demo_dir(llm.model_dir)}
 
 
 def _stats(llm) -> dict:
