@@ -25,7 +25,7 @@ DEMO_DIR = Path(__file__).resolve().parents[1] / "assets" / "demo41"
 # sha256 of every file the engine reads from DEMO_DIR (training.json, the provenance, is not read)
 DEMO_SHA256 = {
     "config.json": "8914eff66a69ca070a52f33350648ada5d1fe54615b533ea8dc601da8f7f3e75",
-    "dspark_calibration.json": "d5463558ddd6c1e809a13b1f6686855f3f4a9661bdc5a7296900af4e7490c6aa",
+    "dspark_calibration.json": "c421aefd8ff547660b670e15082d0076d5c49ffdfca001b493fbde7d3918ebf2",
     "model-00001-of-00004.safetensors": "11de36b2db8f1208d7a2928ca85e1d95f348f7d6da6e5567e28cb03631db7591",
     "model-00002-of-00004.safetensors": "9db65948eb9aff4db51161a639b8a77b06f95281dc0f886c9fc8900c3e671c2a",
     "model-00003-of-00004.safetensors": "0de635d60ce450c1be29f89e576fb19fa9360f11350bb2b4096fc65623585323",
