@@ -28,7 +28,7 @@ from pathlib import Path
 from deepinfer.entrypoints import bench_client
 from deepinfer.entrypoints.bench_datasets import (count_tokens, load_tokenizer, random_requests,
                                                   sharegpt_requests)
-from deepinfer.entrypoints.cli import OneLineParser, port
+from deepinfer.entrypoints.args import OneLineParser, port
 
 METRICS = ("ttft", "tpot", "itl", "e2el")
 _METRIC_TITLES = {"ttft": ("TTFT", "Time to First Token"), "tpot": ("TPOT", "Time per Output Token (excl. 1st token)"),

@@ -13,42 +13,10 @@ import json
 import re
 import sys
 
-USAGE_ERROR = 2  # argparse's exit code for a bad command line
+from deepinfer.entrypoints.args import USAGE_ERROR, OneLineParser, at_least_zero, port
+
 # a message's leading field, or one of its leading "field=value, field=value" list
 _FIELD = re.compile(r"(?:SamplingParams\.)?([a-z][a-z0-9_]*)\b(=[^,:\s]*)?")
-
-
-class OneLineParser(argparse.ArgumentParser):
-    """argparse's own errors (a bad type or choice, a missing argument) as one line, as every usage error;
-    subcommands' parsers are of this class too (add_subparsers uses the parent's class)."""
-
-    def error(self, message: str):
-        self.exit(USAGE_ERROR, f"deepinfer: error: {message}\n")
-
-
-def port(text: str) -> int:
-    """argparse type of a TCP port."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if not 1 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"must be an integer in 1..65535, got {text!r}")
-    return value
-
-
-def at_least_zero(kind: type):
-    """argparse type: a number of `kind` >= 0."""
-    def parse(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            value = -1
-        if not value >= 0:
-            raise argparse.ArgumentTypeError(f"must be {'an integer' if kind is int else 'a number'} >= 0, "
-                                             f"got {text!r}")
-        return value
-    return parse
 
 
 def flag_message(message: str, args: argparse.Namespace) -> str:
