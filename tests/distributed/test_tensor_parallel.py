@@ -28,7 +28,12 @@ from steps import assert_steps_close
 
 CFG = {**PRESETS["tiny"], "index_topk": 64}  # top-k >= entries: no indexer near-ties between engines
 LOGPROB_TOL = 1e-4
-BF16_STEP_BOUND = 0.1  # bf16 on the GPU, any parallel layout against one process: see steps.py (MEASURED lines)
+# bf16 on the GPU against one process, every greedy step (steps.py), measured on an H100 at 3f6619c
+# (benchmarks/results/2026-12-07-h100-gpu-tests-parallel-3f6619c.log): TP=2 0.214 nats, from bf16 partial sums
+# (each rank's wo_b / expert outputs rounded to bf16 before the all-reduce; later steps also read kv computed from
+# them: the first token alone was 0.064); DP + EP and CP 0 (no partial sums: rows computed as one process does)
+TP_BF16_STEP_BOUND = 0.25
+ROW_LOCAL_BF16_STEP_BOUND = 0.0
 MEMORY = 16 << 20
 PROMPTS = [[0, 5, 17, 33, 99, 100, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 300, 301, 302, 303], [0, 44, 45, 46],
            [0] + list(range(500, 537))]
@@ -311,4 +316,4 @@ def test_two_ranks_sharing_one_gpu_run_the_gpu_path(ckpt):
     bf16 = dict(device="cuda", dtype="bfloat16", kv_cache_dtype="bfloat16", backend="gloo")
     want = generate_tp(_args(ckpt, 1, **bf16), PROMPTS, GREEDY)
     got = generate_tp(_args(ckpt, 2, **bf16), PROMPTS, GREEDY)
-    assert_steps_close(got, want, BF16_STEP_BOUND, "TP=2 bf16, one GPU")
+    assert_steps_close(got, want, TP_BF16_STEP_BOUND, "TP=2 bf16, one GPU")

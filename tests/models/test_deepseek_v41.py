@@ -292,10 +292,11 @@ def test_cuda_matches_cpu_and_host_engram_on_cuda(ckpt, ours):
         _close(out, cpu, 1e-3)
 
 
-# The trained demo in bf16 against NeMo's fp32, teacher-forced (DEMO_PROMPTS x 10 greedy tokens, the largest
-# |logprob - NeMo's| over the top-5 each step returns), by kv_cache_dtype: what the CPU's torch reference gives
-# (benchmarks/bf16_vs_reference.py --cases demo41, benchmarks/results/2026-12-07-cpu-bf16-vs-reference-demo41-*.json).
-BF16_GAP_CPU = {"bfloat16": 0.118, "auto": 0.208}  # measured 0.1178, 0.2075
+# How far the largest top-5 |logprob - NeMo's| of the trained demo in bf16 moves when only the kernels' summation
+# orders change: 0.183 -> 0.400 nats (kv "auto"; 0.401 -> 0.294 with kv bf16) between the GPU engine with and
+# without batch_invariant (H100, 3f6619c: benchmarks/results/2026-12-07-h100-bf16-gap-variants-3f6619c.txt). The
+# CPU's bf16 kernels differ by host too (0.118 on the CI host, 0.403 on the GPU machine's, same prompts).
+BF16_ORDER_SPREAD = 0.22
 
 
 @pytest.mark.gpu
@@ -303,22 +304,27 @@ BF16_GAP_CPU = {"bfloat16": 0.118, "auto": 0.208}  # measured 0.1178, 0.2075
 def test_cuda_bf16_engine_on_the_trained_demo_is_as_close_to_nemo_as_bf16_on_the_cpu(kv):
     """bf16 through LLM on the GPU as users run it (decode graphs, async scheduling, the Triton kernels;
     the reference cache formats under "auto") on the trained demo, teacher-forced against NeMo's fp32
-    logits (with the same cache rounding under "auto"). A trained model has no random near-ties, so
-    bf16 moves it by tenths of a nat, not nats (random tiny checkpoints move by 2-3 nats and flip greedy
-    tokens: benchmarks/bf16_vs_reference.py). The GPU path must add no error of its own: its gap is
-    within the CPU bf16 reference's measured gap (BF16_GAP_CPU; the kernels accumulate in fp32 as the
-    CPU does, in other orders) and every greedy token is NeMo's argmax."""
+    logits (with the same cache rounding under "auto"), beside the CPU's bf16 torch reference on the same
+    host. A trained model has no random near-ties: bf16 moves it by tenths of a nat, not nats (random tiny
+    checkpoints move by 2-3 nats and flip greedy tokens: benchmarks/bf16_vs_reference.py). The GPU path must
+    add no error of its own: every greedy token is NeMo's argmax, and its largest gap is the CPU bf16
+    reference's up to what changing summation orders alone moves it (BF16_ORDER_SPREAD)."""
     from deepinfer import LLM
     from deepinfer.tools.demo import DEMO_DIR
 
     nemo = nemo_v41_model(DEMO_DIR)[0]
     ref = lambda seq: nemo_v41_logits(nemo, torch.tensor([seq]), exact=kv != "auto")[0, -1].log_softmax(-1)  # noqa: E731
-    llm = LLM(str(DEMO_DIR), device="cuda", dtype="bfloat16", kv_cache_dtype=kv, kv_cache_memory=64 << 20,
-              max_num_batched_tokens=16, yoco_prefill_truncation_mode="none")
-    assert llm.engine.runner.graphs is not None and llm.engine.async_scheduling
-    worst, agree, total = teacher_forced_gap(llm, demo_prompts(llm.detokenizer.tok), ref)
-    assert llm.scheduler.kv.all_free()
-    print(f"MEASURED V4.1 demo, GPU bf16, kv {kv}: largest |logprob - NeMo fp32| {worst:.4f}; "
-          f"NeMo's argmax at {agree} / {total}")
-    assert worst <= BF16_GAP_CPU[kv], (worst, BF16_GAP_CPU[kv])
-    assert agree == total
+    gaps = {}
+    for device in ("cpu", "cuda"):
+        llm = LLM(str(DEMO_DIR), device=device, dtype="bfloat16", kv_cache_dtype=kv, kv_cache_memory=64 << 20,
+                  max_num_batched_tokens=16, yoco_prefill_truncation_mode="none")
+        if device == "cuda":
+            assert llm.engine.runner.graphs is not None and llm.engine.async_scheduling
+        gaps[device] = teacher_forced_gap(llm, demo_prompts(llm.detokenizer.tok), ref)
+        assert llm.scheduler.kv.all_free()
+        llm.close()
+    (cpu_worst, _, _), (worst, agree, total) = gaps["cpu"], gaps["cuda"]
+    print(f"MEASURED V4.1 demo, bf16, kv {kv}: largest |logprob - NeMo fp32| GPU {worst:.4f}, CPU {cpu_worst:.4f}; "
+          f"GPU tokens NeMo's argmax at {agree} / {total}")
+    assert agree == total, gaps
+    assert worst <= cpu_worst + BF16_ORDER_SPREAD, gaps
