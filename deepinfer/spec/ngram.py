@@ -1,7 +1,7 @@
 """Prompt-lookup drafts (vLLM's speculative method "ngram"): the tokens that followed the latest earlier
 occurrence of the sequence's last n tokens, for the largest n in [prompt_lookup_min, prompt_lookup_max]
 that occurs earlier. Host-only (numpy); the drafts are deterministic, so verification treats the draft
-distribution as one-hot at each draft token (spec/verify.py, draft_probs=None).
+distribution as one-hot at each draft token (worker/verify.py, draft_probs=None).
 
 Also the host-side stand-in for the model's own draft stages (ModelDrafts) and the speculation counters
 the engine reports (vLLM's metric names).

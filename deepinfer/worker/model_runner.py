@@ -19,7 +19,7 @@ from deepinfer.engine.outputs import PLACEHOLDER, ModelOutput, SchedulerOutput
 from deepinfer.kernels.token_bitmask import apply_token_bitmask
 from deepinfer.layers import invariant
 from deepinfer.models.interface import CausalLM
-from deepinfer.spec.verify import verify
+from deepinfer.worker.verify import verify
 from deepinfer.state.forward_batch import SeqChunk, build_forward_batch, to_device
 from deepinfer.worker.drafter import Anchors, DSparkDrafter, MTPDrafter
 from deepinfer.worker.kv_cache import V4Cache
@@ -39,7 +39,7 @@ class StepHandle:
     logprobs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
     params: list | None = None
     max_logprobs: int = -1
-    # a verify step (spec/verify.py): tokens hold each verify group's emitted tokens at offsets[g] ..;
+    # a verify step (worker/verify.py): tokens hold each verify group's emitted tokens at offsets[g] ..;
     # groups[request id] its groups (a verify chunk: one; an n > 1 fork: n of one row); the host copy
     # holds the tokens, then each group's accepted count, then the drafts and their confidences
     offsets: list[int] | None = None
@@ -293,7 +293,7 @@ class ModelRunner:
         return sb
 
     def _verify(self, so: SchedulerOutput, streams: torch.Tensor, rows: list[int]) -> StepHandle:
-        """A step with draft tokens: the logits of every verified position, one spec/verify.py call over
+        """A step with draft tokens: the logits of every verified position, one worker/verify.py call over
         all sampled chunks (a chunk without drafts is a group of one row, which verify samples exactly as
         `sample` would; an n > 1 fork is n such groups of its last row), the copy to the host started."""
         flat, offsets, drafts, params, seeds, groups = [], [0], [], [], [], {}

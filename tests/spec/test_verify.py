@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from deepinfer.sampling_params import SamplingParams
-from deepinfer.spec.verify import filtered_probs, verify
+from deepinfer.worker.verify import filtered_probs, verify
 from deepinfer.worker.sampler import SamplingBatch, sample
 
 GREEDY = SamplingParams(temperature=0)
