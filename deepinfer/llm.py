@@ -704,11 +704,12 @@ def _log_capacity(model: torch.nn.Module, cache, kv: KVCacheManager, max_model_l
 
 def _replay_keep(cfg: EngineConfig, mcfg) -> int | None:
     """Rows kept by SWA bounded replay; they must cover the window plus the longest draft
-    backtrack (a rejected DSpark block), or the rings handed to decoding would have holes."""
+    backtrack (a rejected DSpark block), or the rings handed to decoding would have holes.
+    `mcfg`: the model's config, read as models/interface.py ModelConfig declares it."""
     if cfg.yoco_prefill_truncation_mode == "none":
         return None
     keep = cfg.yoco_prefill_keep_tokens
-    need = mcfg.sliding_window + (getattr(mcfg, "dspark_block_size", None) or 0)
+    need = mcfg.sliding_window + (mcfg.dspark_block_size or 0)
     if keep < need:
         raise ValueError(f"yoco_prefill_keep_tokens: {keep} rows do not cover the sliding window "
                          f"({mcfg.sliding_window}) plus the draft block ({need - mcfg.sliding_window}); need >= {need}")

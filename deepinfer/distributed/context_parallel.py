@@ -54,8 +54,7 @@ import torch.distributed as dist
 from deepinfer.engine.outputs import PLACEHOLDER, ModelOutput, SchedulerOutput
 from deepinfer.layers import invariant
 from deepinfer.layers.engram_hash import history_windows
-from deepinfer.models.deepseek_v4 import DeepseekV4ForCausalLM
-from deepinfer.models.deepseek_v41 import DeepseekV41ForCausalLM
+from deepinfer.models.interface import CausalLM
 from deepinfer.state.forward_batch import ForwardBatch, SeqChunk, build_forward_batch
 from deepinfer.worker.model_runner import ModelRunner
 
@@ -138,14 +137,14 @@ def engram_windows(full: ForwardBatch, token_history: torch.Tensor | None) -> to
     return history_windows(full.input_ids, full.image_mask, token_history, full.history)
 
 
-def _plan(model, chunks: list[SeqChunk], block_size: int, device) -> ForwardBatch:
+def _plan(model: CausalLM, chunks: list[SeqChunk], block_size: int, device) -> ForwardBatch:
     """build_forward_batch as the runner plans it for `model` (Engram: windows from the device history)."""
-    if getattr(model, "host_inputs", False):
+    if model.host_inputs:
         raise ValueError("context parallelism: Engram tables on the host (engram_device='cpu') hash on the host; "
                          "not supported")
     cfg = model.config
     return build_forward_batch(chunks, cfg.sliding_window, set(model.compressed_kinds(cfg)), block_size, device,
-                               device_history=getattr(model, "token_history", 0))
+                               device_history=model.token_history)
 
 
 def _forward_step(model, caches, chunk: SeqChunk, block_size: int, device, token_history, cp_size: int,
@@ -233,13 +232,14 @@ class CPRunner:
     with exact prefill only (no bounded replay) and Engram tables on the device."""
 
     def __init__(self, runner: ModelRunner, group: dist.ProcessGroup, align: int | None = None):
-        if not isinstance(runner.model, (DeepseekV4ForCausalLM, DeepseekV41ForCausalLM)):
-            raise ValueError(f"context_parallel_size: {type(runner.model).__name__} has no context-parallel path "
-                             "(DeepSeek-V4 and V4.1 only)")
+        model = runner.model
+        if not isinstance(model, CausalLM) or not model.supports_context_parallel:
+            raise ValueError(f"context_parallel_size: {type(model).__name__} has no context-parallel path "
+                             "(models/interface.py CausalLM.supports_context_parallel)")
         if runner.replay_keep is not None:
             raise ValueError("context_parallel_size: bounded replay has no context-parallel path; start with "
                              "yoco_prefill_truncation_mode='none' (exact prefill)")
-        if getattr(runner.model, "host_inputs", False):
+        if model.host_inputs:
             raise ValueError("context_parallel_size: Engram tables on the host (engram_device='cpu') have no "
                              "context-parallel path; keep them on the device")
         self.runner, self.group = runner, group

@@ -1,6 +1,6 @@
-"""Tensor parallelism for DeepSeek-V4 and V4.1: a loaded model sliced to one rank's shard.
-
-With `tp` ranks, rank r keeps:
+"""Tensor parallelism: a loaded model sliced to one rank's shard, as the model's declared plan says
+(models/interface.py: CausalLM.tp_plan, a TPSplit per module path). For DeepSeek-V4 and V4.1, with
+`tp` ranks rank r keeps:
 
 * attention: query heads [r*H/tp, (r+1)*H/tp): their rows of `wq_b` and their `attn_sink`
   entries; the grouped output projection of those heads: `wo_a`'s rows of the rank's groups
@@ -14,8 +14,8 @@ With `tp` ranks, rank r keeps:
   V4.1's Engram tables and vision tower. Draft layers (MTP, DSpark stages) are sharded like the trunk.
 
 wo_b(wo_a(.)) and the MoE sum are linear in what a rank holds, so each rank's wo_b and MoE output
-is a partial sum of the one-process value; a forward hook all-reduces it over the TP group
-(`parallel_state.tp_all_reduce`), after which every rank holds the same residual. Works on dense
+(the plan's TPSplit.reduce) is a partial sum of the one-process value; a forward hook all-reduces it
+over the TP group (`parallel_state.tp_all_reduce`), after which every rank holds the same residual. Works on dense
 weights and on checkpoint formats kept as shipped (FP8 blocks: slice bounds must fall on blocks).
 """
 from __future__ import annotations
@@ -34,9 +34,7 @@ from deepinfer.loader.model_loader import engram_token_map, model_spec, open_wei
 from deepinfer.loader.resolve import resolve_model_dir
 from deepinfer.loader.weights import Part, Slice, load_weights
 from deepinfer.layers.moe import MoE
-from deepinfer.models.block_v41 import Attention41
-from deepinfer.models.deepseek_v4 import Attention, DeepseekV4ForCausalLM
-from deepinfer.models.deepseek_v41 import DeepseekV41ForCausalLM
+from deepinfer.models.interface import EXPERT_SPLIT, HEAD_SPLIT, CausalLM, HeadSplitAttention
 
 
 @dataclass
@@ -56,24 +54,25 @@ def shard_model(model: nn.Module, tp_rank: int, tp_size: int) -> TPShard:
     `model.tensor_parallel`. The model may hold its weights (they are sliced) or not yet (built on
     the meta device: then load_weights(..., shard=result.parts) reads only this rank's part).
     tp_size 1 leaves the model as it is."""
-    if not isinstance(model, (DeepseekV4ForCausalLM, DeepseekV41ForCausalLM)):
-        raise ValueError(f"tensor_parallel_size: tensor parallelism supports DeepSeek-V4 and V4.1 models, "
-                         f"not {type(model).__name__}")
+    plan = model.tp_plan() if isinstance(model, CausalLM) else {}
+    if not plan:
+        raise ValueError(f"tensor_parallel_size: {type(model).__name__} declares no tensor-parallel plan "
+                         "(models/interface.py CausalLM.tp_plan)")
     if not 0 <= tp_rank < tp_size:
         raise ValueError(f"tp_rank: {tp_rank} is outside [0, {tp_size})")
     shard = TPShard(tp_rank, tp_size)
     if tp_size > 1:
-        for name, mod in model.named_modules():
-            if isinstance(mod, (Attention, Attention41)):
+        for name, split in plan.items():
+            mod = model.get_submodule(name)
+            if split.style == HEAD_SPLIT:
                 shard_attention(mod, tp_rank, tp_size, name, shard.parts)
-                # on wo_b, not the attention module: V4.1's DSpark stages call its projections directly
-                name, mod = f"{name}.wo_b", mod.wo_b
-            elif isinstance(mod, MoE):
+            elif split.style == EXPERT_SPLIT:
                 shard_moe(mod, tp_rank, tp_size, name, shard.parts)
             else:
-                continue
-            shard.reduced.append(name)
-            shard.hooks.append(mod.register_forward_hook(_reduce_output))
+                raise ValueError(f"{type(model).__name__}.tp_plan: {name} has split style {split.style!r}, "
+                                 f"not {HEAD_SPLIT!r} or {EXPERT_SPLIT!r}")
+            shard.reduced.append(split.reduce)
+            shard.hooks.append(model.get_submodule(split.reduce).register_forward_hook(_reduce_output))
     model.tensor_parallel = shard
     return shard
 
@@ -125,7 +124,7 @@ class _Cutter:
             lin.in_features = stop - start
 
 
-def shard_attention(attn: Attention | Attention41, r: int, tp: int, prefix: str = "",
+def shard_attention(attn: HeadSplitAttention, r: int, tp: int, prefix: str = "",
                     parts: dict[str, Part] | None = None) -> None:
     """Keep rank r's query heads and their output projection; `parts` gets the state_dict keys
     (under `prefix`) that hold a part of their checkpoint tensor."""
@@ -219,7 +218,7 @@ def load_shard(model_dir: str | Path, tp_rank: int, tp_size: int, *, dtype: torc
     shard = shard_model(net, tp_rank, tp_size)
     _materialize(net, device)
     load_weights(net, reader, config=cfg, shard=shard.parts)
-    if getattr(cfg, "engram_layer_ids", None):
+    if net.needs_engram_vocab:
         net.set_engram_vocab(engram_token_map(path))
     prepare_fp8_linears(net)  # as load_model leaves a model (the shard's scales)
     return net.eval()

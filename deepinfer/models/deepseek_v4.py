@@ -21,7 +21,7 @@ from deepinfer.layers.moe import MoE
 from deepinfer.layers.norm import RMSNorm
 from deepinfer.layers.rotary import RopeCache, apply_rope, norm_rope, rope_inv_freq
 from deepinfer.models.config import CSA, HCA, SLIDING, DeepseekV4Config
-from deepinfer.models.interface import DraftBlock
+from deepinfer.models.interface import EXPERT_SPLIT, HEAD_SPLIT, DraftBlock, Drafting, TPSplit
 
 
 @dataclass
@@ -203,6 +203,19 @@ def add_dspark_heads(stage_module: nn.Module, cfg, stage: int, dtype: torch.dtyp
         stage_module.confidence_head.proj = Linear(d + rank, 1, torch.float32)
 
 
+def tp_plan_of(model: nn.Module, attention: type[nn.Module]) -> dict[str, TPSplit]:
+    """Every `attention` module head-split with its wo_b all-reduced (not the module's output: V4.1's
+    DSpark stages call the projections directly), every MoE expert-split with its output all-reduced;
+    trunk and draft layers alike, in named_modules() order."""
+    plan = {}
+    for name, mod in model.named_modules():
+        if isinstance(mod, attention):
+            plan[name] = TPSplit(HEAD_SPLIT, f"{name}.wo_b")
+        elif isinstance(mod, MoE):
+            plan[name] = TPSplit(EXPERT_SPLIT, name)
+    return plan
+
+
 # kv_cache_dtype -> (entry/window format, indexer-key format); "fp8" (= "auto") is the QAT format
 KV_FORMATS = {
     "fp8": ("fp8", "fp4"),
@@ -239,6 +252,24 @@ class DeepseekV4ForCausalLM(nn.Module):
     token_history = 0
     host_inputs = False
     supports_graphs = True
+    supports_context_parallel = True  # StepContext.gather
+    needs_engram_vocab = False
+
+    def set_engram_vocab(self, token_map: list[int]) -> None:
+        """V4 reads no compressed token map."""
+
+    @property
+    def drafting(self) -> Drafting:
+        """`mtp.*`: an MTP layer (runs as the "mtp" proposer) or -0731's DSpark stages (no proposer yet)."""
+        c, stages = self.config, 0 if self.mtp is None else len(self.mtp)
+        if not stages:
+            return Drafting(proposers=frozenset({"mtp"}))
+        if c.has_dspark:
+            return Drafting("dspark", stages, c.dspark_block_size, frozenset({"mtp"}))
+        return Drafting("mtp", stages, 1, frozenset({"mtp"}))
+
+    def tp_plan(self) -> dict[str, TPSplit]:
+        return tp_plan_of(self, Attention)
 
     @staticmethod
     def compressed_kinds(cfg: DeepseekV4Config) -> list[tuple[int, bool]]:
@@ -277,10 +308,13 @@ class DeepseekV4ForCausalLM(nn.Module):
                            self.inv_freq_compress)
 
     def forward(self, batch: ForwardBatch, caches: list[LayerCache],
-                token_history: torch.Tensor | None = None, gather=None) -> torch.Tensor:
+                token_history: torch.Tensor | None = None, gather=None, draft_features: bool = False) -> torch.Tensor:
         """Runs the trunk on a flat varlen batch; returns the residual streams [T, n, D] before hc_head.
         (`token_history`: part of the common interface; V4 reads no input history. `gather`: context
-        parallelism, see StepContext.gather.)"""
+        parallelism, see StepContext.gather. `draft_features`: V4's draft layers read none.)"""
+        if draft_features:
+            raise ValueError("draft_features: DeepSeek-V4's draft layers read no target features "
+                             "(drafting.features is False)")
         ctx = self.step_context(batch)
         ctx.gather = gather
         x = self.embed(batch.input_ids).unsqueeze(1).repeat(1, self.config.hc_mult, 1)

@@ -21,11 +21,11 @@ from deepinfer.layers.linear import Linear
 from deepinfer.layers.mhc import collapse
 from deepinfer.layers.norm import RMSNorm
 from deepinfer.layers.rotary import RopeCache, rope_inv_freq
-from deepinfer.models.block_v41 import Block41, StepContext41
+from deepinfer.models.block_v41 import Attention41, Block41, StepContext41
 from deepinfer.models.config_v41 import FULL, DeepseekV41Config
-from deepinfer.models.deepseek_v4 import quant_spec
+from deepinfer.models.deepseek_v4 import quant_spec, tp_plan_of
 from deepinfer.models.dspark_v41 import DSparkStage41, draft_from_cache, write_draft_context
-from deepinfer.models.interface import DraftBlock
+from deepinfer.models.interface import DraftBlock, Drafting, TPSplit
 from deepinfer.models.vision_v41 import VISION_DEFAULTS, VisionAligner, VisionTransformer, image_span_embeddings
 
 
@@ -114,6 +114,23 @@ class DeepseekV41ForCausalLM(nn.Module):
     @property
     def supports_graphs(self) -> bool:
         return not self.host_inputs
+
+    supports_context_parallel = True  # StepContext41.gather (Engram tables on the device only: host_inputs)
+
+    @property
+    def needs_engram_vocab(self) -> bool:
+        return bool(self.config.engram_layer_ids)
+
+    @property
+    def drafting(self) -> Drafting:
+        """DSpark's stages `mtp.*` (run as the "dspark" proposer), or none."""
+        stages = 0 if self.mtp is None else len(self.mtp)
+        if not stages:
+            return Drafting(proposers=frozenset({"dspark"}))
+        return Drafting("dspark", stages, self.config.dspark_block_size, frozenset({"dspark"}))
+
+    def tp_plan(self) -> dict[str, TPSplit]:
+        return tp_plan_of(self, Attention41)
 
     def set_engram_vocab(self, token_map: list[int]) -> None:
         """Install the tokenizer's compressed token map (checked against the config) and hash constants."""

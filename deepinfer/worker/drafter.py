@@ -1,5 +1,6 @@
 """The model's own draft layers as the engine's proposer: DSpark (DeepSeek-V4.1's draft stages `mtp.0..2`,
 through the model's SelfDrafting interface: models/interface.py) and V4's MTP layer (`mtp.0`, MTPDrafting).
+Which of them a model runs, its draft stages and block size are what it declares (CausalLM.drafting).
 
 The runner drives both through one hook pair: `observe(chunks, batch, streams, features)` after the trunk
 forward (before verification) and `propose(anchors)` after it, on the device (no host sync); `propose`
@@ -25,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from deepinfer.engine.outputs import ScheduledChunk
-from deepinfer.models.interface import DraftBlock, MTPDrafting, SelfDrafting
+from deepinfer.models.interface import CausalLM, DraftBlock
 from deepinfer.state.forward_batch import ForwardBatch, to_device
 from deepinfer.worker.kv_cache import V4Cache
 
@@ -45,13 +46,14 @@ class Anchors:
 class DSparkDrafter:
     needs_features = True  # the trunk forward also returns the target features (draft_features=True)
 
-    def __init__(self, model, cache: V4Cache, num_tokens: int):
-        block = getattr(model.config, "dspark_block_size", None)
-        if not isinstance(model, SelfDrafting):
+    def __init__(self, model: CausalLM, cache: V4Cache, num_tokens: int):
+        drafting = model.drafting
+        if "dspark" not in drafting.proposers:
             raise ValueError(f"speculative_config.method 'dspark': {type(model).__name__}'s draft stages do not run "
                              "as a proposer yet (DeepSeek-V4.1's do)")
-        if getattr(model, "mtp", None) is None or not block:
+        if not drafting.runs("dspark") or not drafting.block_size:
             raise ValueError("speculative_config.method 'dspark': this checkpoint has no DSpark draft stages")
+        block = drafting.block_size
         if not 1 <= num_tokens <= block:
             raise ValueError(f"speculative_config.num_speculative_tokens: {num_tokens} is not in 1 .. the draft "
                              f"block ({block})")
@@ -103,9 +105,8 @@ class MTPDrafter:
 
     needs_features = False
 
-    def __init__(self, model, cache: V4Cache, num_tokens: int):
-        if not isinstance(model, MTPDrafting) or getattr(model, "mtp", None) is None \
-                or getattr(model.config, "has_dspark", False):
+    def __init__(self, model: CausalLM, cache: V4Cache, num_tokens: int):
+        if not model.drafting.runs("mtp"):
             raise ValueError("speculative_config.method 'mtp': this checkpoint has no MTP layer (V4's mtp.0; "
                              "DSpark draft stages use method 'dspark')")
         if num_tokens != 1:
