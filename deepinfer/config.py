@@ -1,9 +1,19 @@
-"""EngineConfig: the one typed place where DEEPINFER_* environment variables are read."""
+"""EngineConfig: the one declaration of the engine's options, and the one typed place where DEEPINFER_*
+environment variables are read.
+
+Each field's `metadata` (built by `_option`) declares its help text, its environment variable, its command-line
+flag and whether `LLM(...)` takes it; the environment table (ENV_FIELDS), the engine flags of `deepinfer generate`
+and `deepinfer serve` (add_engine_args, engine_kwargs) and LLM's keyword check (EngineConfig.from_options) are
+all derived from it."""
 from __future__ import annotations
 
+import argparse
+import difflib
+import json
 import os
+import typing
 from pathlib import Path
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Mapping
 
 ACCELERATORS = ("nvidia", "cpu", "ascend")
@@ -13,98 +23,119 @@ DTYPES = ("bfloat16", "float32")
 # dequantises on the CPU (the torch reference path); "fp8" keeps DeepSeek's shipped formats (FP8 block
 # weights, FP4 routed experts) on any device; "none" dequantises every weight to `dtype`
 QUANTIZATIONS = (None, "fp8", "none")
-# vLLM's parallel-size arguments (and context_parallel_size), with their single-process defaults
 # vLLM's `load_format` values this build understands: "auto" / "safetensors" read the checkpoint's shards;
 # "dummy" builds the model from config.json alone with random weights (loader/dummy.py)
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
+# vLLM's parallel-size arguments (and context_parallel_size), with their single-process defaults
 PARALLEL_DEFAULTS = {"tensor_parallel_size": 1, "data_parallel_size": 1, "context_parallel_size": 1,
                      "enable_expert_parallel": False, "enable_eplb": False}
-
-# env var -> EngineConfig field
-ENV_FIELDS = {
-    "DEEPINFER_ACCELERATOR": "accelerator",
-    "DEEPINFER_HF_MODEL_DIR": "hf_model_dir",
-    "DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE": "yoco_prefill_truncation_mode",
-    "DEEPINFER_YOCO_PREFILL_KEEP_TOKENS": "yoco_prefill_keep_tokens",
-    "DEEPINFER_BATCH_INVARIANT": "batch_invariant",
-    "DEEPINFER_USE_NEXTN_DECODE": "num_speculative_tokens",
-    "DEEPINFER_ENABLE_MTP_VARLEN": "enable_mtp_varlen",
-    "DEEPINFER_ALLOW_LONG_MAX_MODEL_LEN": "allow_long_max_model_len",
-}
 REPLAY_MODES = ("compact", "none")
 LOGGING_ENV_FIELDS = {"DEEPINFER_CONFIGURE_LOGGING": "configure", "DEEPINFER_LOGGING_LEVEL": "level"}
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 
 
+def _truthy(text: str) -> bool:
+    """huggingface_hub's reading of HF_HUB_OFFLINE: these values are on, anything else off."""
+    return text.strip().lower() in ("1", "true", "yes", "on")
+
+
+def _option(help: str, *, user: bool = True, env: str | None = None, choices: tuple | None = None,
+            short: str | None = None, default_doc: str | None = None, parse=None) -> dict:
+    """A field's declaration. `user`: LLM(...) takes it and `generate` / `serve` have its flag (--name-with-dashes,
+    plus `short`); otherwise only `env` sets it. `env`: the variable that sets it when LLM is not given it (`parse`:
+    the text's reading, default by the field's type). `choices`: its allowed values. `default_doc`: the default as
+    the help states it, where the field's own default is not the whole story."""
+    return {"help": help, "user": user, "env": env, "choices": choices, "short": short, "default_doc": default_doc,
+            "parse": parse}
+
+
 @dataclass(frozen=True)
 class EngineConfig:
-    model: str | None = None
-    accelerator: str = "nvidia"
-    hf_model_dir: str | None = None
-    hf_hub_offline: bool = False
-    device: str = "cpu"
-    dtype: str = "bfloat16"
-    kv_cache_dtype: str = "auto"
-    max_model_len: int | None = None         # None: the model's, capped by what the cache holds
-    # DEEPINFER_ALLOW_LONG_MAX_MODEL_LEN (vLLM's VLLM_ALLOW_LONG_MAX_MODEL_LEN): a max_model_len above the
-    # model's max_position_embeddings is accepted (with a warning) instead of refused
-    allow_long_max_model_len: bool = False
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 8192
-    kv_cache_memory: int | None = None       # bytes for the cache pools; None: sized from free memory
-    block_size: int = 64                     # compressed entries per cache block
-    skip_tokenizer_init: bool = False
-    seed: int | None = None
-    # SWA bounded replay (V4.1): "compact" runs the layers above the last KV source only on each
-    # prompt's last `yoco_prefill_keep_tokens` rows; "none" is the exact prefill
-    yoco_prefill_truncation_mode: str = "compact"
-    yoco_prefill_keep_tokens: int = 140
-    engram_device: str | None = None  # "cpu": V4.1 Engram tables stay on the host, memory-mapped
-    enforce_eager: bool = False       # vLLM's name: True disables CUDA graphs for decode steps
-    # plan and launch step N+1 while step N runs (DeepInfer's zero-overhead scheduler; vLLM's
-    # --async-scheduling). Models that hash tokens on the host (V4.1 Engram) run synchronously.
-    async_scheduling: bool = True
-    max_logprobs: int = 20  # vLLM's name and default: the most logprobs a request may ask for
-    # a request's logits do not depend on the rest of the batch, its size or its prompt's chunking
-    # (fixed-tile GEMMs, fixed-block attention reductions); costs speed, so off by default
-    batch_invariant: bool = False
-    quantization: str | None = None   # one of QUANTIZATIONS
-    load_format: str = "auto"         # one of LOAD_FORMATS
-    tensor_parallel_size: int = 1     # attention heads split over this many ranks
-    data_parallel_size: int = 1       # attention data parallelism: ranks that own their own requests
-    enable_expert_parallel: bool = False  # routed experts split over the tp x dp ranks
-    enable_eplb: bool = False         # expert-parallel load balancing (redundant, moving expert replicas)
-    context_parallel_size: int = 1    # long prefills split over this many ranks
-    # vLLM's EPLB settings: {"window_size", "step_interval", "num_redundant_experts"} (None: deepinfer's
-    # defaults, distributed/dp_engine.py EPLBConfig); needs enable_eplb
-    eplb_config: dict | None = None
-    # vLLM's speculative decoding settings: {"method": "ngram", "num_speculative_tokens": k,
-    # "prompt_lookup_max": 4, "prompt_lookup_min": 1} (prompt-lookup drafts, spec/ngram.py) or
-    # {"method": "dspark", "num_speculative_tokens": k} (V4.1's draft stages, worker/drafter.py) or
-    # {"method": "mtp", "num_speculative_tokens": 1} (V4's MTP layer, one token per step); None: off
-    speculative_config: dict | None = None
-    # draft tokens of the checkpoint's own draft stages (DeepInfer's DEEPINFER_USE_NEXTN_DECODE; 0 or None: off,
-    # or what speculative_config says); the checkpoint's draft layers pick the method (DSpark stages: "dspark",
-    # an MTP layer: "mtp"; LLM decides once the model is read: `speculation` says "dspark")
-    num_speculative_tokens: int | None = None
-    # DEEPINFER_ENABLE_MTP_VARLEN: verify lengths per step from the drafts' confidences (spec/schedule.py
-    # allocate over a steps-per-second table profiled at start-up) instead of every draft token; model drafts only
-    enable_mtp_varlen: bool = False
+    model: str | None = field(default=None, metadata=_option(
+        "local dir, hub id, or 'demo' / 'demo-random'",
+        default_doc="DEEPINFER_HF_MODEL_DIR, else the V4.1-Flash hub id"))
+    accelerator: str = field(default="nvidia", metadata=_option(
+        "the accelerator family ('ascend' is refused by this build)", user=False, env="DEEPINFER_ACCELERATOR",
+        choices=ACCELERATORS))
+    hf_model_dir: str | None = field(default=None, metadata=_option(
+        "the model when `model` is not given", user=False, env="DEEPINFER_HF_MODEL_DIR"))
+    hf_hub_offline: bool = field(default=False, metadata=_option(
+        "never reach the hub (huggingface_hub's variable)", user=False, env="HF_HUB_OFFLINE", parse=_truthy))
+    device: str = field(default="cpu", metadata=_option(
+        "cpu or cuda[:N]", default_doc="cuda where torch sees one, else cpu"))
+    dtype: str = field(default="bfloat16", metadata=_option(
+        "the dtype of activations and of dequantised weights", choices=DTYPES))
+    kv_cache_dtype: str = field(default="auto", metadata=_option("the cache's dtype", choices=KV_CACHE_DTYPES))
+    max_model_len: int | None = field(default=None, metadata=_option(
+        "the longest request (prompt + output) in tokens", default_doc="the model's, capped by what the cache holds"))
+    allow_long_max_model_len: bool = field(default=False, metadata=_option(
+        "a max_model_len above the model's max_position_embeddings is accepted with a warning instead of refused "
+        "(vLLM's VLLM_ALLOW_LONG_MAX_MODEL_LEN)", user=False, env="DEEPINFER_ALLOW_LONG_MAX_MODEL_LEN"))
+    max_num_seqs: int = field(default=256, metadata=_option("requests in a step at most"))
+    max_num_batched_tokens: int = field(default=8192, metadata=_option("tokens in a step at most"))
+    kv_cache_memory: int | None = field(default=None, metadata=_option(
+        "bytes for the cache pools", default_doc="sized from the device's free memory"))
+    block_size: int = field(default=64, metadata=_option("compressed entries per cache block"))
+    skip_tokenizer_init: bool = field(default=False, metadata=_option(
+        "no tokenizer: prompts are token ids and outputs carry no text"))
+    seed: int | None = field(default=None, metadata=_option(
+        "the seed of unseeded requests' sampling and of dummy weights", default_doc="a random one; dummy weights 0"))
+    yoco_prefill_truncation_mode: str = field(default="compact", metadata=_option(
+        "V4.1's SWA bounded replay: 'compact' runs the layers above the last KV source only on each prompt's last "
+        "yoco_prefill_keep_tokens rows; 'none' is the exact prefill", env="DEEPINFER_YOCO_PREFILL_TRUNCATION_MODE",
+        choices=REPLAY_MODES))
+    yoco_prefill_keep_tokens: int = field(default=140, metadata=_option(
+        "the prompt rows bounded replay keeps", env="DEEPINFER_YOCO_PREFILL_KEEP_TOKENS"))
+    engram_device: str | None = field(default=None, metadata=_option(
+        "cpu: V4.1's Engram tables stay on the host, memory-mapped", choices=(None, "cpu"),
+        default_doc="the model's device"))
+    enforce_eager: bool = field(default=False, metadata=_option("no CUDA graphs for decode steps"))
+    async_scheduling: bool = field(default=True, metadata=_option(
+        "plan and launch step N+1 while step N runs (the zero-overhead scheduler); models that hash tokens on the "
+        "host (V4.1 Engram) run synchronously"))
+    max_logprobs: int = field(default=20, metadata=_option("the most logprobs a request may ask for"))
+    batch_invariant: bool = field(default=False, metadata=_option(
+        "a request's logits do not depend on the rest of the batch, its size or its prompt's chunking (fixed-tile "
+        "GEMMs, fixed-block attention reductions; costs speed)", env="DEEPINFER_BATCH_INVARIANT"))
+    quantization: str | None = field(default=None, metadata=_option(
+        "fp8: keep the checkpoint's FP8/FP4 weights on any device; none: dequantise to dtype", choices=QUANTIZATIONS,
+        default_doc="keep them on CUDA, dequantise on the CPU"))
+    load_format: str = field(default="auto", metadata=_option(
+        "dummy: random weights from config.json alone, no shard read (benchmarks, memory sizing)",
+        choices=LOAD_FORMATS))
+    tensor_parallel_size: int = field(default=1, metadata=_option(
+        "attention heads split over this many ranks", short="-tp"))
+    data_parallel_size: int = field(default=1, metadata=_option(
+        "attention data parallelism: ranks that own their own requests", short="-dp"))
+    enable_expert_parallel: bool = field(default=False, metadata=_option(
+        "split the routed experts over the tp x dp ranks"))
+    enable_eplb: bool = field(default=False, metadata=_option(
+        "expert-parallel load balancing (redundant, moving expert replicas); needs enable_expert_parallel"))
+    context_parallel_size: int = field(default=1, metadata=_option("long prefills split over this many ranks"))
+    eplb_config: dict | None = field(default=None, metadata=_option(
+        'vLLM\'s EPLB settings, e.g. {"step_interval": 3000, "window_size": 1000, "num_redundant_experts": 8}; '
+        "needs enable_eplb", default_doc="distributed/dp_engine.py EPLBConfig"))
+    speculative_config: dict | None = field(default=None, metadata=_option(
+        'vLLM\'s speculative decoding settings: {"method": "ngram", "num_speculative_tokens": k, '
+        '"prompt_lookup_max": 4, "prompt_lookup_min": 1} (prompt-lookup drafts), {"method": "dspark", '
+        '"num_speculative_tokens": k} (V4.1\'s draft stages) or {"method": "mtp", "num_speculative_tokens": 1} '
+        "(V4's MTP layer)", default_doc="off"))
+    num_speculative_tokens: int | None = field(default=None, metadata=_option(
+        "draft tokens per step from the checkpoint's own draft layers, which pick the method (DSpark stages: "
+        "dspark, an MTP layer: mtp); 0: off; not with speculative_config", env="DEEPINFER_USE_NEXTN_DECODE",
+        default_doc="off"))
+    enable_mtp_varlen: bool = field(default=False, metadata=_option(
+        "verify lengths per step from the drafts' confidences (over a steps-per-second table profiled at start-up) "
+        "instead of every draft token; model drafts only, off under batch_invariant",
+        env="DEEPINFER_ENABLE_MTP_VARLEN"))
 
     def __post_init__(self):
-        _check_choice("accelerator", self.accelerator, ACCELERATORS)
-        _check_choice("dtype", self.dtype, DTYPES)
-        _check_choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
-        _check_choice("yoco_prefill_truncation_mode", self.yoco_prefill_truncation_mode, REPLAY_MODES)
-        if isinstance(self.yoco_prefill_keep_tokens, str):  # from the environment
-            object.__setattr__(self, "yoco_prefill_keep_tokens", _parse_int("yoco_prefill_keep_tokens",
-                                                                             self.yoco_prefill_keep_tokens))
+        for f in fields(self):
+            choices = f.metadata["choices"]
+            if choices is not None and getattr(self, f.name) not in choices:
+                raise ValueError(f"{f.name}: {getattr(self, f.name)!r} is not one of "
+                                 f"{', '.join(repr(c) if c is None else str(c) for c in choices)}")
         _check_positive("yoco_prefill_keep_tokens", self.yoco_prefill_keep_tokens)
-        for name in ("batch_invariant", "allow_long_max_model_len"):
-            if isinstance(getattr(self, name), str):  # from the environment
-                object.__setattr__(self, name, _parse_bool(name, getattr(self, name)))
-        if self.engram_device not in (None, "cpu"):
-            raise ValueError(f"engram_device: {self.engram_device!r} is not None or 'cpu'")
         if not (self.device == "cpu" or self.device.startswith("cuda")):
             raise ValueError(f"device: {self.device!r} is not 'cpu' or 'cuda[:N]'")
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "max_logprobs"):
@@ -112,9 +143,6 @@ class EngineConfig:
         for name in ("max_model_len", "kv_cache_memory"):
             if getattr(self, name) is not None:
                 _check_positive(name, getattr(self, name))
-        _check_choice("load_format", self.load_format, LOAD_FORMATS)
-        if self.quantization not in QUANTIZATIONS:
-            raise ValueError(f"quantization: {self.quantization!r} is not one of None, 'fp8', 'none'")
         for name in ("tensor_parallel_size", "data_parallel_size", "context_parallel_size"):
             _check_positive(name, getattr(self, name))
         for name in ("enable_expert_parallel", "enable_eplb"):
@@ -125,11 +153,6 @@ class EngineConfig:
                              "it needs enable_expert_parallel=True")
         if self.eplb_config is not None:
             _check_eplb_config(self.eplb_config, self.enable_eplb)
-        if isinstance(self.num_speculative_tokens, str):  # from the environment
-            object.__setattr__(self, "num_speculative_tokens",
-                               _parse_int("num_speculative_tokens", self.num_speculative_tokens))
-        if isinstance(self.enable_mtp_varlen, str):
-            object.__setattr__(self, "enable_mtp_varlen", _parse_bool("enable_mtp_varlen", self.enable_mtp_varlen))
         if self.num_speculative_tokens is not None and (
                 not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens < 0):
             raise ValueError(f"num_speculative_tokens: must be an integer >= 0, got {self.num_speculative_tokens!r}")
@@ -164,13 +187,144 @@ class EngineConfig:
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides) -> "EngineConfig":
-        """Fields from DEEPINFER_* variables, then explicit keyword overrides (which win)."""
+        """Keyword overrides (None and unknown names ignored), then each other field's environment variable where
+        set and not empty, then the field's default."""
         env = os.environ if env is None else env
-        kw = {f: env[v] for v, f in ENV_FIELDS.items() if env.get(v)}
-        kw["hf_hub_offline"] = env.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
         known = {f.name for f in fields(cls)}
-        kw.update({k: v for k, v in overrides.items() if k in known and v is not None})
+        kw = {k: v for k, v in overrides.items() if k in known and v is not None}
+        for f in fields(cls):
+            var = f.metadata["env"]
+            if var and env.get(var) and f.name not in kw:
+                kw[f.name] = _from_text(f, env[var])
         return cls(**kw)
+
+    @classmethod
+    def from_options(cls, env: Mapping[str, str] | None = None, /, **options) -> "EngineConfig":
+        """The configuration of LLM(**options): each name must be one of OPTIONS (TypeError naming it and the
+        closest option otherwise); an option not given, or None, comes from its environment variable where it has
+        one, else its default; `device` not given: cuda where torch sees one, else cpu."""
+        check_options(options)
+        if options.get("device") is None:
+            options["device"] = default_device()
+        return cls.from_env(env, **options)
+
+
+# field -> its type without None (bool, int, str or dict)
+_BASE_TYPES = {name: next(t for t in typing.get_args(hint) or (hint,) if t is not type(None))
+               for name, hint in typing.get_type_hints(EngineConfig).items()}
+# env var -> EngineConfig field: every variable EngineConfig reads
+ENV_FIELDS = {f.metadata["env"]: f.name for f in fields(EngineConfig) if f.metadata["env"]}
+# LLM's keyword arguments, and the engine flags of `deepinfer generate` / `deepinfer serve` (as argparse dests)
+OPTIONS = tuple(f.name for f in fields(EngineConfig) if f.metadata["user"])
+
+
+def default_device() -> str:
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def check_options(options: Mapping[str, object]) -> None:
+    """TypeError naming the first name of `options` that is not an engine option, with the closest one."""
+    fields_by_name = {f.name: f for f in fields(EngineConfig)}
+    for name in options:
+        if name in OPTIONS:
+            continue
+        if name in fields_by_name:
+            raise TypeError(f"{name}: not an option; it is set by the environment variable "
+                            f"{fields_by_name[name].metadata['env']} only")
+        close = difflib.get_close_matches(name, OPTIONS, n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        raise TypeError(f"{name}: unknown engine option{hint} (the options: EngineConfig, deepinfer/config.py)")
+
+
+def option_default(name: str) -> str:
+    """An option's default as its help states it."""
+    f = {f.name: f for f in fields(EngineConfig)}[name]
+    return f.metadata["default_doc"] or str(f.default)
+
+
+def add_engine_args(group) -> None:
+    """One flag per option in OPTIONS on `group` (an argparse parser or argument group): --name-with-dashes (and
+    the declared short alias), dest the option's name, default None (not given: engine_kwargs leaves it out);
+    a bool is a switch (default on: also --no-NAME), a dict a JSON object, a declared choice list argparse's."""
+    for f in fields(EngineConfig):
+        meta = f.metadata
+        if not meta["user"]:
+            continue
+        names = ["--" + f.name.replace("_", "-")] + ([meta["short"]] if meta["short"] else [])
+        kind = _BASE_TYPES[f.name]
+        notes = [] if f.default is False else [f"default: {option_default(f.name)}"]
+        notes += [f"{meta['env']} when not given"] if meta["env"] else []
+        help = meta["help"] + (f" ({'; '.join(notes)})" if notes else "")
+        kw = {"dest": f.name, "default": None, "help": help.replace("%", "%%")}
+        if kind is bool:
+            kw["action"] = argparse.BooleanOptionalAction if f.default else "store_true"
+        else:
+            kw["type"] = json_object if kind is dict else kind
+            if meta["choices"]:
+                kw["choices"] = [c for c in meta["choices"] if c is not None]
+            kw["metavar"] = {dict: "JSON", int: "N"}.get(kind, None if meta["choices"] else f.name.upper())
+        group.add_argument(*names, **kw)
+
+
+def with_option_signature(init):
+    """Decorates LLM.__init__(self, model=None, **options): its signature as inspect and help() show it names every
+    option (keyword-only after `model`; default None where the environment or the device decides)."""
+    import inspect
+
+    params = [inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+              inspect.Parameter("model", inspect.Parameter.POSITIONAL_OR_KEYWORD, default=None)]
+    for f in fields(EngineConfig):
+        if f.metadata["user"] and f.name != "model":
+            default = None if f.metadata["env"] or f.name == "device" else f.default
+            params.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=default))
+    init.__signature__ = inspect.Signature(params)
+    return init
+
+
+def engine_kwargs(namespace: argparse.Namespace) -> dict:
+    """LLM's keyword arguments from add_engine_args' flags: those the command line gave."""
+    return {name: value for name in OPTIONS if (value := getattr(namespace, name, None)) is not None}
+
+
+def options_table() -> str:
+    """The options as docs/offline_api.md lists them (a Markdown table, regenerated from this declaration)."""
+    rows = ["| option | flag | default | environment | meaning |", "|---|---|---|---|---|"]
+    for f in fields(EngineConfig):
+        meta = f.metadata
+        if not meta["user"]:
+            continue
+        flag = f"`--{f.name.replace('_', '-')}`" + (f" `{meta['short']}`" if meta["short"] else "")
+        flag += f" `--no-{f.name.replace('_', '-')}`" if f.default is True else ""
+        env = f"`{meta['env']}`" if meta["env"] else ""
+        choices = [c for c in meta["choices"] or () if c is not None]
+        text = meta["help"] + (f" ({' / '.join(map(str, choices))})" if choices else "")
+        rows.append(f"| `{f.name}` | {flag} | {option_default(f.name)} | {env} | {text.replace('|', '/')} |")
+    return "\n".join(rows) + "\n"
+
+
+def json_object(text: str) -> dict:
+    """argparse type of a JSON object."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"expected a JSON object, got {type(value).__name__}")
+    return value
+
+
+def _from_text(f, text: str):
+    """A field's value from its environment variable's text."""
+    if f.metadata["parse"]:
+        return f.metadata["parse"](text)
+    kind = _BASE_TYPES[f.name]
+    if kind is bool:
+        return _parse_bool(f.name, text)
+    if kind is int:
+        return _parse_int(f.name, text)
+    return text
 
 
 @dataclass(frozen=True)
