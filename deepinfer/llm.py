@@ -12,7 +12,7 @@ from typing import Callable, Sequence
 import torch
 from tqdm import tqdm
 
-from deepinfer.config import EngineConfig
+from deepinfer.config import EngineConfig, with_option_signature
 from deepinfer.engine.detokenizer import Detokenizer
 from deepinfer.engine.engine_core import EngineCore
 from deepinfer.engine.kv_manager import KVCacheManager, plan_capacity
@@ -39,44 +39,16 @@ PromptType = str | list[int] | dict
 
 
 class LLM:
-    def __init__(self, model: str | None = None, device: str | None = None, dtype: str = "bfloat16",
-                 kv_cache_dtype: str = "auto", max_model_len: int | None = None, max_num_seqs: int = 256,
-                 max_num_batched_tokens: int = 8192, kv_cache_memory: int | None = None,
-                 skip_tokenizer_init: bool = False, seed: int | None = None, block_size: int = 64,
-                 yoco_prefill_truncation_mode: str | None = None, yoco_prefill_keep_tokens: int | None = None,
-                 engram_device: str | None = None, enforce_eager: bool = False, async_scheduling: bool = True,
-                 batch_invariant: bool | None = None, max_logprobs: int = 20, quantization: str | None = None,
-                 tensor_parallel_size: int = 1, data_parallel_size: int = 1, enable_expert_parallel: bool = False,
-                 enable_eplb: bool = False, context_parallel_size: int = 1, eplb_config: dict | None = None,
-                 speculative_config: dict | None = None, num_speculative_tokens: int | None = None,
-                 enable_mtp_varlen: bool | None = None, load_format: str = "auto"):
-        """`quantization` (vLLM's name): None keeps the checkpoint's FP8/FP4 formats on CUDA and dequantises
-        to `dtype` on the CPU; "fp8" keeps them on any device; "none" dequantises. Before any weight is
-        read, the model's bytes (built on the meta device) are checked against the GPU's free memory;
-        a model that does not fit raises ValueError with the layouts that would. `speculative_config`
-        (vLLM's name): {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max",
-        "prompt_lookup_min"} drafts up to k tokens by prompt lookup, {"method": "dspark",
-        "num_speculative_tokens": k} by V4.1's own draft stages, {"method": "mtp", "num_speculative_tokens": 1}
-        one token by V4's MTP layer (also `num_speculative_tokens=k`, or DEEPINFER_USE_NEXTN_DECODE=k: the
-        checkpoint's draft layers pick the method), and verifies them in the next step (greedy output unchanged,
-        sampled output distributed as without it); one process only. `enable_mtp_varlen`
-        (DEEPINFER_ENABLE_MTP_VARLEN): each step verifies as many of each request's drafts as its
-        confidences make worth it (DSpark's scheduler over a steps-per-second table measured at start-up).
-        `load_format` (vLLM's name): "auto" reads the checkpoint; "dummy" builds the model from config.json
-        alone with random weights in the same formats (deepinfer/loader/dummy.py), for benchmarks."""
-        device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-        cfg = EngineConfig.from_env(
-            model=model, device=device, dtype=dtype, kv_cache_dtype=kv_cache_dtype, max_model_len=max_model_len,
-            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-            kv_cache_memory=kv_cache_memory, skip_tokenizer_init=skip_tokenizer_init, seed=seed,
-            block_size=block_size, yoco_prefill_truncation_mode=yoco_prefill_truncation_mode,
-            yoco_prefill_keep_tokens=yoco_prefill_keep_tokens, engram_device=engram_device,
-            enforce_eager=enforce_eager, async_scheduling=async_scheduling, batch_invariant=batch_invariant,
-            max_logprobs=max_logprobs, quantization=quantization, tensor_parallel_size=tensor_parallel_size,
-            data_parallel_size=data_parallel_size, enable_expert_parallel=enable_expert_parallel,
-            enable_eplb=enable_eplb, context_parallel_size=context_parallel_size, eplb_config=eplb_config,
-            speculative_config=speculative_config, num_speculative_tokens=num_speculative_tokens,
-            enable_mtp_varlen=enable_mtp_varlen, load_format=load_format)
+    @with_option_signature
+    def __init__(self, model: str | None = None, **options):
+        """`model`: a local dir, a hub id, or "demo" / "demo-random". `options`: the engine options, each a field
+        of EngineConfig (deepinfer/config.py: its help, default and DEEPINFER_* variable; docs/offline_api.md
+        lists them), the same as the flags of `deepinfer generate` / `deepinfer serve`; an unknown name raises
+        TypeError naming the closest option. One not given, or None, comes from its environment variable where it
+        has one, else its default. Before any weight is read, the model's bytes (built on the meta device) are
+        checked against the GPU's free memory; a model that does not fit raises ValueError with the layouts that
+        would."""
+        cfg = EngineConfig.from_options(model=model, **options)
         if cfg.device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError(f"device: {cfg.device!r} needs a CUDA device, and this torch ({torch.__version__}) "
                              "sees none; use device='cpu'")
