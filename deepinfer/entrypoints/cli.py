@@ -1,5 +1,6 @@
 """deepinfer command line: `deepinfer generate --model M --prompt "..." [sampling flags]` and
-`deepinfer serve --model M [--host --port --api-key ...]` (an OpenAI-compatible server; the same engine flags).
+`deepinfer serve --model M [--host --port --api-key ...]` (an OpenAI-compatible server; the same engine flags,
+one per option of EngineConfig: deepinfer/config.py declares them).
 
 Flags are checked before the model is loaded (serve: and its address is bound before the engine process
 starts); a problem the user can fix (a bad flag value, an address that cannot be bound, a model that cannot
@@ -13,6 +14,7 @@ import json
 import re
 import sys
 
+from deepinfer.config import add_engine_args, engine_kwargs
 from deepinfer.entrypoints.args import USAGE_ERROR, OneLineParser, at_least_zero, port
 
 # a message's leading field, or one of its leading "field=value, field=value" list
@@ -33,22 +35,6 @@ def flag_message(message: str, args: argparse.Namespace) -> str:
     return "".join(out) + message[at:]
 
 
-def _llm_kwargs(args: argparse.Namespace) -> dict:
-    """LLM(...) arguments from the engine flags (_add_llm_args)."""
-    kw = dict(model=args.model, device=args.device, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
-              max_model_len=args.max_model_len, seed=args.seed, enforce_eager=args.enforce_eager,
-              batch_invariant=args.batch_invariant or None, quantization=args.quantization,
-              load_format=args.load_format,
-              tensor_parallel_size=args.tensor_parallel_size, data_parallel_size=args.data_parallel_size,
-              enable_expert_parallel=args.enable_expert_parallel, enable_eplb=args.enable_eplb,
-              context_parallel_size=args.context_parallel_size, eplb_config=args.eplb_config,
-              speculative_config=args.speculative_config)
-    for name in ("max_num_seqs", "max_num_batched_tokens", "kv_cache_memory", "max_logprobs", "block_size"):
-        if getattr(args, name, None) is not None:
-            kw[name] = getattr(args, name)
-    return kw
-
-
 def _generate(args: argparse.Namespace) -> None:
     from deepinfer import SamplingParams
 
@@ -57,7 +43,7 @@ def _generate(args: argparse.Namespace) -> None:
                             seq_seed=args.seq_seed, logprobs=args.logprobs)
     from deepinfer import LLM
 
-    llm = LLM(**_llm_kwargs(args))
+    llm = LLM(**engine_kwargs(args))
     try:
         for out in llm.generate(args.prompt, params, use_tqdm=False):
             for c in out.outputs:
@@ -75,8 +61,8 @@ def _serve(args: argparse.Namespace) -> None:
     from deepinfer.config import EngineConfig
     from deepinfer.entrypoints.openai.server import bind_socket, serve
 
-    llm_kwargs = _llm_kwargs(args)
-    EngineConfig.from_env(**llm_kwargs)
+    llm_kwargs = engine_kwargs(args)
+    EngineConfig.from_env(**llm_kwargs)  # the values, as LLM checks them (the device's default aside: torch's)
     sock = bind_socket(args.host, args.port)
     api_key = args.api_key or os.environ.get("DEEPINFER_API_KEY") or None
     sys.exit(serve(llm_kwargs, sock, args.served_model_name or args.model or "default", api_key=api_key,
@@ -84,52 +70,8 @@ def _serve(args: argparse.Namespace) -> None:
                    shutdown_timeout=args.shutdown_timeout, log_level=args.log_level))
 
 
-def _json_object(text: str) -> dict:
-    try:
-        value = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise argparse.ArgumentTypeError(f"not JSON: {e}") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"expected a JSON object, got {type(value).__name__}")
-    return value
-
-
 def _json_logprobs(lps):
     return None if lps is None else [{str(t): v for t, v in d.items()} for d in lps]
-
-
-def _add_llm_args(g: argparse.ArgumentParser) -> None:
-    """The engine flags `generate` and `serve` share (LLM's arguments)."""
-    g.add_argument("--model", default=None,
-                   help="local dir, hub id, or 'demo' (default: DEEPINFER_HF_MODEL_DIR, else the V4.1-Flash hub id)")
-    g.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda where available)")
-    g.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    g.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8", "bfloat16", "float32"])
-    g.add_argument("--quantization", default=None, choices=["fp8", "none"],
-                   help="fp8: keep the checkpoint's FP8/FP4 weights; none: dequantise to --dtype "
-                        "(default: keep them on CUDA, dequantise on the CPU)")
-    g.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "dummy"],
-                   help="dummy: random weights from config.json alone, no shard read (benchmarks, memory sizing)")
-    g.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
-    g.add_argument("--data-parallel-size", "-dp", type=int, default=1)
-    g.add_argument("--enable-expert-parallel", action="store_true", help="split the routed experts over the ranks")
-    g.add_argument("--enable-eplb", action="store_true", help="expert-parallel load balancing")
-    g.add_argument("--eplb-config", type=_json_object, default=None,
-                   help='vLLM\'s EPLB settings as JSON, e.g. \'{"step_interval": 3000, "window_size": 1000, '
-                        '"num_redundant_experts": 8}\'')
-    g.add_argument("--context-parallel-size", type=int, default=1)
-    g.add_argument("--speculative-config", type=_json_object, default=None,
-                   help='vLLM\'s speculative decoding settings as JSON, e.g. \'{"method": "ngram", '
-                        '"num_speculative_tokens": 4, "prompt_lookup_max": 4}\'')
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--max-num-seqs", type=int, default=None, help="requests in a step at most (default 256)")
-    g.add_argument("--max-num-batched-tokens", type=int, default=None, help="tokens in a step at most (default 8192)")
-    g.add_argument("--kv-cache-memory", type=int, default=None, help="cache bytes (default: what the device has)")
-    g.add_argument("--max-logprobs", type=int, default=None, help="the most logprobs a request may ask for (20)")
-    g.add_argument("--block-size", type=int, default=None)
-    g.add_argument("--seed", type=int, default=None)
-    g.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
-    g.add_argument("--batch-invariant", action="store_true", help="same logits whatever the batch")
 
 
 def _eval(args: argparse.Namespace) -> None:
@@ -143,7 +85,7 @@ def _parser() -> argparse.ArgumentParser:
     ap = OneLineParser(prog="deepinfer")
     sub = ap.add_subparsers(dest="command", required=True)
     g = sub.add_parser("generate", help="generate completions for one or more prompts (one JSON line each)")
-    _add_llm_args(g)
+    add_engine_args(g.add_argument_group("engine", "LLM's options (deepinfer/config.py EngineConfig)"))
     g.add_argument("--prompt", action="append", required=True, help="repeat for several prompts")
     g.add_argument("--temperature", type=float, default=1.0)
     g.add_argument("--top-p", type=float, default=1.0)
@@ -158,7 +100,7 @@ def _parser() -> argparse.ArgumentParser:
     g.set_defaults(run=_generate)
 
     s = sub.add_parser("serve", help="serve the model over HTTP (OpenAI / Anthropic-compatible endpoints)")
-    _add_llm_args(s)
+    add_engine_args(s.add_argument_group("engine", "LLM's options (deepinfer/config.py EngineConfig)"))
     s.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
     s.add_argument("--port", type=port, default=8000)
     s.add_argument("--api-key", default=None,

@@ -93,6 +93,32 @@ def test_argparse_errors_are_one_line(capsys, argv, words):
     assert all(w in line for w in words), line
 
 
+def _bad_engine_flags() -> list[tuple[str, tuple[str, ...]]]:
+    """(command, argv) with a bad value for each engine flag of the declaration (deepinfer/config.py); `--model`
+    takes any text."""
+    from dataclasses import fields
+
+    from deepinfer.config import OPTIONS, EngineConfig, _BASE_TYPES
+
+    cases = []
+    for f in fields(EngineConfig):
+        if f.name not in OPTIONS or f.name == "model":
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        kind = _BASE_TYPES[f.name]
+        bad = (f"{flag}=on",) if kind is bool else (flag, "{not json" if kind is dict else "bogus")
+        for command in ("generate", "serve"):
+            cases.append((command, flag, bad))
+    return cases
+
+
+@pytest.mark.parametrize("command, flag, bad", _bad_engine_flags())
+def test_a_bad_engine_flag_value_is_one_line(capsys, no_engine, command, flag, bad):
+    argv = (command, "--model", "demo", *bad) + (("--prompt", "hi") if command == "generate" else ())
+    line = _main_error(capsys, *argv)
+    assert flag in line, line
+
+
 def test_serve_checks_its_flags_and_port_before_the_engine_starts(capsys, no_engine):
     line = _main_error(capsys, "serve", "--model", "demo", "--max-num-seqs", "0")
     assert "--max-num-seqs" in line, line
