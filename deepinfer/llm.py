@@ -319,9 +319,6 @@ class LLM:
         if parallel:
             raise ValueError(f"prompts[{i}]: SamplingParams.prompt_logprobs is not supported with {parallel[0]} > 1 "
                              "yet")
-        if cfg.speculation is not None:
-            raise ValueError(f"prompts[{i}]: SamplingParams.prompt_logprobs is not supported with speculative "
-                             f"decoding (speculative_config {cfg.speculation}) yet")
 
     def _grammar_backend(self):
         """The structured-output backend (xgrammar, compiled from the model's tokenizer), built once."""
