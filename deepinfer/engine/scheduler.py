@@ -100,7 +100,8 @@ class Scheduler:
         lo = start - CONTEXT_TOKENS
         images = [(s0, img) for s0, img in req.images if s0 < start + n and s0 + img.num_tokens > lo]
         # prompt_logprobs: rows start .. start + n - 1 predict positions start + 1 .. start + n; the prompt's last
-        # position predicts an output token (a recompute after preemption computes them again)
+        # position predicts an output token (a recompute after preemption computes them again). A chunk with drafts
+        # has one pending token, at or past the prompt's last position: its prompt_rows are 0
         prompt_rows = 0 if req.prompt_logprobs is None else \
             max(0, min(start + n, len(req.prompt_token_ids) - 1) - start)
         return ScheduledChunk(req.request_id, req.slot, start, ids[start:start + n] + list(drafts),

@@ -190,6 +190,8 @@ class ModelRunner:
         if self.drafter is not None:
             self.drafter.observe(so.chunks, batch, streams, features)
         h = self._sample_streams(so, batch, streams, prev)
+        # verification and the drafter (observe, propose) read the streams and never write them: the prompt rows
+        # read here are speculation-off's (tests/worker/test_prompt_logprobs_spec.py: bit-identical, invariant mode)
         if any(c.prompt_rows for c in so.chunks):
             h.prompt = self._prompt_logprobs(so, streams)
         return h
