@@ -74,7 +74,7 @@ def measure(model: str, preset: str, ckpt: Path, args) -> dict:
     return {"model": NAMES[model], "preset": preset, "requests": len(prompts), "output_tokens": tokens,
             "seconds": round(seconds, 3), "runs_s": [round(t, 3) for t in runs],
             "requests_per_s": round(len(prompts) / seconds, 3), "output_tokens_per_s": round(tokens / seconds, 1),
-            "async_scheduling": llm.engine.async_scheduling, "cuda_graphs": llm.engine.runner.graphs is not None}
+            "async_scheduling": llm.engine.core.async_scheduling, "cuda_graphs": llm.engine.core.runner.graphs is not None}
 
 
 def emitted_tokens(outs, output_len: int) -> int:

@@ -69,7 +69,7 @@ def _engine(arch: str, root: Path, device: str, model: str, max_seqs: int) -> LL
     llm = LLM(str(ckpt), device=device, dtype="float32" if device == "cpu" else "bfloat16",
               kv_cache_memory=512 << 20, max_num_seqs=max_seqs, max_model_len=2048)
     if model == "noop":
-        r = llm.engine.runner
+        r = llm.engine.core.runner
         r.model = NoOpModel(r.model)
         if device == "cpu" or r.graphs is not None:
             r.graphs = NoOpGraphs(r.model, r.cache, r.cache.scratch_slot, r.cache.scratch_addr, device=device)

@@ -24,7 +24,7 @@ from engine_overhead import NoOpGraphs
 def measure(name: str, preset: str, batches: list[int], steps: int, rows: int, root: Path) -> list[str]:
     ckpt = write_checkpoint(root / name, PRESETS[preset], seed=0, dtype="fp8")
     llm = LLM(str(ckpt), device="cpu", dtype="float32", kv_cache_memory=256 << 20, max_num_seqs=max(batches))
-    r = llm.engine.runner
+    r = llm.engine.core.runner
     r.graphs = NoOpGraphs(r.model, r.cache, r.cache.scratch_slot, r.cache.scratch_addr, device="cpu")
     out = []
     for B in batches:
@@ -44,7 +44,7 @@ def measure(name: str, preset: str, batches: list[int], steps: int, rows: int, r
         text = io.StringIO()
         pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(rows)
         out.append(f"{name} ({preset}) batch {B}: {ms:.3f} ms host per engine step (forward stubbed, under cProfile), "
-                   f"async={llm.engine.async_scheduling}\n{text.getvalue()}")
+                   f"async={llm.engine.core.async_scheduling}\n{text.getvalue()}")
         print(out[-1].splitlines()[0], flush=True)
         llm.engine.abort([q.request_id for q in reqs], "measured")
     return out

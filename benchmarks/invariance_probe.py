@@ -176,7 +176,7 @@ def graph_outputs(args, ckpt, target, mixes, params) -> None:
             llm = LLM(str(ckpt), device=args.device, dtype=args.dtype, kv_cache_dtype=args.dtype,
                       kv_cache_memory=64 << 20, batch_invariant=not args.off, enforce_eager=eager,
                       max_num_batched_tokens=budget, skip_tokenizer_init=True)
-            graphs = llm.engine.runner.graphs
+            graphs = llm.engine.core.runner.graphs
             replays = [0]
             if graphs is not None:
                 run = graphs.run
@@ -214,7 +214,7 @@ def _engine_rows(llm, tid: str, prompts, params, outputs: list | None = None) ->
                         row = row[row >= 0]
                     rows.setdefault(pos, []).append((name, row))
         handles.append(mod.register_forward_hook(hook))
-    runner = llm.engine.runner
+    runner = llm.engine.core.runner
     launch = runner.launch
 
     def traced(so, prev=None):

@@ -238,8 +238,8 @@ def run_config(plan: dict, method: str, k: int, varlen: bool = False) -> dict:
     llm = LLM(plan["model_path"], speculative_config=speculative_config(method, k), **kw)
     if varlen and not getattr(llm.config, "enable_mtp_varlen", False):
         raise RuntimeError("--varlen: the engine turned enable_mtp_varlen off (batch_invariant forces fixed length)")
-    engine = {"varlen": varlen, "async_scheduling": llm.engine.async_scheduling,
-              "cuda_graphs": llm.engine.runner.graphs is not None, "batch_invariant": bool(llm.config.batch_invariant)}
+    engine = {"varlen": varlen, "async_scheduling": llm.engine.core.async_scheduling,
+              "cuda_graphs": llm.engine.core.runner.graphs is not None, "batch_invariant": bool(llm.config.batch_invariant)}
     params = SamplingParams(temperature=0, max_tokens=plan["output_len"], ignore_eos=True)
     vocab = plan["vocab"]
     pool = make_prompts(max(plan["concurrency"]), plan["input_len"], vocab, seed=1)

@@ -108,13 +108,26 @@ class EngineConfig:
     data_parallel_size: int = field(default=1, metadata=_option(
         "attention data parallelism: ranks that own their own requests", short="-dp"))
     enable_expert_parallel: bool = field(default=False, metadata=_option(
-        "split the routed experts over the tp x dp ranks"))
+        "split the routed experts over the data-parallel ranks (tensor and context parallel sizes 1)"))
     enable_eplb: bool = field(default=False, metadata=_option(
         "expert-parallel load balancing (redundant, moving expert replicas); needs enable_expert_parallel"))
     context_parallel_size: int = field(default=1, metadata=_option("long prefills split over this many ranks"))
+    distributed_executor_backend: str | None = field(default=None, metadata=_option(
+        "vLLM's name: 'uni' runs the one rank in this process; 'mp' runs the ranks as processes (at one rank too: "
+        "the code path of every parallel layout)", choices=(None, "uni", "mp"),
+        default_doc="'uni' at one rank, 'mp' otherwise"))
+    # multi-node, as torchrun names them: every node runs world / nnodes ranks and meets at master_addr:master_port
+    nnodes: int = field(default=1, metadata=_option(
+        "nodes the ranks are spread over (tp x dp x cp ranks in all, as many on each node)"))
+    node_rank: int = field(default=0, metadata=_option(
+        "this node's index: 0 runs the engine's driver (LLM, serve); the others only run ranks"))
+    master_addr: str | None = field(default=None, metadata=_option(
+        "node 0's address for torch.distributed's env:// rendezvous (multi-node)"))
+    master_port: int | None = field(default=None, metadata=_option(
+        "a free port on master_addr for the rendezvous (multi-node)"))
     eplb_config: dict | None = field(default=None, metadata=_option(
         'vLLM\'s EPLB settings, e.g. {"step_interval": 3000, "window_size": 1000, "num_redundant_experts": 8}; '
-        "needs enable_eplb", default_doc="distributed/dp_engine.py EPLBConfig"))
+        "needs enable_eplb", default_doc="distributed/expert_shard.py EPLBConfig"))
     speculative_config: dict | None = field(default=None, metadata=_option(
         'vLLM\'s speculative decoding settings: {"method": "ngram", "num_speculative_tokens": k, '
         '"prompt_lookup_max": 4, "prompt_lookup_min": 1} (prompt-lookup drafts), {"method": "dspark", '
@@ -148,9 +161,28 @@ class EngineConfig:
         for name in ("enable_expert_parallel", "enable_eplb"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: must be True or False, got {getattr(self, name)!r}")
-        if self.enable_eplb and not self.enable_expert_parallel:
-            raise ValueError("enable_eplb: load balancing moves routed experts between expert-parallel ranks; "
-                             "it needs enable_expert_parallel=True")
+        check_layout(self.tensor_parallel_size, self.data_parallel_size, self.context_parallel_size,
+                     self.enable_expert_parallel, self.enable_eplb, self.engram_device)
+        if self.distributed_executor_backend == "uni" and \
+                self.tensor_parallel_size * self.data_parallel_size * self.context_parallel_size > 1:
+            raise ValueError("distributed_executor_backend: 'uni' runs one rank; the parallel sizes ask for more "
+                             "(leave it unset, or 'mp')")
+        _check_positive("nnodes", self.nnodes)
+        if not isinstance(self.node_rank, int) or not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node_rank: {self.node_rank!r} is outside [0, nnodes={self.nnodes})")
+        world = self.tensor_parallel_size * self.data_parallel_size * self.context_parallel_size
+        if world % self.nnodes:
+            raise ValueError(f"nnodes: {self.nnodes} does not divide the world of {world} ranks "
+                             "(tensor x data x context parallel sizes; every node runs as many)")
+        if self.nnodes > 1 and (not self.master_addr or self.master_port is None):
+            raise ValueError("master_addr: a multi-node engine needs master_addr and master_port (node 0's address "
+                             "and a free port on it), as torchrun's --master-addr / --master-port")
+        for name in ("master_addr", "master_port"):
+            if getattr(self, name) is not None and self.nnodes == 1:
+                raise ValueError(f"{name}: only a multi-node engine reads it (nnodes > 1); one node meets in a "
+                                 "temporary file store")
+        if self.master_port is not None and not 1 <= self.master_port <= 65535:
+            raise ValueError(f"master_port: {self.master_port!r} is not a port (1..65535)")
         if self.eplb_config is not None:
             _check_eplb_config(self.eplb_config, self.enable_eplb)
         if self.num_speculative_tokens is not None and (
@@ -383,6 +415,25 @@ def _check_eplb_config(value, enabled: bool) -> None:
             raise ValueError(f"eplb_config.{k}: must be an integer >= {low}, got {v!r}")
     if not enabled:
         raise ValueError("eplb_config: given without enable_eplb=True")
+
+
+def check_layout(tp: int, dp: int, cp: int, expert_parallel: bool, eplb: bool = False,
+                 engram_device: str | None = None) -> None:
+    """The layouts this build runs: tensor x data x context parallel sizes in any combination; expert parallelism
+    over data-parallel ranks of one rank each. Refusals name the fields."""
+    if expert_parallel and dp == 1:
+        raise ValueError("enable_expert_parallel: the routed experts are spread over the data-parallel ranks; it "
+                         "needs data_parallel_size > 1 (tensor parallelism already splits them by range)")
+    if expert_parallel and (tp > 1 or cp > 1):
+        raise ValueError(f"enable_expert_parallel: with tensor_parallel_size={tp} / context_parallel_size={cp} the "
+                         "ranks of a data-parallel replica hold the same tokens, which the exchange would route "
+                         "once from each; not built (expert parallelism runs over replicas of one rank each)")
+    if eplb and not expert_parallel:
+        raise ValueError("enable_eplb: load balancing moves routed experts between expert-parallel ranks; "
+                         "it needs enable_expert_parallel=True")
+    if engram_device is not None and tp * dp * cp > 1:
+        raise ValueError("engram_device: host-resident Engram tables are read by one process; with several ranks "
+                         "every rank holds the tables on its device (leave engram_device unset)")
 
 
 def _check_positive(name: str, value) -> None:

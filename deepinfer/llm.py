@@ -14,20 +14,17 @@ from tqdm import tqdm
 
 from deepinfer.config import EngineConfig, with_option_signature
 from deepinfer.engine.detokenizer import Detokenizer
-from deepinfer.engine.engine_core import EngineCore
-from deepinfer.engine.kv_manager import KVCacheManager, plan_capacity
+from deepinfer.engine.kv_manager import KVCacheManager
 from deepinfer.engine.memory_fit import (WORKSPACE_BYTES, WeightBytes, check_fit, format_bytes, repack_fits,
                                          requests_at_length)
 from deepinfer.engine.outputs import CompletionOutput, RequestOutput
 from deepinfer.engine.request import Request, Status
-from deepinfer.engine.scheduler import Scheduler, VarlenPolicy
-from deepinfer.layers.moe import Experts, repack_fp4_experts
-from deepinfer.loader.model_loader import load_model, weight_bytes
+from deepinfer.engine.scheduler import VarlenPolicy
+from deepinfer.layers.moe import Experts
+from deepinfer.loader.model_loader import weight_bytes
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.tools.demo import resolve_demo
-from deepinfer.worker.drafter import DSparkDrafter, MTPDrafter
-from deepinfer.worker.kv_cache import allocate_v4_cache, cache_spec, default_cache_memory
-from deepinfer.worker.model_runner import ModelRunner
+from deepinfer.worker.kv_cache import cache_spec
 from deepinfer.worker.sps_profile import profile_sps
 
 DEFAULT_MODEL = "deepseek-ai/DeepSeek-V4.1-Flash-1017"
@@ -52,9 +49,8 @@ class LLM:
         if cfg.device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError(f"device: {cfg.device!r} needs a CUDA device, and this torch ({torch.__version__}) "
                              "sees none; use device='cpu'")
-        _require_one_process(cfg)
         self.config = cfg
-        # what close() releases (a multi-process engine, the grammar threads), last acquired first; the
+        # what close() releases (the engine's ranks, the grammar threads), last acquired first; the
         # finalizer holds this list and never the LLM, so dropping the LLM, or interpreter exit, closes it
         self._owned: list = []
         self._finalizer = weakref.finalize(self, _release, self._owned)
@@ -62,129 +58,61 @@ class LLM:
         ref = resolve_demo(ref) or ref
         self._ids = itertools.count()
         self._grammars = None  # structured outputs: built at the first request with so_args
-        if cfg.data_parallel_size > 1:
-            self._start_data_parallel(ref)
-            return
-        if cfg.tensor_parallel_size > 1:
-            self._start_tensor_parallel(ref)
-            return
-        if cfg.context_parallel_size > 1:
-            self._start_context_parallel(ref)
-            return
-        repack: list[bool] = []  # FP4 experts held as FP8 codes: decided before the weights are read
-        path, _ = _resolve_checked(cfg, ref, lambda meta: _check_before_load(cfg, meta))
-        self.model, self.model_dir = load_model(path, dtype=getattr(torch, cfg.dtype), device=cfg.device,
-                                                quantized=cfg.keeps_checkpoint_formats,
-                                                hf_model_dir=cfg.hf_model_dir, offline=cfg.hf_hub_offline,
-                                                engram_device=cfg.engram_device,
-                                                check=lambda meta: repack.append(_check_before_load(cfg, meta)),
-                                                load_format=cfg.load_format, seed=cfg.seed or 0)
-        if repack and repack[0]:
-            repack_fp4_experts(self.model)
-        mcfg = self.model.config
-        self.detokenizer = None if cfg.skip_tokenizer_init else _load_detokenizer(self.model_dir)
-        proposer = _proposer(cfg, mcfg)
-        # ring rows for rejected draft positions (k - 1 suffice, tests/state/test_ring_slack.py; k keeps one spare)
-        slack = proposer.num_speculative_tokens if proposer else 0
-        spec = cache_spec(mcfg, cfg.kv_cache_dtype, cfg.block_size, ring_slack=slack)
-        memory = cfg.kv_cache_memory or default_cache_memory(cfg.device)
-        expected = cfg.max_model_len or min(mcfg.max_position_embeddings, 4096)
-        num_slots, num_blocks = plan_capacity(memory, spec.slot_bytes, spec.block_bytes, cfg.block_size,
-                                              cfg.max_num_seqs, expected)
-        kv = KVCacheManager(num_slots, num_blocks, cfg.block_size)
-        self.max_model_len = kv.max_model_len(cfg.max_model_len, mcfg.max_position_embeddings,
-                                               f"{memory} bytes")
-        # one slot and one block per ratio beyond the manager's: the padding rows of decode graphs
-        cache = allocate_v4_cache(mcfg, num_slots, num_blocks, cfg.kv_cache_dtype, cfg.device, cfg.block_size,
-                                  scratch=True, ring_slack=slack)
-        self.scheduler = Scheduler(kv, min(cfg.max_num_seqs, num_slots), cfg.max_num_batched_tokens,
-                                   self.max_model_len, proposer)
-        _log_capacity(self.model, cache, kv, self.max_model_len, cfg)
-        drafter = {"dspark": DSparkDrafter, "mtp": MTPDrafter}.get(getattr(proposer, "method", None))
-        drafter = drafter and drafter(self.model, cache, slack)
-        runner = ModelRunner(self.model, cache, cfg.device, cfg.seed, _replay_keep(cfg, mcfg), not cfg.enforce_eager,
-                             cfg.batch_invariant, drafter)
-        if cfg.enable_mtp_varlen:
-            if drafter is None:
-                raise ValueError("enable_mtp_varlen: confidence-scheduled verification needs the model's own draft "
-                                 "layers (speculative_config method 'dspark' or 'mtp', or num_speculative_tokens)")
-            most = min(cfg.max_num_seqs, num_slots) * (slack + 1)  # every request verifying all its drafts
-            self.scheduler.varlen = VarlenPolicy(profile_sps(runner, kv, cfg.max_num_batched_tokens, most),
-                                                 _calibration(self.model_dir))
-        self.engine = EngineCore(self.scheduler, runner, self.detokenizer, cfg.async_scheduling)
+        self._build(ref)
         # the start-up heap (weights' Python objects, tokenizer, configs) is never garbage: moving it out
         # of the collector's generations keeps full collections from pausing steps
         gc.collect()
         gc.freeze()
 
-    def _start_tensor_parallel(self, ref: str) -> None:
-        """tensor_parallel_size ranks on this node (deepinfer/distributed/launch.py): this process is
-        rank 0 and runs the scheduler; the others are spawned, so a script that builds such an LLM needs
-        an `if __name__ == "__main__":` guard. Steps are synchronous and eager for now."""
-        from deepinfer.distributed.launch import TPEngine
-
-        self._start_engine(ref, "tensor_parallel_size", TPEngine)
-
-    def _start_context_parallel(self, ref: str) -> None:
-        """context_parallel_size ranks on this node, each holding the whole model and cache: a step that is
-        one request's prefill chunk of at least 2 * cp compression windows is split over them (zig-zag,
-        deepinfer/distributed/context_parallel.py); every other step runs on every rank alike. DeepSeek-V4
-        only so far. This process is rank 0 (`if __name__ == "__main__":` guard); synchronous and eager."""
-        from deepinfer.distributed.launch import TPEngine
-
-        self._start_engine(ref, "context_parallel_size", TPEngine)
-
-    def _start_data_parallel(self, ref: str) -> None:
-        """data_parallel_size ranks on this node (deepinfer/distributed/dp_engine.py), each with its own
-        requests, scheduler and cache; with enable_expert_parallel the routed experts are spread over
-        them (enable_eplb: rebalanced while serving, `eplb_config` or EPLBConfig's defaults), else every rank holds them
-        all. This process is rank 0 and schedules every rank; the others are spawned (`if __name__ ==
-        "__main__":` guard). Steps are synchronous and eager for now."""
-        from deepinfer.distributed.dp_engine import DPEngine, EPLBConfig
-
-        eplb = _eplb_settings(self.config, EPLBConfig) if self.config.enable_eplb else None
-        self._start_engine(ref, "data_parallel_size", lambda args, detok: DPEngine(args, detok, eplb))
-
-    def _start_engine(self, ref: str, size: str, engine) -> None:
-        """A multi-process engine (`engine(EngineArgs, detokenizer)`) for this LLM's config; `size` names
-        the parallel size that asked for it."""
-        from deepinfer.distributed.launch import EngineArgs
-        from deepinfer.distributed.parallel_state import ParallelConfig
+    def _build(self, ref: str) -> None:
+        """The engine for this LLM's config, on every layout the same way: checks before any weight is read
+        (quantization, the model's share of each GPU), the tokenizer, then an Engine over one rank in this
+        process (world size 1) or the multi-process executor's ranks (tensor / data / context parallel sizes;
+        this process is rank 0 and spawns the others, so a script that builds one needs an
+        `if __name__ == "__main__":` guard; multi-node: nnodes > 1, and every other node runs run_node)."""
+        from deepinfer.executor.engine import start_engine
+        from deepinfer.executor.worker import EngineArgs
         from deepinfer.loader.model_config import read_model_config
         from deepinfer.loader.model_loader import meta_model
 
         cfg = self.config
-        if cfg.engram_device is not None:
-            raise ValueError(f"engram_device: host-resident Engram tables are not supported with {size} > 1 yet "
-                             "(every rank holds the tables on its device)")
-        if cfg.async_scheduling or not cfg.enforce_eager:
-            logger.info("%s=%d: steps run synchronously and without CUDA graphs (not yet validated across ranks)",
-                        size, getattr(cfg, size))
-        repack: list[bool] = []  # FP4 experts held as FP8 codes on every rank: decided before any rank starts
-        self.model_dir, checked = _resolve_checked(cfg, ref, lambda meta: repack.append(_check_ranks_fit(cfg, meta)))
-        if not checked and cfg.device.startswith("cuda"):
-            repack.append(_check_ranks_fit(cfg, meta_model(self.model_dir, dtype=getattr(torch, cfg.dtype),
-                                                           quantized=cfg.keeps_checkpoint_formats,
-                                                           load_format=cfg.load_format)))
+        if cfg.node_rank != 0:
+            raise ValueError(f"node_rank: LLM runs the engine's driver, on node 0; node {cfg.node_rank} only runs ranks: "
+                             f"start it with `deepinfer serve <the same flags> --node-rank {cfg.node_rank}` (or "
+                             "deepinfer.llm.run_worker_node)")
+        world = cfg.tensor_parallel_size * cfg.data_parallel_size * cfg.context_parallel_size
+        check = _check_before_load if world == 1 else _check_ranks_fit
+        repack: list[bool] = []  # FP4 experts held as FP8 codes: decided before any weight is read
+        self.model_dir, checked = _resolve_checked(cfg, ref, lambda meta: repack.append(check(cfg, meta)))
+        if not checked:
+            repack.append(check(cfg, meta_model(self.model_dir, dtype=getattr(torch, cfg.dtype),
+                                                quantized=cfg.keeps_checkpoint_formats,
+                                                engram_device=cfg.engram_device, load_format=cfg.load_format)))
         self.detokenizer = None if cfg.skip_tokenizer_init else _load_detokenizer(self.model_dir)
-        keep = _replay_keep(cfg, read_model_config(self.model_dir))
-        parallel = ParallelConfig(tensor_parallel_size=cfg.tensor_parallel_size,
-                                  data_parallel_size=cfg.data_parallel_size,
-                                  enable_expert_parallel=cfg.enable_expert_parallel,
-                                  context_parallel_size=cfg.context_parallel_size)
-        args = EngineArgs(str(self.model_dir), parallel, device=cfg.device, dtype=cfg.dtype,
-                          quantized=cfg.keeps_checkpoint_formats, kv_cache_dtype=cfg.kv_cache_dtype,
-                          kv_cache_memory=cfg.kv_cache_memory, max_model_len=cfg.max_model_len,
-                          max_num_seqs=cfg.max_num_seqs, max_num_batched_tokens=cfg.max_num_batched_tokens,
-                          block_size=cfg.block_size, seed=cfg.seed, replay_keep=keep,
-                          batch_invariant=cfg.batch_invariant, load_format=cfg.load_format,
-                          repack_fp4_experts=bool(repack and repack[0]))
-        self.engine = engine(args, self.detokenizer)
+        mcfg = read_model_config(self.model_dir)
+        proposer = _proposer(cfg, mcfg)
+        args = EngineArgs(**_engine_args(cfg, proposer), model_dir=str(self.model_dir),
+                          replay_keep=_replay_keep(cfg, mcfg), repack_fp4_experts=bool(repack and repack[0]))
+        self.engine = start_engine(args, self.detokenizer, proposer and (lambda: _proposer(cfg, mcfg)),
+                                   cfg.async_scheduling)
         self._owned.append(self.engine)
-        self.model, self.scheduler = self.engine.model, self.engine.scheduler
-        self.max_model_len = self.engine.max_model_len
+        self.model, self.scheduler, self.max_model_len = self.engine.model, self.engine.scheduler, \
+            self.engine.max_model_len
+        if cfg.enable_mtp_varlen:
+            self._start_varlen(args)
         _log_capacity(self.model, self.engine.cache, self.scheduler.kv, self.max_model_len, cfg,
-                      self.engine.rank_weights)
+                      self.engine.rank_weights if world > 1 else None)
+
+    def _start_varlen(self, args) -> None:
+        """Confidence-scheduled verification: every replica's scheduler trades drafts against a steps-per-second
+        table measured now, through replica 0's steps."""
+        if args.speculation is None or args.speculation[0] not in ("dspark", "mtp"):
+            raise ValueError("enable_mtp_varlen: confidence-scheduled verification needs the model's own draft "
+                             "layers (speculative_config method 'dspark' or 'mtp', or num_speculative_tokens)")
+        most = self.scheduler.max_num_seqs * (args.ring_slack + 1)  # every request verifying all its drafts
+        sps = profile_sps(self.engine.profile_runner(), self.scheduler.kv, args.max_num_batched_tokens, most)
+        for sched in self.engine.schedulers:
+            sched.varlen = VarlenPolicy(sps, _calibration(self.model_dir))
 
     def get_metrics(self) -> dict:
         """Counters since start-up: speculative decoding's (vLLM's names: num_drafts, num_draft_tokens,
@@ -192,9 +120,17 @@ class LLM:
         own token) and num_preemptions."""
         from deepinfer.spec.ngram import SpecStats
 
-        sched = self.scheduler
-        return {**getattr(sched, "spec_stats", SpecStats()).as_dict(),
-                "num_preemptions": getattr(sched, "num_preemptions", 0)}
+        total = SpecStats()  # over the data-parallel replicas' schedulers
+        for st in (s.spec_stats for s in self.engine.schedulers):
+            total.num_drafts += st.num_drafts
+            total.num_draft_tokens += st.num_draft_tokens
+            total.num_accepted_tokens += st.num_accepted_tokens
+            for mine, theirs in ((total.accepted_per_position, st.accepted_per_position),
+                                 (total.drafted_per_position, st.drafted_per_position)):
+                mine += [0] * (len(theirs) - len(mine))
+                for j, n in enumerate(theirs):
+                    mine[j] += n
+        return {**total.as_dict(), "num_preemptions": sum(s.num_preemptions for s in self.engine.schedulers)}
 
     def close(self) -> None:
         """Stop the other ranks of a multi-process engine (leaving its process group, so that this process
@@ -296,8 +232,6 @@ class LLM:
             if k is not None and k > limit:
                 raise ValueError(f"prompts[{i}]: SamplingParams.{name} {k} is above the limit {limit} "
                                  f"(max_logprobs={self.config.max_logprobs}, vocab_size={vocab})")
-        if sp.prompt_logprobs is not None:
-            self._check_prompt_logprobs(i)
         bad = [t for t in sp.stop_token_ids if t >= vocab]
         if bad:
             raise ValueError(f"prompts[{i}]: SamplingParams.stop_token_ids {bad[:5]} are outside the vocabulary "
@@ -310,25 +244,10 @@ class LLM:
             except ValueError as e:
                 raise ValueError(f"prompts[{i}]: SamplingParams.{e}") from None
 
-    def _check_prompt_logprobs(self, i: int) -> None:
-        """prompt_logprobs are computed by the single-process runner's prefill (worker/model_runner.py); the
-        engines that do not compute them refuse the request rather than return nothing."""
-        cfg = self.config
-        parallel = [n for n in ("tensor_parallel_size", "data_parallel_size", "context_parallel_size")
-                    if getattr(cfg, n) > 1]
-        if parallel:
-            raise ValueError(f"prompts[{i}]: SamplingParams.prompt_logprobs is not supported with {parallel[0]} > 1 "
-                             "yet")
-
     def _grammar_backend(self):
         """The structured-output backend (xgrammar, compiled from the model's tokenizer), built once."""
-        cfg = self.config
         if self.detokenizer is None:
             raise ValueError("so_args: structured outputs need the model's tokenizer (skip_tokenizer_init=True)")
-        parallel = [n for n in ("tensor_parallel_size", "data_parallel_size", "context_parallel_size")
-                    if getattr(cfg, n) > 1]
-        if parallel:
-            raise ValueError(f"so_args: structured outputs are not supported with {parallel[0]} > 1 yet")
         if self._grammars is None:
             from deepinfer.structured import GrammarBackend
 
@@ -523,29 +442,44 @@ def _proposer(cfg: EngineConfig, mcfg):
     return ModelDrafts(method, k)
 
 
-def _require_one_process(cfg: EngineConfig) -> None:
-    """The one place that turns down parallel layouts this build cannot launch yet. It runs a
-    tensor-parallel group (LLM._start_tensor_parallel), or data-parallel ranks with tensor_parallel_size
-    1, their routed experts spread over them with enable_expert_parallel (+ enable_eplb) or replicated
-    (LLM._start_data_parallel), or context-parallel ranks alone (LLM._start_context_parallel); not TP
-    inside DP ranks, CP beside TP or DP, or EP without DP."""
-    changed = cfg.parallel_changes()
-    refused = {}
-    if cfg.context_parallel_size > 1 and (cfg.tensor_parallel_size > 1 or cfg.data_parallel_size > 1):
-        refused |= {k: changed[k] for k in ("context_parallel_size", "tensor_parallel_size", "data_parallel_size")
-                    if k in changed}
-    if cfg.data_parallel_size > 1 and cfg.tensor_parallel_size > 1:
-        refused |= {k: changed[k] for k in ("data_parallel_size", "tensor_parallel_size")}
-    if cfg.enable_expert_parallel and cfg.data_parallel_size == 1:
-        refused |= {k: v for k, v in changed.items() if k in ("enable_expert_parallel", "enable_eplb")}
-    if cfg.speculation is not None and changed:
-        refused |= dict(changed, speculative_config=cfg.speculation)
-    if refused:
-        names = ", ".join(f"{k}={v!r}" for k, v in refused.items())
-        raise ValueError(f"{names}: not yet supported in this build: deepinfer runs one process, a "
-                         "tensor-parallel group (tensor_parallel_size), or data-parallel ranks (data_parallel_size, "
-                         "tensor_parallel_size=1) with enable_expert_parallel / enable_eplb, or context-parallel "
-                         "ranks alone (context_parallel_size)")
+def _engine_args(cfg: EngineConfig, proposer) -> dict:
+    """EngineArgs' fields that come from the config as they are (the rest: the model's directory, bounded
+    replay, the FP4 repack decision). A multi-process engine's ranks share one sampling seed (each rank samples
+    the tokens its next steps read): a random one when none is set."""
+    from deepinfer.distributed.expert_shard import EPLBConfig
+    from deepinfer.distributed.parallel_state import ParallelConfig
+
+    world = cfg.tensor_parallel_size * cfg.data_parallel_size * cfg.context_parallel_size
+    seed = cfg.seed if cfg.seed is not None or world == 1 else int(torch.randint(0, 2**31 - 1, ()).item())
+    method = None if proposer is None else getattr(proposer, "method", "ngram")
+    return dict(parallel=ParallelConfig(tensor_parallel_size=cfg.tensor_parallel_size,
+                                        data_parallel_size=cfg.data_parallel_size,
+                                        enable_expert_parallel=cfg.enable_expert_parallel,
+                                        context_parallel_size=cfg.context_parallel_size),
+                device=cfg.device, dtype=cfg.dtype, quantized=cfg.keeps_checkpoint_formats,
+                load_format=cfg.load_format, engram_device=cfg.engram_device, kv_cache_dtype=cfg.kv_cache_dtype,
+                kv_cache_memory=cfg.kv_cache_memory, max_model_len=cfg.max_model_len, max_num_seqs=cfg.max_num_seqs,
+                max_num_batched_tokens=cfg.max_num_batched_tokens, block_size=cfg.block_size, seed=seed,
+                batch_invariant=cfg.batch_invariant, enforce_eager=cfg.enforce_eager,
+                speculation=None if proposer is None else (method, proposer.num_speculative_tokens),
+                eplb=_eplb_settings(cfg, EPLBConfig) if cfg.enable_eplb else None, nnodes=cfg.nnodes,
+                node_rank=cfg.node_rank, master_addr=cfg.master_addr, master_port=cfg.master_port,
+                distributed_executor_backend=cfg.distributed_executor_backend)
+
+
+def run_worker_node(model: str | None = None, **options) -> None:
+    """Node `node_rank` > 0 of a multi-node engine (the options as node 0's LLM / serve was given them, with its
+    own node_rank): runs this node's ranks until node 0's driver closes the engine. The ranks take node 0's
+    configuration at start-up (the parallel sizes must agree); `model` is this node's path to the checkpoint."""
+    from deepinfer.executor.multiproc import run_node
+    from deepinfer.executor.worker import EngineArgs
+
+    cfg = EngineConfig.from_options(model=model, **options)
+    if cfg.node_rank == 0:
+        raise ValueError("node_rank: node 0 runs the driver: build the LLM (or `deepinfer serve`) there")
+    ref = cfg.model or cfg.hf_model_dir or DEFAULT_MODEL
+    path, _ = _resolve_checked(cfg, resolve_demo(ref) or ref, lambda meta: None)
+    run_node(EngineArgs(**_engine_args(cfg, None), model_dir=str(path)))
 
 
 def _check_before_load(cfg: EngineConfig, meta: torch.nn.Module) -> bool:

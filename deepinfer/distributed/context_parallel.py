@@ -56,7 +56,7 @@ from deepinfer.layers import invariant
 from deepinfer.layers.engram_hash import history_windows
 from deepinfer.models.interface import CausalLM
 from deepinfer.state.forward_batch import ForwardBatch, SeqChunk, build_forward_batch
-from deepinfer.worker.model_runner import ModelRunner
+from deepinfer.worker.model_runner import ModelRunner, StepHandle
 
 
 def zigzag_split(num_tokens: int, cp_size: int, align: int = 1) -> list[np.ndarray]:
@@ -137,20 +137,21 @@ def engram_windows(full: ForwardBatch, token_history: torch.Tensor | None) -> to
     return history_windows(full.input_ids, full.image_mask, token_history, full.history)
 
 
-def _plan(model: CausalLM, chunks: list[SeqChunk], block_size: int, device) -> ForwardBatch:
-    """build_forward_batch as the runner plans it for `model` (Engram: windows from the device history)."""
+def _plan(model: CausalLM, chunks: list[SeqChunk], block_size: int, device, ring_slack: int = 0) -> ForwardBatch:
+    """build_forward_batch as the runner plans it for `model` (Engram: windows from the device history; rings
+    with the cache's `ring_slack` rows per slot beyond the window)."""
     if model.host_inputs:
         raise ValueError("context parallelism: Engram tables on the host (engram_device='cpu') hash on the host; "
                          "not supported")
     cfg = model.config
     return build_forward_batch(chunks, cfg.sliding_window, set(model.compressed_kinds(cfg)), block_size, device,
-                               device_history=model.token_history)
+                               device_history=model.token_history, ring_slack=ring_slack)
 
 
-def _forward_step(model, caches, chunk: SeqChunk, block_size: int, device, token_history, cp_size: int,
-                  rank: int, group, align: int) -> tuple[torch.Tensor, RowGather | None]:
+def _forward_step(model, caches, chunk: SeqChunk, block_size: int, device, token_history, ring_slack: int,
+                  cp_size: int, rank: int, group, align: int) -> tuple[torch.Tensor, RowGather | None]:
     """Trunk output (streams or hidden) of the step's last token (every rank) for one CP step of `chunk`."""
-    full = _plan(model, [chunk], block_size, device)
+    full = _plan(model, [chunk], block_size, device, ring_slack)
     if cp_size == 1:
         return model(full, caches, token_history=token_history)[full.logits_idx], None
     split = zigzag_split(len(chunk.token_ids), cp_size, align)
@@ -166,18 +167,20 @@ def _forward_step(model, caches, chunk: SeqChunk, block_size: int, device, token
 @torch.inference_mode()
 def prefill_cp(model, caches, prompt: list[int], slot: int, block_tables: dict[int, list[int]], block_size: int,
                group: dist.ProcessGroup | None = None, align: int | None = None, start: int = 0,
-               stats: dict | None = None, token_history: torch.Tensor | None = None) -> torch.Tensor:
+               stats: dict | None = None, token_history: torch.Tensor | None = None,
+               ring_slack: int = 0) -> torch.Tensor:
     """Prefill `prompt` (positions start..) of the request in `slot` over the CP group; returns the
     fp32 logits [1, V] of its last position, equal on every rank. Every rank's cache then holds the
     request's state as one process would have written it. The longest prefix of 2*cp*align tokens'
     multiples runs in CP, the rest as one ordinary step on every rank. `stats`, if given, receives
     the rows per rank, the collectives and the bytes gathered. `token_history`: the cache's per-slot
-    token history (V4.1 Engram), read and updated as one process's step does."""
+    token history (V4.1 Engram), read and updated as one process's step does; `ring_slack`: the cache's (V4Cache
+    .ring_slack: its rings' rows per slot beyond the window, which address every ring row)."""
     cfg = model.config
     cp, rank = (1, 0) if group is None else (dist.get_world_size(group), dist.get_rank(group))
     align = align or max(cfg.compress_ratios)
     device = next(model.parameters()).device
-    args = (block_size, device, token_history)
+    args = (block_size, device, token_history, ring_slack)
     head = aligned_prefix(len(prompt), cp, align) if cp > 1 else 0
     pieces = [(0, head, cp), (head, len(prompt), 1)] if head else [(0, len(prompt), 1)]
     last = None
@@ -247,25 +250,49 @@ class CPRunner:
         self.align = align or max(runner.model.config.compress_ratios)
         self.cp_steps = 0
 
+    @property
+    def device(self) -> torch.device:
+        return self.runner.device
+
+    @property
+    def supports_placeholders(self) -> bool:
+        return self.runner.supports_placeholders
+
     def _splits(self, so: SchedulerOutput) -> bool:
+        """One request's prompt chunk of at least one zig-zag unit, without placeholder inputs, images or
+        prompt logprobs (those need every row's logits on one rank)."""
         if len(so.chunks) != 1 or so.forks:
             return False
         c = so.chunks[0]
-        return (not c.images and PLACEHOLDER not in c.token_ids
+        return (not c.images and not c.prompt_rows and PLACEHOLDER not in c.token_ids
                 and aligned_prefix(len(c.token_ids), self.cp, self.align) > 0)
 
-    def execute(self, so: SchedulerOutput) -> ModelOutput:
+    def launch(self, so: SchedulerOutput, prev: StepHandle | None = None) -> StepHandle:
+        """ModelRunner.launch; a split prefill samples from the last position's logits, which every rank
+        holds alike. A split prefill stores no draft context (DSpark's rings): the drafts that read its
+        positions are poorer, never wrong (verification keeps the target's tokens)."""
         if not self._splits(so):
-            return self.runner.execute(so)
+            return self.runner.launch(so, prev)
         c, r = so.chunks[0], self.runner
         with invariant.mode(r.batch_invariant):  # as the runner's own steps
             logits = prefill_cp(r.model, r.cache.layers, c.token_ids, c.slot, c.block_tables, r.cache.block_size,
-                                self.group, self.align, start=c.start, token_history=r.cache.token_history)
-        self.cp_steps += 1
-        if not c.num_samples:
-            return ModelOutput({})
-        with torch.inference_mode():
-            return r.collect(r._sample(so, logits, [0]))
+                                self.group, self.align, start=c.start, token_history=r.cache.token_history,
+                                ring_slack=r.cache.ring_slack)
+            self.cp_steps += 1
+            if not c.num_samples:
+                return StepHandle({})
+            with torch.inference_mode():
+                return r._sample_or_defer(so, logits, [0], prev)
+
+    def collect(self, h: StepHandle) -> ModelOutput:
+        return self.runner.collect(h)
+
+    def complete(self, h: StepHandle) -> None:
+        self.runner.complete(h)
+
+    def execute(self, so: SchedulerOutput) -> ModelOutput:
+        return self.collect(self.launch(so))
+
 
 @dataclasses.dataclass(frozen=True)
 class CPArgs:

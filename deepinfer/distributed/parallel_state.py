@@ -1,7 +1,9 @@
 """Process groups for one deepinfer engine spread over several processes (torch.distributed).
 
-Rank layout: rank = dp_rank * tensor_parallel_size + tp_rank, so a tensor-parallel group is a run
-of consecutive ranks (on one node: neighbouring GPUs). Backends: "nccl" on CUDA, "gloo" on the CPU;
+Rank layout: rank = (dp_rank * context_parallel_size + cp_rank) * tensor_parallel_size + tp_rank, so a
+tensor-parallel group is a run of consecutive ranks (on one node: neighbouring GPUs), a context-parallel
+group the ranks of one data-parallel replica with the same tp_rank, and a data-parallel replica a run of
+cp * tp consecutive ranks. Backends: "nccl" on CUDA, "gloo" on the CPU;
 on CUDA a second, gloo group over the same ranks carries Python objects (the driver's step plans).
 
 The model code calls `tp_all_reduce` / `tp_all_gather` only; both are the identity while no group
@@ -46,7 +48,7 @@ class ParallelConfig:
 
 @dataclass(frozen=True)
 class RankInfo:
-    """Where this process sits: global rank, and its index inside its TP and DP groups."""
+    """Where this process sits: global rank, and its index inside its TP, CP and DP groups."""
 
     rank: int
     world_size: int
@@ -55,10 +57,28 @@ class RankInfo:
     dp_rank: int
     dp_size: int
     device: torch.device
+    cp_rank: int = 0
+    cp_size: int = 1
 
     @property
     def is_driver(self) -> bool:
         return self.rank == 0
+
+    @property
+    def is_replica_leader(self) -> bool:
+        """The first rank of its data-parallel replica: the one whose step outputs the driver reads."""
+        return self.tp_rank == 0 and self.cp_rank == 0
+
+
+def rank_coords(rank: int, parallel: ParallelConfig) -> tuple[int, int, int]:
+    """(dp_rank, cp_rank, tp_rank) of global `rank` under the module's rank layout."""
+    tp, cp = parallel.tensor_parallel_size, parallel.context_parallel_size
+    return rank // (tp * cp), rank // tp % cp, rank % tp
+
+
+def replica_leader(dp_rank: int, parallel: ParallelConfig) -> int:
+    """The global rank of data-parallel replica `dp_rank`'s leader (cp_rank 0, tp_rank 0)."""
+    return dp_rank * parallel.context_parallel_size * parallel.tensor_parallel_size
 
 
 @dataclass
@@ -67,6 +87,7 @@ class _State:
     tp_group: dist.ProcessGroup | None
     dp_group: dist.ProcessGroup | None
     cpu_group: dist.ProcessGroup  # gloo, all ranks: Python objects
+    cp_group: dist.ProcessGroup | None = None
 
 
 _STATE: _State | None = None
@@ -90,19 +111,18 @@ def init_parallel(parallel: ParallelConfig, rank: int, device: torch.device | st
     torch, loading their shards: seconds apart on a loaded host) are no peer being stuck.
     `backend` overrides backend_for(device): "gloo" on CUDA lets several ranks share one GPU (NCCL
     refuses two ranks on a device), for testing the GPU path with fewer GPUs than ranks.
-    Context parallelism (context_parallel_size > 1) runs alone (tensor and data parallel sizes 1):
-    its group is the whole world."""
+    Groups: tensor-parallel (consecutive ranks), context-parallel (one replica's ranks of the same tp_rank),
+    data-parallel (the ranks of every replica at the same (cp_rank, tp_rank): the expert-parallel group when
+    tensor and context parallel sizes are 1)."""
     global _STATE
     check_free()
-    cp = parallel.context_parallel_size
-    if cp != 1 and (parallel.tensor_parallel_size != 1 or parallel.data_parallel_size != 1):
-        raise ValueError("context_parallel_size: runs alone so far (tensor_parallel_size and data_parallel_size 1)")
     world = parallel.world_size
     if not 0 <= rank < world:
         raise ValueError(f"rank: {rank} is outside the world of {world} ranks")
     device = torch.device(device)
     if device.type == "cuda":
-        device = torch.device("cuda", device.index if device.index is not None else rank % torch.cuda.device_count())
+        local = int(os.environ.get("LOCAL_RANK", rank))
+        device = torch.device("cuda", device.index if device.index is not None else local % torch.cuda.device_count())
         torch.cuda.set_device(device)
     start = timedelta(seconds=max(timeout_s, START_TIMEOUT_S))
     backend = backend or backend_for(device)
@@ -110,25 +130,35 @@ def init_parallel(parallel: ParallelConfig, rank: int, device: torch.device | st
         raise ValueError(f"backend: expected 'gloo' or 'nccl', got {backend!r}")
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world, timeout=start)
     cpu_group = dist.group.WORLD if backend == "gloo" else dist.new_group(backend="gloo", timeout=start)
-    tp, dp = parallel.tensor_parallel_size, parallel.data_parallel_size
-    tp_group = dp_group = None
-    if cp != 1:  # every rank one CP rank of the one group
-        _STATE = _State(RankInfo(rank, world, 0, 1, 0, 1, device), None, None, cpu_group)
-        return _STATE.info
+    tp, dp, cp = parallel.tensor_parallel_size, parallel.data_parallel_size, parallel.context_parallel_size
+    mine: dict[str, dist.ProcessGroup | None] = {"tp": None, "cp": None, "dp": None}
     # every rank creates every group, in the same order (torch.distributed's rule for new_group)
-    for d in range(dp):
-        ranks = list(range(d * tp, (d + 1) * tp))
-        g = dist.new_group(ranks, timeout=start) if tp < world else dist.group.WORLD
-        if rank in ranks:
-            tp_group = g
-    for t in range(tp):
-        ranks = list(range(t, world, tp))
-        g = dist.new_group(ranks, timeout=start) if dp < world else dist.group.WORLD
-        if rank in ranks:
-            dp_group = g
-    info = RankInfo(rank, world, rank % tp, tp, rank // tp, dp, device)
-    _STATE = _State(info, tp_group, dp_group, cpu_group)
+    for kind, groups in (("tp", _group_ranks(parallel, "tp")), ("cp", _group_ranks(parallel, "cp")),
+                         ("dp", _group_ranks(parallel, "dp"))):
+        for ranks in groups:
+            if len(ranks) == 1:
+                g = None  # a group of one: its collectives are identities, never called
+            elif len(ranks) == world:
+                g = dist.group.WORLD
+            else:
+                g = dist.new_group(ranks, timeout=start)
+            if rank in ranks:
+                mine[kind] = g
+    d, c, t = rank_coords(rank, parallel)
+    info = RankInfo(rank, world, t, tp, d, dp, device, c, cp)
+    _STATE = _State(info, mine["tp"], mine["dp"], cpu_group, mine["cp"])
     return info
+
+
+def _group_ranks(parallel: ParallelConfig, kind: str) -> list[list[int]]:
+    """The global ranks of every group of `kind` ("tp", "cp" or "dp"), in a fixed order."""
+    tp, dp, cp = parallel.tensor_parallel_size, parallel.data_parallel_size, parallel.context_parallel_size
+    at = lambda d, c, t: (d * cp + c) * tp + t  # noqa: E731
+    if kind == "tp":
+        return [[at(d, c, t) for t in range(tp)] for d in range(dp) for c in range(cp)]
+    if kind == "cp":
+        return [[at(d, c, t) for c in range(cp)] for d in range(dp) for t in range(tp)]
+    return [[at(d, c, t) for d in range(dp)] for c in range(cp) for t in range(tp)]
 
 
 def check_free() -> None:
@@ -145,7 +175,8 @@ def set_collective_timeout(timeout_s: float) -> None:
     if _STATE is None:
         raise RuntimeError("set_collective_timeout: no process group joined (init_parallel)")
     timeout = timedelta(seconds=timeout_s)
-    for g in {dist.group.WORLD, *(g for g in (_STATE.cpu_group, _STATE.tp_group, _STATE.dp_group) if g is not None)}:
+    groups = (_STATE.cpu_group, _STATE.tp_group, _STATE.dp_group, _STATE.cp_group)
+    for g in {dist.group.WORLD, *(g for g in groups if g is not None)}:
         dist.distributed_c10d._set_pg_timeout(timeout, g)
 
 
@@ -177,6 +208,11 @@ def tp_group() -> dist.ProcessGroup | None:
 
 def dp_group() -> dist.ProcessGroup | None:
     return None if _STATE is None else _STATE.dp_group
+
+
+def cp_group() -> dist.ProcessGroup | None:
+    """This rank's context-parallel group (None outside one, or at context_parallel_size 1)."""
+    return None if _STATE is None else _STATE.cp_group
 
 
 def tp_all_reduce(x: torch.Tensor) -> torch.Tensor:

@@ -18,6 +18,7 @@ import time
 from deepinfer.engine.detokenizer import DecodeState, Detokenizer
 from deepinfer.engine.outputs import CompletionOutput, SchedulerOutput
 from deepinfer.engine.request import Request
+from deepinfer.engine.runner import Runner
 from deepinfer.engine.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
@@ -26,12 +27,12 @@ GRAMMAR_POLL_S = 0.0005  # how often an engine with nothing else to run checks o
 
 
 class EngineCore:
-    def __init__(self, scheduler: Scheduler, runner, detokenizer: Detokenizer | None,
+    def __init__(self, scheduler: Scheduler, runner: Runner, detokenizer: Detokenizer | None,
                  async_scheduling: bool = False):
         self.scheduler, self.runner, self.detok = scheduler, runner, detokenizer
         self.decode_state: dict[str, DecodeState] = {}
         self.requests: dict[str, Request] = {}  # every request added and not yet finished
-        self.async_scheduling = async_scheduling and getattr(runner, "supports_placeholders", False)
+        self.async_scheduling = async_scheduling and runner.supports_placeholders
         self.inflight = None  # (SchedulerOutput, StepHandle) launched ahead, not yet updated
 
     def add_request(self, req: Request) -> None:
@@ -46,7 +47,7 @@ class EngineCore:
 
     def step(self) -> list[Request]:
         """One model step; returns the requests that finished in it (aborted ones included)."""
-        failed = self._grammar_failures()
+        failed = self.grammar_failures()
         if self.inflight is not None:
             (so, handle), self.inflight = self.inflight, None
         else:
@@ -54,7 +55,7 @@ class EngineCore:
                 return failed
             so, handle = self._schedule(), None
             if not so.chunks:
-                failed += self._grammar_failures()  # a compile that failed since the check above
+                failed += self.grammar_failures()  # a compile that failed since the check above
                 if failed:
                     return failed
                 raise RuntimeError("scheduler made no progress: the cache cannot hold any waiting request")
@@ -96,7 +97,7 @@ class EngineCore:
                 return so
             time.sleep(GRAMMAR_POLL_S)
 
-    def _grammar_failures(self) -> list[Request]:
+    def grammar_failures(self) -> list[Request]:
         """Waiting requests whose grammar failed to compile (or admits no token): aborted with its error."""
         if not self.scheduler.waiting_grammars:
             return []

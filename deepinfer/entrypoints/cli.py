@@ -35,7 +35,20 @@ def flag_message(message: str, args: argparse.Namespace) -> str:
     return "".join(out) + message[at:]
 
 
+def _worker_node(args: argparse.Namespace) -> bool:
+    """Whether this is node node_rank > 0 of a multi-node engine, run here until node 0 ends it."""
+    kwargs = engine_kwargs(args)
+    if not kwargs.get("node_rank"):
+        return False
+    from deepinfer.llm import run_worker_node
+
+    run_worker_node(**kwargs)
+    return True
+
+
 def _generate(args: argparse.Namespace) -> None:
+    if _worker_node(args):
+        return
     from deepinfer import SamplingParams
 
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
@@ -61,6 +74,8 @@ def _serve(args: argparse.Namespace) -> None:
     from deepinfer.config import EngineConfig
     from deepinfer.entrypoints.openai.server import bind_socket, serve
 
+    if _worker_node(args):
+        return
     llm_kwargs = engine_kwargs(args)
     EngineConfig.from_env(**llm_kwargs)  # the values, as LLM checks them (the device's default aside: torch's)
     sock = bind_socket(args.host, args.port)

@@ -58,7 +58,7 @@ def run_mode(llm, prompt_ids: list[list[int]], keep: int | None, max_tokens: int
     `keep` (None: the exact prefill)."""
     from deepinfer import SamplingParams
 
-    runner = llm.engine.runner
+    runner = llm.engine.core.runner
     saved, runner.replay_keep = runner.replay_keep, keep
     try:
         vocab = llm.model.config.vocab_size

@@ -12,6 +12,8 @@ Tolerances. Greedy tokens (and seeded samples) are always equal. Logprobs:
 """
 from __future__ import annotations
 
+import dataclasses
+
 import time
 
 import pytest
@@ -19,9 +21,11 @@ import torch
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.distributed import parallel_state
-from deepinfer.distributed.dp_engine import DPEngine, EPLBConfig, initial_placement, load_expert_shard, trunk_moes
+from deepinfer.distributed.expert_shard import EPLBConfig, initial_placement, load_expert_shard, trunk_moes
+from deepinfer.executor.engine import Engine, start_engine
 from deepinfer.distributed.expert_parallel import shard_experts
-from deepinfer.distributed.launch import EngineArgs, TPEngine, TPWorkerError
+from deepinfer.executor.procs import TPWorkerError
+from deepinfer.executor.worker import EngineArgs
 from deepinfer.distributed.parallel_state import ParallelConfig
 from deepinfer.engine.request import Request
 from deepinfer.loader.model_loader import load_model
@@ -69,7 +73,7 @@ def want(ckpt):
 
 
 def test_two_ranks_match_one_process(ckpt, want):
-    with DPEngine(_args(ckpt, 2)) as eng:
+    with start_engine(_args(ckpt, 2)) as eng:
         moe = eng.model.layers[1].ffn
         assert moe.experts.num_experts == CFG["n_routed_experts"] // 2  # the driver keeps its experts only
         assert moe.expert_parallel.experts is moe.experts
@@ -84,11 +88,11 @@ def test_four_ranks_with_an_idle_rank_and_eplb_rebalancing_match_one_process(ckp
     """3 prompts on 4 ranks: rank 3 never has a request and joins every MoE layer with zero tokens.
     EPLB every 2 steps, one redundant slot per rank: weights move between steps, requests in flight."""
     t0 = time.monotonic()
-    with DPEngine(_args(ckpt, 4), eplb=EPLBConfig(interval=2, window=4)) as eng:
+    with start_engine(dataclasses.replace(_args(ckpt, 4), eplb=EPLBConfig(interval=2, window=4))) as eng:
         got = eng.generate(PROMPTS, PARAMS)
         assert eng.cores[3].scheduler.num_preemptions == 0 and not eng.cores[3].requests
-        assert eng.rank.rebalances == eng._steps // 2 >= 2
-        assert eng.rank.remote_slots > 0  # some slots were filled over the process group
+        assert eng.executor.worker.rebalances == eng._steps // 2 >= 2
+        assert eng.executor.worker.remote_slots > 0  # some slots were filled over the process group
     assert time.monotonic() - t0 < 120
     _assert_same(got, want)  # logprobs within LOGPROB_TOL
 
@@ -98,9 +102,9 @@ def test_eplb_rebalancing_after_step_two_is_bit_identical_in_batch_invariant_mod
     logprobs bit for bit, with the experts moved after step 2 while every request is mid-decode."""
     kw = {"max_num_batched_tokens": 256, "batch_invariant": True}
     want = _one_process(ckpt_k2, PROMPTS, PARAMS, **kw)
-    with DPEngine(_args(ckpt_k2, 2, **kw), eplb=EPLBConfig(interval=2, window=2)) as eng:
+    with start_engine(dataclasses.replace(_args(ckpt_k2, 2, **kw), eplb=EPLBConfig(interval=2, window=2))) as eng:
         got = eng.generate(PROMPTS, PARAMS)
-        assert eng.rank.rebalances >= 1 and eng.rank.moved_slots > 0 and eng.rank.remote_slots > 0
+        assert eng.executor.worker.rebalances >= 1 and eng.executor.worker.moved_slots > 0 and eng.executor.worker.remote_slots > 0
         placement = eng.model.placement
         start = initial_placement(placement.num_layers, CFG["n_routed_experts"], 2, 1)
         assert not torch.equal(placement.physical_to_logical, start.physical_to_logical)
@@ -109,11 +113,11 @@ def test_eplb_rebalancing_after_step_two_is_bit_identical_in_batch_invariant_mod
 
 def test_eplb_moves_experts_kept_as_shipped(ckpt):
     """quantized=True: packed FP4 experts (int8) and their E8M0 scales move between ranks as bytes."""
-    with DPEngine(_args(ckpt, 2, quantized=True), eplb=EPLBConfig(interval=2, window=2)) as eng:
+    with start_engine(dataclasses.replace(_args(ckpt, 2, quantized=True), eplb=EPLBConfig(interval=2, window=2))) as eng:
         experts = eng.model.layers[2].ffn.experts
         assert experts.w1.dtype == torch.int8 and experts.w1_scale.dtype == torch.float8_e8m0fnu
         got = eng.generate(PROMPTS, PARAMS)
-        assert eng.rank.remote_slots > 0
+        assert eng.executor.worker.remote_slots > 0
     _assert_same(got, _one_process(ckpt, PROMPTS, PARAMS, quantization="fp8"))
 
 
@@ -121,18 +125,17 @@ def test_eplb_moves_experts_repacked_as_fp8_codes(ckpt):
     """repack_fp4_experts=True (LLM sets it on CUDA where each rank's repacked share fits): every rank holds
     its packed FP4 experts as FP8 codes, each projection's scales in the form all ranks agreed on; EPLB moves
     them as bytes; the tokens are those of one process on the shipped formats (the repack is exact)."""
-    with DPEngine(_args(ckpt, 2, quantized=True, repack_fp4_experts=True),
-                  eplb=EPLBConfig(interval=2, window=2)) as eng:
+    with start_engine(dataclasses.replace(_args(ckpt, 2, quantized=True, repack_fp4_experts=True), eplb=EPLBConfig(interval=2, window=2))) as eng:
         experts = eng.model.layers[2].ffn.experts
         assert experts.w1.dtype == torch.float8_e4m3fn and experts.w1_scale.dtype == torch.float8_e8m0fnu
         got = eng.generate(PROMPTS, PARAMS)
-        assert eng.rank.remote_slots > 0
+        assert eng.executor.worker.remote_slots > 0
     _assert_same(got, _one_process(ckpt, PROMPTS, PARAMS, quantization="fp8"))
 
 
 def test_fewer_prompts_than_ranks_do_not_hang(ckpt, want):
     """One prompt on two ranks, then a second generate on the same engine: the idle rank runs dummy steps."""
-    with DPEngine(_args(ckpt, 2)) as eng:
+    with start_engine(_args(ckpt, 2)) as eng:
         first = eng.generate(PROMPTS[:1], GREEDY)
         second = eng.generate(PROMPTS[1:2], GREEDY)  # least loaded: rank 0 again
     assert first[0][0].token_ids == want[0][0].token_ids
@@ -144,15 +147,15 @@ def test_v41_two_ranks_with_eplb_match_one_process(tmp_path):
     c = PRESETS["tiny41"]
     ck = write_checkpoint(tmp_path / "ckpt", {**c, "text_config": {**c["text_config"], "index_topk": 64}},
                           seed=5, dtype="fp8")
-    with DPEngine(_args(ck, 2), eplb=EPLBConfig(interval=2, window=2)) as eng:
+    with start_engine(dataclasses.replace(_args(ck, 2), eplb=EPLBConfig(interval=2, window=2))) as eng:
         got = eng.generate(PROMPTS, PARAMS)
-        assert eng.rank.remote_slots > 0
+        assert eng.executor.worker.remote_slots > 0
     _assert_same(got, _one_process(ck, PROMPTS, PARAMS))
 
 
 def test_an_expert_shard_is_prepared_as_load_model_leaves_a_model(tmp_path, monkeypatch):
     """load_expert_shard hands its loaded rank model to prepare_fp8_linears, as load_model does."""
-    import deepinfer.distributed.dp_engine as dp_module
+    import deepinfer.distributed.expert_shard as dp_module
 
     seen = []
     monkeypatch.setattr(dp_module, "prepare_fp8_linears", lambda net: seen.append(net))
@@ -195,7 +198,7 @@ def raise_on_rank1(rank: int, step: int) -> None:
 
 
 def test_a_rank_that_raises_ends_the_run_with_its_error(ckpt):
-    eng = DPEngine(_args(ckpt, 2, step_hook=raise_on_rank1))
+    eng = start_engine(_args(ckpt, 2, step_hook=raise_on_rank1))
     reqs = [Request(str(i), p, GREEDY, 1) for i, p in enumerate(PROMPTS)]
     for r in reqs:
         eng.add_request(r)
@@ -212,7 +215,7 @@ def test_a_rank_that_raises_ends_the_run_with_its_error(ckpt):
 
 def test_an_update_that_raises_on_one_rank_still_applies_the_others(ckpt):
     """The driver applies every rank's output before it raises the first rank's error."""
-    with DPEngine(_args(ckpt, 2)) as eng:
+    with start_engine(_args(ckpt, 2)) as eng:
         reqs = [Request(str(i), PROMPTS[1], GREEDY, 1) for i in range(2)]  # 4 tokens: prefilled in one step
         for r in reqs:
             eng.add_request(r)
@@ -225,12 +228,10 @@ def test_an_update_that_raises_on_one_rank_still_applies_the_others(ckpt):
 def test_layouts_not_launched_are_refused_by_name(ckpt):
     with pytest.raises(ValueError, match="enable_expert_parallel.*needs data_parallel_size > 1"):
         EngineArgs(str(ckpt), ParallelConfig(enable_expert_parallel=True))
-    with pytest.raises(ValueError, match="TPEngine runs one data-parallel rank"):
-        TPEngine(_args(ckpt, 2))
-    with pytest.raises(ValueError, match="DPEngine needs data_parallel_size >= 2"):
-        DPEngine(EngineArgs(str(ckpt), ParallelConfig()))
-    with pytest.raises(ValueError, match="eplb: .*enable_expert_parallel=True"):
-        DPEngine(_args(ckpt, 2, ep=False), eplb=EPLBConfig())
+    with pytest.raises(ValueError, match="enable_expert_parallel: with tensor_parallel_size=2"):
+        EngineArgs(str(ckpt), ParallelConfig(data_parallel_size=2, tensor_parallel_size=2, enable_expert_parallel=True))
+    with pytest.raises(ValueError, match="enable_eplb: .*enable_expert_parallel=True"):
+        _args(ckpt, 2, ep=False, eplb=EPLBConfig())
     with pytest.raises(ValueError, match="interval"):
         EPLBConfig(interval=0)
     with pytest.raises(ValueError, match="redundant_per_rank: expected 0 .. 4"):
@@ -265,10 +266,10 @@ def _gpu_steps_match(ckpt, quantization: str, label: str, backend: str = "gloo",
     assert not fp8 or one.model.layers[2].ffn.experts.w1.dtype == torch.float8_e4m3fn
     want = [o.outputs for o in one.generate(PROMPTS, params, use_tqdm=False)]
     one.close()
-    with DPEngine(_args(ckpt, 2, backend=backend, **rank_kw, **kw), eplb=EPLBConfig(interval=2, window=2)) as eng:
+    with start_engine(dataclasses.replace(_args(ckpt, 2, backend=backend, **rank_kw, **kw), eplb=EPLBConfig(interval=2, window=2))) as eng:
         assert not fp8 or eng.model.layers[2].ffn.experts.w1.dtype == torch.float8_e4m3fn
         got = eng.generate(PROMPTS, params)
-        assert eng.rank.rebalances >= 2 and eng.fixed_steps > 0
+        assert eng.executor.worker.rebalances >= 2 and eng.fixed_steps > 0
     assert_steps_close(got, want, ROW_LOCAL_BF16_STEP_BOUND, label)
 
 
@@ -278,7 +279,7 @@ def test_llm_with_two_data_parallel_ranks_matches_one_process(ckpt, want, ep):
     llm = LLM(str(ckpt), device="cpu", dtype="float32", skip_tokenizer_init=True, data_parallel_size=2,
               enable_expert_parallel=ep, enable_eplb=ep, max_num_seqs=8, **_engine_kw())
     try:
-        assert isinstance(llm.engine, DPEngine)
+        assert isinstance(llm.engine, Engine) and len(llm.engine.cores) == 2
         experts = llm.model.layers[1].ffn.experts.num_experts
         assert experts == ((CFG["n_routed_experts"] + 2) // 2 if ep else CFG["n_routed_experts"])  # + 1 replica a rank
         got = [o.outputs for o in llm.generate(PROMPTS, PARAMS, use_tqdm=False)]
@@ -293,16 +294,16 @@ def test_llm_with_two_data_parallel_ranks_matches_one_process(ckpt, want, ep):
 def test_llm_takes_vllms_eplb_config(ckpt, want, monkeypatch):
     """eplb_config's vLLM keys reach the engine (num_redundant_experts in all, spread over the ranks) and
     rebalancing every 2 steps keeps one process's tokens; a total that does not divide is refused."""
-    from deepinfer.distributed import dp_engine
+    from deepinfer.executor import multiproc
 
     seen = []
-    real = dp_engine.DPEngine.__init__
+    real = multiproc.MultiprocExecutor.__init__
 
-    def spy(self, args, detokenizer=None, eplb=None):
-        seen.append(eplb)
-        real(self, args, detokenizer, eplb)
+    def spy(self, args):
+        seen.append(args.eplb)
+        real(self, args)
 
-    monkeypatch.setattr(dp_engine.DPEngine, "__init__", spy)
+    monkeypatch.setattr(multiproc.MultiprocExecutor, "__init__", spy)
     kw = dict(device="cpu", dtype="float32", skip_tokenizer_init=True, data_parallel_size=2,
               enable_expert_parallel=True, enable_eplb=True, max_num_seqs=8, **_engine_kw())
     with pytest.raises(ValueError, match="num_redundant_experts: 3 is not a multiple of data_parallel_size=2"):
@@ -312,7 +313,7 @@ def test_llm_takes_vllms_eplb_config(ckpt, want, monkeypatch):
         got = [o.outputs for o in llm.generate(PROMPTS, PARAMS, use_tqdm=False)]
     finally:
         llm.close()
-    assert seen == [dp_engine.EPLBConfig(interval=2, window=3, redundant_per_rank=2)]
+    assert seen == [EPLBConfig(interval=2, window=3, redundant_per_rank=2)]
     _assert_same(got, want)
 
 
@@ -322,7 +323,7 @@ def test_llm_asks_the_ranks_to_repack_where_each_share_fits(ckpt, monkeypatch, d
     activations and the repacked model fitting with the experts split over the expert-parallel ranks
     (repack_fits with ep_size 2); the decision reaches every rank through EngineArgs."""
     import deepinfer.llm as llm_module
-    from deepinfer.distributed import dp_engine
+    from deepinfer.executor import multiproc
 
     class Started(Exception):
         pass
@@ -333,12 +334,12 @@ def test_llm_asks_the_ranks_to_repack_where_each_share_fits(ckpt, monkeypatch, d
         asked.append(ep_size)
         return fits
 
-    def engine(args, detokenizer=None, eplb=None):
+    def executor(args):
         args_seen.append(args)
         raise Started
 
     monkeypatch.setattr(llm_module, "repack_fits", repack_fits)
-    monkeypatch.setattr(dp_engine, "DPEngine", engine)
+    monkeypatch.setattr(multiproc, "MultiprocExecutor", executor)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (1 << 40, 1 << 40))

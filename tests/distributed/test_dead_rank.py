@@ -15,9 +15,11 @@ import pytest
 import torch
 
 from deepinfer import LLM, SamplingParams
-from deepinfer.distributed import launch, parallel_state
-from deepinfer.distributed.dp_engine import DPEngine
-from deepinfer.distributed.launch import EngineArgs, TPWorkerError
+from deepinfer.distributed import parallel_state
+from deepinfer.executor import multiproc
+from deepinfer.executor.engine import start_engine
+from deepinfer.executor.procs import TPWorkerError
+from deepinfer.executor.worker import EngineArgs
 from deepinfer.distributed.parallel_state import ParallelConfig
 from deepinfer.engine.memory_fit import format_bytes
 from deepinfer.engine.request import Request
@@ -49,9 +51,9 @@ def _capacity_lines(caplog) -> list[str]:
 def test_llm_generate_ends_promptly_when_a_rank_exits_and_start_up_logs_each_ranks_capacity(ckpt, monkeypatch,
                                                                                              caplog):
     # LLM builds the EngineArgs: the fault hook goes to the spawned ranks' copy
-    start = launch.TPEngine._start_ranks
-    monkeypatch.setattr(launch.TPEngine, "_start_ranks", lambda self, args, *a: start(
-        self, dataclasses.replace(args, step_hook=exit_on_rank1, num_threads=1), *a))
+    start = multiproc.MultiprocExecutor.__init__
+    monkeypatch.setattr(multiproc.MultiprocExecutor, "__init__", lambda self, args: start(
+        self, dataclasses.replace(args, step_hook=exit_on_rank1, num_threads=1)))
     caplog.set_level(logging.INFO, logger="deepinfer.llm")
     llm = LLM(str(ckpt), device="cpu", dtype="float32", kv_cache_dtype="float32", kv_cache_memory=MEMORY,
               max_num_batched_tokens=16, skip_tokenizer_init=True, data_parallel_size=2,
@@ -86,9 +88,9 @@ def test_a_killed_rank_terminates_the_survivors_and_the_next_call_names_it(ckpt)
     for timeout_s. The driver's watch ends rank 1 at once, and the next call raises naming rank 2."""
     args = EngineArgs(str(ckpt), ParallelConfig(data_parallel_size=3), kv_cache_dtype="float32",
                       kv_cache_memory=MEMORY, max_num_batched_tokens=16, num_threads=1, timeout_s=TIMEOUT_S)
-    eng = DPEngine(args)
+    eng = start_engine(args)
     try:
-        survivor, victim = eng._procs[1], eng._procs[2]
+        survivor, victim = eng.executor._procs[1], eng.executor._procs[2]
         t0 = time.monotonic()
         os.kill(victim.pid, signal.SIGKILL)
         survivor.join(timeout=PROMPT_S)
@@ -101,7 +103,7 @@ def test_a_killed_rank_terminates_the_survivors_and_the_next_call_names_it(ckpt)
     msg = str(err.value)
     assert err.value.rank == 2 and "data-parallel rank 2 failed" in msg and "exit code -9, killed by SIGKILL" in msg
     assert any("rank 1: terminated by the driver after rank 2 died" in d for d in err.value.details)
-    assert parallel_state.rank_info() is None and not eng._procs
+    assert parallel_state.rank_info() is None and not eng.executor._procs
 
 
 def test_tensor_parallel_start_up_logs_each_ranks_shard(ckpt, caplog):
@@ -133,7 +135,7 @@ def test_a_rank_that_exits_ends_an_nccl_run_promptly(ckpt, layout):
                 else ParallelConfig(data_parallel_size=2, enable_expert_parallel=True))
     args = EngineArgs(str(ckpt), parallel, device="cuda", kv_cache_dtype="float32", kv_cache_memory=MEMORY,
                       max_num_batched_tokens=16, timeout_s=TIMEOUT_S, step_hook=exit_on_rank1)
-    eng = (launch.TPEngine if layout == "tp" else DPEngine)(args)
+    eng = start_engine(args)
     try:
         t0 = time.monotonic()
         with pytest.raises(TPWorkerError, match=r"rank 1 failed: exited without a report \(exit code 3\)"):

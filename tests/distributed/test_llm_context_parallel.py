@@ -30,7 +30,7 @@ def test_llm_with_two_context_parallel_ranks_matches_one_process(ckpt):
     try:
         got = llm.generate([PROMPT], GREEDY, use_tqdm=False)  # one request: its prefill is one CP step
         short = llm.generate([PROMPT[:40]], GREEDY, use_tqdm=False)  # too short to split: every rank alike
-        cp_steps = llm.engine._runner.runner.cp_steps
+        cp_steps = llm.engine.executor.worker.runner.cp_steps
     finally:
         llm.close()
     assert cp_steps == 1  # the long prefill, and only it, went through the split
@@ -55,7 +55,7 @@ def test_v41_with_exact_prefill_matches_one_process(v41):
     llm = _llm(v41, context_parallel_size=2, **kw)
     try:
         got = llm.generate([PROMPT[:128]], GREEDY, use_tqdm=False)[0]
-        cp_steps = llm.engine._runner.runner.cp_steps
+        cp_steps = llm.engine.executor.worker.runner.cp_steps
     finally:
         llm.close()
     assert cp_steps == 1
@@ -65,7 +65,7 @@ def test_v41_with_exact_prefill_matches_one_process(v41):
 
 def test_context_parallel_refuses_bounded_replay_by_its_option(v41):
     """V4.1's default prefill (yoco_prefill_truncation_mode="compact": bounded replay) has no CP path."""
-    from deepinfer.distributed.launch import TPWorkerError
+    from deepinfer.executor.procs import TPWorkerError
 
     with pytest.raises((TPWorkerError, ValueError), match="yoco_prefill_truncation_mode"):
         _llm(v41, context_parallel_size=2)

@@ -49,12 +49,12 @@ def _released(procs) -> bool:
 def test_a_parallel_llm_dropped_without_close_releases_its_ranks(ckpt):
     llm = LLM(str(ckpt), tensor_parallel_size=2, **ENGINE)
     want = _tokens(llm)
-    procs, ref = list(llm.engine._procs.values()), weakref.ref(llm)
+    procs, ref = list(llm.engine.executor._procs.values()), weakref.ref(llm)
     del llm  # the last reference: freed at once, no collection needed
     assert ref() is None and _released(procs)
     llm = LLM(str(ckpt), tensor_parallel_size=2, **ENGINE)
     assert _tokens(llm) == want
-    procs, cycle = list(llm.engine._procs.values()), [llm]
+    procs, cycle = list(llm.engine.executor._procs.values()), [llm]
     cycle.append(cycle)
     del llm, cycle  # kept by garbage in a reference cycle: freed by the collector
     gc.collect()
@@ -65,7 +65,7 @@ def test_a_with_block_closes_a_parallel_llm_also_when_left_by_an_exception(ckpt)
     with pytest.raises(KeyError, match="left"):
         with LLM(str(ckpt), data_parallel_size=2, **ENGINE) as llm:
             assert len(_tokens(llm)) == GREEDY.max_tokens
-            procs = list(llm.engine._procs.values())
+            procs = list(llm.engine.executor._procs.values())
             # one open engine's rank 0 per process: refused before any rank is spawned, saying what to do
             with pytest.raises(RuntimeError, match=r"LLM\.close\(\), or build it as `with LLM\(\.\.\.\) as llm:`"):
                 LLM(str(ckpt), tensor_parallel_size=2, **ENGINE)

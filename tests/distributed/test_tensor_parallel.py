@@ -16,8 +16,11 @@ import pytest
 import torch
 
 from deepinfer import LLM, SamplingParams
-from deepinfer.distributed import launch, parallel_state
-from deepinfer.distributed.launch import EngineArgs, TPEngine, TPWorkerError, generate_tp
+from deepinfer.distributed import parallel_state
+from deepinfer.executor import multiproc
+from deepinfer.executor.engine import generate as generate_tp, start_engine
+from deepinfer.executor.procs import TPWorkerError
+from deepinfer.executor.worker import EngineArgs
 from deepinfer.distributed.parallel_state import ParallelConfig
 from deepinfer.distributed.tensor_parallel import load_shard, shard_model, shard_moe
 from deepinfer.engine.request import Request
@@ -88,7 +91,7 @@ def test_four_ranks_match_one_process_and_the_driver_holds_its_shard_only(ckpt):
     """tp=4 > o_groups=2: two ranks share each output group (the column-split path of wo_a)."""
     params = [GREEDY, FORKED, GREEDY]
     want = _one_process(ckpt, params)
-    with TPEngine(_args(ckpt, 4)) as eng:
+    with start_engine(_args(ckpt, 4)) as eng:
         m, c = eng.model, eng.model.config
         shard = m.tensor_parallel
         assert (shard.rank, shard.size) == (0, 4)
@@ -166,7 +169,7 @@ def hang_on_rank1(rank: int, step: int) -> None:
 
 
 def _run_until_error(args: EngineArgs) -> tuple[TPWorkerError, list[Request], float]:
-    eng = TPEngine(args)
+    eng = start_engine(args)
     reqs = [Request(str(i), p, GREEDY, 1) for i, p in enumerate(PROMPTS)]
     for r in reqs:
         eng.add_request(r)
@@ -177,7 +180,7 @@ def _run_until_error(args: EngineArgs) -> tuple[TPWorkerError, list[Request], fl
     took = time.monotonic() - t0
     with pytest.raises(TPWorkerError):  # closed: every later step says why
         eng.step()
-    assert parallel_state.rank_info() is None and not eng._procs
+    assert parallel_state.rank_info() is None and not eng.executor._procs
     return err.value, reqs, took
 
 
@@ -191,7 +194,7 @@ def test_a_rank_that_raises_ends_the_run_with_its_error(ckpt):
 
 
 def test_a_stuck_rank_ends_the_run_after_the_timeout(ckpt, monkeypatch):
-    monkeypatch.setattr(launch, "REPORT_WAIT_S", 1.0)
+    monkeypatch.setattr(multiproc, "REPORT_WAIT_S", 1.0)
     err, reqs, took = _run_until_error(_args(ckpt, 2, step_hook=hang_on_rank1, timeout_s=3.0))
     assert err.rank is None and "no other rank reported an error" in str(err) and "timeout_s=3.0" in str(err)
     assert took < 30
@@ -240,8 +243,6 @@ def test_sizes_that_do_not_divide_are_refused_by_name(ckpt):
         shard_model(model, 0, 3)
     with pytest.raises(ValueError, match="tensor_parallel_size"):
         ParallelConfig(tensor_parallel_size=0)
-    with pytest.raises(ValueError, match="tensor parallelism inside data-parallel ranks"):
-        EngineArgs(str(ckpt), ParallelConfig(data_parallel_size=2, tensor_parallel_size=2))
     with pytest.raises(ValueError, match="backend: expected 'gloo' or 'nccl', got 'mpi'"):
         parallel_state.init_parallel(ParallelConfig(), 0, "cpu", "file:///nonexistent/store", backend="mpi")
 

@@ -46,7 +46,7 @@ def fresh(ckpt):
 
 
 def _assert_released(llm: LLM) -> None:
-    eng, sched = llm.engine, llm.scheduler
+    eng, sched = llm.engine.core, llm.scheduler
     assert sched.kv.all_free(), sched.kv.num_free()
     assert not sched.has_unfinished() and not sched.pending_forks
     assert eng.inflight is None and not eng.requests and not eng.decode_state
@@ -60,7 +60,7 @@ def _serves_as_fresh(llm: LLM, fresh) -> None:
 
 def _fail_forward_once(llm: LLM, when) -> list[int]:
     """Make the model raise at the first forward whose batch satisfies `when`; returns a counter."""
-    model, plain, hits = llm.engine.runner.model, llm.engine.runner.model.forward, []
+    model, plain, hits = llm.engine.core.runner.model, llm.engine.core.runner.model.forward, []
 
     def forward(batch, *a, **kw):
         if not hits and when(batch):
@@ -101,7 +101,7 @@ def test_a_failing_forward_aborts_its_step_and_the_engine_serves_as_fresh(ckpt, 
 
 def test_a_request_specific_fault_does_not_break_later_calls(ckpt, fresh):
     llm = _engine(ckpt, max_num_seqs=2)  # two requests per step: the poisoned one fails only its step
-    model, plain = llm.engine.runner.model, llm.engine.runner.model.forward
+    model, plain = llm.engine.core.runner.model, llm.engine.core.runner.model.forward
 
     def forward(batch, *a, **kw):
         if (batch.input_ids == POISON).any():
@@ -156,7 +156,7 @@ class _FailingGraphs:
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 def test_a_failing_graph_replay_aborts_its_step(ckpt, fresh, async_scheduling):
     llm = _engine(ckpt, async_scheduling=async_scheduling)
-    graphs = llm.engine.runner.graphs = _FailingGraphs(llm.engine.runner)
+    graphs = llm.engine.core.runner.graphs = _FailingGraphs(llm.engine.core.runner)
     with pytest.raises(GenerationError) as e:
         llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert graphs.calls == 1
@@ -166,13 +166,13 @@ def test_a_failing_graph_replay_aborts_its_step(ckpt, fresh, async_scheduling):
 
 def test_a_failing_collect_discards_the_step_launched_ahead(ckpt, fresh):
     llm = _engine(ckpt, async_scheduling=True)
-    runner = llm.engine.runner
+    runner = llm.engine.core.runner
     plain, calls = runner.collect, []
 
     def collect(h):
-        calls.append(llm.engine.inflight is not None)
+        calls.append(llm.engine.core.inflight is not None)
         if len(calls) == 3:
-            assert llm.engine.inflight is not None  # a step was launched ahead of this one
+            assert llm.engine.core.inflight is not None  # a step was launched ahead of this one
             raise RuntimeError("injected fault at collect")
         return plain(h)
     runner.collect = collect
@@ -216,7 +216,7 @@ def test_a_failing_prefill_aborts_the_siblings_waiting_on_it(ckpt, fresh):
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 def test_an_interrupted_generate_releases_its_requests(ckpt, fresh, async_scheduling):
     llm = _engine(ckpt, async_scheduling=async_scheduling)
-    runner = llm.engine.runner
+    runner = llm.engine.core.runner
     plain, calls = runner.collect, []
 
     def collect(h):
@@ -251,6 +251,6 @@ def test_a_failing_cuda_graph_replay_aborts_its_step(ckpt, monkeypatch):
     with pytest.raises(GenerationError) as e:
         llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     _check_failure(e.value, len(PROMPTS), failed_prompts=range(len(PROMPTS)))
-    assert llm.engine.runner.graphs.graphs and len(calls) == 1
+    assert llm.engine.core.runner.graphs.graphs and len(calls) == 1
     _serves_as_fresh(llm, fresh)
     assert len(calls) > 1  # the engine went on replaying graphs

@@ -228,7 +228,7 @@ def _check_graph_decode_matches_eager(ckpt, device: str) -> None:
     for eager in (True, False):
         llm = LLM(str(ckpt), device=device, dtype="bfloat16", kv_cache_dtype="bfloat16", kv_cache_memory=64 << 20,
                   enforce_eager=eager or device == "cpu", batch_invariant=True)
-        runner = llm.engine.runner
+        runner = llm.engine.core.runner
         if device == "cpu" and not eager:
             runner.graphs = _HostGraphs(runner.model, runner.cache, runner.cache.scratch_slot,
                                         runner.cache.scratch_addr, device="cpu")
@@ -275,10 +275,10 @@ def test_v41_async_scheduling_matches_synchronous_steps(ckpt41, kv):
     for on in (False, True):
         engine = LLM(str(ckpt41), device="cpu", dtype="float32", kv_cache_dtype=kv, kv_cache_memory=32 << 20,
                      max_num_seqs=3, max_num_batched_tokens=24, async_scheduling=on)
-        assert engine.engine.async_scheduling == on
+        assert engine.engine.core.async_scheduling == on
         calls = []
-        launch = engine.engine.runner.launch
-        engine.engine.runner.launch = lambda so, prev=None: calls.append(prev is not None) or launch(so, prev)
+        launch = engine.engine.core.runner.launch
+        engine.engine.core.runner.launch = lambda so, prev=None: calls.append(prev is not None) or launch(so, prev)
         outs[on] = [o.outputs[0].token_ids for o in engine.generate(prompts, params, use_tqdm=False)]
         ahead[on] = sum(calls)
         assert engine.scheduler.kv.all_free()
@@ -300,12 +300,12 @@ def test_async_scheduling_matches_synchronous_steps(ckpt, llm):
                      kv_cache_memory=_memory_for(ckpt, slots=4, tokens=400), max_num_seqs=4,
                      max_num_batched_tokens=32, async_scheduling=on)
         calls = []
-        launch = engine.engine.runner.launch
-        engine.engine.runner.launch = lambda so, prev=None: calls.append(prev is not None) or launch(so, prev)
+        launch = engine.engine.core.runner.launch
+        engine.engine.core.runner.launch = lambda so, prev=None: calls.append(prev is not None) or launch(so, prev)
         outs[on] = [(o.outputs[0].token_ids, o.outputs[0].finish_reason)
                     for o in engine.generate(prompts, params, use_tqdm=False)]
         ahead[on] = sum(calls)
-        assert engine.scheduler.kv.all_free() and engine.engine.inflight is None
+        assert engine.scheduler.kv.all_free() and engine.engine.core.inflight is None
     assert outs[True] == outs[False]
     assert ahead[False] == 0 and ahead[True] > 10  # most decode steps were launched ahead
     assert sum(why == "stop" for _, why in outs[True]) >= 4
@@ -335,7 +335,7 @@ def test_logprobs_survive_a_reused_logits_buffer(ckpt):
 
     def run(static: bool):
         eng = LLM(str(ckpt), device="cpu", dtype="float32", kv_cache_dtype="float32", kv_cache_memory=64 << 20)
-        model = eng.engine.runner.model
+        model = eng.engine.core.runner.model
         if static:
             plain, buf = model.compute_logits, {}
 

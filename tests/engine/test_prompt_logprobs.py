@@ -88,7 +88,7 @@ def llm41(ckpt41):
     24-token steps, batch-invariant (a request prefilled exactly changes which rows the others' upper layers see
     batched with: only batch invariance makes their numbers independent of that)."""
     llm = _llm(ckpt41, max_num_batched_tokens=24, yoco_prefill_keep_tokens=24, batch_invariant=True)
-    assert llm.engine.runner.replay_keep == 24
+    assert llm.engine.core.runner.replay_keep == 24
     return llm
 
 
@@ -132,17 +132,10 @@ def test_bad_prompt_logprobs_are_refused(value):
         SamplingParams(prompt_logprobs=value)
 
 
-def test_prompt_logprobs_above_the_limit_or_with_unsupported_engines_are_refused(llm, monkeypatch):
+def test_prompt_logprobs_above_the_limit_are_refused(llm):
     good = [_prompt(40, 10)]
     with pytest.raises(ValueError, match=r"prompt_logprobs 21 is above the limit 20"):
         llm.generate(good, SamplingParams(prompt_logprobs=21), use_tqdm=False)
-    for change, named in [({"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}}, "speculative"),
-                          ({"tensor_parallel_size": 2}, "tensor_parallel_size"),
-                          ({"data_parallel_size": 2}, "data_parallel_size")]:
-        with monkeypatch.context() as m:
-            m.setattr(llm, "config", replace(llm.config, **change))
-            with pytest.raises(ValueError, match=f"prompt_logprobs is not supported with {named}"):
-                llm.generate(good, SamplingParams(prompt_logprobs=1), use_tqdm=False)
     assert not llm.scheduler.has_unfinished()
     out = llm.generate(good, SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=20), use_tqdm=False)[0]
     assert len(out.prompt_logprobs[1]) in (20, 21)

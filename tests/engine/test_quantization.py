@@ -237,7 +237,7 @@ def test_the_startup_log_gives_weights_cache_and_requests_that_fit(ckpt, caplog)
     assert _to_bytes(*w.groups()) == pytest.approx(tensor_bytes_on_disk(ckpt), rel=0.05)
     line = _figure(said, r"^cache: ")
     c = re.search(r"cache: ([\d.]+) (MiB|GiB) \((\d+) request slots\); (\d+) request\(s\) of max_model_len=256", line)
-    cache = llm.engine.runner.cache
+    cache = llm.engine.core.runner.cache
     held = sum(t.nbytes() for t in cache.layers + cache.mtp)
     assert _to_bytes(*c.groups()[:2]) == pytest.approx(held, abs=0.05 * (1 << 20))  # one decimal of MiB
     assert int(c.group(3)) == llm.scheduler.kv.num_slots
@@ -314,11 +314,11 @@ def test_fp4_experts_are_held_as_fp8_codes_only_where_that_fits(ckpt, kept, monk
                                        ({"context_parallel_size": 2}, " routed")])
 def test_a_parallel_layout_that_does_not_fit_is_refused_before_any_rank_starts(ckpt, kept, monkeypatch, kw, split):
     """The ranks' share of the model is checked on the least free GPU they take, before spawning."""
-    from deepinfer.distributed import launch
+    from deepinfer.executor import multiproc
 
     def no_spawn(*a, **k):
         raise AssertionError("a rank was started before the check")
-    monkeypatch.setattr(launch.TPEngine, "_start_ranks", no_spawn)
+    monkeypatch.setattr(multiproc.MultiprocExecutor, "__init__", no_spawn)
     _no_weight_reads(monkeypatch)
     _fake_gpu(monkeypatch, free=1 << 20)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)

@@ -356,7 +356,7 @@ def test_mtp_drafts_keep_greedy_tokens_v4(ckpt):
     want = [o.outputs[0].token_ids for o in _llm(ckpt, None).generate(prompts, greedy, use_tqdm=False)]
     for kw in (dict(speculative_config=MTP), dict(num_speculative_tokens=1, max_num_batched_tokens=6, max_num_seqs=3)):
         llm = _llm(ckpt, None, **kw)
-        assert isinstance(llm.engine.runner.drafter, MTPDrafter)
+        assert isinstance(llm.engine.core.runner.drafter, MTPDrafter)
         assert [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)] == want
         m = llm.get_metrics()
         assert m["num_drafts"] > 0 and m["num_draft_tokens"] == m["num_drafts"]
@@ -395,7 +395,7 @@ def test_mtp_ring_holds_each_position_with_its_true_next_token(ckpt, monkeypatch
     assert llm.generate([prompt], greedy, use_tqdm=False)[0].outputs[0].token_ids == out
     if max_tokens > 3:
         assert llm.get_metrics()["num_accepted_tokens"] > 0
-    model, cache = llm.model, llm.engine.runner.cache
+    model, cache = llm.model, llm.engine.core.runner.cache
     W, size = model.config.sliding_window, model.config.sliding_window + cache.ring_slack
     positions = torch.arange(len(seq) - 1 - W, len(seq) - 1)  # the last computed position: len(seq) - 2
     got = cache.mtp[0].ring.read(positions % size, torch.float32)  # slot 0: the only request

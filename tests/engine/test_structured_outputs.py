@@ -310,12 +310,12 @@ def test_async_steps_defer_only_the_constrained_sampling(ckpt):
     runs, deferred = {}, []
     for mode in (False, True):
         llm = LLM(str(ckpt), device="cpu", dtype="float32", kv_cache_memory=64 << 20, async_scheduling=mode)
-        complete = llm.engine.runner.complete
+        complete = llm.engine.core.runner.complete
 
         def counted(h, complete=complete):
             deferred.append(h.deferred is not None)
             return complete(h)
-        llm.engine.runner.complete = counted
+        llm.engine.core.runner.complete = counted
         runs[mode] = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert runs[True] == runs[False]
     assert sum(deferred) > 10

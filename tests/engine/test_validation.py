@@ -6,7 +6,7 @@ import pytest
 
 from deepinfer import LLM, SamplingParams
 from deepinfer.config import EngineConfig
-from deepinfer.distributed import launch
+from deepinfer.executor import multiproc
 from deepinfer.loader import model_loader
 from deepinfer.tools.make_checkpoint import PRESETS, write_checkpoint
 
@@ -32,7 +32,7 @@ def _refused(llm: LLM, prompts, params, *words: str) -> None:
         llm.generate(prompts, params, use_tqdm=False)
     assert all(w in str(e.value) for w in words), str(e.value)
     assert not llm.scheduler.has_unfinished() and llm.scheduler.kv.all_free()
-    assert not llm.engine.decode_state and not llm.engine.requests
+    assert not llm.engine.core.decode_state and not llm.engine.requests
 
 
 @pytest.mark.parametrize("prompts, words", [
@@ -84,7 +84,7 @@ def _no_weights(*args, **kwargs):
 def test_max_model_len_above_the_model_is_refused_before_any_weight_is_read(ckpt, monkeypatch, parallel):
     monkeypatch.delenv(LONG_ENV, raising=False)
     monkeypatch.setattr(model_loader, "load_weights", _no_weights)
-    monkeypatch.setattr(launch, "TPEngine", _no_weights)
+    monkeypatch.setattr(multiproc, "MultiprocExecutor", _no_weights)
     with pytest.raises(ValueError) as e:
         LLM(str(ckpt), device="cpu", dtype="float32", max_model_len=100000, skip_tokenizer_init=True, **parallel)
     assert all(w in str(e.value) for w in ("max_model_len", "100000", f"max_position_embeddings {LIMIT}", LONG_ENV))

@@ -176,9 +176,9 @@ def test_quantization_and_parallel_flags_are_checked_before_any_weight_is_read(f
                          "--quantization", "fp8"), "--quantization", "no quantization_config")
     # the model does not exist: the parallel sizes are refused before it is looked for
     common = ("generate", "--model", str(tmp_path / "nowhere"), "--prompt", "hi", "--device", "cpu")
-    dp_tp, cp, eplb = _clis((*common, "-dp", "2", "-tp", "2"), (*common, "--context-parallel-size", "0"),
-                            (*common, "--enable-eplb"))
-    _one_line_error(dp_tp, "--data-parallel-size=2", "--tensor-parallel-size=2")
+    ep_tp, cp, eplb = _clis((*common, "-dp", "2", "-tp", "2", "--enable-expert-parallel"),
+                            (*common, "--context-parallel-size", "0"), (*common, "--enable-eplb"))
+    _one_line_error(ep_tp, "--enable-expert-parallel", "tensor_parallel_size=2")
     _one_line_error(cp, "--context-parallel-size")
     _one_line_error(eplb, "--enable-eplb", "enable_expert_parallel")
 

@@ -250,7 +250,7 @@ def test_image_prompts_match_nemo(tmp_path_factory):
     llm.model.image_embeddings = lambda image: calls.append(image) or tower(image)
     out = llm.generate({"prompt_token_ids": prompt, "images": pics},
                        SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False)[0]
-    assert len(calls) == 2 and not llm.engine.runner.image_cache  # the tower ran once per image, none kept
+    assert len(calls) == 2 and not llm.engine.core.runner.image_cache  # the tower ran once per image, none kept
     ids = out.prompt_token_ids
     processed = [preprocess_image(p, llm.model.config.vision) for p in pics]
     starts = [i for i in range(len(ids)) if ids[i] == img_tok and (i == 0 or ids[i - 1] != img_tok)]
@@ -319,7 +319,7 @@ def test_cuda_bf16_engine_on_the_trained_demo_is_as_close_to_nemo_as_bf16_on_the
         llm = LLM(str(DEMO_DIR), device=device, dtype="bfloat16", kv_cache_dtype=kv, kv_cache_memory=64 << 20,
                   max_num_batched_tokens=16, yoco_prefill_truncation_mode="none")
         if device == "cuda":
-            assert llm.engine.runner.graphs is not None and llm.engine.async_scheduling
+            assert llm.engine.core.runner.graphs is not None and llm.engine.core.async_scheduling
         gaps[device] = teacher_forced_gap(llm, demo_prompts(llm.detokenizer.tok), ref)
         assert llm.scheduler.kv.all_free()
         llm.close()
