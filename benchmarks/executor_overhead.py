@@ -7,8 +7,7 @@ so its cost beside the in-process engine ("uni", the same Worker called directly
 per-step overhead. Both engines are built by the same builder (executor/engine.py start_engine) from the
 slice's config.json (flash_slice.py SLICES) with random weights (load_format "dummy": the checkpoint's
 formats, FP8 blocks and FP4 experts as LLM holds them on CUDA), CUDA graphs and async scheduling on, greedy
-decode of `batch` requests at a context; rows alternate uni / mp per (slice, batch) in one process, so both
-see the same GPU state. Timing: seconds per Engine.step() over steady decode steps (one step in flight at
+decode of `batch` requests at a context; one engine per (slice, executor), in one process, uni then mp. Timing: seconds per Engine.step() over steady decode steps (one step in flight at
 the start and at the end), the median of --reps runs; tokens/s = batch / step time (every step emits one
 token per request).
 
@@ -18,6 +17,7 @@ token per request).
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import tempfile
@@ -45,7 +45,7 @@ def slice_dir(root: Path, arch: str, smoke: bool) -> Path:
     return write_checkpoint(root / arch, cfg, seed=0, dtype="fp8", weights=False)
 
 
-def engine(path: Path, backend: str, batch: int, context: int, device: str):
+def engine(path: Path, arch: str, backend: str, batch: int, context: int, device: str):
     from deepinfer.executor.engine import start_engine
     from deepinfer.executor.worker import EngineArgs
 
@@ -54,7 +54,10 @@ def engine(path: Path, backend: str, batch: int, context: int, device: str):
                       load_format="dummy", kv_cache_dtype="auto" if cuda else "float32",
                       kv_cache_memory=(8 << 30) if cuda else (64 << 20), max_model_len=context + 64,
                       max_num_seqs=batch, max_num_batched_tokens=max(batch * context, 2048), seed=0,
-                      enforce_eager=not cuda, distributed_executor_backend=backend)
+                      enforce_eager=not cuda, distributed_executor_backend=backend,
+                      # FP4 experts as FP8 codes where LLM would hold them so (the V4 slice fits twice over; the
+                      # V4.1 slice's 8 layers of 384 experts would not)
+                      repack_fp4_experts=cuda and arch == "v4")
     return start_engine(args, async_scheduling=True)
 
 
@@ -112,20 +115,32 @@ def main() -> None:
     device = "cpu" if args.smoke or not torch.cuda.is_available() else "cuda"
     gpu = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     rows = []
+    batches = [int(b) for b in args.batches.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
         for arch in args.slices.split(","):
             path = slice_dir(Path(tmp), arch, args.smoke)
-            for batch in (int(b) for b in args.batches.split(",")):
-                for backend in ("uni", "mp"):
-                    try:
-                        with engine(path, backend, batch, args.context, device) as eng:
+            for backend in ("uni", "mp"):  # one engine each, every batch's rows on it
+                eng = None
+                try:
+                    eng = engine(path, arch, backend, max(batches), args.context, device)
+                    for batch in batches:
+                        row = {"slice": arch, "executor": backend, "batch": batch, "context": args.context}
+                        try:
                             t, info = decode_step_seconds(eng, batch, args.context, args.steps, args.reps)
-                        rows.append({"slice": arch, "executor": backend, "batch": batch, "context": args.context,
-                                     "step_ms": round(1e3 * t, 4), "tokens_per_s": round(batch / t, 2), **info})
-                    except Exception as e:  # noqa: BLE001 (recorded; the other rows still run)
+                            row.update(step_ms=round(1e3 * t, 4), tokens_per_s=round(batch / t, 2), **info)
+                        except Exception as e:  # noqa: BLE001 (recorded; the other rows still run)
+                            row.update(step_ms=None, note=f"failed: {type(e).__name__}: {str(e)[:300]}")
+                        rows.append(row)
+                        print(json.dumps(row), flush=True)
+                except Exception as e:  # noqa: BLE001 (the engine did not start: every row of it says why)
+                    for batch in batches:
                         rows.append({"slice": arch, "executor": backend, "batch": batch, "context": args.context,
                                      "step_ms": None, "note": f"failed: {type(e).__name__}: {str(e)[:300]}"})
-                    print(json.dumps(rows[-1]), flush=True)
+                finally:
+                    if eng is not None:
+                        eng.close()
+                    eng = None
+                    gc.collect()
                     if device == "cuda":
                         torch.cuda.empty_cache()
     for arch in args.slices.split(","):

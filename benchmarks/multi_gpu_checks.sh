@@ -1,8 +1,11 @@
 #!/usr/bin/env bash
-# The multi-GPU runs of issue 16, in one call on a machine with N >= 2 GPUs (default: all it has):
-#   1. every gpu-marked test of tests/distributed (the 2-GPU NCCL cases skip below 2 GPUs);
+# The multi-GPU runs of issues 16 and 38, in one call on a machine with N >= 2 GPUs (default: all it has):
+#   1. every gpu-marked test of tests/distributed (the 2-GPU NCCL cases skip below 2 GPUs; test_layouts.py's
+#      TP=2, DP=2 + EP, DP=2 x TP=2 and CP=2 x TP=2 with DSpark, a JSON schema and prompt_logprobs against one
+#      GPU, the 4-rank ones below 4 GPUs);
 #   2. LLM.generate throughput, one process vs tensor_parallel_size=N vs data_parallel_size=N with
-#      expert parallelism, on the demo model, bf16, the same prompts (benchmarks/offline_throughput.py);
+#      expert parallelism vs data_parallel_size=N/2 x tensor_parallel_size=2 (N >= 4), on the demo model, bf16,
+#      the same prompts (benchmarks/offline_throughput.py);
 #   3. start-up of a real checkpoint under DP + EP + EPLB when MODEL=<dir> is given (the fit check,
 #      the weights / cache log, a few tokens);
 #   4. V4-Flash at its released size (43 layers, 256 experts) in its shipped formats with random weights
@@ -24,7 +27,9 @@ timeout 900 python -m pytest -q -m gpu tests/distributed -rfEs > "$out/pytest-di
 echo "pytest -m gpu tests/distributed: $(tail -1 "$out/pytest-distributed.log")" | tee -a "$out/summary.txt"
 common=(--preset demo --device cuda --dtype bfloat16 --num-prompts 256 --input-len 256 --output-len 128
         --skip-transformers "${commit_arg[@]}")
-for layout in "one:" "tp:--tensor-parallel-size $n" "dp-ep:--data-parallel-size $n --enable-expert-parallel"; do
+layouts=("one:" "tp:--tensor-parallel-size $n" "dp-ep:--data-parallel-size $n --enable-expert-parallel")
+[ "$n" -ge 4 ] && layouts+=("dp-tp:--data-parallel-size $((n / 2)) --tensor-parallel-size 2")
+for layout in "${layouts[@]}"; do
   name=${layout%%:*}
   # shellcheck disable=SC2086
   timeout 900 python benchmarks/offline_throughput.py "${common[@]}" ${layout#*:} --out "$out/throughput-$name.json" \

@@ -105,7 +105,7 @@ def measure(path: Path, quantization: str | None, device: str) -> dict:
     """One LLM on `path`: the allocator's growth across load_model (CUDA), weight_bytes after load_model
     and after start-up, the growth across the FP4 -> FP8-code rewrite where LLM made it; then the LLM is
     freed and what it left allocated is measured."""
-    import deepinfer.llm as llm_module
+    import deepinfer.executor.worker as llm_module  # where the engine's rank loads and repacks its model
     from deepinfer import LLM
 
     seen: dict = {}
@@ -120,9 +120,9 @@ def measure(path: Path, quantization: str | None, device: str) -> dict:
         seen["loaded"] = _breakdown(net)
         return net, model_dir
 
-    def measured_repack(net):
+    def measured_repack(net, **k):
         before = _allocated(device)
-        repack(net)
+        repack(net, **k)
         seen["repack_grew"] = _allocated(device) - before
 
     base = _allocated(device)

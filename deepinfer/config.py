@@ -161,8 +161,6 @@ class EngineConfig:
         for name in ("enable_expert_parallel", "enable_eplb"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name}: must be True or False, got {getattr(self, name)!r}")
-        check_layout(self.tensor_parallel_size, self.data_parallel_size, self.context_parallel_size,
-                     self.enable_expert_parallel, self.enable_eplb, self.engram_device)
         if self.distributed_executor_backend == "uni" and \
                 self.tensor_parallel_size * self.data_parallel_size * self.context_parallel_size > 1:
             raise ValueError("distributed_executor_backend: 'uni' runs one rank; the parallel sizes ask for more "
@@ -185,6 +183,8 @@ class EngineConfig:
             raise ValueError(f"master_port: {self.master_port!r} is not a port (1..65535)")
         if self.eplb_config is not None:
             _check_eplb_config(self.eplb_config, self.enable_eplb)
+        check_layout(self.tensor_parallel_size, self.data_parallel_size, self.context_parallel_size,
+                     self.enable_expert_parallel, self.enable_eplb, self.engram_device)
         if self.num_speculative_tokens is not None and (
                 not isinstance(self.num_speculative_tokens, int) or self.num_speculative_tokens < 0):
             raise ValueError(f"num_speculative_tokens: must be an integer >= 0, got {self.num_speculative_tokens!r}")

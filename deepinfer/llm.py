@@ -397,7 +397,7 @@ def _text_of(prompt: PromptType) -> str | None:
 
 
 def _eplb_settings(cfg: EngineConfig, make):
-    """dp_engine.EPLBConfig from vLLM's eplb_config keys: step_interval, window_size, and
+    """expert_shard.EPLBConfig from vLLM's eplb_config keys: step_interval, window_size, and
     num_redundant_experts in all (spread evenly: a multiple of data_parallel_size)."""
     given, kw = cfg.eplb_config or {}, {}
     if "step_interval" in given:

@@ -39,7 +39,7 @@ pooled from its own whole windows (T/m rows, not T), overlapped with the query p
 
 Entry points: prefill_cp (one request's chunk, start > 0 too: earlier positions come from the
 cache), generate_cp (greedy driver), CPRunner (ModelRunner's execute for an engine whose driver
-broadcasts SchedulerOutputs, as launch.py does for TP), run_on_ranks / generate_cp_spawn (gloo
+broadcasts SchedulerOutputs: executor/multiproc.py), run_on_ranks / generate_cp_spawn (gloo
 ranks on the CPU).
 """
 from __future__ import annotations
@@ -230,7 +230,7 @@ class CPRunner:
     prefill chunk of at least one zig-zag unit (2 * cp * align tokens) runs through prefill_cp; every
     other step (decode, short or batched chunks) runs on the wrapped runner, on every rank alike, as
     each holds the whole cache. Every rank must be given the same SchedulerOutputs (the driver
-    broadcasts them, as launch.py does for TP). Sampling: the runner's, from the same logits and
+    broadcasts them: executor/multiproc.py). Sampling: the runner's, from the same logits and
     seed on every rank. DeepSeek-V4 and V4.1 (StepContext.gather / StepContext41.gather); V4.1
     with exact prefill only (no bounded replay) and Engram tables on the device."""
 

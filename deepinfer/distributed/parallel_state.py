@@ -166,8 +166,8 @@ def check_free() -> None:
     if _STATE is not None:
         raise RuntimeError(f"this process already holds rank {_STATE.info.rank} of a parallel engine that is still "
                            "open (an LLM with tensor_parallel_size, data_parallel_size or context_parallel_size > 1); "
-                           "close it first with LLM.close(), or build it as `with LLM(...) as llm:` (a TPEngine or "
-                           "DPEngine: its close())")
+                           "close it first with LLM.close(), or build it as `with LLM(...) as llm:` (an Engine of "
+                           "executor/engine.py: its close())")
 
 
 def set_collective_timeout(timeout_s: float) -> None:

@@ -26,7 +26,7 @@ class ScheduledChunk:
     images: list[tuple[int, Any]] = field(default_factory=list)  # image spans near this chunk
     sample_index: int = 0  # which of the prompt's n samples the request is (keys seeded sampling)
     # speculative decoding: the last num_draft token_ids are draft tokens; the last num_draft + 1 positions
-    # are verified (spec/verify.py) and the request receives its accepted drafts plus one target token
+    # are verified (worker/verify.py) and the request receives its accepted drafts plus one target token
     num_draft: int = 0
     # the token after the chunk's last one when the chunk stops short of the request's end (a prompt's
     # next chunk starts with it; -1 otherwise): V4's MTP layer reads each position's next token

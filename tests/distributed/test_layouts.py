@@ -83,14 +83,14 @@ def _start_node(ckpt, layout: dict) -> subprocess.Popen:
                             env={**os.environ, "OMP_NUM_THREADS": "1"})
 
 
-def _run(ckpt, model: str, layout: dict) -> tuple[list, dict]:
+def _run(ckpt, model: str, layout: dict, device: str = "cpu") -> tuple[list, dict]:
     # V4.1's bounded replay has no context-parallel path: those runs (and their reference) prefill exactly
     exact = {"yoco_prefill_truncation_mode": "none"} if model == "v41" and "context_parallel_size" in layout else {}
     node = None
     if layout.get("nnodes", 1) > 1:
         layout = dict(layout, master_port=_free_port())
         node = _start_node(ckpt, layout)
-    llm = LLM(str(ckpt), device="cpu", dtype="float32", kv_cache_dtype="float32", kv_cache_memory=MEMORY,
+    llm = LLM(str(ckpt), device=device, dtype="float32", kv_cache_dtype="float32", kv_cache_memory=MEMORY,
               max_num_batched_tokens=256, seed=0, speculative_config=SPEC[model], **exact, **layout)
     try:
         prompts, params = _requests()
@@ -109,19 +109,14 @@ def _run(ckpt, model: str, layout: dict) -> tuple[list, dict]:
 _REFS: dict = {}
 
 
-def _reference(ckpts, model: str, layout: dict):
-    key = (model, "context_parallel_size" in layout)
+def _reference(ckpts, model: str, layout: dict, device: str = "cpu"):
+    key = (model, "context_parallel_size" in layout, device)
     if key not in _REFS:
-        _REFS[key] = _run(ckpts[model], model, {})[0]
+        _REFS[key] = _run(ckpts[model], model, {}, device)[0]
     return _REFS[key]
 
 
-@pytest.mark.parametrize("model, name", CASES, ids=[f"{m}-{n}" for m, n in CASES])
-def test_layout_matches_one_process_with_every_feature(ckpts, model, name):
-    layout = LAYOUTS[name]
-    want = _reference(ckpts, model, layout)
-    got, metrics = _run(ckpts[model], model, layout)
-    assert parallel_state.rank_info() is None  # closed: this process can start another engine
+def _check(got, want, metrics) -> None:
     for g, w in zip(got, want, strict=True):
         assert [c.token_ids for c in g.outputs] == [c.token_ids for c in w.outputs]
         assert [c.finish_reason for c in g.outputs] == [c.finish_reason for c in w.outputs]
@@ -136,3 +131,29 @@ def test_layout_matches_one_process_with_every_feature(ckpts, model, name):
     assert metrics["num_drafts"] > 0  # the drafter ran on every rank and its drafts were verified
     if metrics["cp_steps"] is not None:
         assert metrics["cp_steps"] >= 1  # the long prompt's prefill was split over the context-parallel ranks
+
+
+@pytest.mark.parametrize("model, name", CASES, ids=[f"{m}-{n}" for m, n in CASES])
+def test_layout_matches_one_process_with_every_feature(ckpts, model, name):
+    layout = LAYOUTS[name]
+    want = _reference(ckpts, model, layout)
+    got, metrics = _run(ckpts[model], model, layout)
+    assert parallel_state.rank_info() is None  # closed: this process can start another engine
+    _check(got, want, metrics)
+
+
+GPU_LAYOUTS = ["tp2", "dp2-ep", "dp2xtp2", "cp2xtp2"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", GPU_LAYOUTS)
+def test_layout_on_gpus_matches_one_gpu(ckpts, name):
+    """The same on one GPU per rank (NCCL), V4.1, fp32 (tensor parallelism's partial sums move logprobs by
+    ~1e-6 as on the CPU)."""
+    layout = LAYOUTS[name]
+    world = layout.get("tensor_parallel_size", 1) * layout.get("data_parallel_size", 1) * \
+        layout.get("context_parallel_size", 1)
+    if not torch.cuda.is_available() or torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} CUDA devices")
+    got, metrics = _run(ckpts["v41"], "v41", layout, "cuda")
+    _check(got, _reference(ckpts, "v41", layout, "cuda"), metrics)
