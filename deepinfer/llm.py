@@ -273,7 +273,7 @@ class LLM:
         from deepinfer.models.image_processor_v41 import expand_image_placeholders, preprocess_image
 
         cfg = self.model.config
-        if not hasattr(self.model, "vision"):
+        if not self.model.supports_images:
             raise ValueError(f"prompts[{i}]: images given, but this model has no vision encoder")
         processed = []
         for j, img in enumerate(images):
@@ -451,7 +451,6 @@ def _engine_args(cfg: EngineConfig, proposer) -> dict:
 
     world = cfg.tensor_parallel_size * cfg.data_parallel_size * cfg.context_parallel_size
     seed = cfg.seed if cfg.seed is not None or world == 1 else int(torch.randint(0, 2**31 - 1, ()).item())
-    method = None if proposer is None else getattr(proposer, "method", "ngram")
     return dict(parallel=ParallelConfig(tensor_parallel_size=cfg.tensor_parallel_size,
                                         data_parallel_size=cfg.data_parallel_size,
                                         enable_expert_parallel=cfg.enable_expert_parallel,
@@ -461,7 +460,7 @@ def _engine_args(cfg: EngineConfig, proposer) -> dict:
                 kv_cache_memory=cfg.kv_cache_memory, max_model_len=cfg.max_model_len, max_num_seqs=cfg.max_num_seqs,
                 max_num_batched_tokens=cfg.max_num_batched_tokens, block_size=cfg.block_size, seed=seed,
                 batch_invariant=cfg.batch_invariant, enforce_eager=cfg.enforce_eager,
-                speculation=None if proposer is None else (method, proposer.num_speculative_tokens),
+                speculation=None if proposer is None else (proposer.method, proposer.num_speculative_tokens),
                 eplb=_eplb_settings(cfg, EPLBConfig) if cfg.enable_eplb else None, nnodes=cfg.nnodes,
                 node_rank=cfg.node_rank, master_addr=cfg.master_addr, master_port=cfg.master_port,
                 distributed_executor_backend=cfg.distributed_executor_backend)

@@ -131,12 +131,7 @@ def test_no_import_cycles_between_deepinfer_modules():
 
 # Package edges a package-level cycle may still run through, each naming why it is there and who removes it.
 # Only edges from or to deepinfer/distributed, deepinfer/llm.py or deepinfer/executor may be listed.
-ALLOWED_PACKAGE_EDGES = {
-    # deepinfer -> deepinfer.llm (the LLM facade) -> deepinfer.tools -> deepinfer: llm.py's model resolution
-    # imports tools/demo.py (resolve_demo) while tools/calibrate_dspark.py drives `deepinfer.LLM`. Owner: the
-    # engineer restructuring llm.py's engine assembly (move resolve_demo below llm, or the CLI out of tools).
-    ("deepinfer.llm", "deepinfer.tools"),
-}
+ALLOWED_PACKAGE_EDGES: set[tuple[str, str]] = set()  # none left
 EXEMPTABLE = ("deepinfer.distributed", "deepinfer.llm", "deepinfer.executor")
 
 
@@ -212,16 +207,7 @@ def model_classes_named_outside(root: Path = ROOT) -> list[tuple[str, str]]:
     return sorted(found)
 
 
-# Concrete config classes still named outside deepinfer/models: the loader annotates with them (and
-# model_loader.py's TypeVar enumerates them). Owner: deepinfer/loader; to go, annotate with
-# models/interface.py's ModelConfig and take ConfigError from an interface-level module.
-ALLOWED_MODEL_NAMES = {
-    ("deepinfer.loader.model_config", "ConfigError"),
-    ("deepinfer.loader.model_config", "DeepseekV4Config"),
-    ("deepinfer.loader.weights", "DeepseekV4Config"),
-    ("deepinfer.loader.model_loader", "DeepseekV4Config"),
-    ("deepinfer.loader.model_loader", "DeepseekV41Config"),
-}
+ALLOWED_MODEL_NAMES: set[tuple[str, str]] = set()  # none left: the loader annotates with interface.ModelConfig
 
 
 def test_the_model_name_finder_sees_imports_and_module_attributes(tmp_path):

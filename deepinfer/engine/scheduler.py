@@ -68,7 +68,7 @@ class Scheduler:
         self.varlen: VarlenPolicy | None = None  # model drafts only: per-step lengths from their confidences
         self._lengths: dict[str, int] = {}
         # a list: every verified block of model drafts is logged as (confidences, drafted, accepted)
-        # (tools/calibrate_dspark.py fits the confidence temperatures from it)
+        # (eval/calibrate_dspark.py fits the confidence temperatures from it)
         self.spec_log: list[tuple[list[float], int, int]] | None = None
         self._verifying: dict[str, list[float]] = {}  # request id -> the confidences of the drafts it verifies
 

@@ -13,7 +13,7 @@ block (the confidences the drafter gave its drafts, how many it drafted, how man
 i, over the blocks drafted that far,
   - `ece_per_position`: the survival a_i = c_1 * ... * c_i (the scheduler's estimate that drafts 1..i
     are all accepted) against whether they were (spec/calibration.py's ECE and survival, as
-    tools/calibrate_dspark.py fits them);
+    eval/calibrate_dspark.py fits them);
   - `ece_conditional_per_position`: c_i against whether draft i was accepted, over the blocks whose drafts
     1..i-1 were accepted;
   - `ece_calibrated_per_position` (when the checkpoint has dspark_calibration.json): the survival of the
@@ -60,7 +60,7 @@ def ece_per_position(log: list[Block], rows, bins: int = DEFAULT_BINS) -> list[f
 def calibrated(log: list[Block], temperatures) -> list[Block]:
     """The log with each confidence c_i replaced by sigmoid(logit(c_i) / T_i), as the scheduler scales them."""
     from deepinfer.spec.calibration import _sigmoid
-    from deepinfer.tools.calibrate_dspark import _logit
+    from deepinfer.eval.calibrate_dspark import _logit
 
     out = []
     for conf, drafted, acc in log:

@@ -3,11 +3,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from deepinfer.models.config import ConfigError, DeepseekV4Config, load_config_dict
+from deepinfer.models.config import load_config_dict
+from deepinfer.models.interface import ConfigError, ModelConfig
 from deepinfer.models.registry import model_classes
 
 
-def read_model_config(model_dir: str | Path) -> DeepseekV4Config:
+def read_model_config(model_dir: str | Path) -> ModelConfig:
     raw = load_config_dict(model_dir)
     where = str(Path(model_dir) / "config.json")
     config_cls, _ = model_classes(raw.get("model_type"), where)

@@ -21,12 +21,11 @@ from deepinfer.loader.weights import load_weights
 from deepinfer.layers.engram import EngramTable
 from deepinfer.layers.moe import Experts
 from deepinfer.layers.linear import prepare_fp8_linears
-from deepinfer.models.config import DeepseekV4Config
-from deepinfer.models.config_v41 import DeepseekV41Config
+from deepinfer.models.interface import ModelConfig
 from deepinfer.models.registry import model_classes
 
 logger = logging.getLogger(__name__)
-Config = TypeVar("Config", DeepseekV4Config, DeepseekV41Config)
+Config = TypeVar("Config", bound=ModelConfig)
 
 
 def load_model(model: str | Path | None, *, dtype: torch.dtype = torch.bfloat16, device: str = "cpu",

@@ -18,7 +18,7 @@ from deepinfer.formats.quant import dequant_fp4, dequant_fp8_blocks
 from deepinfer.loader.checkpoint import CheckpointError, CheckpointReader
 from deepinfer.loader.dummy import DummyWeights, fill_dummy
 from deepinfer.loader.names import WeightRef, plan_names, split_expert_name
-from deepinfer.models.config import DeepseekV4Config
+from deepinfer.models.interface import ModelConfig
 
 __all__ = ["CheckpointError", "Part", "Slice", "load_weights"]
 
@@ -80,7 +80,7 @@ def _sliced_shape(shape: tuple[int, ...], index: tuple | None) -> tuple[int, ...
 
 
 class _Planner:
-    def __init__(self, reader: CheckpointReader, targets: dict[str, torch.Tensor], config: DeepseekV4Config,
+    def __init__(self, reader: CheckpointReader, targets: dict[str, torch.Tensor], config: ModelConfig,
                  shard: Mapping[str, Part]):
         self.reader = reader
         self.targets = targets
@@ -151,7 +151,7 @@ class _Planner:
 
 
 def load_weights(model: torch.nn.Module, model_dir: str | Path | CheckpointReader | DummyWeights, *,
-                 config: DeepseekV4Config, shard: Mapping[str, Part] | None = None) -> None:
+                 config: ModelConfig, shard: Mapping[str, Part] | None = None) -> None:
     """Fill every tensor of `model.state_dict()` from the checkpoint, one tensor at a time.
 
     Raises CheckpointError for tensors the model lacks, model tensors the checkpoint
@@ -186,7 +186,7 @@ def load_weights(model: torch.nn.Module, model_dir: str | Path | CheckpointReade
             _run(job, reader, targets, config)
 
 
-def _plan(reader: CheckpointReader, targets: dict[str, torch.Tensor], config: DeepseekV4Config,
+def _plan(reader: CheckpointReader, targets: dict[str, torch.Tensor], config: ModelConfig,
           shard: Mapping[str, Part]) -> tuple[list[_Job], list[WeightRef]]:
     refs: dict[str, WeightRef] = {}
     planner = _Planner(reader, targets, config, shard)
@@ -324,7 +324,7 @@ def _read(reader: CheckpointReader, ref: WeightRef, part: Part | None) -> torch.
 
 
 def _run(job: _Job, reader: CheckpointReader, targets: dict[str, torch.Tensor],
-         config: DeepseekV4Config) -> None:
+         config: ModelConfig) -> None:
     if job.scale_target is not None:
         _put(targets, job.target, job.expert, _read(reader, job.ref, job.part))
         _put(targets, job.scale_target, job.expert, _read(reader, job.scale, job.scale_part))

@@ -27,10 +27,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from deepinfer.layers.rotary import YarnScaling
-
-
-class ConfigError(ValueError):
-    """A config.json that deepinfer cannot run; the message names the key."""
+from deepinfer.models.interface import ConfigError
 
 
 # Math keys deepinfer implements at one value only (an absent key means that value).

@@ -253,6 +253,7 @@ class DeepseekV4ForCausalLM(nn.Module):
     host_inputs = False
     supports_graphs = True
     supports_context_parallel = True  # StepContext.gather
+    supports_images = False
     needs_engram_vocab = False
 
     def set_engram_vocab(self, token_map: list[int]) -> None:

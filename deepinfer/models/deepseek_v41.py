@@ -175,6 +175,10 @@ class DeepseekV41ForCausalLM(nn.Module):
         return StepContext41(batch, RopeCache.at(pos, self.inv_freq_main), RopeCache.at(pos, self.inv_freq_compress),
                              self.inv_freq_compress, rows, batch.image_mask)
 
+    @property
+    def supports_images(self) -> bool:
+        return hasattr(self, "vision")  # built when vision_config has layers
+
     def image_embeddings(self, image) -> torch.Tensor:
         """The embeddings of one image's whole token span (see models/vision_v41.py)."""
         if not hasattr(self, "vision"):

@@ -17,6 +17,10 @@ from deepinfer.state.forward_batch import ForwardBatch
 from deepinfer.state.kv_state import LayerCache
 
 
+class ConfigError(ValueError):
+    """A config.json that deepinfer cannot run; the message names the key."""
+
+
 class ModelConfig(Protocol):
     """The config members read outside deepinfer/models (the engine sizes replay and caches from
     config.json before a model is built)."""
@@ -117,6 +121,10 @@ class CausalLM(Protocol):
         Every per-slot ring (window keys, compressor carries; the draft layers' too) has `ring_slack`
         rows per slot more than its reads need, addressed as state/forward_batch.py plans with the same
         ring_slack (row slot * size + pos % size); paged stores do not change."""
+
+    @property
+    def supports_images(self) -> bool:
+        """The checkpoint has a vision encoder: prompts may carry images (image_embeddings)."""
 
     @property
     def supports_context_parallel(self) -> bool:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
@@ -17,6 +18,7 @@ from numpy.lib.stride_tricks import sliding_window_view
 
 @dataclass(frozen=True)
 class NgramProposer:
+    method: ClassVar[str] = "ngram"
     num_speculative_tokens: int
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 1

@@ -1,4 +1,4 @@
-"""tools/calibrate_dspark.py on the tiny V4.1 checkpoint (CPU): logs the engine's own verify steps, fits the
+"""eval/calibrate_dspark.py on the tiny V4.1 checkpoint (CPU): logs the engine's own verify steps, fits the
 temperatures, writes dspark_calibration.json, and LLM with enable_mtp_varlen picks the file up."""
 import json
 
@@ -6,7 +6,7 @@ import pytest
 
 from deepinfer import LLM
 from deepinfer.spec.calibration import CALIBRATION_FILE, Calibration
-from deepinfer.tools import calibrate_dspark
+from deepinfer.eval import calibrate_dspark
 from deepinfer.tools.make_checkpoint import PRESETS, write_checkpoint
 
 TEXT = " ".join(f"def f{i}(x): return x + {i}" for i in range(200))

@@ -1,6 +1,6 @@
 """Fit the DSpark confidence temperatures from held-out text and save them in the checkpoint directory.
 
-    python -m deepinfer.tools.calibrate_dspark --model DIR --file held_out.txt [--gamma 5] [--prompt-len 64]
+    python -m deepinfer.eval.calibrate_dspark --model DIR --file held_out.txt [--gamma 5] [--prompt-len 64]
         [--max-tokens 64] [--max-prompts 64] [--out DIR]
 
 The text is tokenised and cut into prompts of --prompt-len tokens; the model generates --max-tokens
