@@ -14,7 +14,7 @@ the sharded safetensors + index, tokenizer.json + tokenizer_config.json, and tra
 The DSpark confidences are then calibrated on held-out text (sequential temperature scaling, writes
 dspark_calibration.json into CKPT_DIR):
 
-    python -m deepinfer.tools.calibrate_dspark --model CKPT_DIR --file TOK_DIR/heldout.txt
+    python -m deepinfer.eval.calibrate_dspark --model CKPT_DIR --file TOK_DIR/heldout.txt
 """
 from __future__ import annotations
 
@@ -84,7 +84,7 @@ def main(argv: list[str] | None = None) -> Path:
     args = p.parse_args(argv)
     out = export(args.run, args.out, args.dtype)
     print(json.dumps({"checkpoint": str(out)}))
-    print(f"next: python -m deepinfer.tools.calibrate_dspark --model {out} --file <TOK_DIR>/heldout.txt "
+    print(f"next: python -m deepinfer.eval.calibrate_dspark --model {out} --file <TOK_DIR>/heldout.txt "
           "(sequential temperature scaling of the DSpark confidences on held-out text)")
     return out
 

@@ -18,7 +18,7 @@ server takes no padding entry over.
 Writes into --out: tokenizer.json + tokenizer_config.json, train.bin / heldout.bin (token ids, little-endian
 uint16 up to a 65536-token vocabulary, else int32, as manifest.json's token_dtype says: each file is
 BOS + its tokens + EOS, files concatenated), heldout.txt (the held-out files'
-text, for `deepinfer.tools.calibrate_dspark --file` and perplexity), manifest.json (files, counts).
+text, for `deepinfer.eval.calibrate_dspark --file` and perplexity), manifest.json (files, counts).
 """
 from __future__ import annotations
 
