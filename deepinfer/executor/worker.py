@@ -150,8 +150,10 @@ class Worker:
         drafter = MODEL_DRAFTERS[method](self.model, self.cache, args.ring_slack) if method in MODEL_DRAFTERS else None
         self.moes = trunk_moes(self.model) if args.parallel.enable_expert_parallel else []
         self.eps = [m.expert_parallel for m in self.moes if m.expert_parallel is not None]
-        # graphs capture a step's collectives; the expert-parallel exchange sizes its buffers on the host
-        graphs = not args.enforce_eager and not self.eps
+        # graphs capture a step's collectives: NCCL's (tensor parallelism's all-reduces; gloo's cannot be captured),
+        # and not the expert-parallel exchange, which sizes its buffers on the host
+        backend = args.backend or ps.backend_for(self.device)
+        graphs = not args.enforce_eager and not self.eps and (self.info.tp_size == 1 or backend == "nccl")
         self.runner = ModelRunner(self.model, self.cache, self.device, args.seed, args.replay_keep, graphs,
                                   args.batch_invariant, drafter)
         if args.parallel.context_parallel_size > 1:  # long prefills split over the ranks, the rest replicated
