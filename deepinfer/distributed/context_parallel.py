@@ -51,7 +51,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from deepinfer.engine.outputs import PLACEHOLDER, ModelOutput, SchedulerOutput
+from deepinfer.engine.outputs import CONTEXT_TOKENS, PLACEHOLDER, ModelOutput, SchedulerOutput
 from deepinfer.layers import invariant
 from deepinfer.layers.engram_hash import history_windows
 from deepinfer.models.interface import CausalLM
@@ -165,6 +165,26 @@ def _forward_step(model, caches, chunk: SeqChunk, block_size: int, device, token
 
 
 @torch.inference_mode()
+def forward_cp_rows(model, caches, chunk: SeqChunk, block_size: int, group: dist.ProcessGroup, align: int,
+                    token_history: torch.Tensor | None = None, ring_slack: int = 0,
+                    draft_features: bool = False) -> tuple[ForwardBatch, torch.Tensor, torch.Tensor | None]:
+    """One CP step of `chunk` (its length a multiple of 2 * cp * align) that leaves every rank the whole step's
+    trunk output: (the step's batch as one process plans it, its states [T, ...], and with `draft_features` the
+    draft features [T, F]), all-gathered into step order. What a drafter observes of a step one process ran."""
+    device = next(model.parameters()).device
+    full = _plan(model, [chunk], block_size, device, ring_slack)
+    cp, rank = dist.get_world_size(group), dist.get_rank(group)
+    split = zigzag_split(len(chunk.token_ids), cp, align)
+    gather = RowGather(split, group, device)
+    rows = torch.from_numpy(split[rank]).to(device)
+    local = local_view(full, rows, engram_windows(full, token_history))
+    if draft_features:
+        streams, feats = model(local, caches, gather=gather, draft_features=True)
+        return full, gather(streams), gather(feats)
+    return full, gather(model(local, caches, gather=gather)), None
+
+
+@torch.inference_mode()
 def prefill_cp(model, caches, prompt: list[int], slot: int, block_tables: dict[int, list[int]], block_size: int,
                group: dist.ProcessGroup | None = None, align: int | None = None, start: int = 0,
                stats: dict | None = None, token_history: torch.Tensor | None = None,
@@ -269,10 +289,11 @@ class CPRunner:
 
     def launch(self, so: SchedulerOutput, prev: StepHandle | None = None) -> StepHandle:
         """ModelRunner.launch; a split prefill samples from the last position's logits, which every rank
-        holds alike. A split prefill stores no draft context (DSpark's rings): the drafts that read its
-        positions are poorer, never wrong (verification keeps the target's tokens)."""
+        holds alike (with the model's drafter: _launch_drafting)."""
         if not self._splits(so):
             return self.runner.launch(so, prev)
+        if self.runner.drafter is not None:
+            return self._launch_drafting(so, prev)
         c, r = so.chunks[0], self.runner
         with invariant.mode(r.batch_invariant):  # as the runner's own steps
             logits = prefill_cp(r.model, r.cache.layers, c.token_ids, c.slot, c.block_tables, r.cache.block_size,
@@ -283,6 +304,28 @@ class CPRunner:
                 return StepHandle({})
             with torch.inference_mode():
                 return r._sample_or_defer(so, logits, [0], prev)
+
+    def _launch_drafting(self, so: SchedulerOutput, prev: StepHandle | None) -> StepHandle:
+        """A split prefill with the model's drafter: its longest aligned prefix that leaves a token over runs in CP,
+        and the drafter observes that prefix's whole output (gathered) as one process's non-sampling chunk; the rest
+        is an ordinary step of the runner, which samples, verifies and drafts as one process does."""
+        c, r = so.chunks[0], self.runner
+        head = aligned_prefix(len(c.token_ids) - 1, self.cp, self.align)
+        if head == 0:
+            return r.launch(so, prev)
+        first = dataclasses.replace(c, token_ids=c.token_ids[:head], num_samples=0, next_token=c.token_ids[head],
+                                    grammar=None)
+        with invariant.mode(r.batch_invariant), torch.inference_mode():
+            batch, streams, feats = forward_cp_rows(
+                r.model, r.cache.layers, SeqChunk(c.slot, c.start, first.token_ids, c.block_tables),
+                r.cache.block_size, self.group, self.align, r.cache.token_history, r.cache.ring_slack,
+                r.drafter.needs_features)
+            r.drafter.observe([first], batch, streams, feats)
+            r._sample_streams(SchedulerOutput([first]), batch, streams, None)  # samples nothing; MTP writes its ring
+        self.cp_steps += 1
+        rest = dataclasses.replace(c, start=c.start + head, token_ids=c.token_ids[head:],
+                                   prev_tokens=(list(c.prev_tokens) + first.token_ids)[-CONTEXT_TOKENS:])
+        return r.launch(dataclasses.replace(so, chunks=[rest]), prev)
 
     def collect(self, h: StepHandle) -> ModelOutput:
         return self.runner.collect(h)

@@ -112,11 +112,11 @@ _REFS: dict = {}
 def _reference(ckpts, model: str, layout: dict, device: str = "cpu"):
     key = (model, "context_parallel_size" in layout, device)
     if key not in _REFS:
-        _REFS[key] = _run(ckpts[model], model, {}, device)[0]
+        _REFS[key] = _run(ckpts[model], model, {}, device)
     return _REFS[key]
 
 
-def _check(got, want, metrics) -> None:
+def _check(got, want, metrics, want_metrics) -> None:
     for g, w in zip(got, want, strict=True):
         assert [c.token_ids for c in g.outputs] == [c.token_ids for c in w.outputs]
         assert [c.finish_reason for c in g.outputs] == [c.finish_reason for c in w.outputs]
@@ -131,15 +131,18 @@ def _check(got, want, metrics) -> None:
     assert metrics["num_drafts"] > 0  # the drafter ran on every rank and its drafts were verified
     if metrics["cp_steps"] is not None:
         assert metrics["cp_steps"] >= 1  # the long prompt's prefill was split over the context-parallel ranks
+        # and the drafter saw the split prefill's whole output, as one process's: the same drafts were accepted
+        assert (metrics["num_drafts"], metrics["num_accepted_tokens"]) == \
+            (want_metrics["num_drafts"], want_metrics["num_accepted_tokens"])
 
 
 @pytest.mark.parametrize("model, name", CASES, ids=[f"{m}-{n}" for m, n in CASES])
 def test_layout_matches_one_process_with_every_feature(ckpts, model, name):
     layout = LAYOUTS[name]
-    want = _reference(ckpts, model, layout)
+    want, want_metrics = _reference(ckpts, model, layout)
     got, metrics = _run(ckpts[model], model, layout)
     assert parallel_state.rank_info() is None  # closed: this process can start another engine
-    _check(got, want, metrics)
+    _check(got, want, metrics, want_metrics)
 
 
 GPU_LAYOUTS = ["tp2", "dp2-ep", "dp2xtp2", "cp2xtp2"]
@@ -156,4 +159,4 @@ def test_layout_on_gpus_matches_one_gpu(ckpts, name):
     if not torch.cuda.is_available() or torch.cuda.device_count() < world:
         pytest.skip(f"needs {world} CUDA devices")
     got, metrics = _run(ckpts["v41"], "v41", layout, "cuda")
-    _check(got, _reference(ckpts, "v41", layout, "cuda"), metrics)
+    _check(got, *_reference(ckpts, "v41", layout, "cuda")[:1], metrics, _reference(ckpts, "v41", layout, "cuda")[1])
