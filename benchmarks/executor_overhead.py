@@ -17,9 +17,11 @@ token per request).
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import gc
 import json
 import statistics
+import sys
 import tempfile
 import time
 from datetime import date
@@ -30,6 +32,14 @@ import torch
 from common import add_commit_arg, new_results_path, recorded_commit, refuse_existing_out, write_results
 
 WARMUP = 8
+PHASE_STACKS_S = 240  # a phase (engine start-up, one row) still running after this prints every thread's stack
+T0 = time.monotonic()
+
+
+def phase(what: str) -> None:
+    """On stderr, with the seconds since start; re-arms the stack dump of a phase that hangs."""
+    print(f"[{time.monotonic() - T0:7.1f} s] {what}", file=sys.stderr, flush=True)
+    faulthandler.dump_traceback_later(PHASE_STACKS_S, exit=False)
 
 
 def slice_dir(root: Path, arch: str, smoke: bool) -> Path:
@@ -52,8 +62,11 @@ def engine(path: Path, arch: str, backend: str, batch: int, context: int, device
     cuda = device == "cuda"
     args = EngineArgs(str(path), device=device, dtype="bfloat16" if cuda else "float32", quantized=cuda,
                       load_format="dummy", kv_cache_dtype="auto" if cuda else "float32",
-                      kv_cache_memory=(8 << 30) if cuda else (64 << 20), max_model_len=context + 64,
-                      max_num_seqs=batch, max_num_batched_tokens=max(batch * context, 2048), seed=0,
+                      # the cache the rows need (batch x context tokens) with room; prefill in chunks of 2048
+                      # tokens: one step of batch x context would need activations the V4.1 slice's 70 GB of
+                      # weights leave no room for on an 80 GB GPU
+                      kv_cache_memory=(2 << 30) if cuda else (64 << 20), max_model_len=context + 64,
+                      max_num_seqs=batch, max_num_batched_tokens=2048, seed=0,
                       enforce_eager=not cuda, distributed_executor_backend=backend,
                       # FP4 experts as FP8 codes where LLM would hold them so (the V4 slice fits twice over; the
                       # V4.1 slice's 8 layers of 384 experts would not)
@@ -122,8 +135,10 @@ def main() -> None:
             for backend in ("uni", "mp"):  # one engine each, every batch's rows on it
                 eng = None
                 try:
+                    phase(f"{arch} {backend}: starting the engine")
                     eng = engine(path, arch, backend, max(batches), args.context, device)
                     for batch in batches:
+                        phase(f"{arch} {backend}: batch {batch}")
                         row = {"slice": arch, "executor": backend, "batch": batch, "context": args.context}
                         try:
                             t, info = decode_step_seconds(eng, batch, args.context, args.steps, args.reps)
@@ -143,6 +158,7 @@ def main() -> None:
                     gc.collect()
                     if device == "cuda":
                         torch.cuda.empty_cache()
+    faulthandler.cancel_dump_traceback_later()
     for arch in args.slices.split(","):
         for batch in (int(b) for b in args.batches.split(",")):
             uni = next((r for r in rows if (r["slice"], r["executor"], r["batch"]) == (arch, "uni", batch)), None)

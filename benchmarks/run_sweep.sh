@@ -9,9 +9,18 @@
 # Writes benchmarks/results/<date>-<gpu>.json (+ .png where matplotlib is installed) unless RESULTS is set
 # to another path; --smoke (tiny widths on the CPU) writes under a fresh temporary directory instead.
 # The last line names the files written. COMMIT=<hash> is recorded instead of git's HEAD.
+# Then (EXECUTOR_ROWS=0 skips them) the executor rows: the multi-process executor at one rank against the
+# in-process engine on both slices, decode at batch 1 and 64 (benchmarks/executor_overhead.py; its own
+# results file, <date>-<gpu>-executor-overhead-<commit>.json).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 args=(--engines "${ENGINES:-deepinfer,deepinfer-fp8,deepinfer-v41,deepinfer-v41-fp8,transformers}" --reps "${REPS:-3}")
 [ -n "${RESULTS:-}" ] && args+=(--out "$RESULTS")
-[ -n "${COMMIT:-}" ] && args+=(--commit "$COMMIT")
-PYTHONPATH=. exec python3 benchmarks/flash_slice.py "${args[@]}" "$@"
+commit=()
+[ -n "${COMMIT:-}" ] && commit=(--commit "$COMMIT")
+PYTHONPATH=. python3 benchmarks/flash_slice.py "${args[@]}" "${commit[@]}" "$@"
+if [ "${EXECUTOR_ROWS:-1}" != 0 ]; then
+  rows=(--batches 1,64)
+  [[ " $* " == *" --smoke "* ]] && rows=(--smoke --batches 1,2 --steps 4 --reps 1)  # the script's check
+  (cd benchmarks && PYTHONPATH=.. python3 executor_overhead.py --slices v4,v41 "${rows[@]}" "${commit[@]}")
+fi

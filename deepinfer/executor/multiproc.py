@@ -6,7 +6,8 @@ runs `run_node` (deepinfer's `--node-rank K` for K > 0), which spawns that node'
 ranks meet through torch.distributed's TCP store at master_addr:master_port (multi-node), or env:// when the
 environment sets MASTER_ADDR and MASTER_PORT (as torchrun does), else a file store in a temporary directory.
 
-Every step the driver broadcasts one message (pickled, over the gloo group) and every rank acts on it:
+Every step the driver sends one message (pickled) to every rank, which acts on it: through a shared-memory
+ring to this node's ranks (shm_ring.py), over the gloo group (a broadcast) on a multi-node layout:
   ("step", plans, fixed, rebalance)  every data-parallel replica's plan (None: no work), in lockstep; a
       rank runs its replica's plan (or the expert-parallel dummy step) and the replicas' leaders' outputs
       are gathered to the driver (all_gather_object; skipped with one replica, whose leader is the driver);
@@ -41,6 +42,7 @@ from deepinfer.distributed import parallel_state as ps
 from deepinfer.engine.outputs import ModelOutput, SchedulerOutput
 from deepinfer.executor.procs import (FAILED_EXIT_CODE, REPORT_WAIT_S, RankDied, TPWorkerError, _abort_nccl,
                                       _exit_code, _RankWatch, describe_exit, report_failure)
+from deepinfer.executor.shm_ring import ShmRing
 from deepinfer.executor.worker import EngineArgs, Worker
 from deepinfer.structured.frozen import freeze_grammars
 from deepinfer.worker.model_runner import StepHandle
@@ -77,13 +79,24 @@ def _rendezvous(args: EngineArgs) -> tuple[str, str | None]:
     return f"file://{Path(tmp) / 'store'}", tmp
 
 
-def _rank_main(rank: int, args: EngineArgs, init_method: str, reports) -> None:
-    """A rank other than the driver: run every message the driver broadcasts until it sends None."""
+def _spin_s(args: EngineArgs) -> float:
+    """How long a rank waiting for a message yields rather than sleeps: on CUDA, long enough to cover a burst
+    of back-to-back steps; on the CPU none (the ranks compute on the same few cores)."""
+    return 0.5 if torch.device(args.device).type == "cuda" else 0.0
+
+
+def _rank_main(rank: int, args: EngineArgs, init_method: str, reports, ring: str | None = None) -> None:
+    """A rank other than the driver: run every message the driver sends until it sends None (`ring`: the
+    path of the driver's shared-memory ring, on the driver's node; None: messages come by gloo broadcast)."""
     os.environ["LOCAL_RANK"] = str(rank % args.ranks_per_node)
+    channel = None
     try:
         w = Worker(args, rank, init_method)
+        if ring is not None:
+            channel = ShmRing.attach(ring, args.ranks_per_node - 1, rank - 1, _spin_s(args), args.timeout_s)
+        recv = channel.recv if channel is not None else ps.broadcast_object
         step = 0
-        while (msg := ps.broadcast_object(None)) is not None:
+        while (msg := recv()) is not None:
             if args.step_hook is not None:
                 args.step_hook(rank, step)
             kind = msg[0]
@@ -101,6 +114,8 @@ def _rank_main(rank: int, args: EngineArgs, init_method: str, reports) -> None:
     except BaseException as e:  # noqa: BLE001 (reported to the driver, then this process ends)
         report_failure(rank, e, reports)
     finally:
+        if channel is not None:
+            channel.close()
         ps.destroy()
 
 
@@ -143,10 +158,14 @@ class MultiprocExecutor:
         self._closed = False
         self._threads = torch.get_num_threads()  # rank 0 (this process) may set its own; close() restores it
         init_method, self._tmp = _rendezvous(args)
+        # this node's ranks read the ring; other nodes' ranks take the gloo broadcast (one channel for all)
+        self._ring = ShmRing.create(args.ranks_per_node - 1, _spin_s(args), args.timeout_s) \
+            if args.nnodes == 1 else None
+        ring = self._ring.path if self._ring is not None else None
         ctx = mp.get_context("spawn")
         self._reports = ctx.Queue()
-        self._procs = {r: ctx.Process(target=_rank_main, args=(r, args, init_method, self._reports), daemon=True,
-                                      name=f"deepinfer-rank{r}") for r in range(1, args.ranks_per_node)}
+        self._procs = {r: ctx.Process(target=_rank_main, args=(r, args, init_method, self._reports, ring),
+                                      daemon=True, name=f"deepinfer-rank{r}") for r in range(1, args.ranks_per_node)}
         for p in self._procs.values():
             p.start()
         self._watch = _RankWatch(self._procs, _abort_nccl)
@@ -164,7 +183,7 @@ class MultiprocExecutor:
         return self._guard(lambda: self._step(plans, fixed, rebalance))
 
     def _step(self, plans, fixed, rebalance):
-        ps.broadcast_object(("step", [self._for_ranks(p) for p in plans], fixed, rebalance))
+        self._send(("step", [self._for_ranks(p) for p in plans], fixed, rebalance))
         out = self.worker.step(plans, fixed, rebalance)
         if len(plans) == 1:
             return [out]
@@ -176,7 +195,7 @@ class MultiprocExecutor:
         def go():
             deferred = prev is not None and any(c.grammar is not None and c.num_samples for c in so.chunks)
             sent = _with_grammar(so, DEFERRED) if deferred else self._for_ranks(so)
-            ps.broadcast_object(("launch", sent, prev is not None))
+            self._send(("launch", sent, prev is not None))
             return self.worker.runner.launch(so, prev)
         return self._guard(go)
 
@@ -190,9 +209,16 @@ class MultiprocExecutor:
             return
 
         def go():
-            ps.broadcast_object(("complete", self._for_ranks(h.deferred[0])))
+            self._send(("complete", self._for_ranks(h.deferred[0])))
             self.worker.runner.complete(h)
         self._guard(go)
+
+    def _send(self, msg) -> None:
+        """`msg` to every other rank (the ring on one node, else the gloo broadcast)."""
+        if self._ring is not None:
+            self._ring.send(msg, self._watch.check)
+        else:
+            ps.broadcast_object(msg)
 
     def _guard(self, fn):
         """Run a step's part; any failure ends the engine (the ranks may be out of step): it becomes the
@@ -230,7 +256,7 @@ class MultiprocExecutor:
         if self._error is None and self._watch.dead is None and ps.rank_info() is not None \
                 and (self._procs or self.args.nnodes > 1):
             try:
-                ps.broadcast_object(None)
+                self._send(None)
             except Exception:  # a rank already gone: it is stopped below
                 logger.exception("the %s ranks could not be told to stop", self.kind)
         for p in self._procs.values():
@@ -245,6 +271,9 @@ class MultiprocExecutor:
             if self._watch.dead is None:
                 raise
             logger.exception("could not leave the process group cleanly after rank %d died", self._watch.dead[0])
+        if self._ring is not None:
+            self._ring.close()
+            self._ring = None
         if self._tmp is not None:
             shutil.rmtree(self._tmp, ignore_errors=True)
             self._tmp = None

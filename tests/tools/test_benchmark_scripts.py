@@ -174,10 +174,11 @@ def test_run_sweep_smoke_leaves_tracked_results_alone(tmp_path):
     res = run(["bash", "benchmarks/run_sweep.sh", "--smoke"], ENGINES="deepinfer", REPS="1")
     assert res.returncode == 0, res.stderr[-3000:]
     assert sorted(p.name for p in (BENCH / "results").iterdir()) == before
-    last = res.stdout.strip().splitlines()[-1]
-    assert last.startswith("wrote ")
-    written = [Path(p) for p in last.removeprefix("wrote ").split(" and ")]
-    assert written and all(p.is_file() for p in written)
+    wrote = [line for line in res.stdout.strip().splitlines() if line.startswith("wrote ")]
+    assert len(wrote) == 2  # the sweep's files, then the executor rows'
+    written = [Path(p) for line in wrote for p in line.removeprefix("wrote ").split(" and ")]
+    assert all(p.is_file() for p in written)
+    assert "-executor-overhead-" in written[-1].name
     assert all(BENCH / "results" not in p.parents for p in written)
 
 
