@@ -12,6 +12,7 @@ raises is aborted alone.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
@@ -24,6 +25,18 @@ from deepinfer.engine.scheduler import Scheduler
 logger = logging.getLogger(__name__)
 
 GRAMMAR_POLL_S = 0.0005  # how often an engine with nothing else to run checks on compiling grammars
+
+
+@dataclasses.dataclass
+class StartedStep:
+    """A step between EngineCore.start_step and finish_step."""
+
+    failed: list[Request]  # requests aborted before the step (failed grammars)
+    so: SchedulerOutput
+    handle: object = None  # the launched step (None: launching it failed)
+    ahead: SchedulerOutput | None = None  # the next step, launched ahead
+    ahead_error: Exception | None = None  # launching it failed (this step still completes)
+    error: Exception | None = None  # launching this step failed
 
 
 class EngineCore:
@@ -47,55 +60,78 @@ class EngineCore:
 
     def step(self) -> list[Request]:
         """One model step; returns the requests that finished in it (aborted ones included)."""
+        return self.finish_step(self.start_step())
+
+    def start_step(self, wait_grammars: bool = True) -> "StartedStep | list[Request]":
+        """The launch half of a step: schedule (or take the step launched ahead), launch it, plan and launch
+        the next one ahead. -> what finish_step needs, or the finished requests of a step with nothing to
+        run (without `wait_grammars`, also while the only requests that could run wait for their grammars).
+        Data-parallel replicas in lockstep start every replica's step before finishing any."""
         failed = self.grammar_failures()
         if self.inflight is not None:
             (so, handle), self.inflight = self.inflight, None
         else:
             if not self.scheduler.has_unfinished():
                 return failed
-            so, handle = self._schedule(), None
+            so, handle = self._schedule(wait_grammars), None
             if not so.chunks:
                 failed += self.grammar_failures()  # a compile that failed since the check above
-                if failed:
+                if failed or not wait_grammars and self.compiling():
                     return failed
                 raise RuntimeError("scheduler made no progress: the cache cannot hold any waiting request")
-        ahead = ahead_error = None
+        st = StartedStep(failed, so, handle)
         try:
-            if handle is None and self.async_scheduling:
-                handle = self.runner.launch(so)
-            if handle is None:
-                mo = self.runner.execute(so)
-            else:
-                ahead = self.scheduler.schedule_ahead(so)
-                if ahead is not None:
+            if st.handle is None:
+                st.handle = self.runner.launch(so)
+            if self.async_scheduling:
+                st.ahead = self.scheduler.schedule_ahead(so)
+                if st.ahead is not None:
                     try:
-                        self.inflight = (ahead, self.runner.launch(ahead, handle))
+                        self.inflight = (st.ahead, self.runner.launch(st.ahead, st.handle))
                     except Exception as e:  # the look-ahead step failed; this one still completes
-                        ahead_error = e
-                mo = self.runner.collect(handle)
+                        st.ahead_error = e
+        except Exception as e:
+            st.error = e
+        return st
+
+    def finish_step(self, st: "StartedStep | list[Request]") -> list[Request]:
+        """The collect half: wait for the step's output, update the scheduler, check stops."""
+        if isinstance(st, list):
+            return st
+        so, ahead = st.so, st.ahead
+        try:
+            if st.error is not None:
+                raise st.error
+            mo = self.runner.collect(st.handle)
             touched = self.scheduler.update(so, mo)
             if self.inflight is not None:  # a step launched ahead whose grammar masks needed this step's tokens
                 self.runner.complete(self.inflight[1])
         except Exception as e:
-            return self._fail_step(so, ahead, e)
-        finished = failed + [req for req in touched if self._check_stop(req)]
+            return st.failed + self._fail_step(so, ahead, e)
+        finished = st.failed + [req for req in touched if self._check_stop(req)]
         if self.inflight is not None and not self.scheduler.has_unfinished():
             self._drop_inflight()  # every request finished by a stop token
         for req in finished:
             self.requests.pop(req.request_id, None)
-        if ahead_error is not None:
-            finished += self._fail_step(ahead, None, ahead_error)
+        if st.ahead_error is not None:
+            finished += self._fail_step(ahead, None, st.ahead_error)
         return finished
 
-    def _schedule(self) -> SchedulerOutput:
+    def _schedule(self, wait_grammars: bool = True) -> SchedulerOutput:
         """The next step; while the only requests that could run wait for their grammars to compile
-        (structured outputs, compiled on worker threads), waits for one of them."""
+        (structured outputs, compiled on worker threads), waits for one of them (or, without
+        `wait_grammars`, returns the empty step)."""
         while True:
             so = self.scheduler.schedule()
             grammars = [r.grammar for r in self.scheduler.waiting_grammars]
-            if so.chunks or all(g.ready() for g in grammars) or any(g.ready() and g.error for g in grammars):
+            if so.chunks or all(g.ready() for g in grammars) or any(g.ready() and g.error for g in grammars) \
+                    or not wait_grammars:
                 return so
             time.sleep(GRAMMAR_POLL_S)
+
+    def compiling(self) -> bool:
+        """A waiting request's grammar is still compiling."""
+        return any(not r.grammar.ready() for r in self.scheduler.waiting_grammars)
 
     def grammar_failures(self) -> list[Request]:
         """Waiting requests whose grammar failed to compile (or admits no token): aborted with its error."""

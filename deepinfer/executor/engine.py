@@ -11,10 +11,14 @@ launch / collect / complete, so async scheduling (a step launched ahead while th
 every runner feature work the same on every layout.
 
 Several replicas: steps run in lockstep (the expert-parallel exchange joins every rank at every MoE
-layer): the driver plans every replica's step, the executor runs them all at once and returns each
-replica's output, and each replica's EngineCore applies its own. With expert parallelism a step is
-`fixed` (ExpertParallel.forward_fixed) when no replica prefills and every replica's tokens fit the
-capacity; every `eplb.interval` steps the experts are rebalanced after the step (EPLB).
+layer), in rounds: every replica's EngineCore starts its step (EngineCore.start_step: schedules, launches,
+with async scheduling also plans and launches the next step ahead); the executor then launches every
+replica's queued steps at once, k-th with k-th (a replica with fewer runs the expert-parallel dummy step);
+one collect gathers every replica's output of the step it finishes; each EngineCore finishes its step
+(EngineCore.finish_step); grammar masks of steps launched ahead go to the ranks last. With expert
+parallelism a launch is `fixed` (ExpertParallel.forward_fixed) when no replica prefills and every replica's
+tokens fit the capacity; every `eplb.interval` rounds the experts are rebalanced after the collect (EPLB;
+its load record reads the device, so with EPLB the replicas step without launching ahead).
 
 A failure of the executor (a rank that raised or died) aborts every request and is raised
 (TPWorkerError); the engine is then closed.
@@ -25,7 +29,7 @@ import itertools
 import time
 from typing import Callable
 
-from deepinfer.engine.engine_core import GRAMMAR_POLL_S, EngineCore
+from deepinfer.engine.engine_core import GRAMMAR_POLL_S, EngineCore, StartedStep
 from deepinfer.engine.kv_manager import KVCacheManager
 from deepinfer.engine.outputs import CompletionOutput, ModelOutput, SchedulerOutput
 from deepinfer.engine.request import Request, Status
@@ -34,46 +38,26 @@ from deepinfer.executor.worker import EngineArgs
 from deepinfer.sampling_params import SamplingParams
 
 
-class _PlannedScheduler(Scheduler):
-    """A replica's Scheduler under lockstep steps: `plan()` makes the step before the executor runs every
-    replica's, and the EngineCore's `schedule()` then takes that same step."""
+class _LockstepReplica:
+    """Replica d's runner when several replicas step in lockstep: a launch is queued (-> its seq, the handle)
+    until every replica's step has started, then the executor launches them all at once (Engine._launch);
+    collect returns the replica's output of the round's collect (Engine._collect), which gathers every
+    replica's at once. `execute` runs one step of this replica alone (start-up profiling)."""
 
-    _planned: SchedulerOutput | None = None
+    def __init__(self, engine: "Engine", d: int, placeholders: bool):
+        self.engine, self.d, self.supports_placeholders = engine, d, placeholders
 
-    def plan(self) -> SchedulerOutput:
-        self._planned = super().schedule()
-        return self._planned
+    def launch(self, so: SchedulerOutput, prev: int | None = None) -> int:
+        return self.engine._queue(self.d, so, prev is not None)
 
-    def schedule(self) -> SchedulerOutput:
-        so, self._planned = self._planned, None
-        if so is None:
-            raise RuntimeError("a replica's step was not planned before it ran")
-        return so
+    def collect(self, seq: int) -> ModelOutput:
+        return self.engine._collected(self.d, seq)
 
-
-class _LockstepOutput:
-    """Replica `d`'s runner under lockstep steps: the step's output the executor returned for it."""
-
-    supports_placeholders = False  # the next plan carries the sampled tokens
-
-    def __init__(self, engine: "Engine", d: int):
-        self.engine, self.d = engine, d
+    def complete(self, seq: int) -> None:
+        self.engine._complete(self.d, seq)
 
     def execute(self, so: SchedulerOutput) -> ModelOutput:
-        if self.engine.failure is not None:
-            raise self.engine.failure
-        return self.engine._outputs[self.d]
-
-
-class _ProfileRunner:
-    """runner.execute for start-up profiling (worker/sps_profile.py) under lockstep steps: replica 0's
-    step, the other replicas idle (joining the expert exchange)."""
-
-    def __init__(self, engine: "Engine"):
-        self.engine, self.device = engine, engine.executor.worker.runner.device
-
-    def execute(self, so: SchedulerOutput) -> ModelOutput:
-        return self.engine.executor.step([so] + [None] * (len(self.engine.cores) - 1))[0]
+        return self.engine._alone(self.d, so)
 
 
 class Engine:
@@ -90,16 +74,22 @@ class Engine:
             "every rank's smallest share" if args.parallel.world_size > 1 else "the cache")
         dp = args.parallel.data_parallel_size
         self.failure = None
-        self._outputs: list[ModelOutput | None] = []
-        self._steps = self.fixed_steps = 0
+        self._steps = self.fixed_steps = 0  # lockstep rounds; launches with the fixed-capacity exchange
+        self.ahead_launches = 0  # lockstep launches planned before the step they follow was collected
+        self._seq = 0  # lockstep launches are numbered (every replica's ranks collect by number)
+        self._queued: list[list[tuple[SchedulerOutput, bool, int]]] = [[] for _ in range(dp)]
+        self._deferred: list[dict[int, SchedulerOutput]] = [{} for _ in range(dp)]  # seq -> plan awaiting masks
+        self._completes: list[SchedulerOutput | None] = [None] * dp
+        self._round: tuple[list[int | None], list[ModelOutput | None]] | None = None  # (upto, outputs)
         self.cores: list[EngineCore] = []
+        placeholders = w.runner.supports_placeholders
         for d in range(dp):  # every replica's cache has the driver's size (the smallest)
             kv = KVCacheManager(w.num_slots, w.num_blocks, args.block_size)
-            cls = Scheduler if dp == 1 else _PlannedScheduler
-            sched = cls(kv, min(args.max_num_seqs, w.num_slots), args.max_num_batched_tokens, self.max_model_len,
-                        proposer() if proposer else None)
-            runner = executor.replica_runner() if dp == 1 else _LockstepOutput(self, d)
-            self.cores.append(EngineCore(sched, runner, detokenizer, async_scheduling and dp == 1))
+            sched = Scheduler(kv, min(args.max_num_seqs, w.num_slots), args.max_num_batched_tokens,
+                              self.max_model_len, proposer() if proposer else None)
+            runner = executor.replica_runner() if dp == 1 else _LockstepReplica(self, d, placeholders)
+            ahead = async_scheduling and (dp == 1 or args.eplb is None)
+            self.cores.append(EngineCore(sched, runner, detokenizer, ahead))
         self.scheduler = self.cores[0].scheduler  # replica 0's (LLM reads its limits)
         self._owner: dict[str, int] = {}  # request id -> its replica, until completion / release
         self._ids = itertools.count()
@@ -116,8 +106,8 @@ class Engine:
         return [c.scheduler for c in self.cores]
 
     def profile_runner(self):
-        """What worker/sps_profile.py times steps through (replica 0's steps)."""
-        return self.cores[0].runner if len(self.cores) == 1 else _ProfileRunner(self)
+        """What worker/sps_profile.py times steps through (replica 0's steps; the others idle)."""
+        return self.cores[0].runner
 
     # EngineCore's surface
     def add_request(self, req: Request) -> None:
@@ -145,50 +135,96 @@ class Engine:
         return self._lockstep()
 
     def _lockstep(self) -> list[Request]:
-        finished = [r for c in self.cores for r in c.grammar_failures()]
-        active = [d for d, c in enumerate(self.cores) if c.has_unfinished()]
-        plans: list[SchedulerOutput | None] = [None] * len(self.cores)
-        for d in active:
-            so = self.cores[d].scheduler.plan()
-            plans[d] = so if so.chunks else None
-        if all(p is None for p in plans):
-            for d in active:
-                self.cores[d].scheduler._planned = None
-            if finished:
-                return finished
-            if any(not r.grammar.ready() for c in self.cores for r in c.scheduler.waiting_grammars):
-                time.sleep(GRAMMAR_POLL_S)  # only requests whose grammars still compile could run
-                return finished
-            if active:
-                raise RuntimeError("scheduler made no progress: the cache cannot hold any waiting request")
-            return finished
-        cap = self.args.max_num_seqs
-        fixed = all(p is None or (len(p.chunks) <= cap and all(len(c.token_ids) == 1 for c in p.chunks))
-                    for p in plans)
-        self._steps += 1
-        self.fixed_steps += fixed
-        eplb = self.args.eplb
-        rebalance = eplb is not None and self._steps % eplb.interval == 0
-        try:
-            self._outputs = self.executor.step(plans, fixed, rebalance)
-        except Exception as e:
-            self.failure = e
-        errors = []
-        for d in active:  # every replica's output is applied, even if one replica's update raises
-            if plans[d] is None:
-                self.cores[d].scheduler._planned = None
-                continue
+        """One round of every replica's step (see the module's docstring)."""
+        self._round = None
+        started, errors = [], []
+        for c in self.cores:
             try:
-                finished += self.cores[d].step()  # a failed step aborts its requests in it, with the error
-            except Exception as e:  # noqa: BLE001 (raised below, once every core has its output)
+                started.append(c.start_step(wait_grammars=False))
+            except Exception as e:  # noqa: BLE001 (raised below, once every other replica's step is done)
                 errors.append(e)
+                started.append([])
+        if any(self._queued):
+            self._steps += 1
+            self._guarded(self._launch)
+        upto = [st.handle if isinstance(st, StartedStep) and st.error is None else None for st in started]
+        if any(u is not None for u in upto):
+            eplb = self.args.eplb
+            rebalance = eplb is not None and self._steps % eplb.interval == 0
+            self._guarded(lambda: self._collect(upto, rebalance))
+        finished = []
+        for c, st in zip(self.cores, started):  # every replica's output is applied, even if one's update raises
+            try:
+                finished += c.finish_step(st)
+            except Exception as e:  # noqa: BLE001
+                errors.append(e)
+        if any(p is not None for p in self._completes):
+            self._guarded(self._send_completes)
         if self.failure is not None:
             for c in self.cores:
                 finished += c.abort(list(c.requests), str(self.failure))
             raise self.failure
         if errors:
             raise errors[0]
+        if not any(isinstance(st, StartedStep) for st in started) and not finished and self.has_unfinished():
+            if not any(c.compiling() for c in self.cores):
+                raise RuntimeError("scheduler made no progress: the cache cannot hold any waiting request")
+            time.sleep(GRAMMAR_POLL_S)  # only requests whose grammars still compile could run
         return finished
+
+    def _guarded(self, fn) -> None:
+        """An executor call of the round; a failure is kept (every request is aborted at the round's end)."""
+        if self.failure is None:
+            try:
+                fn()
+            except Exception as e:  # noqa: BLE001
+                self.failure = e
+
+    # the replicas' runners (_LockstepReplica) call these
+    def _queue(self, d: int, so: SchedulerOutput, ahead: bool) -> int:
+        self._seq += 1
+        self.ahead_launches += ahead
+        self._queued[d].append((so, ahead, self._seq))
+        if ahead and any(c.grammar is not None and c.num_samples for c in so.chunks):
+            self._deferred[d][self._seq] = so  # its masks need this round's tokens: complete sends them
+        return self._seq
+
+    def _launch(self) -> None:
+        """Every replica's queued launches, k-th with k-th."""
+        queued, self._queued = self._queued, [[] for _ in self.cores]
+        cap = self.args.max_num_seqs
+        for k in range(max(len(q) for q in queued)):
+            entries = [q[k] if k < len(q) else None for q in queued]
+            fixed = all(e is None or (len(e[0].chunks) <= cap and all(len(c.token_ids) == 1 for c in e[0].chunks))
+                        for e in entries)
+            self.fixed_steps += fixed
+            self.executor.launch_replicas(entries, fixed)
+
+    def _collect(self, upto: list[int | None], rebalance: bool) -> None:
+        self._round = (upto, self.executor.collect_replicas(upto, rebalance))
+
+    def _collected(self, d: int, seq: int) -> ModelOutput:
+        if self.failure is not None:
+            raise self.failure
+        if self._round is None or self._round[0][d] != seq:
+            return ModelOutput({})  # a step launched ahead and dropped: the ranks collect it with the next
+        return self._round[1][d]
+
+    def _complete(self, d: int, seq: int) -> None:
+        so = self._deferred[d].pop(seq, None)
+        if so is not None:
+            self._completes[d] = so
+
+    def _send_completes(self) -> None:
+        plans, self._completes = self._completes, [None] * len(self.cores)
+        self.executor.complete_replicas(plans)
+
+    def _alone(self, d: int, so: SchedulerOutput) -> ModelOutput:
+        """Replica d's step `so` alone (the others idle), launched and collected."""
+        self._seq += 1
+        entries = [(so, False, self._seq) if i == d else None for i in range(len(self.cores))]
+        self.executor.launch_replicas(entries, fixed=False)
+        return self.executor.collect_replicas([e[2] if e else None for e in entries])[d]
 
     def completion(self, req: Request, index: int) -> CompletionOutput:
         return self.cores[self._owner.pop(req.request_id)].completion(req, index)

@@ -8,9 +8,12 @@ environment sets MASTER_ADDR and MASTER_PORT (as torchrun does), else a file sto
 
 Every step the driver sends one message (pickled) to every rank, which acts on it: through a shared-memory
 ring to this node's ranks (shm_ring.py), over the gloo group (a broadcast) on a multi-node layout:
-  ("step", plans, fixed, rebalance)  every data-parallel replica's plan (None: no work), in lockstep; a
-      rank runs its replica's plan (or the expert-parallel dummy step) and the replicas' leaders' outputs
-      are gathered to the driver (all_gather_object; skipped with one replica, whose leader is the driver);
+  ("launch_replicas", entries, fixed)  several data-parallel replicas in lockstep: per replica (plan, ahead,
+      seq) or None; a rank launches its replica's plan (or the expert-parallel dummy step);
+  ("collect_replicas", upto, rebalance)  per replica the seq of the step to collect (None: none); a rank
+      collects its replica's pending steps up to it, and the replicas' leaders' outputs are gathered to
+      the driver (all_gather_object); then EPLB's load record and rebalance;
+  ("complete_replicas", plans)  per replica the frozen plan of its newest pending step (None: nothing);
   ("launch", plan, ahead)  one replica's step launched without waiting for the step before it (async
       scheduling): `ahead` says its placeholder inputs are the tokens of the rank's newest pending step;
   ("complete", plan)  the grammar masks of the newest pending step, launched ahead of the step whose
@@ -99,11 +102,16 @@ def _rank_main(rank: int, args: EngineArgs, init_method: str, reports, ring: str
         while (msg := recv()) is not None:
             if args.step_hook is not None:
                 args.step_hook(rank, step)
-            kind = msg[0]
-            if kind == "step":
-                out = w.step(*msg[1:])
-                if args.parallel.data_parallel_size > 1:
-                    ps.all_gather_object(out if w.info.is_replica_leader else None)
+            kind, d = msg[0], w.info.dp_rank
+            if kind == "launch_replicas":
+                mine = msg[1][d]
+                w.launch_replica(*(mine or (None, False, 0)), fixed=msg[2])
+            elif kind == "collect_replicas":
+                out = w.collect_replica(msg[1][d], msg[2])
+                ps.all_gather_object(out if w.info.is_replica_leader else None)
+            elif kind == "complete_replicas":
+                if msg[1][d] is not None:
+                    w.complete_replica(msg[1][d])
             elif kind == "launch":
                 w.launch(*msg[1:])
             elif kind == "complete":
@@ -176,26 +184,47 @@ class MultiprocExecutor:
         self.failure: TPWorkerError | None = None  # the first failure of a step (kept: the engine is closed)
         self.steps = 0
 
-    # the steps
-    def step(self, plans: list[SchedulerOutput | None], fixed: bool = False,
-             rebalance: bool = False) -> list[ModelOutput | None]:
-        """Every replica's plan on its ranks, in lockstep -> every replica's output (None without a plan)."""
-        return self._guard(lambda: self._step(plans, fixed, rebalance))
+    # several data-parallel replicas, in lockstep
+    def launch_replicas(self, entries: list[tuple[SchedulerOutput, bool, int] | None], fixed: bool) -> None:
+        """Per replica (plan, ahead, seq) or None, launched on its ranks at once (with `fixed`: expert
+        parallelism's fixed-capacity exchange). A plan launched ahead whose grammar masks need the step
+        before it goes without them (complete_replicas sends them)."""
+        def go():
+            sent = [None if e is None else (self._deferred(e[0]) if e[1] else self._for_ranks(e[0]), e[1], e[2])
+                    for e in entries]
+            self._send(("launch_replicas", sent, fixed))
+            mine = entries[self.worker.info.dp_rank]
+            self.worker.launch_replica(*(mine or (None, False, 0)), fixed=fixed)
+        self._guard(go)
 
-    def _step(self, plans, fixed, rebalance):
-        self._send(("step", [self._for_ranks(p) for p in plans], fixed, rebalance))
-        out = self.worker.step(plans, fixed, rebalance)
-        if len(plans) == 1:
-            return [out]
-        mine = out if self.worker.info.is_replica_leader else None
-        return _replica_outputs(ps.all_gather_object(mine), self.args.parallel, plans)
+    def collect_replicas(self, upto: list[int | None], rebalance: bool = False) -> list[ModelOutput | None]:
+        """Per replica the output of its step numbered upto[d] (None where upto[d] is None)."""
+        def go():
+            self._send(("collect_replicas", upto, rebalance))
+            out = self.worker.collect_replica(upto[self.worker.info.dp_rank], rebalance)
+            mine = out if self.worker.info.is_replica_leader else None
+            return _replica_outputs(ps.all_gather_object(mine), self.args.parallel, upto)
+        return self._guard(go)
+
+    def complete_replicas(self, plans: list[SchedulerOutput | None]) -> None:
+        """Per replica the newest pending step's plan, its grammars now advanced (None: nothing to complete)."""
+        def go():
+            self._send(("complete_replicas", [None if p is None else self._for_ranks(p) for p in plans]))
+            if plans[self.worker.info.dp_rank] is not None:
+                self.worker.runner.complete(self.worker.replica_pending[-1][1])
+        self._guard(go)
+
+    def _deferred(self, so: SchedulerOutput) -> SchedulerOutput:
+        """`so`, launched ahead, as the other ranks receive it: grammar chunks that sample wait for their
+        masks (DEFERRED, sent again by complete), the rest frozen."""
+        if any(c.grammar is not None and c.num_samples for c in so.chunks):
+            return _with_grammar(so, DEFERRED)
+        return self._for_ranks(so)
 
     def launch(self, so: SchedulerOutput, prev: StepHandle | None) -> StepHandle:
         """One replica (data_parallel_size 1): `so` launched on every rank; the driver's handle."""
         def go():
-            deferred = prev is not None and any(c.grammar is not None and c.num_samples for c in so.chunks)
-            sent = _with_grammar(so, DEFERRED) if deferred else self._for_ranks(so)
-            self._send(("launch", sent, prev is not None))
+            self._send(("launch", self._deferred(so) if prev is not None else self._for_ranks(so), prev is not None))
             return self.worker.runner.launch(so, prev)
         return self._guard(go)
 
@@ -359,9 +388,9 @@ class ReplicaRunner:
         return self.collect(self.launch(so))
 
 
-def _replica_outputs(gathered: list, parallel: ps.ParallelConfig, plans: list) -> list[ModelOutput | None]:
-    """Each replica's output from every rank's (its leader's), None where it had no plan."""
-    return [gathered[ps.replica_leader(d, parallel)] if plans[d] is not None else None for d in range(len(plans))]
+def _replica_outputs(gathered: list, parallel: ps.ParallelConfig, upto: list) -> list[ModelOutput | None]:
+    """Each replica's output from every rank's (its leader's), None where it collected nothing."""
+    return [gathered[ps.replica_leader(d, parallel)] if upto[d] is not None else None for d in range(len(upto))]
 
 
 def _with_grammar(so: SchedulerOutput, grammar: object) -> SchedulerOutput:

@@ -1,7 +1,6 @@
 """The in-process executor: one Worker in this process (world size 1, no process group)."""
 from __future__ import annotations
 
-from deepinfer.engine.outputs import ModelOutput, SchedulerOutput
 from deepinfer.executor.worker import EngineArgs, Worker
 
 
@@ -17,10 +16,6 @@ class InProcExecutor:
 
     def replica_runner(self):
         return self.worker.runner
-
-    def step(self, plans: list[SchedulerOutput | None], fixed: bool = False,
-             rebalance: bool = False) -> list[ModelOutput | None]:
-        return [self.worker.step(plans, fixed, rebalance)]
 
     def check_open(self) -> None:
         pass

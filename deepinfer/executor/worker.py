@@ -163,7 +163,8 @@ class Worker:
         self._eplb_setup()
         # handles launched on a worker rank and not yet collected (oldest first): a step launched ahead
         # reads the newest one's device tokens (placeholder inputs)
-        self.pending: collections.deque[StepHandle] = collections.deque()
+        self.pending: collections.deque[StepHandle] = collections.deque()  # one replica's launched steps
+        self.replica_pending: collections.deque[tuple[int, StepHandle]] = collections.deque()  # (seq, handle)
         if init_method is not None:
             ps.set_collective_timeout(args.timeout_s)  # start-up done: from here a peer this late is stuck
 
@@ -198,16 +199,31 @@ class Worker:
         for layer, ep in enumerate(self.eps):
             ep.counts = self.counts[layer]
 
-    # one data-parallel step (every replica's plan, in lockstep)
-    def step(self, plans: list[SchedulerOutput | None], fixed: bool, rebalance: bool) -> ModelOutput | None:
-        """This rank's part of one step; -> its replica's output (None without a plan)."""
-        plan = plans[self.info.dp_rank]
+    # data-parallel replicas in lockstep: every replica's launches at once, then every replica's collect
+    def launch_replica(self, plan: SchedulerOutput | None, ahead: bool, seq: int, fixed: bool) -> StepHandle | None:
+        """Launch this rank's replica's plan numbered `seq` (`ahead`: its placeholder inputs are the newest
+        pending step's tokens); without a plan, the expert-parallel dummy step (every rank joins each MoE
+        layer's exchange once per launch). -> the handle, None without a plan."""
         for ep in self.eps:
             ep.fixed_capacity = fixed
-        if plan is not None:
-            out = self.runner.execute(plan)
-        else:
-            out = self._dummy() if self.eps else None  # replicated experts: nothing to join
+        if plan is None:
+            if self.eps:
+                self._dummy()
+            return None
+        prev = self.replica_pending[-1][1] if ahead and self.replica_pending else None
+        h = self.runner.launch(plan, prev)
+        self.replica_pending.append((seq, h))
+        return h
+
+    def collect_replica(self, upto: int | None, rebalance: bool) -> ModelOutput | None:
+        """Wait for this rank's pending steps numbered up to `upto` (a step dropped by the driver is collected
+        with the next one) -> the output of step `upto` (None: none to collect); then record the expert
+        load, and rebalance (EPLB) if asked."""
+        out = None
+        while upto is not None and self.replica_pending and self.replica_pending[0][0] <= upto:
+            seq, h = self.replica_pending.popleft()
+            o = self.runner.collect(h)
+            out = o if seq == upto else out
         if self.load is not None:
             for layer, counts in enumerate(self.counts.cpu()):
                 self.load.record(layer, counts)
@@ -215,7 +231,11 @@ class Worker:
             self.load.next_step()
         if rebalance:
             self._rebalance()
-        return out if plan is not None else None
+        return out
+
+    def complete_replica(self, so: SchedulerOutput) -> None:
+        """Worker.complete for the newest pending step of this rank's replica."""
+        _complete(self.runner, self.replica_pending[-1][1], so)
 
     # one replica's steps, launched ahead (async scheduling, data_parallel_size 1)
     def launch(self, so: SchedulerOutput, ahead: bool) -> StepHandle:
@@ -231,12 +251,7 @@ class Worker:
     def complete(self, so: SchedulerOutput) -> None:
         """Sample the newest pending step, launched ahead with its grammar masks left for later: `so` is that
         step with its masks (structured/frozen.py) now that the driver has advanced the grammars."""
-        h = self.pending[-1]
-        if h.deferred is None:
-            raise RuntimeError("complete: the newest pending step was not deferred")
-        _, logits, rows = h.deferred
-        h.deferred = (so, logits, rows)
-        self.runner.complete(h)
+        _complete(self.runner, self.pending[-1], so)
 
     @torch.inference_mode()
     def _dummy(self) -> ModelOutput:
@@ -268,6 +283,15 @@ class Worker:
         self.model.placement = new
         self.rebalances += 1
         self.moved_slots += len(moves)
+
+
+def _complete(runner, h: StepHandle, so: SchedulerOutput) -> None:
+    """Sample `h`, launched ahead with its grammar masks left for later, from `so` (that step with its masks)."""
+    if h.deferred is None:
+        raise RuntimeError("complete: the newest pending step was not deferred")
+    _, logits, rows = h.deferred
+    h.deferred = (so, logits, rows)
+    runner.complete(h)
 
 
 def _agreed_flags(flags: list[bool]) -> list[bool]:

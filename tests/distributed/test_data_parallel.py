@@ -219,7 +219,7 @@ def test_an_update_that_raises_on_one_rank_still_applies_the_others(ckpt):
         reqs = [Request(str(i), PROMPTS[1], GREEDY, 1) for i in range(2)]  # 4 tokens: prefilled in one step
         for r in reqs:
             eng.add_request(r)
-        eng.cores[0].step = lambda: (_ for _ in ()).throw(RuntimeError("update failed"))
+        eng.cores[0].finish_step = lambda st: (_ for _ in ()).throw(RuntimeError("update failed"))
         with pytest.raises(RuntimeError, match="update failed"):
             eng.step()
         assert len(reqs[1].output_token_ids) == 1 and not reqs[0].output_token_ids

@@ -1,12 +1,12 @@
-"""Every runner EngineCore drives meets the declared Runner / AsyncRunner protocol (engine/runner.py), so the engine
-core reads no member it has to probe for."""
+"""Every runner EngineCore drives meets the declared Runner protocol (engine/runner.py), so the engine core reads no
+member it has to probe for."""
 from __future__ import annotations
 
 import pytest
 
 from deepinfer.distributed.context_parallel import CPRunner
-from deepinfer.engine.runner import AsyncRunner, Runner
-from deepinfer.executor.engine import _LockstepOutput
+from deepinfer.engine.runner import Runner
+from deepinfer.executor.engine import _LockstepReplica
 from deepinfer.executor.multiproc import ReplicaRunner
 from deepinfer.worker.model_runner import ModelRunner
 
@@ -17,14 +17,12 @@ def _members(protocol) -> set[str]:
 
 
 def test_the_protocols_declare_the_engine_cores_calls():
-    assert _members(Runner) == {"supports_placeholders", "execute"}
-    assert _members(AsyncRunner) == {"supports_placeholders", "execute", "launch", "collect", "complete"}
+    assert _members(Runner) == {"supports_placeholders", "execute", "launch", "collect", "complete"}
 
 
-@pytest.mark.parametrize("cls, protocol", [(ModelRunner, AsyncRunner), (CPRunner, AsyncRunner),
-                                           (ReplicaRunner, AsyncRunner), (_LockstepOutput, Runner)])
-def test_every_runner_meets_its_protocol(cls, protocol):
-    missing = sorted(m for m in _members(protocol) if not hasattr(cls, m) and m not in _instance_attrs(cls))
+@pytest.mark.parametrize("cls", [ModelRunner, CPRunner, ReplicaRunner, _LockstepReplica])
+def test_every_runner_meets_the_protocol(cls):
+    missing = sorted(m for m in _members(Runner) if not hasattr(cls, m) and m not in _instance_attrs(cls))
     assert not missing, f"{cls.__name__} lacks {missing}"
 
 
