@@ -16,8 +16,8 @@ Publishing and observing are separated by a lock acquire / release (the barrier 
 the engine's GPUs are hosted, keeps stores in program order regardless).
 
 Waiting: a reader yields the CPU between polls for `spin_s` (low latency while steps run back to back),
-then sleeps SLEEP_S per poll (an idle server's ranks cost nothing); it raises if its parent (the driver,
-on this node) is gone. The writer waits for a slot the same way, calling `check()` (the driver's watch of
+then sleeps SLEEP_S per poll, IDLE_SLEEP_S after IDLE_S (an idle server's ranks cost next to nothing); it
+raises if its parent (the driver, on this node) is gone. The writer waits for a slot the same way, calling `check()` (the driver's watch of
 its ranks: raises if one died) and raising TimeoutError after `timeout_s`.
 
 The ring lives in a file under /dev/shm (the temporary directory where there is none), mapped by every
@@ -40,6 +40,7 @@ from deepinfer.distributed import parallel_state as ps
 SLOTS = 4
 SLOT_BYTES = 1 << 20
 SLEEP_S = 1e-4
+IDLE_S, IDLE_SLEEP_S = 1.0, 1e-3  # waiting longer than IDLE_S (an idle server): poll every IDLE_SLEEP_S
 _FENCE = threading.Lock()
 _HEAD = struct.Struct("<qq")  # seq, length
 
@@ -70,7 +71,7 @@ def _wait(ready: Callable[[], bool], spin_s: float, timeout_s: float, check: Cal
         check()
         if waited > timeout_s:
             raise TimeoutError(f"{what} for {waited:.0f} s (timeout_s={timeout_s:.0f})")
-        time.sleep(SLEEP_S)
+        time.sleep(SLEEP_S if waited < IDLE_S else IDLE_SLEEP_S)
 
 
 class ShmRing:
