@@ -1,4 +1,4 @@
-"""Attention data parallelism with expert-parallel MoE (distributed/dp_engine.py) on the CPU: 2 and 4
+"""Attention data parallelism with expert-parallel MoE (executor/, distributed/expert_shard.py) on the CPU: 2 and 4
 gloo ranks (spawned) on the tiny V4 checkpoint, fp32 activations and cache, against one process.
 
 Tolerances. Greedy tokens (and seeded samples) are always equal. Logprobs:

@@ -254,7 +254,7 @@ def test_the_startup_log_gives_weights_cache_and_requests_that_fit(ckpt, caplog)
 def test_on_cuda_the_weights_take_their_shipped_bytes(ckpt, monkeypatch):
     """LLM on a FP8/FP4 checkpoint holds the weights at their size on disk (torch.cuda.memory_allocated
     across load_model), not at their bf16 size."""
-    import deepinfer.llm as llm_module
+    import deepinfer.executor.worker as worker_module  # where LLM's engine loads a one-rank model
 
     grew = []
 
@@ -267,7 +267,7 @@ def test_on_cuda_the_weights_take_their_shipped_bytes(ckpt, monkeypatch):
         grew.append(torch.cuda.memory_allocated() - before)
         return out
 
-    monkeypatch.setattr(llm_module, "load_model", measured)
+    monkeypatch.setattr(worker_module, "load_model", measured)
     llm = LLM(str(ckpt), device="cuda", kv_cache_memory=64 << 20, skip_tokenizer_init=True)
     disk, tensors = tensor_bytes_on_disk(ckpt), sum(1 for _ in [*llm.model.parameters(), *llm.model.buffers()])
     assert llm.config.keeps_checkpoint_formats
