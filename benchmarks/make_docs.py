@@ -380,6 +380,20 @@ SECTIONS = [
             [Table(["workload", "bf16 step", "bf16 replay alone", "FP8/FP4 step", "FP8/FP4 replay alone",
                     "roofline bf16", "roofline FP8/FP4", "bf16 / roofline time"],
                    [v41_row(*r) for r in V41_ROWS], SLICE_V41)]),
+    Section("executor-overhead", "The multi-process executor at one rank",
+            "Every parallel layout runs through the multi-process executor (the driver's step messages to its "
+            "ranks, the workers' launch / collect): at one rank (`distributed_executor_backend=\"mp\"`) it runs "
+            "that path with nobody to send to, beside the in-process engine on the same slice, both with CUDA graphs "
+            "and async scheduling, decode at context 256, dummy FP8/FP4 weights. Command: `cd benchmarks && "
+            "python executor_overhead.py --slices v4,v41 --batches 1,64` (the executor rows of `run_sweep.sh`).",
+            [Table(["workload", "in-process", "multi-process, one rank", "multi-process / in-process tokens/s"],
+                   [Row(f"{name} decode batch {b}",
+                        [V(f"rows[slice={arch},executor=uni,batch={b}].tokens_per_s", "{:.1f} tok/s"),
+                         V(f"rows[slice={arch},executor=mp,batch={b}].tokens_per_s", "{:.1f} tok/s"),
+                         Ratio(V(f"rows[slice={arch},executor=mp,batch={b}].tokens_per_s"),
+                               V(f"rows[slice={arch},executor=uni,batch={b}].tokens_per_s"), "{:.1%}")])
+                    for name, arch in (("V4 slice", "v4"), ("V4.1 slice", "v41")) for b in (1, 64)],
+                   Json("2026-12-07-h100-executor-overhead-fff8e94.json"))]),
     Section("batch-invariance-cost", "Cost of batch-invariant mode",
             "Tokens/s lost with `batch_invariant=True`. GPU: engine `deepinfer-invariant` of the V4 sweep above, "
             "same run as its bf16 rows. CPU: `python benchmarks/offline_throughput.py --preset demo --device cpu "
