@@ -21,8 +21,11 @@ projections (ratio > 1) or its latents (ratio 1, one entry per token) and every 
 entry and index key of the step; the reindex / reuse layers' indexer and attention run for the
 rank's own queries. Engram's n-gram windows are read from the device token history for the whole
 step (which also stores the step's tokens into it, as one process does) and then cut to the rank's
-rows. Bounded replay (yoco_prefill_truncation_mode "compact") and host-side Engram hashing
-(engram_device="cpu") have no CP path and are refused. After the prefill every rank's cache is what
+rows. Bounded replay (yoco_prefill_truncation_mode "compact", V4.1): a CP step ends below the request's
+replay_from, so every one of its rows stops at the last KV source (as a chunk below replay_from does in one
+process: the layer's window kv and compressed state written for every row, nothing above it); the rows from
+the last aligned boundary below replay_from on, the kept ones among them, run as one ordinary step on every
+rank. Host-side Engram hashing (engram_device="cpu") has no CP path and is refused. After the prefill every rank's cache is what
 one process leaves, the carry included, so decoding continues on every rank identically with no
 communication. fp32 on the CPU: bit-identical to one process
 (tests/distributed/test_context_parallel.py); V4.1 in batch-invariant mode (layers/invariant.py),
@@ -81,6 +84,12 @@ def aligned_prefix(num_tokens: int, cp_size: int, align: int = 1) -> int:
     return num_tokens // unit * unit
 
 
+def cp_rows(num_tokens: int, start: int, replay_from: int) -> int:
+    """Of a chunk of `num_tokens` at `start`, the leading rows a context-parallel step may take: those below
+    replay_from (bounded replay keeps the rows from it on past the last KV source; 0: none is kept apart)."""
+    return num_tokens if replay_from == 0 else max(0, min(num_tokens, replay_from - start))
+
+
 def causal_work(rows: np.ndarray, start: int = 0) -> int:
     """Keys a causal query set attends to, counting every earlier position: sum(pos + 1)."""
     return int((rows + start + 1).sum())
@@ -112,19 +121,21 @@ def local_view(full: ForwardBatch, rows: torch.Tensor, windows: torch.Tensor | N
     (engram_windows); the rank's rows of them replace the history plan."""
     if len(full.req_lens) != 1:
         raise ValueError(f"chunks: context parallelism runs one request per step, got {len(full.req_lens)}")
-    if full.replay is not None:
-        raise ValueError("context parallelism: bounded replay (yoco_prefill_truncation_mode='compact') is not "
-                         "supported; use yoco_prefill_truncation_mode='none'")
+    if full.replay is not None and full.replay.rows.numel():
+        raise ValueError("context parallelism: a step's rows that bounded replay keeps past the last KV source "
+                         "run as an ordinary step; a context-parallel step ends below replay_from")
     if full.input_embeds is not None or full.token_windows is not None:
         raise ValueError("context parallelism: image inputs and host-side Engram windows are not supported")
     if (full.history is None) != (windows is None):
         raise ValueError("windows: give the step's n-gram windows exactly when the batch plans a device history")
     pick = lambda t: None if t is None else t[rows]  # noqa: E731
     plans = {k: dataclasses.replace(p, visible=p.visible[rows]) for k, p in full.plans.items()}
-    return ForwardBatch(full.input_ids[rows], full.positions[rows], full.token_req[rows],
-                        full.logits_idx[:0], full.win_new[rows], full.win_ring[rows],
-                        full.ring_src, full.ring_dst, plans, pick(windows), None, pick(full.image_mask),
-                        req_lens=(rows.numel(),))
+    local = ForwardBatch(full.input_ids[rows], full.positions[rows], full.token_req[rows],
+                         full.logits_idx[:0], full.win_new[rows], full.win_ring[rows],
+                         full.ring_src, full.ring_dst, plans, pick(windows), None, pick(full.image_mask),
+                         req_lens=(rows.numel(),))
+    local.replay = full.replay  # no kept rows: its per-row fields are empty, its ring plan the whole step's
+    return local
 
 
 def engram_windows(full: ForwardBatch, token_history: torch.Tensor | None) -> torch.Tensor | None:
@@ -168,9 +179,10 @@ def _forward_step(model, caches, chunk: SeqChunk, block_size: int, device, token
 def forward_cp_rows(model, caches, chunk: SeqChunk, block_size: int, group: dist.ProcessGroup, align: int,
                     token_history: torch.Tensor | None = None, ring_slack: int = 0,
                     draft_features: bool = False) -> tuple[ForwardBatch, torch.Tensor, torch.Tensor | None]:
-    """One CP step of `chunk` (its length a multiple of 2 * cp * align) that leaves every rank the whole step's
-    trunk output: (the step's batch as one process plans it, its states [T, ...], and with `draft_features` the
-    draft features [T, F]), all-gathered into step order. What a drafter observes of a step one process ran."""
+    """One CP step of `chunk` (its length a multiple of 2 * cp * align; below its replay_from, if any) that leaves
+    every rank the whole step's trunk output: (the step's batch as one process plans it, its states [T, ...], and
+    with `draft_features` the draft features [T, F]), all-gathered into step order. What a drafter observes of a
+    step one process ran."""
     device = next(model.parameters()).device
     full = _plan(model, [chunk], block_size, device, ring_slack)
     cp, rank = dist.get_world_size(group), dist.get_rank(group)
@@ -188,26 +200,28 @@ def forward_cp_rows(model, caches, chunk: SeqChunk, block_size: int, group: dist
 def prefill_cp(model, caches, prompt: list[int], slot: int, block_tables: dict[int, list[int]], block_size: int,
                group: dist.ProcessGroup | None = None, align: int | None = None, start: int = 0,
                stats: dict | None = None, token_history: torch.Tensor | None = None,
-               ring_slack: int = 0) -> torch.Tensor:
+               ring_slack: int = 0, replay_from: int = 0) -> torch.Tensor:
     """Prefill `prompt` (positions start..) of the request in `slot` over the CP group; returns the
     fp32 logits [1, V] of its last position, equal on every rank. Every rank's cache then holds the
     request's state as one process would have written it. The longest prefix of 2*cp*align tokens'
     multiples runs in CP, the rest as one ordinary step on every rank. `stats`, if given, receives
     the rows per rank, the collectives and the bytes gathered. `token_history`: the cache's per-slot
     token history (V4.1 Engram), read and updated as one process's step does; `ring_slack`: the cache's (V4Cache
-    .ring_slack: its rings' rows per slot beyond the window, which address every ring row)."""
+    .ring_slack: its rings' rows per slot beyond the window, which address every ring row); `replay_from`: the
+    request's first position past the last KV source (bounded replay; 0: exact prefill), which the CP prefix
+    stays below."""
     cfg = model.config
     cp, rank = (1, 0) if group is None else (dist.get_world_size(group), dist.get_rank(group))
     align = align or max(cfg.compress_ratios)
     device = next(model.parameters()).device
     args = (block_size, device, token_history, ring_slack)
-    head = aligned_prefix(len(prompt), cp, align) if cp > 1 else 0
+    head = aligned_prefix(cp_rows(len(prompt), start, replay_from), cp, align) if cp > 1 else 0
     pieces = [(0, head, cp), (head, len(prompt), 1)] if head else [(0, len(prompt), 1)]
     last = None
     for a, b, size in pieces:
         if a == b:
             continue
-        chunk = SeqChunk(slot, start + a, list(prompt[a:b]), block_tables)
+        chunk = SeqChunk(slot, start + a, list(prompt[a:b]), block_tables, replay_from=replay_from)
         last, gather = _forward_step(model, caches, chunk, *args, size, rank, group, align)
         if stats is not None and gather is not None:
             stats.update(rows=b - a, cp_rows=(b - a) // size, collectives=gather.calls, gathered_bytes=gather.bytes)
@@ -251,17 +265,14 @@ class CPRunner:
     other step (decode, short or batched chunks) runs on the wrapped runner, on every rank alike, as
     each holds the whole cache. Every rank must be given the same SchedulerOutputs (the driver
     broadcasts them: executor/multiproc.py). Sampling: the runner's, from the same logits and
-    seed on every rank. DeepSeek-V4 and V4.1 (StepContext.gather / StepContext41.gather); V4.1
-    with exact prefill only (no bounded replay) and Engram tables on the device."""
+    seed on every rank. DeepSeek-V4 and V4.1 (StepContext.gather / StepContext41.gather); V4.1 with its
+    Engram tables on the device; with bounded replay the split ends below the request's replay_from."""
 
     def __init__(self, runner: ModelRunner, group: dist.ProcessGroup, align: int | None = None):
         model = runner.model
         if not isinstance(model, CausalLM) or not model.supports_context_parallel:
             raise ValueError(f"context_parallel_size: {type(model).__name__} has no context-parallel path "
                              "(models/interface.py CausalLM.supports_context_parallel)")
-        if runner.replay_keep is not None:
-            raise ValueError("context_parallel_size: bounded replay has no context-parallel path; start with "
-                             "yoco_prefill_truncation_mode='none' (exact prefill)")
         if model.host_inputs:
             raise ValueError("context_parallel_size: Engram tables on the host (engram_device='cpu') have no "
                              "context-parallel path; keep them on the device")
@@ -285,7 +296,11 @@ class CPRunner:
             return False
         c = so.chunks[0]
         return (not c.images and not c.prompt_rows and PLACEHOLDER not in c.token_ids
-                and aligned_prefix(len(c.token_ids), self.cp, self.align) > 0)
+                and aligned_prefix(self._rows(c), self.cp, self.align) > 0)
+
+    def _rows(self, c) -> int:
+        """The leading rows of chunk `c` a split may take (cp_rows: below its replay_from)."""
+        return cp_rows(len(c.token_ids), c.start, self.runner.replay_from(c))
 
     def launch(self, so: SchedulerOutput, prev: StepHandle | None = None) -> StepHandle:
         """ModelRunner.launch; a split prefill samples from the last position's logits, which every rank
@@ -298,7 +313,7 @@ class CPRunner:
         with invariant.mode(r.batch_invariant):  # as the runner's own steps
             logits = prefill_cp(r.model, r.cache.layers, c.token_ids, c.slot, c.block_tables, r.cache.block_size,
                                 self.group, self.align, start=c.start, token_history=r.cache.token_history,
-                                ring_slack=r.cache.ring_slack)
+                                ring_slack=r.cache.ring_slack, replay_from=r.replay_from(c))
             self.cp_steps += 1
             if not c.num_samples:
                 return StepHandle({})
@@ -310,14 +325,15 @@ class CPRunner:
         and the drafter observes that prefix's whole output (gathered) as one process's non-sampling chunk; the rest
         is an ordinary step of the runner, which samples, verifies and drafts as one process does."""
         c, r = so.chunks[0], self.runner
-        head = aligned_prefix(len(c.token_ids) - 1, self.cp, self.align)
+        head = aligned_prefix(min(len(c.token_ids) - 1, self._rows(c)), self.cp, self.align)
         if head == 0:
             return r.launch(so, prev)
         first = dataclasses.replace(c, token_ids=c.token_ids[:head], num_samples=0, next_token=c.token_ids[head],
                                     grammar=None)
         with invariant.mode(r.batch_invariant), torch.inference_mode():
             batch, streams, feats = forward_cp_rows(
-                r.model, r.cache.layers, SeqChunk(c.slot, c.start, first.token_ids, c.block_tables),
+                r.model, r.cache.layers, SeqChunk(c.slot, c.start, first.token_ids, c.block_tables,
+                                                  replay_from=r.replay_from(c)),
                 r.cache.block_size, self.group, self.align, r.cache.token_history, r.cache.ring_slack,
                 r.drafter.needs_features)
             r.drafter.observe([first], batch, streams, feats)

@@ -40,13 +40,14 @@ class StepContext41:
     gather: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     def subset(self, rows: torch.Tensor, batch: ForwardBatch) -> "StepContext41":
-        """The same step restricted to `rows` (bounded replay), planned by `batch`."""
+        """The same step restricted to `rows` (bounded replay), planned by `batch`. Under context parallelism
+        a step's kept rows are none (a context-parallel step ends below replay_from): nothing to gather."""
         pick = lambda t: None if t is None else t[rows.to(t.device)]  # noqa: E731
         return StepContext41(batch, RopeCache(pick(self.rope_main.cos), pick(self.rope_main.sin)),
                              RopeCache(pick(self.rope_compress.cos), pick(self.rope_compress.sin)),
                              self.inv_freq_compress,
                              None if self.engram_rows is None else [pick(r) for r in self.engram_rows],
-                             pick(self.image_mask), self.gather)
+                             pick(self.image_mask), self.gather if rows.numel() else None)
 
 
 class Attention41(nn.Module):

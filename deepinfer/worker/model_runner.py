@@ -150,6 +150,12 @@ class ModelRunner:
         both = to_device(torch.from_numpy(np.stack((dst, np.asarray(src, dtype=np.int64)))), self.device)
         return both[0], prev.tokens[both[1]]
 
+    def replay_from(self, c) -> int:
+        """The first position of chunk `c`'s request that goes past the last KV source (SWA bounded replay;
+        0: every row does). A chunk with prompt rows is prefilled exactly: each of its rows needs every layer."""
+        keep = self.replay_keep
+        return 0 if keep is None or c.prompt_rows else max(0, c.num_tokens - keep)
+
     def launch(self, so: SchedulerOutput, prev: StepHandle | None = None) -> StepHandle:
         with invariant.mode(self.batch_invariant):
             return self._launch(so, prev)
@@ -166,10 +172,7 @@ class ModelRunner:
             else:
                 logits = self.graphs.run([SeqChunk(c.slot, c.start, c.token_ids, c.block_tables) for c in so.chunks], fill)
             return self._sample_or_defer(so, logits, list(range(len(so.chunks))), prev)
-        keep = self.replay_keep
-        # a chunk with prompt rows is prefilled exactly (no bounded replay): each of its rows needs every layer
-        chunks = [SeqChunk(c.slot, c.start, c.token_ids, c.block_tables, c.prev_tokens,
-                           0 if keep is None or c.prompt_rows else max(0, c.num_tokens - keep),
+        chunks = [SeqChunk(c.slot, c.start, c.token_ids, c.block_tables, c.prev_tokens, self.replay_from(c),
                            [(s0, img.num_tokens) for s0, img in c.images]) for c in so.chunks]
         host_w, dev_w = self._history()
         batch = build_forward_batch(chunks, self.model.config.sliding_window, self.cache.compress_kinds,

@@ -241,11 +241,25 @@ def test_v41_engine_runner_prefills_in_cp_like_one_process(ckpt41, cp2):
         assert (tokens, lps) == want[:2] and cp_steps == 2
 
 
-def test_v41_bounded_replay_is_refused_naming_the_option(ckpt41):
+def test_v41_a_cp_step_never_holds_rows_bounded_replay_keeps(ckpt41):
+    """With bounded replay a split ends below the request's replay_from (cp_rows); a step whose rows reach past it
+    is refused rather than split (its kept rows would need the upper layers' gathers on some ranks only)."""
+    from deepinfer.distributed.context_parallel import _plan, cp_rows, engram_windows, local_view
+    from deepinfer.state.forward_batch import SeqChunk
+
+    assert cp_rows(128, 0, 104) == 104 and cp_rows(128, 100, 104) == 4 and cp_rows(128, 110, 104) == 0
+    assert cp_rows(128, 0, 0) == 128  # replay_from 0: exact prefill, every row may be split
     model, cache = load_rank(CPArgs(str(ckpt41), 1))
-    runner = ModelRunner(model, cache, "cpu", cuda_graphs=False, replay_keep=64)
-    with pytest.raises(ValueError, match="yoco_prefill_truncation_mode='none'"):
-        CPRunner(runner, None)
+    runner = ModelRunner(model, cache, "cpu", cuda_graphs=False, replay_keep=24)
+    chunk = ScheduledChunk("r", 0, 0, list(range(1, 129)), {m: list(range(cache.num_blocks[m])) for m in cache.num_blocks},
+                           1, num_tokens=128)
+    assert runner.replay_from(chunk) == 104
+    below = _plan(model, [SeqChunk(0, 0, list(range(1, 105)), chunk.block_tables, replay_from=104)], 16, "cpu")
+    assert below.replay is not None and below.replay.rows.numel() == 0
+    local_view(below, torch.arange(0, 104, 2), engram_windows(below, cache.token_history))  # splittable
+    past = _plan(model, [SeqChunk(0, 0, list(range(1, 129)), chunk.block_tables, replay_from=104)], 16, "cpu")
+    with pytest.raises(ValueError, match="a context-parallel step ends below replay_from"):
+        local_view(past, torch.arange(0, 128, 2), engram_windows(past, cache.token_history))
 
 
 def _fail_on_rank1(rank: int, group) -> int:

@@ -47,10 +47,8 @@ def v41(tmp_path_factory):
     return write_checkpoint(tmp_path_factory.mktemp("llm-cp41") / "v41", PRESETS["tiny41"], seed=3, dtype="fp8")
 
 
-def test_v41_with_exact_prefill_matches_one_process(v41):
-    """V4.1 with yoco_prefill_truncation_mode="none", batch-invariant (bit for bit on the CPU: see
-    test_context_parallel.py): a long prompt's prefill in CP, tokens and logprobs equal one process's."""
-    kw = dict(yoco_prefill_truncation_mode="none", batch_invariant=True)
+def _v41_cp_matches_one_process(v41, **kw) -> None:
+    """A 128-token prompt's prefill split once over 2 CP ranks: tokens and logprobs equal one process's."""
     want = _llm(v41, **kw).generate([PROMPT[:128]], GREEDY, use_tqdm=False)[0]
     llm = _llm(v41, context_parallel_size=2, **kw)
     try:
@@ -63,9 +61,14 @@ def test_v41_with_exact_prefill_matches_one_process(v41):
     assert got.outputs[0].logprobs == want.outputs[0].logprobs
 
 
-def test_context_parallel_refuses_bounded_replay_by_its_option(v41):
-    """V4.1's default prefill (yoco_prefill_truncation_mode="compact": bounded replay) has no CP path."""
-    from deepinfer.executor.procs import TPWorkerError
+def test_v41_with_exact_prefill_matches_one_process(v41):
+    """V4.1 with yoco_prefill_truncation_mode="none", batch-invariant (bit for bit on the CPU: see
+    test_context_parallel.py)."""
+    _v41_cp_matches_one_process(v41, yoco_prefill_truncation_mode="none", batch_invariant=True)
 
-    with pytest.raises((TPWorkerError, ValueError), match="yoco_prefill_truncation_mode"):
-        _llm(v41, context_parallel_size=2)
+
+def test_v41_with_bounded_replay_matches_one_process(v41):
+    """V4.1's default prefill (bounded replay, keep 24 rows), batch-invariant: the split ends below the prompt's
+    replay_from (104 of 128), its rows stopping at the last KV source; the kept 24 run as an ordinary step, as
+    one process's one step stops the same rows at the same layer."""
+    _v41_cp_matches_one_process(v41, yoco_prefill_keep_tokens=24, batch_invariant=True)
