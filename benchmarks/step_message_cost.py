@@ -3,7 +3,8 @@ the gloo broadcast it replaced (parallel_state.broadcast_object: pickle, then tw
 
 The plan is a real decode step's SchedulerOutput of `batch` requests, taken from an engine (the multi-process
 executor at one rank, the tiny preset on the CPU) after a few steps; the driver's side only (at one rank nobody
-reads, so neither path waits for a reader). Microseconds per send, the mean of --n sends.
+reads, so neither path waits for a reader). Microseconds per send: the fastest of 5 runs of --n sends each
+(timeit's rule: the slower runs measured other work, the collector's pauses among it).
 
     python benchmarks/step_message_cost.py --batches 1,64 --out r.json
 """
@@ -21,11 +22,14 @@ from pathlib import Path
 from common import add_commit_arg, new_results_path, recorded_commit, refuse_existing_out, write_results
 
 
-def mean_us(fn, n: int) -> float:
-    t = time.perf_counter()
-    for _ in range(n):
-        fn()
-    return round(1e6 * (time.perf_counter() - t) / n, 1)
+def mean_us(fn, n: int, runs: int = 5) -> float:
+    best = float("inf")
+    for _ in range(runs):
+        t = time.perf_counter()
+        for _ in range(n):
+            fn()
+        best = min(best, (time.perf_counter() - t) / n)
+    return round(1e6 * best, 1)
 
 
 def main() -> None:
