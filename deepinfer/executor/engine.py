@@ -207,6 +207,7 @@ class Engine:
         if self.failure is not None:
             raise self.failure
         if self._round is None or self._round[0][d] != seq:
+            self._deferred[d].pop(seq, None)  # its masks are never sent: nobody reads its tokens
             return ModelOutput({})  # a step launched ahead and dropped: the ranks collect it with the next
         return self._round[1][d]
 
