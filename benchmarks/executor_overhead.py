@@ -63,8 +63,8 @@ def engine(path: Path, arch: str, backend: str, batch: int, context: int, device
     args = EngineArgs(str(path), device=device, dtype="bfloat16" if cuda else "float32", quantized=cuda,
                       load_format="dummy", kv_cache_dtype="auto" if cuda else "float32",
                       # the cache the rows need (batch x context tokens) with room; prefill in chunks of 2048
-                      # tokens: one step of batch x context would need activations the V4.1 slice's 70 GB of
-                      # weights leave no room for on an 80 GB GPU
+                      # tokens: a step of batch x context tokens ran the V4.1 slice out of memory on an 80 GB
+                      # H100 (its weights take most of it)
                       kv_cache_memory=(2 << 30) if cuda else (64 << 20), max_model_len=context + 64,
                       max_num_seqs=batch, max_num_batched_tokens=2048, seed=0,
                       enforce_eager=not cuda, distributed_executor_backend=backend,

@@ -8,10 +8,10 @@
 # ENGINES (comma-separated) picks the engines; the V4 and V4.1 rows share a run when it names both.
 # Writes benchmarks/results/<date>-<gpu>.json (+ .png where matplotlib is installed) unless RESULTS is set
 # to another path; --smoke (tiny widths on the CPU) writes under a fresh temporary directory instead.
-# The last line names the files written. COMMIT=<hash> is recorded instead of git's HEAD.
+# Its last line names the files written. COMMIT=<hash> is recorded instead of git's HEAD.
 # Then (EXECUTOR_ROWS=0 skips them) the executor rows: the multi-process executor at one rank against the
 # in-process engine on both slices, decode at batch 1 and 64 (benchmarks/executor_overhead.py; its own
-# results file, <date>-<gpu>-executor-overhead-<commit>.json).
+# results file, <date>-<gpu>-executor-overhead-<commit>.json, named on the last line).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 args=(--engines "${ENGINES:-deepinfer,deepinfer-fp8,deepinfer-v41,deepinfer-v41-fp8,transformers}" --reps "${REPS:-3}")

@@ -23,14 +23,13 @@ rank's own queries. Engram's n-gram windows are read from the device token histo
 step (which also stores the step's tokens into it, as one process does) and then cut to the rank's
 rows. Bounded replay (yoco_prefill_truncation_mode "compact", V4.1): a CP step ends below the request's
 replay_from, so every one of its rows stops at the last KV source (as a chunk below replay_from does in one
-process: the layer's window kv and compressed state written for every row, nothing above it); the rows from
-the last aligned boundary below replay_from on, the kept ones among them, run as one ordinary step on every
-rank. Host-side Engram hashing (engram_device="cpu") has no CP path and is refused. After the prefill every rank's cache is what
-one process leaves, the carry included, so decoding continues on every rank identically with no
-communication. fp32 on the CPU: bit-identical to one process
-(tests/distributed/test_context_parallel.py); V4.1 in batch-invariant mode (layers/invariant.py),
-since outside it the CPU GEMM of 1-3 rows (a rank's tokens of one routed expert) is not row-
-independent: there logprobs agree within 1e-5.
+process: the layer's window kv and compressed state written for every row, nothing above it); the rows from the
+last aligned boundary below replay_from on, the kept ones among them, run as one ordinary step on every rank.
+Host-side Engram hashing (engram_device="cpu") has no CP path and is refused. After the prefill every rank's
+cache is what one process leaves, the carry included, so decoding continues on every rank identically with no
+communication. fp32 on the CPU: bit-identical to one process (tests/distributed/test_context_parallel.py); V4.1
+in batch-invariant mode (layers/invariant.py), since outside it the CPU GEMM of 1-3 rows (a rank's tokens of one
+routed expert) is not row-independent: there logprobs agree within 1e-5.
 
 Sent per token and layer here (correctness first): the window kv (head_dim, activation dtype) and
 the compressors' kv + scores in fp32 (CSA: 4*head_dim + 4*index_head_dim; HCA: 2*head_dim; V4.1

@@ -15,10 +15,10 @@ Invariants:
 Publishing and observing are separated by a lock acquire / release (the barrier CPython offers; x86, where
 the engine's GPUs are hosted, keeps stores in program order regardless).
 
-Waiting: a reader yields the CPU between polls for `spin_s` (low latency while steps run back to back),
-then sleeps SLEEP_S per poll, IDLE_SLEEP_S after IDLE_S (an idle server's ranks cost next to nothing); it
-raises if its parent (the driver, on this node) is gone. The writer waits for a slot the same way, calling `check()` (the driver's watch of
-its ranks: raises if one died) and raising TimeoutError after `timeout_s`.
+Waiting: a reader yields the CPU between polls for `spin_s` (low latency while steps run back to back), then
+sleeps SLEEP_S per poll, IDLE_SLEEP_S after IDLE_S (an idle server's ranks cost next to nothing); it raises if
+its parent (the driver, on this node) is gone. The writer waits for a slot the same way, calling `check()` (the
+driver's watch of its ranks: raises if one died) and raising TimeoutError after `timeout_s`.
 
 The ring lives in a file under /dev/shm (the temporary directory where there is none), mapped by every
 rank of the node; the driver removes it when the engine closes.

@@ -251,13 +251,13 @@ def test_v41_a_cp_step_never_holds_rows_bounded_replay_keeps(ckpt41):
     assert cp_rows(128, 0, 0) == 128  # replay_from 0: exact prefill, every row may be split
     model, cache = load_rank(CPArgs(str(ckpt41), 1))
     runner = ModelRunner(model, cache, "cpu", cuda_graphs=False, replay_keep=24)
-    chunk = ScheduledChunk("r", 0, 0, list(range(1, 129)), {m: list(range(cache.num_blocks[m])) for m in cache.num_blocks},
-                           1, num_tokens=128)
+    tables = {m: list(range(n)) for m, n in cache.num_blocks.items()}
+    chunk = ScheduledChunk("r", 0, 0, list(range(1, 129)), tables, 1, num_tokens=128)
     assert runner.replay_from(chunk) == 104
-    below = _plan(model, [SeqChunk(0, 0, list(range(1, 105)), chunk.block_tables, replay_from=104)], 16, "cpu")
+    below = _plan(model, [SeqChunk(0, 0, list(range(1, 105)), tables, replay_from=104)], 16, "cpu")
     assert below.replay is not None and below.replay.rows.numel() == 0
     local_view(below, torch.arange(0, 104, 2), engram_windows(below, cache.token_history))  # splittable
-    past = _plan(model, [SeqChunk(0, 0, list(range(1, 129)), chunk.block_tables, replay_from=104)], 16, "cpu")
+    past = _plan(model, [SeqChunk(0, 0, list(range(1, 129)), tables, replay_from=104)], 16, "cpu")
     with pytest.raises(ValueError, match="a context-parallel step ends below replay_from"):
         local_view(past, torch.arange(0, 128, 2), engram_windows(past, cache.token_history))
 
