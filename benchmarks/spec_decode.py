@@ -8,7 +8,7 @@ are nearly always rejected, so its row shows what drafting and verifying cost), 
 "num_speculative_tokens": k, "prompt_lookup_max": 4}). Each row is one (method, k, r, concurrency).
 
 The oracle is a benchmark device, not a proposer: drafts of a controlled acceptance rate r, to show where
-fixed-length speculation stops paying. It runs inside the dspark LLM: DSparkDrafter.draft runs as usual
+fixed-length speculation stops paying. It runs inside the dspark LLM: DSparkDrafter.propose runs as usual
 (its cost stays in the timing) and then its first k tokens are replaced on the device. Speculation off runs
 first; from its greedy outputs at the same concurrency a truth table maps (anchor position, anchor token) to
 the k tokens that follow it. Draft position j of the anchor (q, t) is the true token when
@@ -140,7 +140,7 @@ class TruthTable:
 
 
 class Oracle:
-    """Replaces the first k tokens of DSparkDrafter.draft's blocks, on the device, by a TruthTable's drafts
+    """Replaces the first k tokens of DSparkDrafter.propose's blocks, on the device, by a TruthTable's drafts
     at rate r (anchors not in the table keep the drafter's tokens); `rate` None: the real drafter."""
 
     def __init__(self):
@@ -172,15 +172,17 @@ ORACLE = Oracle()
 
 
 def install_oracle() -> None:
-    """Wraps DSparkDrafter.draft (this process only): the real draft, then ORACLE's replacement."""
+    """Wraps DSparkDrafter.propose (this process only): the real draft (a CUDA graph's replay where the engine
+    captures them), then ORACLE's replacement, eagerly on its output."""
     from deepinfer.worker.drafter import DSparkDrafter
 
-    real = DSparkDrafter.draft
+    real = DSparkDrafter.propose
 
-    def draft(self, anchor_tokens, anchor_pos, slots):
-        return ORACLE.apply(real(self, anchor_tokens, anchor_pos, slots), anchor_tokens, anchor_pos)
+    def propose(self, anchors):
+        block = real(self, anchors)
+        return block if block is None else ORACLE.apply(block, anchors.tokens, anchors.pos)
 
-    DSparkDrafter.draft = draft
+    DSparkDrafter.propose = propose
 
 
 # ---- one configuration (a child process) ----

@@ -11,6 +11,7 @@ the normalised hidden instead).
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import replace
 
 import torch
@@ -93,7 +94,7 @@ def draft_block(model, features: torch.Tensor, feature_pos: torch.Tensor, featur
     anchor_tokens / anchor_pos [B]: the newest accepted token and its position. The draft's KV is
     rounded through `window_format`, the storage format of the cache's window rings."""
     stages = _stages(model)
-    kv_fmt = FormatStore(0, model.config.head_dim, window_format, "meta")
+    kv_fmt = _format(model.config.head_dim, window_format)
     B, C = feature_pos.shape
     ctx_h = project_features(model, features).flatten(0, 1)
     ctx_rope = RopeCache.at(feature_pos.flatten(), model.inv_freq_main)
@@ -118,8 +119,15 @@ def draft_from_cache(model, rings, ctx_rows: torch.Tensor, ctx_valid: torch.Tens
     B, C = ctx_rows.shape
     flat = ctx_rows.clamp(min=0).flatten()
     keys = [ring.read(flat, model.dtype).view(B, C, -1) for ring in rings]
-    fmt = getattr(rings[0], "fmt", "float32")
-    return _draft(model, keys, ctx_valid, anchor_tokens, anchor_pos, FormatStore(0, model.config.head_dim, fmt, "meta"))
+    return _draft(model, keys, ctx_valid, anchor_tokens, anchor_pos,
+                  _format(model.config.head_dim, getattr(rings[0], "fmt", "float32")))
+
+
+@functools.lru_cache(maxsize=None)
+def _format(dim: int, fmt: str) -> FormatStore:
+    """An empty store of the rings' format (its round trip only; built once: quantised formats size their
+    tensors by encoding on the meta device, ~7 ms of host time)."""
+    return FormatStore(0, dim, fmt, "meta")
 
 
 def _draft(model, stage_keys: list[torch.Tensor], ctx_valid: torch.Tensor, anchor_tokens: torch.Tensor,

@@ -1,8 +1,11 @@
-"""CUDA graphs for pure-decode steps (one new token per request).
+"""CUDA graphs for decode and verify steps: q new tokens per request (q = 1: pure decode; q = 1 + the
+drafts verified: a speculative step, which returns the logits of every row).
 
-A graph is captured per (padded batch size, entry-width buckets): the batch is padded with
-dummy requests that own the cache's scratch slot, every token gets a compressor row
-(FixedShape), and entry tables are rounded up to a power of two (at least `visible_bucket`).
+A graph is captured per (padded batch size, q, entry-width buckets): the batch is padded with
+dummy requests that own the cache's scratch slot (q tokens at its positions 0 .. q-1), every token
+gets a compressor row (FixedShape), and entry tables are rounded up to a power of two (at least
+`visible_bucket`). With a drafter whose context is stored from the step's features (DSpark), that
+store runs inside the graph (the padding requests' rows land in the scratch slot's rings).
 The step is planned on the host; all its index tensors are packed into one pinned int64 buffer
 and reach the captured inputs (views of one device buffer) in a single non-blocking copy, so a
 step costs one copy and one graph launch. Pinned buffers rotate; one is refilled only after the
@@ -66,8 +69,11 @@ def _rebuild(obj, tensors):
 
 class DecodeGraphs:
     def __init__(self, model, cache: V4Cache, scratch_slot: int, scratch_addr: dict[int, int],
-                 visible_bucket: int = 64, batch_buckets: tuple[int, ...] = BATCH_BUCKETS, device: str = "cuda"):
-        self.model, self.cache, self.device = model, cache, device
+                 visible_bucket: int = 64, batch_buckets: tuple[int, ...] = BATCH_BUCKETS, device: str = "cuda",
+                 drafter=None):
+        """`drafter`: a proposer with `store_context(batch, features)` (worker/drafter.py DSparkDrafter), run in
+        every captured step on the trunk's draft features; None: the trunk alone."""
+        self.model, self.cache, self.device, self.drafter = model, cache, device, drafter
         self.scratch_slot, self.scratch_addr = scratch_slot, scratch_addr
         self.visible_bucket, self.batch_buckets = visible_bucket, batch_buckets
         # key -> (graph, device input buffer, logits)
@@ -75,30 +81,35 @@ class DecodeGraphs:
         self.pool = None
         self.pinned: list[tuple[torch.Tensor, torch.cuda.Event | None]] = []
         self.turn = 0
-        # (padded batch, visible widths) -> the graph key `_plan` made for them (the input layout)
+        # (padded batch, q, visible widths) -> the graph key `_plan` made for them (the input layout)
         self.layouts: dict[tuple, tuple] = {}
 
     def plan(self, chunks: list[SeqChunk]) -> tuple[tuple, ForwardBatch]:
-        """(graph key, fixed-shape batch) of a pure-decode step, padded with scratch requests."""
+        """(graph key, fixed-shape batch) of a step of q tokens per request, padded with scratch requests."""
         return self._plan(chunks)[:2]
 
     def _plan(self, chunks: list[SeqChunk]) -> tuple[tuple, ForwardBatch, list[tuple[str, torch.Tensor]]]:
         """`plan`, and the batch's `_tensors` (walked once a step: the key and the staging read them)."""
-        B = len(chunks)
+        B, q = len(chunks), len(chunks[0].token_ids) if chunks else 1
+        if any(len(c.token_ids) != q for c in chunks):
+            raise ValueError(f"DecodeGraphs: every request of a step needs the same token count, got "
+                             f"{sorted({len(c.token_ids) for c in chunks})}")
         padded = self._bucket(B)
-        # a padding row is position 0 of the scratch slot: with ratio 1 it closes entry 0, stored in the
-        # scratch block (the block whose first row is scratch_addr[m])
+        # a padding request holds positions 0 .. q-1 of the scratch slot: the entries they close (entry 0 with
+        # ratio 1 .. ratio q) lie in the scratch block (the block whose first row is scratch_addr[m])
         bs = self.cache.block_size
-        dummy = SeqChunk(self.scratch_slot, 0, [0], {m: [a // bs] for m, a in self.scratch_addr.items()})
+        if q > bs:
+            raise ValueError(f"DecodeGraphs: {q} tokens a request exceed the scratch block ({bs} entries)")
+        dummy = SeqChunk(self.scratch_slot, 0, [0] * q, {m: [a // bs] for m, a in self.scratch_addr.items()})
         chunks = chunks + [dummy] * (padded - B)
-        visible = self._visible(max(c.start for c in chunks))
+        visible = self._visible(max(c.start for c in chunks) + q - 1)
         cfg = self.model.config
         batch = build_forward_batch(chunks, cfg.sliding_window, self.cache.compress_kinds, self.cache.block_size,
                                     "cpu", fixed=FixedShape(self.scratch_addr, visible),
                                     device_history=self.model.token_history, ring_slack=self.cache.ring_slack)
         named = _tensors(batch)
         key = self._key(padded, visible, named)
-        self.layouts[padded, tuple(sorted(visible.items()))] = key
+        self.layouts[padded, q, tuple(sorted(visible.items()))] = key
         return key, batch, named
 
     def _bucket(self, num_requests: int) -> int:
@@ -119,7 +130,7 @@ class DecodeGraphs:
         padded = self._bucket(B)
         # padding rows (see _plan): position 0 of the scratch slot, token 0, the scratch block as table
         visible = self._visible(int(rows.positions.max()) if B else 0)
-        key = self.layouts.get((padded, tuple(sorted(visible.items()))))
+        key = self.layouts.get((padded, 1, tuple(sorted(visible.items()))))
         entry = None if key is None else self.graphs.get(key)
         if entry is None:
             return self.run([SeqChunk(int(s), int(p), [int(t)], {m: rows.tables[m][b, :rows.table_len[m][b]].tolist()
@@ -183,20 +194,26 @@ class DecodeGraphs:
         return num_requests <= self.batch_buckets[-1]
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:
-        """The step eagerly (what a graph captures): logits of every (padded) row. A host-planned
-        batch is moved to the device first."""
+        """The step eagerly (what a graph captures): logits of every (padded) token, and the drafter's context
+        stored. A host-planned batch is moved to the device first."""
         if batch.input_ids.device.type != torch.device(self.device).type:
             batch = _rebuild(batch, iter([t.to(self.device) for _, t in _tensors(batch)]))
-        states = self.model(batch, self.cache.layers, token_history=self.cache.token_history)
-        return self.model.compute_logits(states[batch.logits_idx])
+        if self.drafter is not None:
+            states, features = self.model(batch, self.cache.layers, draft_features=True,
+                                          token_history=self.cache.token_history)
+            self.drafter.store_context(batch, features)
+        else:
+            states = self.model(batch, self.cache.layers, token_history=self.cache.token_history)
+        # one token a request: logits_idx is every row, in order (the gather kept: graphs captured before stay valid)
+        return self.model.compute_logits(states[batch.logits_idx] if batch.num_tokens == len(batch.logits_idx)
+                                         else states)
 
     @torch.inference_mode()
     def run(self, chunks: list[SeqChunk], fill: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        """Logits [len(chunks), V] of a pure-decode step (each chunk one token). `fill` = (rows,
-        device token ids) overwrites those rows' input ids after the upload (placeholder inputs)."""
-        if any(len(c.token_ids) != 1 for c in chunks):
-            raise ValueError("DecodeGraphs runs pure-decode steps only (one token per request)")
+        """Logits [len(chunks) * q, V] of a step of q tokens per chunk (chunk b's at rows b*q ..). `fill` = (rows,
+        device token ids) overwrites those flat rows' input ids after the upload (placeholder inputs)."""
         key, batch, named = self._plan(chunks)
+        rows = sum(len(c.token_ids) for c in chunks)
         staged = self._stage(batch, named)
         entry = self.graphs.get(key)
         if entry is None:
@@ -207,16 +224,16 @@ class DecodeGraphs:
             entry = self._capture(batch, inputs)
             self.graphs[key] = entry
             self._launch_graph(entry)
-            return entry[2][:len(chunks)]
-        return self._replay(entry, staged, fill, len(chunks))
+            return entry[2][:rows]
+        return self._replay(entry, staged, fill, rows)
 
-    def _replay(self, entry, staged: torch.Tensor, fill, num_requests: int) -> torch.Tensor:
+    def _replay(self, entry, staged: torch.Tensor, fill, rows: int) -> torch.Tensor:
         inputs = entry[1]
         self._upload(staged, inputs)
         if fill is not None:  # input_ids lead the packed buffer
             inputs[fill[0]] = fill[1]
         self._launch_graph(entry)
-        return entry[2][:num_requests]
+        return entry[2][:rows]
 
     def _launch_graph(self, entry) -> None:
         entry[0].replay()

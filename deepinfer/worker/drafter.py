@@ -17,7 +17,8 @@ them from overwriting positions still read).
 
 A draft starts at each sampled request's anchor: the last token the step emitted and its position (both
 on the device, after verification). Drafts are the stages' greedy tokens (deterministic: verification
-reads them as one-hot, exact for every sampling setting).
+reads them as one-hot, exact for every sampling setting). With `graphs` set (worker/draft_graphs.py), the
+block replays a CUDA graph per padded anchor count.
 """
 from __future__ import annotations
 
@@ -61,6 +62,7 @@ class DSparkDrafter:
         self.rings = [c.ring for c in cache.mtp]
         self.window = model.config.sliding_window
         self.size = self.window + cache.ring_slack
+        self.graphs = None  # a DraftGraphs over `draft`, set by the runner when it replays graphs
 
     def store_context(self, batch: ForwardBatch, features: torch.Tensor) -> None:
         """features [T, len(targets) * D] of the step's tokens -> the stages' rings, at the rows the trunk's
@@ -74,7 +76,12 @@ class DSparkDrafter:
         self.store_context(batch, features)
 
     def propose(self, anchors: Anchors) -> DraftBlock | None:
-        return self.draft(anchors.tokens, anchors.pos, anchors.slots) if anchors.tokens.numel() else None
+        n = anchors.tokens.numel()
+        if not n:
+            return None
+        if self.graphs is not None and self.graphs.fits(n):
+            return self.graphs.run(anchors.tokens, anchors.pos, anchors.slots)
+        return self.draft(anchors.tokens, anchors.pos, anchors.slots)
 
     def draft(self, anchor_tokens: torch.Tensor, anchor_pos: torch.Tensor, slots: torch.Tensor) -> DraftBlock:
         """One block per anchor ([G] tokens, positions and slots, on the device): context = the W positions

@@ -21,6 +21,7 @@ from deepinfer.layers import invariant
 from deepinfer.models.interface import CausalLM
 from deepinfer.worker.verify import verify
 from deepinfer.state.forward_batch import SeqChunk, build_forward_batch, to_device
+from deepinfer.worker.draft_graphs import DraftGraphs
 from deepinfer.worker.drafter import Anchors, DSparkDrafter, MTPDrafter
 from deepinfer.worker.kv_cache import V4Cache
 from deepinfer.worker.sampler import SamplingBatch, sample, top_logprobs
@@ -79,16 +80,21 @@ class ModelRunner:
                  drafter: DSparkDrafter | MTPDrafter | None = None):
         """`replay_keep`: SWA bounded replay keeps each request's last `replay_keep` rows above the
         model's replay layer (None = exact prefill, or a model without one). `cuda_graphs`: replay
-        pure-decode steps as CUDA graphs where the model allows it (see _graphs_for). `drafter`: the
-        model's own draft layers (worker/drafter.py) propose the next step's tokens after every step's
-        verification (steps then run eagerly: the graphs capture the trunk alone)."""
+        decode and verify steps as CUDA graphs where the model allows it (see _graphs_for and _graph_step).
+        `drafter`: the model's own draft layers (worker/drafter.py) propose the next step's tokens after every
+        step's verification."""
         self.model, self.cache, self.device = model, cache, torch.device(device)
         self.batch_invariant = batch_invariant
         if not isinstance(model, CausalLM):
             raise TypeError(f"{type(model).__name__} does not implement models/interface.py CausalLM")
         self.replay_keep = replay_keep if model.replay_layer >= 0 else None
         self.drafter = drafter
-        self.graphs = _graphs_for(model, cache, self.device) if cuda_graphs and drafter is None else None
+        # graphs take decode and verify steps; a drafter runs in them when it stores its context from the step's
+        # features (DSpark); V4's MTP layer, which runs over the step's host-planned rows, keeps steps eager
+        graphed = drafter is None or isinstance(drafter, DSparkDrafter)
+        self.graphs = _graphs_for(model, cache, self.device, drafter) if cuda_graphs and graphed else None
+        if self.graphs is not None and drafter is not None:
+            drafter.graphs = DraftGraphs(drafter.draft, cache.scratch_slot, self.device)
         # (request id, span start) -> the span's embeddings, kept until the span's last token is computed
         self.image_cache: OrderedDict[tuple[str, int], torch.Tensor] = OrderedDict()
         self._masks: torch.Tensor | None = None  # structured outputs: host token masks (see _constrain)
@@ -165,13 +171,21 @@ class ModelRunner:
         for f in so.forks:
             self.cache.copy_state(f.src_slot, f.dst_slot, f.src_blocks, f.dst_blocks)
         fill = self._fill(so, prev)
-        if self.graphs is not None and self.graphs.fits(len(so.chunks)) and \
+        speculative = self.drafter is not None or any(c.num_draft for c in so.chunks)
+        if not speculative and self.graphs is not None and self.graphs.fits(len(so.chunks)) and \
                 all(len(c.token_ids) == 1 and not c.images and not c.prompt_rows for c in so.chunks):
             if so.decode is not None:  # planned from the scheduler's arrays
                 logits = self.graphs.run_rows(so.decode, fill)
             else:
                 logits = self.graphs.run([SeqChunk(c.slot, c.start, c.token_ids, c.block_tables) for c in so.chunks], fill)
             return self._sample_or_defer(so, logits, list(range(len(so.chunks))), prev)
+        if speculative:
+            q = self._graph_width(so, fill)
+            if q:
+                logits = self.graphs.run([SeqChunk(c.slot, c.start, c.token_ids + [0] * (q - len(c.token_ids)),
+                                                   c.block_tables) for c in so.chunks], fill)
+                starts = [i * q for i in range(len(so.chunks))]
+                return self._verify(so, range(len(so.chunks)), logits.__getitem__, starts)
         chunks = [SeqChunk(c.slot, c.start, c.token_ids, c.block_tables, c.prev_tokens, self.replay_from(c),
                            [(s0, img.num_tokens) for s0, img in c.images]) for c in so.chunks]
         host_w, dev_w = self._history()
@@ -209,7 +223,8 @@ class ModelRunner:
                 self.drafter.propose(Anchors(empty, empty, empty, empty))
             return StepHandle({})
         if self.drafter is not None or any(so.chunks[i].num_draft for i in rows):
-            return self._verify(so, streams, rows)
+            starts = list(itertools.accumulate((len(c.token_ids) for c in so.chunks), initial=0))
+            return self._verify(so, rows, lambda idx: self.model.compute_logits(streams[idx]), starts)
         last = batch.logits_idx[torch.tensor(rows, device=self.device)]
         return self._sample_or_defer(so, self.model.compute_logits(streams[last]), rows, prev)
 
@@ -297,12 +312,36 @@ class ModelRunner:
         self._sb_cache = (vocab, params, sb)
         return sb
 
-    def _verify(self, so: SchedulerOutput, streams: torch.Tensor, rows: list[int]) -> StepHandle:
+    def _graph_width(self, so: SchedulerOutput, fill) -> int:
+        """q, the tokens per request of the graph that takes this speculative step (each chunk padded to q with
+        token 0 past its drafts), or 0: the step runs eagerly. Graphs take steps whose chunks are all one pending
+        token and its drafts, sampled once; a padded chunk's extra positions are computed and never read (as
+        rejected drafts: within the ring slack, q - 1 <= the drafter's k), so its block tables must already
+        cover them. Placeholder inputs index the unpadded rows: only at q = 1."""
+        chunks = so.chunks
+        if self.graphs is None or not chunks or not self.graphs.fits(len(chunks)) or \
+                not all(c.num_samples == 1 and len(c.token_ids) == 1 + c.num_draft and not c.images
+                        and not c.prompt_rows for c in chunks):
+            return 0
+        q = max(len(c.token_ids) for c in chunks)
+        if q > self.cache.ring_slack + 1 or (fill is not None and q > 1):
+            return 0
+        bs = self.cache.block_size
+        for c in chunks:
+            if len(c.token_ids) < q:
+                end = c.start + q
+                if any(len(c.block_tables.get(m, ())) * bs < end // m for m, _ in self.cache.compress_kinds):
+                    return 0
+        return q
+
+    def _verify(self, so: SchedulerOutput, rows, logits_at, starts: list[int]) -> StepHandle:
         """A step with draft tokens: the logits of every verified position, one worker/verify.py call over
         all sampled chunks (a chunk without drafts is a group of one row, which verify samples exactly as
-        `sample` would; an n > 1 fork is n such groups of its last row), the copy to the host started."""
+        `sample` would; an n > 1 fork is n such groups of its last row), the copy to the host started.
+        `logits_at(flat rows on the device)` gives those rows' logits; chunk i's tokens are the flat rows
+        starts[i] .. starts[i] + len(token_ids) - 1."""
         flat, offsets, drafts, params, seeds, groups = [], [0], [], [], [], {}
-        ends = list(itertools.accumulate(len(c.token_ids) for c in so.chunks))
+        ends = [starts[i] + len(c.token_ids) for i, c in enumerate(so.chunks)]
         for i in rows:
             c = so.chunks[i]
             k, last = c.num_draft, ends[i] - 1
@@ -314,7 +353,7 @@ class ModelRunner:
                 drafts += c.token_ids[len(c.token_ids) - k:]
                 params.append(c.params)
                 seeds.append(None if c.params.seq_seed is None else (c.params.seq_seed, pos, c.sample_index + j))
-        logits = self.model.compute_logits(streams[to_device(torch.tensor(flat), self.device)])
+        logits = logits_at(to_device(torch.tensor(flat), self.device))
         constrained = [(offsets[g], offsets[g + 1] - offsets[g], so.chunks[i].grammar,
                         so.chunks[i].token_ids[len(so.chunks[i].token_ids) - so.chunks[i].num_draft:])
                        for i in rows if so.chunks[i].grammar is not None for g in groups[so.chunks[i].request_id]]
@@ -490,7 +529,7 @@ def _copy_to_host(h: StepHandle, values: torch.Tensor) -> StepHandle:
     return h
 
 
-def _graphs_for(model: CausalLM, cache: V4Cache, device: torch.device):
+def _graphs_for(model: CausalLM, cache: V4Cache, device: torch.device, drafter=None):
     """Decode graphs need a CUDA device, a cache with scratch rows, bf16 activations (grouped-GEMM
     experts; quantised weights through the Triton kernels: the reference loop syncs with the host)
     and a model that allows them (no host-side per-step inputs: V4.1 Engram tables left on the host)."""
@@ -501,4 +540,4 @@ def _graphs_for(model: CausalLM, cache: V4Cache, device: torch.device):
     if device.type != "cuda" or cache.scratch_slot is None or model.dtype != torch.bfloat16 \
             or not (dense or triton_available()) or not model.supports_graphs:
         return None
-    return DecodeGraphs(model, cache, cache.scratch_slot, cache.scratch_addr, device=str(device))
+    return DecodeGraphs(model, cache, cache.scratch_slot, cache.scratch_addr, device=str(device), drafter=drafter)

@@ -261,17 +261,12 @@ def test_dspark_on_a_model_whose_stages_are_not_wired_is_refused(ckpt):
         _llm(ckpt, None, speculative_config={"method": "dspark", "num_speculative_tokens": 2})
 
 
-def test_varlen_verification_keeps_greedy_tokens_and_varies_lengths(ckpt41, monkeypatch):
-    """DEEPINFER_ENABLE_MTP_VARLEN: lengths from the drafts' confidences (oracle confidences: high where
-    the oracle's draft is right, low after its wrong token) over the start-up steps-per-second table.
-    Greedy outputs equal speculation off; steps verify fewer drafts than k where confidence is low."""
+def confident_oracle(monkeypatch, truth: dict, k: int) -> None:
+    """DSpark blocks replaced by the true continuation (truth: (position, token) -> the tokens after it) with one
+    wrong token at a position that moves with the anchor (every acceptance length occurs), confident before it
+    and not after."""
     from deepinfer.worker.drafter import DSparkDrafter
 
-    k = 4
-    prompts = _prompts(4, read_model_config(ckpt41).vocab_size, seed=8)
-    greedy = SamplingParams(temperature=0, max_tokens=20)
-    want = [o.outputs[0].token_ids for o in _llm(ckpt41, None).generate(prompts, greedy, use_tqdm=False)]
-    truth = {(i, t): (p + w)[i + 1:] for p, w in zip(prompts, want) for i, t in enumerate(p + w)}
     real = DSparkDrafter.draft
 
     def oracle(self, anchor_tokens, anchor_pos, slots):
@@ -286,6 +281,17 @@ def test_varlen_verification_keeps_greedy_tokens_and_varies_lengths(ckpt41, monk
         return block
 
     monkeypatch.setattr(DSparkDrafter, "draft", oracle)
+
+
+def test_varlen_verification_keeps_greedy_tokens_and_varies_lengths(ckpt41, monkeypatch):
+    """DEEPINFER_ENABLE_MTP_VARLEN: lengths from the drafts' confidences (oracle confidences: high where
+    the oracle's draft is right, low after its wrong token) over the start-up steps-per-second table.
+    Greedy outputs equal speculation off; steps verify fewer drafts than k where confidence is low."""
+    k = 4
+    prompts = _prompts(4, read_model_config(ckpt41).vocab_size, seed=8)
+    greedy = SamplingParams(temperature=0, max_tokens=20)
+    want = [o.outputs[0].token_ids for o in _llm(ckpt41, None).generate(prompts, greedy, use_tqdm=False)]
+    confident_oracle(monkeypatch, {(i, t): (p + w)[i + 1:] for p, w in zip(prompts, want) for i, t in enumerate(p + w)}, k)
     llm = _llm(ckpt41, None, num_speculative_tokens=k, enable_mtp_varlen=True, max_num_seqs=8)
     assert llm.scheduler.varlen is not None and llm.scheduler.varlen.sps.max_batch >= k + 1
     # the table measured at start-up follows the CPU's load (a busy machine can measure a flat one, where

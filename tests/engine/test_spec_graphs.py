@@ -1,0 +1,105 @@
+"""Speculative steps through the CUDA graphs' fixed shapes (worker/cuda_graph.py at q tokens a request, each
+chunk padded to the step's longest; worker/draft_graphs.py for the drafter's block). On the CPU the
+captured functions run eagerly on the same fixed-shape batches (planning, padding, row mapping and the
+drafter's context store inside the step are what is tested); tests/worker/test_spec_graphs_gpu.py replays
+them as graphs. Greedy outputs equal speculation off and the eager speculative engine, counters included."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from deepinfer import SamplingParams
+from deepinfer.loader.model_config import read_model_config
+from deepinfer.models.interface import DraftBlock
+from deepinfer.spec.schedule import SPSTable
+from deepinfer.worker.cuda_graph import DecodeGraphs
+from deepinfer.worker.draft_graphs import DraftGraphs
+from deepinfer.worker.drafter import DSparkDrafter
+from test_speculative import _greedy_off, _llm, _prompts, confident_oracle
+
+
+class EagerGraphs(DecodeGraphs):
+    """DecodeGraphs whose steps call the captured function eagerly on their fixed-shape batch."""
+
+    def run(self, chunks, fill=None):
+        assert fill is None  # speculative steps are not launched ahead (no placeholder inputs)
+        return self.forward(self.plan(chunks)[1])[:sum(len(c.token_ids) for c in chunks)]
+
+
+class EagerDraftGraphs(DraftGraphs):
+    """DraftGraphs whose blocks are drafted eagerly over the padded anchors (scratch-slot rows at position 0)."""
+
+    def run(self, tokens, positions, slots):
+        n = tokens.shape[0]
+        pad = torch.zeros(next(b for b in self.buckets if b >= n) - n, dtype=torch.long)
+        block = self.draft(torch.cat((tokens, pad)), torch.cat((positions, pad)), torch.cat((slots, pad + self.scratch_slot)))
+        return DraftBlock(block.tokens[:n], block.logits[:n], block.confidence[:n])
+
+
+def _graphed(llm) -> list[tuple[int, list[int], bool]]:
+    """Installs the stand-ins in the LLM's runner; returns the log of (q, the chunks' token counts before
+    padding, whether every chunk is a pending token and its drafts) of every speculative step, q = 0 for the
+    steps left eager."""
+    r = llm.engine.core.runner
+    drafter = r.drafter if isinstance(r.drafter, DSparkDrafter) else None
+    r.graphs = EagerGraphs(r.model, r.cache, r.cache.scratch_slot, r.cache.scratch_addr, visible_bucket=4,
+                           device="cpu", drafter=drafter)
+    if drafter is not None:
+        drafter.graphs = EagerDraftGraphs(drafter.draft, r.cache.scratch_slot, "cpu")
+    seen, width = [], r._graph_width
+
+    def logged(so, fill):
+        q = width(so, fill)
+        seen.append((q, [len(c.token_ids) for c in so.chunks],
+                     all(len(c.token_ids) == 1 + c.num_draft and not c.prompt_rows for c in so.chunks)))
+        return q
+
+    r._graph_width = logged
+    return seen
+
+
+@pytest.mark.parametrize("varlen", [False, True], ids=["fixed", "varlen"])
+def test_dspark_steps_on_fixed_shapes_equal_eager(ckpt41, monkeypatch, varlen):
+    k = 4
+    prompts = _prompts(5, read_model_config(ckpt41).vocab_size, seed=8)
+    greedy = SamplingParams(temperature=0, max_tokens=20, logprobs=2)
+    off = _llm(ckpt41, None, max_num_seqs=8).generate(prompts, greedy, use_tqdm=False)
+    truth = {(i, t): (p + o.outputs[0].token_ids)[i + 1:] for p, o in zip(prompts, off)
+             for i, t in enumerate(p + o.outputs[0].token_ids)}
+    confident_oracle(monkeypatch, truth, k)
+    kw = dict(speculative_config={"method": "dspark", "num_speculative_tokens": k}, enable_mtp_varlen=varlen,
+              max_num_seqs=8)
+    eager = _llm(ckpt41, None, **kw)
+    graphed = _llm(ckpt41, None, **kw)
+    for llm in (eager, graphed) if varlen else ():  # one fixed table (the start-up one follows the CPU's load)
+        most = llm.scheduler.varlen.sps.max_batch
+        llm.scheduler.varlen = replace(llm.scheduler.varlen,
+                                       sps=SPSTable.from_points([(1, 0.010), (most, 0.010 + 0.002 * most)], most))
+    seen = _graphed(graphed)
+    want = eager.generate(prompts, greedy, use_tqdm=False)
+    got = graphed.generate(prompts, greedy, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want] == \
+        [o.outputs[0].token_ids for o in off]
+    for a, b in zip(got, want):  # fp32: the fixed-shape plan reads the same values in the same order
+        for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert x.keys() == y.keys() and all(abs(x[t] - y[t]) < 1e-4 for t in x)
+    assert graphed.get_metrics() == eager.get_metrics()
+    # every decode step of equal draft counts took the fixed shapes (one padded past its blocks' end stays eager)
+    assert all(q for q, lens, decode in seen if decode and len(set(lens)) == 1)
+    assert any(q > 1 for q, _, _ in seen)
+    if varlen:  # requests verifying fewer drafts than the step's longest were padded
+        assert any(q and min(lens) < q for q, lens, _ in seen)
+    assert graphed.scheduler.kv.all_free()
+
+
+def test_prompt_lookup_steps_on_fixed_shapes_equal_speculation_off(ckpt41):
+    """No drafter (the drafts are the host's): steps of unequal draft counts are padded to the longest."""
+    prompts, want = _greedy_off(str(ckpt41), 6, 1, 20)
+    greedy = SamplingParams(temperature=0, max_tokens=20)
+    llm = _llm(ckpt41, 3)
+    seen = _graphed(llm)
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)] == want
+    assert any(q > 1 and min(lens) < q for q, lens, _ in seen)
+    assert llm.get_metrics()["num_drafts"] > 0
