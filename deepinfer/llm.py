@@ -25,7 +25,7 @@ from deepinfer.loader.model_loader import weight_bytes
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.tools.demo import resolve_demo
 from deepinfer.worker.kv_cache import cache_spec
-from deepinfer.worker.sps_profile import profile_sps
+from deepinfer.worker.sps_profile import profile_sps, profile_step_times
 
 DEFAULT_MODEL = "deepseek-ai/DeepSeek-V4.1-Flash-1017"
 logger = logging.getLogger(__name__)
@@ -109,10 +109,17 @@ class LLM:
         if args.speculation is None or args.speculation[0] not in ("dspark", "mtp"):
             raise ValueError("enable_mtp_varlen: confidence-scheduled verification needs the model's own draft "
                              "layers (speculative_config method 'dspark' or 'mtp', or num_speculative_tokens)")
-        most = self.scheduler.max_num_seqs * (args.ring_slack + 1)  # every request verifying all its drafts
-        sps = profile_sps(self.engine.profile_runner(), self.scheduler.kv, args.max_num_batched_tokens, most)
+        kv = self.scheduler.kv
+        if not self.engine.cuda_graphs:  # per-request lengths (Alg. 1): an eager step costs its tokens
+            most = self.scheduler.max_num_seqs * (args.ring_slack + 1)  # every request verifying all its drafts
+            policy = VarlenPolicy(profile_sps(self.engine.profile_runner(), kv, args.max_num_batched_tokens, most),
+                                  _calibration(self.model_dir))
+        else:  # graphs pad every request to the step's longest: one length a step, over times by (requests, drafts)
+            times = profile_step_times(self.engine.profile_runner(), kv, args.speculation[1],
+                                       min(self.scheduler.max_num_seqs, kv.num_slots), args.max_num_batched_tokens)
+            policy = VarlenPolicy(None, _calibration(self.model_dir), times)
         for sched in self.engine.schedulers:
-            sched.varlen = VarlenPolicy(sps, _calibration(self.model_dir))
+            sched.varlen = policy
 
     def get_metrics(self) -> dict:
         """Counters since start-up: speculative decoding's (vLLM's names: num_drafts, num_draft_tokens,

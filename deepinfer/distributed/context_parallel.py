@@ -288,6 +288,11 @@ class CPRunner:
     def supports_placeholders(self) -> bool:
         return self.runner.supports_placeholders
 
+    @property
+    def graphs(self):
+        """The wrapped runner's decode / verify graphs (steps CP does not split run through them)."""
+        return self.runner.graphs
+
     def _splits(self, so: SchedulerOutput) -> bool:
         """One request's prompt chunk of at least one zig-zag unit, without placeholder inputs, images or
         prompt logprobs (those need every row's logits on one rank)."""

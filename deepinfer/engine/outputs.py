@@ -76,6 +76,10 @@ class SchedulerOutput:
     chunks: list[ScheduledChunk] = field(default_factory=list)
     forks: list[ForkOp] = field(default_factory=list)
     decode: DecodeRows | None = None  # set on pure-decode steps planned from the cache manager's arrays
+    # speculative decoding: whether the model's drafter proposes the next step's drafts (False: the scheduler's
+    # verify-length policy found that the next step would not verify any; a drafter whose own state needs every
+    # step, V4's MTP layer, runs regardless)
+    propose: bool = True
 
     @property
     def num_tokens(self) -> int:

@@ -36,6 +36,9 @@ class Request:
     # the model's drafts for the tokens after the pending one (a model-based proposer; verified next step)
     spec_token_ids: list[int] = field(default_factory=list)
     spec_confidence: list[float] = field(default_factory=list)  # each draft's P(accepted | earlier accepted)
+    # the confidences of the drafts the request verified last (two steps older than the drafts it verifies next):
+    # what the graphs' verify-length policy reads (spec/schedule.py uniform_length)
+    stale_confidence: list[float] = field(default_factory=list)
     # structured outputs (so_args): its grammar matcher (structured/backend.py RequestGrammar), advanced
     # by every token the request emits; None when unconstrained
     grammar: Any = None

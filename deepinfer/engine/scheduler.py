@@ -24,16 +24,18 @@ from deepinfer.engine.outputs import (CONTEXT_TOKENS, PLACEHOLDER, DecodeRows, F
                                      SchedulerOutput)
 from deepinfer.engine.request import Request, Status
 from deepinfer.spec.ngram import ModelDrafts, NgramProposer, SpecStats
-from deepinfer.spec.schedule import SPSTable, allocate
+from deepinfer.spec.schedule import SPSTable, StepTimes, allocate, uniform_length
 
 
 @dataclass(frozen=True)
 class VarlenPolicy:
     """Confidence-scheduled verification (DEEPINFER_ENABLE_MTP_VARLEN): the steps-per-second table and
-    the draft confidences' per-position temperatures (None: as the draft gives them)."""
+    the draft confidences' per-position temperatures (None: as the draft gives them). With `times` (steps
+    replayed as CUDA graphs) one length for the whole step (spec/schedule.py uniform_length) instead."""
 
-    sps: SPSTable
+    sps: SPSTable | None
     temperatures: tuple[float, ...] | None = None
+    times: StepTimes | None = None
 
     def confidences(self, conf: np.ndarray) -> np.ndarray:
         if not self.temperatures:
@@ -67,6 +69,7 @@ class Scheduler:
         self.spec_stats = SpecStats()
         self.varlen: VarlenPolicy | None = None  # model drafts only: per-step lengths from their confidences
         self._lengths: dict[str, int] = {}
+        self._propose = True  # whether this step's drafter drafts the next block (SchedulerOutput.propose)
         # a list: every verified block of model drafts is logged as (confidences, drafted, accepted)
         # (eval/calibrate_dspark.py fits the confidence temperatures from it)
         self.spec_log: list[tuple[list[float], int, int]] | None = None
@@ -145,6 +148,8 @@ class Scheduler:
         the drafts' confidences, every request limited to its drafts, max_tokens and max_model_len. The
         lengths count the decoding requests' verify tokens only (a prefill chunk in the same step is not
         in B)."""
+        if self.varlen.times is not None:
+            return self._uniform_lengths()
         reqs = [r for r in self.running if r.status is Status.RUNNING and r.num_pending == 1 and r.spec_token_ids
                 and not r.siblings]
         if not reqs:
@@ -159,11 +164,33 @@ class Scheduler:
         lengths = allocate(self.varlen.confidences(conf), self.varlen.sps, max_len=limit)
         return {r.request_id: int(n) for r, n in zip(reqs, lengths)}
 
+    def _uniform_lengths(self) -> dict[str, int]:
+        """One verify length l for every decoding request (spec/schedule.py uniform_length over the measured step
+        times), each at most its drafts and room, and whether the step drafts the next block (l > 0). Confidences
+        two steps old: a request's own, else the mean of the others' (a greedy request without them reads its fresh
+        ones: greedy verification is exact whatever the lengths); none known yet: every request its drafts."""
+        self._propose = True
+        reqs = [r for r in self.running if r.status is Status.RUNNING and r.num_pending == 1 and not r.siblings]
+        k = self.proposer.num_speculative_tokens
+        rows = [(r.stale_confidence or (r.spec_confidence if r.params.greedy else []))[:k] for r in reqs]
+        known = [np.pad(np.asarray(c, dtype=np.float64), (0, k - len(c))) for c in rows if c]
+        if not known:
+            return {}
+        mean = np.mean(known, axis=0)
+        conf = np.stack([np.pad(np.asarray(c, dtype=np.float64), (0, k - len(c))) if c else mean for c in rows])
+        # the limits leave out the drafts each request holds now: a step after one that drafted nothing still
+        # finds the length speculation would take, and turns drafting back on
+        limit = np.array([max(0, min(k, self._room(r))) for r in reqs], dtype=np.int64)
+        length = uniform_length(self.varlen.confidences(conf), self.varlen.times, max_len=limit)
+        self._propose = length > 0
+        return {r.request_id: length for r in reqs}
+
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput(forks=self.pending_forks)
         self.pending_forks = []
         budget = self.budget
         self._lengths = self._varlen_lengths() if self.varlen is not None else {}
+        out.propose = self._propose
         preempted = False
         for req in list(self.running):
             if req.status is not Status.RUNNING or budget == 0:
@@ -280,6 +307,8 @@ class Scheduler:
             if mo.drafts or req.spec_token_ids:  # (steady decode without a proposer: nothing to reset)
                 req.spec_token_ids = mo.drafts.get(c.request_id, [])
             if mo.draft_confidence or req.spec_confidence:
+                if req.spec_confidence:
+                    req.stale_confidence = req.spec_confidence
                 req.spec_confidence = mo.draft_confidence.get(c.request_id, [])
             if c.num_draft:  # accepted drafts, then the target's token: appended until the request stops
                 accepted = len(toks) - 1

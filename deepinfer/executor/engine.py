@@ -69,6 +69,7 @@ class Engine:
         self.executor, self.args = executor, args
         w = executor.worker
         self.model, self.cache, self.rank_weights = w.model, w.cache, w.rank_weights
+        self.cuda_graphs = w.runner.graphs is not None  # (every rank builds its runner alike: the driver's tells)
         self.max_model_len = max_model_len or KVCacheManager(w.num_slots, w.num_blocks, args.block_size).max_model_len(
             args.max_model_len, self.model.config.max_position_embeddings,
             "every rank's smallest share" if args.parallel.world_size > 1 else "the cache")

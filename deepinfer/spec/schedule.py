@@ -21,6 +21,10 @@ a step emits up to l_r + 1 tokens); a limit must not depend on the drafted token
   the budget K (draft tokens in the step, so B = number of requests + K) is the best point of the
   whole Theta curve (no early stop) computed from confidences two steps old; the K draft tokens
   then go to the K best candidates by fresh confidences (dynamic top-K).
+* `uniform_length` (DEEPINFER_ENABLE_MTP_VARLEN=1 where steps replay CUDA graphs, which pad each request to
+  the step's longest): one length l for every request, the best point of Theta over l with the step times
+  measured by (requests, drafts each) (`StepTimes`), from confidences two steps old as `budget_from_stale`;
+  l = 0 also stops drafting (the step costs a plain decode step) until a later step's l is > 0 again.
 * `allocate_fixed` (DEEPINFER_ENABLE_MTP_VARLEN=0): every request min(k, max_len_r).
 
 Prefix order. c in [0, 1] makes a_{r,j} non-increasing in j (also in floating point: x * c <= x
@@ -39,6 +43,7 @@ verified d_{r,j} is no longer a sample of the draft distribution the acceptance 
   those Theta values use only candidates ranked at or above (r, j), none of which is (r, j+1..).
 * `allocate_top_k` with a K fixed beforehand is causal: (r, j) is admitted iff fewer than K
   candidates rank above it, again none of them (r, j+1..).
+* `uniform_length` reads the whole curve like `budget_from_stale`, and is fed stale confidences likewise.
 * `budget_from_stale` looks at the whole curve, later positions included, so it is NOT causal on
   the confidences it is given (the paper's Appendix A point; `test_full_search_leaks_...` shows a
   case): it must only see confidences that no draft of the step being verified went into, which
@@ -202,3 +207,50 @@ def expected_throughput(conf, lengths, sps: SPSTable) -> float:
         raise ValueError(f"lengths: need {num_requests} integers in 0..{gamma}, got {lengths}")
     kept = np.arange(1, gamma + 1)[None, :] <= ls[:, None]
     return float((num_requests + a[kept].sum()) * sps(num_requests + int(ls.sum())))
+
+
+class StepTimes:
+    """Seconds of a step of n decoding requests that each verify l drafts, l = 0..k, measured at start-up
+    (worker/sps_profile.py profile_step_times): seconds[i, l] at n = buckets[i]; a step at l > 0 also
+    drafts the next block, a step at l = 0 neither verifies nor drafts. Between buckets a step costs the
+    next bucket's time (CUDA graphs pad the batch up to it). np.inf marks a size the step cannot take."""
+
+    def __init__(self, buckets, seconds):
+        b = np.asarray(buckets, dtype=np.int64)
+        s = np.asarray(seconds, dtype=np.float64)
+        if b.ndim != 1 or b.size < 1 or np.any(b < 1) or np.any(np.diff(b) <= 0):
+            raise ValueError(f"buckets: need increasing request counts >= 1, got {buckets}")
+        if s.shape[0] != b.size or s.ndim != 2 or s.shape[1] < 1:
+            raise ValueError(f"seconds: need shape [{b.size}, k + 1], got {s.shape}")
+        if np.any(np.isnan(s)) or np.any(s <= 0) or not np.all(np.isfinite(s[:, 0])):
+            raise ValueError("seconds: every step time must be > 0 (np.inf: not possible), and finite at l = 0")
+        self.buckets, self.seconds = b, s
+
+    @property
+    def k(self) -> int:
+        return self.seconds.shape[1] - 1
+
+    def __call__(self, n: int, l: int) -> float:
+        if not 1 <= n <= self.buckets[-1] or not 0 <= l <= self.k:
+            raise ValueError(f"StepTimes: (n={n}, l={l}) outside 1..{self.buckets[-1]} x 0..{self.k}")
+        return float(self.seconds[int(np.searchsorted(self.buckets, n)), l])
+
+
+def uniform_length(conf, times: StepTimes, max_len=None) -> int:
+    """The draft count l (0..min(gamma, times.k)) every request of a step verifies, each at most its max_len_r:
+    the l maximising Theta(l) = (R + sum_r sum_{j <= min(l, max_len_r)} a_{r,j}) / times(R, l), the smallest on
+    ties. R = the rows of conf [R, gamma] (a request with no confidences: a row of zeros, one token a step).
+
+    For CUDA-graph steps, which pad every request to the step's longest: a shorter length for some requests
+    would cost as much. Reads the whole curve, so, as budget_from_stale, it is causal only on confidences no
+    draft of the step to verify went into."""
+    a = survival(conf)
+    num_requests, gamma = a.shape
+    if not num_requests:
+        return 0
+    limit = _max_len(max_len, num_requests, gamma)
+    top = min(gamma, times.k)
+    gain = np.where(np.arange(1, gamma + 1)[None, :] <= limit[:, None], a, 0.0).sum(0)[:top]
+    tau = num_requests + np.concatenate(([0.0], np.cumsum(gain)))
+    theta = tau / np.array([times(num_requests, l) for l in range(top + 1)])
+    return int(np.argmax(theta))

@@ -46,6 +46,7 @@ class Anchors:
 
 class DSparkDrafter:
     needs_features = True  # the trunk forward also returns the target features (draft_features=True)
+    optional = True  # a step may skip `propose` (SchedulerOutput.propose): the context is stored in `observe`
 
     def __init__(self, model: CausalLM, cache: V4Cache, num_tokens: int):
         drafting = model.drafting
@@ -111,6 +112,7 @@ class MTPDrafter:
     """
 
     needs_features = False
+    optional = False  # `propose` writes the MTP layer's ring: every step runs it
 
     def __init__(self, model: CausalLM, cache: V4Cache, num_tokens: int):
         if not model.drafting.runs("mtp"):

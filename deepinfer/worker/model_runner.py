@@ -369,7 +369,7 @@ class ModelRunner:
         h = StepHandle({}, out.tokens, params=row_params, max_logprobs=max_lp, offsets=offsets, groups=groups,
                        logprobs=top_logprobs(logits, out.tokens.clamp(min=0), max_lp) if max_lp >= 0 else None)
         values = [out.tokens, out.num_accepted]
-        if self.drafter is not None:
+        if self.drafter is not None and (so.propose or not self.drafter.optional):
             values.append(self._draft(so, rows, ends, out, h))
         return _copy_to_host(h, torch.cat(values))
 

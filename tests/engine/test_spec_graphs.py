@@ -7,16 +7,19 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import numpy as np
 import pytest
 import torch
 
 from deepinfer import SamplingParams
+from deepinfer.engine.scheduler import VarlenPolicy
 from deepinfer.loader.model_config import read_model_config
 from deepinfer.models.interface import DraftBlock
-from deepinfer.spec.schedule import SPSTable
+from deepinfer.spec.schedule import SPSTable, StepTimes
 from deepinfer.worker.cuda_graph import DecodeGraphs
 from deepinfer.worker.draft_graphs import DraftGraphs
 from deepinfer.worker.drafter import DSparkDrafter
+from deepinfer.worker.sps_profile import profile_step_times, step_buckets
 from test_speculative import _greedy_off, _llm, _prompts, confident_oracle
 
 
@@ -103,3 +106,45 @@ def test_prompt_lookup_steps_on_fixed_shapes_equal_speculation_off(ckpt41):
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)] == want
     assert any(q > 1 and min(lens) < q for q, lens, _ in seen)
     assert llm.get_metrics()["num_drafts"] > 0
+
+
+def test_step_times_are_measured_through_the_runner(ckpt41):
+    llm = _llm(ckpt41, None, speculative_config={"method": "dspark", "num_speculative_tokens": 2}, max_num_seqs=3)
+    assert step_buckets(3) == [1, 2, 3] and step_buckets(4) == [1, 2, 4]
+    times = profile_step_times(llm.engine.profile_runner(), llm.scheduler.kv, 2, 3, llm.scheduler.budget, reps=1)
+    assert times.buckets.tolist() == [1, 2, 3] and times.k == 2
+    assert np.isfinite(times.seconds).all() and (times.seconds > 0).all()
+    assert llm.scheduler.kv.all_free()
+
+
+def test_one_length_a_step_backs_off_and_stops_drafting_where_drafts_cannot_pay(ckpt41, monkeypatch):
+    """The graphs' policy (spec/schedule.py uniform_length) over times where drafts pay at 1-2 requests and not
+    from 3: a crowded step verifies nothing and drafts nothing (SchedulerOutput.propose), drafting resumes as the
+    batch thins out, and greedy outputs equal speculation off throughout."""
+    k = 3
+    prompts = _prompts(6, read_model_config(ckpt41).vocab_size, seed=9)
+    params = [SamplingParams(temperature=0, max_tokens=m) for m in (4, 6, 8, 10, 22, 26)]
+    off = [o.outputs[0].token_ids for o in _llm(ckpt41, None, max_num_seqs=8).generate(prompts, params, use_tqdm=False)]
+    confident_oracle(monkeypatch, {(i, t): (p + o)[i + 1:] for p, o in zip(prompts, off) for i, t in enumerate(p + o)},
+                     k)
+    llm = _llm(ckpt41, None, speculative_config={"method": "dspark", "num_speculative_tokens": k}, max_num_seqs=8)
+    seen = _graphed(llm)
+    sched = llm.scheduler
+    sched.varlen = VarlenPolicy(None, None, StepTimes([2, 8], [[0.010, 0.0105, 0.011, 0.0115],
+                                                               [0.010, 0.030, 0.050, 0.070]]))
+    steps, schedule = [], sched.schedule
+
+    def logged():
+        so = schedule()
+        decoding = [c for c in so.chunks if c.num_samples and len(c.token_ids) == 1 + c.num_draft]
+        steps.append((len(so.chunks), so.propose, max((c.num_draft for c in decoding), default=0)))
+        return so
+
+    sched.schedule = logged
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == off
+    crowded = [(p, d) for n, p, d in steps[2:] if n >= 3]  # (after the first steps, which know no confidences)
+    thin = [(p, d) for n, p, d in steps if n <= 2]
+    assert crowded and all(not p for p, _ in crowded) and all(d == 0 for _, d in crowded[1:])
+    assert thin and any(d > 0 for _, d in thin)
+    assert any(q > 1 for q, _, _ in seen)
+    assert sched.kv.all_free()

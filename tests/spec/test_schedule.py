@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from deepinfer.spec.schedule import (SPSTable, allocate, allocate_fixed, allocate_top_k, budget_from_stale,
-                                     expected_throughput, survival)
+from deepinfer.spec.schedule import (SPSTable, StepTimes, allocate, allocate_fixed, allocate_top_k,
+                                     budget_from_stale, expected_throughput, survival, uniform_length)
 
 # Step time 10 ms up to 2 tokens, 11 ms at 4, 16 ms at 8; max 10 tokens a step.
 # Dense seconds: B=1,2: .010, 3: .0105, 4: .011, 5: .01225, 6: .0135, 7: .01475, 8: .016,
@@ -269,3 +269,40 @@ def test_degenerate_inputs():
 def test_bad_input_names_the_field(call, field):
     with pytest.raises(ValueError, match=field):
         call()
+
+
+# Graph steps by (requests, drafts each): at 1-2 requests a draft costs 10 %, at 3-4 requests 60 % (and the
+# third draft is beyond the token budget at 4 requests).
+TIMES = StepTimes([2, 4], [[0.010, 0.011, 0.012, 0.013], [0.010, 0.016, 0.022, np.inf]])
+
+
+def test_step_times_read_the_next_bucket_and_refuse_outside_the_table():
+    assert TIMES(1, 0) == TIMES(2, 0) == 0.010 and TIMES(3, 2) == TIMES(4, 2) == 0.022
+    assert TIMES(4, 3) == np.inf
+    with pytest.raises(ValueError, match="outside"):
+        TIMES(5, 0)
+    with pytest.raises(ValueError, match="seconds"):
+        StepTimes([1, 2], [[0.01, 0.02]])
+    with pytest.raises(ValueError, match="buckets"):
+        StepTimes([2, 1], [[0.01], [0.02]])
+
+
+def test_uniform_length_equals_brute_force_and_backs_off_where_drafts_cannot_pay():
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        n = int(rng.integers(1, 5))
+        conf = rng.uniform(0, 1, (n, 3))
+        limit = rng.integers(0, 4, n)
+        a = survival(conf)
+
+        def theta(length):
+            return (n + sum(a[r, :min(length, limit[r])].sum() for r in range(n))) / TIMES(n, length)
+        best = max(range(4), key=lambda length: (theta(length), -length))
+        assert uniform_length(conf, TIMES, max_len=limit) == best
+    sure = [[0.9, 0.9, 0.9]]
+    assert uniform_length(sure, TIMES) == 3  # one request: every draft pays (a 10 % step for 0.9 more tokens)
+    # four requests: a draft costs 60 % of the step; 0.5 more tokens a request do not pay (300 against 400
+    # tokens/s); at 0.9: 400, 475, 493 tokens/s at 0, 1, 2 drafts, and the third is beyond the token budget
+    assert uniform_length([[0.5, 0.5, 0.5]] * 4, TIMES) == 0
+    assert uniform_length(sure * 4, TIMES) == 2
+    assert uniform_length(np.zeros((0, 3)), TIMES) == 0
