@@ -29,10 +29,10 @@ def _prompts(n: int, vocab: int, seed: int) -> list[list[int]]:
     return out
 
 
-def _run(path, spec, eager: bool, prompts, max_tokens: int = 24):
-    llm = LLM(str(path), device="cuda", dtype="bfloat16", batch_invariant=True, enforce_eager=eager,
-              kv_cache_memory=1 << 30, max_num_seqs=max(len(prompts), 1), skip_tokenizer_init=True,
-              speculative_config=spec)
+def _run(path, spec, eager: bool, prompts, max_tokens: int = 24, **kw):
+    kw = {"dtype": "bfloat16", "batch_invariant": True, **kw}
+    llm = LLM(str(path), device="cuda", enforce_eager=eager, kv_cache_memory=1 << 30,
+              max_num_seqs=max(len(prompts), 1), skip_tokenizer_init=True, speculative_config=spec, **kw)
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=3)
     outs = llm.generate(prompts, params, use_tqdm=False)
     return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs], llm
@@ -63,4 +63,18 @@ def test_demo_dspark_greedy_equals_speculation_off(concurrency):
     on, llm = _run(path, {"method": "dspark", "num_speculative_tokens": 5}, False, prompts, 48)
     assert [t for t, _ in on] == [t for t, _ in off]
     assert [lp for _, lp in on] == [lp for _, lp in off]
+    assert llm.get_metrics()["num_drafts"] > 0
+
+
+@pytest.mark.parametrize("concurrency", [1, 16, 64])
+def test_demo_dspark_equals_speculation_off_in_fp32_with_exact_caches(concurrency):
+    """Issue 39 item 6: without batch invariance, fp32 weights and activations and fp32 caches (no rounding
+    through the V4.1 cache formats). What differs from speculation off is only the batch's shape (verify
+    chunks of 6 tokens a request against 1), so a greedy divergence here would be a bug, not rounding."""
+    path = resolve_demo("demo")
+    prompts = _prompts(concurrency, 1000, seed=100 + concurrency)
+    exact = dict(dtype="float32", kv_cache_dtype="float32", batch_invariant=False)
+    off, _ = _run(path, None, False, prompts, 48, **exact)
+    on, llm = _run(path, {"method": "dspark", "num_speculative_tokens": 5}, False, prompts, 48, **exact)
+    assert [t for t, _ in on] == [t for t, _ in off]
     assert llm.get_metrics()["num_drafts"] > 0
