@@ -23,7 +23,8 @@ little less than r^(j+1), never incorrectly).
 
 Workload: concurrency C = C requests submitted in one LLM.generate (max_num_seqs = the largest C, so all C
 run together), each prompt exactly --input-len tokens (noise, then a short motif repeated: prompt lookup
-finds something to draft), each generating exactly --output-len tokens (greedy, ignore_eos). Per
+finds something to draft; or, with --prompt-tokens, slices of a token file such as the demo's held-out Python
+source, where its trained draft stages are accepted at times), each generating exactly --output-len tokens (greedy, ignore_eos). Per
 (configuration, C): one warm-up generate on other prompts of the same shape, then --reps timed generates
 per row, the median reported. Columns:
 
@@ -81,6 +82,22 @@ def make_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
         body = noise + motif * (length // len(motif) + 1)
         out.append(([0] + body)[:length])
     return out
+
+
+def file_prompts(path: str, n: int, length: int, offset: int) -> list[list[int]]:
+    """n prompts of `length` tokens cut one after another from a flat little-endian uint16 token file (the
+    demo's held-out set: training/ writes runs/data/heldout.bin), the first starting `offset` prompts in."""
+    import numpy as np
+
+    tokens = np.fromfile(path, dtype="<u2")
+    need = (offset + n) * length
+    if tokens.size < need:
+        raise ValueError(f"--prompt-tokens: {path} has {tokens.size} tokens, {need} needed")
+    return tokens[offset * length:need].astype(np.int64).reshape(n, length).tolist()
+
+
+def _sha256(path: str) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
 def _sync(device: str) -> None:
@@ -243,9 +260,13 @@ def run_config(plan: dict, method: str, k: int, varlen: bool = False) -> dict:
     engine = {"varlen": varlen, "async_scheduling": llm.engine.core.async_scheduling,
               "cuda_graphs": llm.engine.core.runner.graphs is not None, "batch_invariant": bool(llm.config.batch_invariant)}
     params = SamplingParams(temperature=0, max_tokens=plan["output_len"], ignore_eos=True)
-    vocab = plan["vocab"]
-    pool = make_prompts(max(plan["concurrency"]), plan["input_len"], vocab, seed=1)
-    warm_pool = make_prompts(max(plan["concurrency"]), plan["input_len"], vocab, seed=2)
+    vocab, most = plan["vocab"], max(plan["concurrency"])
+    if plan["prompt_tokens"]:  # the file's first `most` prompts are timed, the next `most` warm up
+        pool = file_prompts(plan["prompt_tokens"], most, plan["input_len"], 0)
+        warm_pool = file_prompts(plan["prompt_tokens"], most, plan["input_len"], most)
+    else:
+        pool = make_prompts(most, plan["input_len"], vocab, seed=1)
+        warm_pool = make_prompts(most, plan["input_len"], vocab, seed=2)
     rows, reference = [], {}
     for c in plan["concurrency"]:
         prompts = pool[:c]
@@ -376,6 +397,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--varlen", action="store_true",
                     help="also run the dspark and oracle rows with enable_mtp_varlen (confidence-scheduled "
                          "verification of up to k drafts) beside fixed length")
+    ap.add_argument("--prompt-tokens", default=None,
+                    help="prompts cut from this flat uint16 token file (e.g. the demo's held-out Python source, "
+                         "runs/data/heldout.bin) instead of noise and a motif")
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--reps", type=int, default=2)
@@ -439,6 +463,7 @@ def main() -> None:
                 "batch_invariant": args.batch_invariant, "concurrency": args.concurrency,
                 "input_len": args.input_len, "output_len": args.output_len, "reps": args.reps,
                 "oracle_rates": args.oracle_rates if "oracle" in args.methods else [],
+                "prompt_tokens": args.prompt_tokens,
                 "run_dspark": "dspark" in args.methods, "off_outputs": {}}
         off = run_child(plan, "off", 0)
         rows = off["rows"]
@@ -466,8 +491,11 @@ def main() -> None:
                      "max_model_len": args.input_len + args.output_len,
                      "max_num_batched_tokens": args.max_num_batched_tokens, "kv_cache_memory": args.kv_cache_memory,
                      "enforce_eager": args.enforce_eager, "batch_invariant": args.batch_invariant,
-                     "oracle_seed": ORACLE_SEED, "prompts": "noise then a repeated motif (make_prompts), seed 1; "
-                                                            "warm-up prompts seed 2"},
+                     "oracle_seed": ORACLE_SEED,
+                     "prompts": (f"consecutive {args.input_len}-token slices of {args.prompt_tokens} (sha256 "
+                                 f"{_sha256(args.prompt_tokens)}): the first max_num_seqs timed, the next warm up"
+                                 if args.prompt_tokens else "noise then a repeated motif (make_prompts), seed 1; "
+                                                            "warm-up prompts seed 2")},
         "columns": {"output_tokens_per_s": "completion tokens / LLM.generate wall time (median of reps)",
                     "per_request_tokens_per_s": "mean over requests of own completion tokens / the same wall time",
                     "acceptance_per_position": "accepted at draft position j / num_drafts (get_metrics deltas)",

@@ -176,3 +176,11 @@ def test_smoke_run_with_varlen_beside_fixed_length(tmp_path):
         assert r["equal_to_off"] is True
         if r["method"] == "oracle":
             _check_oracle_row(r)
+
+
+def test_prompts_from_a_token_file_are_consecutive_slices(sd, tmp_path):
+    path = tmp_path / "tokens.bin"
+    torch.arange(40, dtype=torch.int16).numpy().astype("<u2").tofile(path)
+    assert sd.file_prompts(str(path), 2, 5, 1) == [list(range(5, 10)), list(range(10, 15))]
+    with pytest.raises(ValueError, match="--prompt-tokens"):
+        sd.file_prompts(str(path), 8, 5, 1)
