@@ -234,10 +234,11 @@ class Scheduler:
         request of `inflight` that samples one token and cannot finish by length there gets one
         decode token, a PLACEHOLDER for the token it is sampling now. Returns None (the caller runs
         the next step synchronously) where looking ahead would change scheduling decisions:
-        n > 1 forks, partial prefill chunks, requests waiting that could be admitted, or a cache
-        that cannot grow every such request without preempting. A request that finishes in
+        n > 1 forks, partial prefill chunks, requests waiting that could be admitted, a cache
+        that cannot grow every such request without preempting, or speculation (but while the graphs'
+        verify-length policy has it off). A request that finishes in
         `inflight` by a stop token computes one wasted token here; `update` drops it."""
-        if self.pending_forks or not inflight.chunks or self.proposer is not None or \
+        if self.pending_forks or not inflight.chunks or not self._ahead_with_proposer(inflight) or \
                 (self.waiting and len(self.running) < self.max_num_seqs):
             return None  # (speculation: the next step's drafts need this step's accepted tokens)
         by_id = {r.request_id: r for r in self.running}
@@ -266,10 +267,21 @@ class Scheduler:
             starts.append(start)
         if not chunks:
             return None
+        if self.proposer is not None:  # the policy again: where drafts pay now, drafting resumes in a step
+            self._uniform_lengths()    # scheduled once this one's tokens are known
+            if self._propose:
+                return None
+            out.propose = False
         n = len(chunks)
         out.decode = self._rows(np.full(n, PLACEHOLDER, dtype=np.int64), np.array(slots, dtype=np.int64),
                                 np.array(starts, dtype=np.int64))
         return out
+
+    def _ahead_with_proposer(self, inflight: SchedulerOutput) -> bool:
+        """Without a proposer, always; with one, only while the graphs' verify-length policy has turned
+        speculation off: `inflight` verifies no drafts and drafts none, so the next step has none either."""
+        return self.proposer is None or (self.varlen is not None and self.varlen.times is not None and
+                                         not inflight.propose and not any(c.num_draft for c in inflight.chunks))
 
     def _decode_rows(self, chunks: list[ScheduledChunk]) -> DecodeRows | None:
         """The step's DecodeRows when every chunk is one token sampled once (else None): the chunks' tables

@@ -171,7 +171,7 @@ class ModelRunner:
         for f in so.forks:
             self.cache.copy_state(f.src_slot, f.dst_slot, f.src_blocks, f.dst_blocks)
         fill = self._fill(so, prev)
-        speculative = self.drafter is not None or any(c.num_draft for c in so.chunks)
+        speculative = self._verifies(so)
         if not speculative and self.graphs is not None and self.graphs.fits(len(so.chunks)) and \
                 all(len(c.token_ids) == 1 and not c.images and not c.prompt_rows for c in so.chunks):
             if so.decode is not None:  # planned from the scheduler's arrays
@@ -213,6 +213,13 @@ class ModelRunner:
             h.prompt = self._prompt_logprobs(so, streams)
         return h
 
+    def _verifies(self, so: SchedulerOutput) -> bool:
+        """Whether the step goes through verification: it holds drafts, or its drafter proposes the next ones.
+        A step that does neither samples as without speculation (a drafter's observe still runs: in the graphs,
+        or before sampling)."""
+        return any(c.num_draft for c in so.chunks) or \
+            (self.drafter is not None and (so.propose or not self.drafter.optional))
+
     def _sample_streams(self, so: SchedulerOutput, batch, streams: torch.Tensor,
                         prev: StepHandle | None) -> StepHandle:
         """Samples (or verifies) the chunks that ask for it from the forward's final states [T, ...]."""
@@ -222,7 +229,7 @@ class ModelRunner:
                 empty = torch.zeros(0, dtype=torch.long, device=self.device)
                 self.drafter.propose(Anchors(empty, empty, empty, empty))
             return StepHandle({})
-        if self.drafter is not None or any(so.chunks[i].num_draft for i in rows):
+        if self._verifies(so):
             starts = list(itertools.accumulate((len(c.token_ids) for c in so.chunks), initial=0))
             return self._verify(so, rows, lambda idx: self.model.compute_logits(streams[idx]), starts)
         last = batch.logits_idx[torch.tensor(rows, device=self.device)]
@@ -371,6 +378,9 @@ class ModelRunner:
         values = [out.tokens, out.num_accepted]
         if self.drafter is not None and (so.propose or not self.drafter.optional):
             values.append(self._draft(so, rows, ends, out, h))
+        # a request verified with no drafts, sampled once, can be the source of a placeholder in the step after
+        h.rows = {rid: (h.offsets[gs[0]], 1) for rid, gs in groups.items() if len(gs) == 1 and
+                  h.offsets[gs[0] + 1] - h.offsets[gs[0]] == 1}
         return _copy_to_host(h, torch.cat(values))
 
     def _constrain(self, logits: torch.Tensor, groups: list[tuple[int, int, object, list[int]]]) -> torch.Tensor:

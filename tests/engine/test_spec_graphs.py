@@ -27,8 +27,10 @@ class EagerGraphs(DecodeGraphs):
     """DecodeGraphs whose steps call the captured function eagerly on their fixed-shape batch."""
 
     def run(self, chunks, fill=None):
-        assert fill is None  # speculative steps are not launched ahead (no placeholder inputs)
-        return self.forward(self.plan(chunks)[1])[:sum(len(c.token_ids) for c in chunks)]
+        batch = self.plan(chunks)[1]
+        if fill is not None:  # placeholder inputs, as the graphs fill their input buffer
+            batch.input_ids[fill[0]] = fill[1]
+        return self.forward(batch)[:sum(len(c.token_ids) for c in chunks)]
 
 
 class EagerDraftGraphs(DraftGraphs):
@@ -132,16 +134,27 @@ def test_one_length_a_step_backs_off_and_stops_drafting_where_drafts_cannot_pay(
     sched = llm.scheduler
     sched.varlen = VarlenPolicy(None, None, StepTimes([2, 8], [[0.010, 0.0105, 0.011, 0.0115],
                                                                [0.010, 0.030, 0.050, 0.070]]))
-    steps, schedule = [], sched.schedule
+    steps, ahead, schedule, schedule_ahead = [], [], sched.schedule, sched.schedule_ahead
 
-    def logged():
-        so = schedule()
-        decoding = [c for c in so.chunks if c.num_samples and len(c.token_ids) == 1 + c.num_draft]
-        steps.append((len(so.chunks), so.propose, max((c.num_draft for c in decoding), default=0)))
+    def log(so):
+        if so is not None:
+            decoding = [c for c in so.chunks if c.num_samples and len(c.token_ids) == 1 + c.num_draft]
+            steps.append((len(so.chunks), so.propose, max((c.num_draft for c in decoding), default=0)))
         return so
 
-    sched.schedule = logged
+    def logged():
+        return log(schedule())
+
+    def logged_ahead(inflight):
+        so = log(schedule_ahead(inflight))
+        ahead.append(so is not None)
+        return so
+
+    sched.schedule, sched.schedule_ahead = logged, logged_ahead
+    assert llm.engine.core.async_scheduling
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == off
+    # while speculation is off, steps launch ahead as without it (placeholders from the verify path's rows)
+    assert any(ahead)
     crowded = [(p, d) for n, p, d in steps[2:] if n >= 3]  # (after the first steps, which know no confidences)
     thin = [(p, d) for n, p, d in steps if n <= 2]
     assert crowded and all(not p for p, _ in crowded) and all(d == 0 for _, d in crowded[1:])
