@@ -3,6 +3,7 @@ see the grammar objects. A ModelRunner given the frozen step applies the very ma
 tokens) it applies given the live step; freezing leaves the live grammars as they were."""
 from __future__ import annotations
 
+import itertools
 import json
 import pickle
 
@@ -119,7 +120,9 @@ def _applied(runner, so, verify, monkeypatch):
     rows = list(range(len(so.chunks)))
     with torch.inference_mode():
         if verify:
-            runner._verify(so, torch.zeros(sum(len(c.token_ids) for c in so.chunks), 1), rows)
+            streams = torch.zeros(sum(len(c.token_ids) for c in so.chunks), 1)
+            starts = list(itertools.accumulate((len(c.token_ids) for c in so.chunks), initial=0))
+            runner._verify(so, rows, lambda idx: runner.model.compute_logits(streams[idx]), starts)
         else:
             runner._sample(so, torch.zeros(len(rows), runner.model.config.vocab_size), rows)
     monkeypatch.setattr(model_runner, "apply_token_bitmask", apply)
