@@ -230,8 +230,8 @@ class DeepseekV41ForCausalLM(nn.Module):
         write_draft_context(self, features, positions, rows, rings)
 
     def draft_from_cache(self, rings: list, ctx_rows: torch.Tensor, ctx_valid: torch.Tensor,
-                         anchor_tokens: torch.Tensor, anchor_pos: torch.Tensor) -> DraftBlock:
-        return draft_from_cache(self, rings, ctx_rows, ctx_valid, anchor_tokens, anchor_pos)
+                         anchor_tokens: torch.Tensor, anchor_pos: torch.Tensor, pick=None) -> DraftBlock:
+        return draft_from_cache(self, rings, ctx_rows, ctx_valid, anchor_tokens, anchor_pos, pick)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, D] -> fp32 logits (the head is kept in fp32)."""

@@ -113,14 +113,15 @@ def write_draft_context(model, features: torch.Tensor, positions: torch.Tensor, 
 
 @torch.inference_mode()
 def draft_from_cache(model, rings, ctx_rows: torch.Tensor, ctx_valid: torch.Tensor, anchor_tokens: torch.Tensor,
-                     anchor_pos: torch.Tensor) -> DraftBlock:
+                     anchor_pos: torch.Tensor, pick=None) -> DraftBlock:
     """draft_block with the context KV read from the stages' rings (write_draft_context) at ctx_rows
-    [B, C] (masked where ctx_valid is False) instead of projected from features: no recompute per call."""
+    [B, C] (masked where ctx_valid is False) instead of projected from features: no recompute per call.
+    `pick`: see _draft."""
     B, C = ctx_rows.shape
     flat = ctx_rows.clamp(min=0).flatten()
     keys = [ring.read(flat, model.dtype).view(B, C, -1) for ring in rings]
     return _draft(model, keys, ctx_valid, anchor_tokens, anchor_pos,
-                  _format(model.config.head_dim, getattr(rings[0], "fmt", "float32")))
+                  _format(model.config.head_dim, getattr(rings[0], "fmt", "float32")), pick)
 
 
 @functools.lru_cache(maxsize=None)
@@ -131,9 +132,10 @@ def _format(dim: int, fmt: str) -> FormatStore:
 
 
 def _draft(model, stage_keys: list[torch.Tensor], ctx_valid: torch.Tensor, anchor_tokens: torch.Tensor,
-           anchor_pos: torch.Tensor, kv_fmt: FormatStore) -> DraftBlock:
+           anchor_pos: torch.Tensor, kv_fmt: FormatStore, pick=None) -> DraftBlock:
     """The block from each stage's context keys [B, C, head_dim] (as stored): the stages over
-    [anchor, noise x (block-1)], then the target head, the Markov head and the confidence head."""
+    [anchor, noise x (block-1)], then the target head, the Markov head and the confidence head. Position i's
+    token is pick(its logits [B, V]) (None: the argmax); position i + 1's Markov bias reads it."""
     cfg, stages = model.config, _stages(model)
     blk, n = cfg.dspark_block_size, cfg.hc_mult
     B = anchor_tokens.shape[0]
@@ -156,7 +158,7 @@ def _draft(model, stage_keys: list[torch.Tensor], ctx_valid: torch.Tensor, ancho
         emb = last.markov_head.embed(prev)
         li = base[:, i] + last.markov_head.head(emb).float()
         conf.append(torch.sigmoid(last.confidence_head.proj(torch.cat((conf_in[:, i].float(), emb.float()), -1))[:, 0]))
-        prev = li.argmax(-1)
+        prev = li.argmax(-1) if pick is None else pick(li)
         toks.append(prev)
         logits.append(li)
     return DraftBlock(torch.stack(toks, 1), torch.stack(logits, 1), torch.stack(conf, 1))

@@ -160,9 +160,10 @@ class CausalLM(Protocol):
 
 @dataclass
 class DraftBlock:
-    tokens: torch.Tensor       # [B, block] greedy drafts for positions p+1 .. p+block
+    tokens: torch.Tensor       # [B, block] drafts for positions p+1 .. p+block (greedy unless a `pick` drew them)
     logits: torch.Tensor       # [B, block, V] the logits each draft was picked from
     confidence: torch.Tensor   # [B, block] P(draft i accepted | drafts < i accepted)
+    probs: torch.Tensor | None = None  # [B, block, V] the distribution each draft was drawn from (None: greedy)
 
 
 @runtime_checkable
@@ -176,8 +177,10 @@ class SelfDrafting(Protocol):
         """features [N, F] at positions [N] -> each draft stage's context KV in its ring (rings[s]) at rows [N]."""
 
     def draft_from_cache(self, rings: list, ctx_rows: torch.Tensor, ctx_valid: torch.Tensor,
-                         anchor_tokens: torch.Tensor, anchor_pos: torch.Tensor) -> DraftBlock:
-        """One draft block per anchor (the newest token and its position), its context read at ctx_rows [B, C]."""
+                         anchor_tokens: torch.Tensor, anchor_pos: torch.Tensor, pick=None) -> DraftBlock:
+        """One draft block per anchor (the newest token and its position), its context read at ctx_rows [B, C].
+        `pick(logits [B, V]) -> tokens [B]` chooses each position's draft (None: the argmax), which the next
+        position's Markov head reads."""
 
 
 @runtime_checkable

@@ -17,8 +17,9 @@ them from overwriting positions still read).
 
 A draft starts at each sampled request's anchor: the last token the step emitted and its position (both
 on the device, after verification). Drafts are the stages' greedy tokens (deterministic: verification
-reads them as one-hot, exact for every sampling setting). With `graphs` set (worker/draft_graphs.py), the
-block replays a CUDA graph per padded anchor count.
+reads them as one-hot, exact for every sampling setting), except for the rows of a DraftSampler, drawn from
+the drafter's own filtered distribution q (kept for verification's rejection test). With `graphs` set
+(worker/draft_graphs.py), a greedy block replays a CUDA graph per padded anchor count.
 """
 from __future__ import annotations
 
@@ -27,21 +28,40 @@ from dataclasses import dataclass
 import torch
 
 from deepinfer.engine.outputs import ScheduledChunk
+from deepinfer.kernels.row_argmax import row_argmax
 from deepinfer.models.interface import CausalLM, DraftBlock
 from deepinfer.state.forward_batch import ForwardBatch, to_device
 from deepinfer.worker.kv_cache import V4Cache
+from deepinfer.worker.sampler import SamplingBatch, filtered_probs, race, race_noise
+
+
+class DraftSampler:
+    """Picks each draft position's tokens (a DSpark block's `pick`): rows at temperature 0 take the argmax, the
+    others draw from q = sampler.filtered_probs of the drafter's logits with their request's temperature and
+    top-k / top-p / min-p, with noise from `generator` (drawn before the verifying step draws its own: the two
+    are independent, as rejection sampling needs). `probs` collects each position's q [B, V]."""
+
+    def __init__(self, sb: SamplingBatch, generator: torch.Generator | None):
+        self.sb, self.generator, self.probs = sb, generator, []
+
+    def __call__(self, logits: torch.Tensor) -> torch.Tensor:
+        q = filtered_probs(logits.float(), self.sb)
+        self.probs.append(q)
+        return torch.where(self.sb.temperature == 0, row_argmax(logits), race(q, race_noise(q, self.sb, self.generator)))
 
 
 @dataclass
 class Anchors:
     """Each drafting request's anchor after verification, on the device ([G] each): the last token the step
     emitted for it, that token's position, its slot, and the step's flat row that computed it (the row of
-    its last accepted position, one before `pos`)."""
+    its last accepted position, one before `pos`). `sampler`: the rows that draw their drafts (None: all
+    greedy)."""
 
     tokens: torch.Tensor
     pos: torch.Tensor
     slots: torch.Tensor
     rows: torch.Tensor
+    sampler: DraftSampler | None = None
 
 
 class DSparkDrafter:
@@ -80,16 +100,21 @@ class DSparkDrafter:
         n = anchors.tokens.numel()
         if not n:
             return None
+        if anchors.sampler is not None:  # (eager: the sampled rows' noise is drawn per step)
+            block = self.draft(anchors.tokens, anchors.pos, anchors.slots, anchors.sampler)
+            block.probs = torch.stack(anchors.sampler.probs, 1)
+            return block
         if self.graphs is not None and self.graphs.fits(n):
             return self.graphs.run(anchors.tokens, anchors.pos, anchors.slots)
         return self.draft(anchors.tokens, anchors.pos, anchors.slots)
 
-    def draft(self, anchor_tokens: torch.Tensor, anchor_pos: torch.Tensor, slots: torch.Tensor) -> DraftBlock:
+    def draft(self, anchor_tokens: torch.Tensor, anchor_pos: torch.Tensor, slots: torch.Tensor,
+              pick=None) -> DraftBlock:
         """One block per anchor ([G] tokens, positions and slots, on the device): context = the W positions
-        before the anchor (masked below 0)."""
+        before the anchor (masked below 0). `pick`: see DraftSampler (None: greedy)."""
         pos = anchor_pos[:, None] - self.window + torch.arange(self.window, device=anchor_pos.device)
         rows = slots[:, None] * self.size + pos.clamp(min=0) % self.size
-        return self.model.draft_from_cache(self.rings, rows, pos >= 0, anchor_tokens, anchor_pos)
+        return self.model.draft_from_cache(self.rings, rows, pos >= 0, anchor_tokens, anchor_pos, pick)
 
 
 class MTPDrafter:

@@ -19,10 +19,11 @@ from deepinfer.engine.outputs import PLACEHOLDER, ModelOutput, SchedulerOutput
 from deepinfer.kernels.token_bitmask import apply_token_bitmask
 from deepinfer.layers import invariant
 from deepinfer.models.interface import CausalLM
+from deepinfer.sampling_params import SamplingParams
 from deepinfer.worker.verify import verify
 from deepinfer.state.forward_batch import SeqChunk, build_forward_batch, to_device
 from deepinfer.worker.draft_graphs import DraftGraphs
-from deepinfer.worker.drafter import Anchors, DSparkDrafter, MTPDrafter
+from deepinfer.worker.drafter import Anchors, DraftSampler, DSparkDrafter, MTPDrafter
 from deepinfer.worker.kv_cache import V4Cache
 from deepinfer.worker.sampler import SamplingBatch, sample, top_logprobs
 
@@ -64,6 +65,7 @@ class PromptLogprobs:
     top: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
+GREEDY = SamplingParams(temperature=0)  # the drafter's parameters for a row it does not sample
 # images whose embeddings are kept between the chunks of a prompt (most recent first out)
 IMAGE_CACHE_SIZE = 32
 # prompt_logprobs: rows whose full-vocabulary logits are materialised at once (1024 x 129280 fp32: 0.5 GB)
@@ -100,6 +102,8 @@ class ModelRunner:
         self._masks: torch.Tensor | None = None  # structured outputs: host token masks (see _constrain)
         self._masks_sent: torch.cuda.Event | None = None
         self._sb_cache: tuple | None = None  # (vocab, params, SamplingBatch) of the last sampled step
+        # (q [G, k, V], request id -> its row) of the drafts the last step drew from the drafter's distribution
+        self._draft_q: tuple[torch.Tensor, dict[str, int]] | None = None
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(seed if seed is not None else torch.seed())
 
@@ -366,11 +370,12 @@ class ModelRunner:
                        for i in rows if so.chunks[i].grammar is not None for g in groups[so.chunks[i].request_id]]
         if constrained:  # a verify row's mask follows the drafts before it (the scheduler kept them in the grammar)
             logits = self._constrain(logits, constrained)
-        # every proposer's drafts are deterministic (prompt lookup, greedy DSpark / MTP: q one-hot), so a
-        # seeded request verifies by matching the target's own draw at each position (as likely to accept
-        # as rejection sampling, and its tokens are speculation-off's); unseeded ones take rejection sampling
-        out = verify(logits, offsets, to_device(torch.tensor(drafts, dtype=torch.long), self.device), params,
-                     seeds=seeds, generator=self.generator, match_seeded=True)
+        # a seeded request verifies by matching the target's own draw at each position (its tokens are
+        # speculation-off's); the others take rejection sampling against q: one-hot for deterministic drafts
+        # (prompt lookup, greedy DSpark / MTP), DSpark's own distribution for the drafts it drew (_draft_sampler)
+        draft_t = to_device(torch.tensor(drafts, dtype=torch.long), self.device)
+        out = verify(logits, offsets, draft_t, params, draft_probs=self._draft_probs(so, rows, draft_t), seeds=seeds,
+                     generator=self.generator, match_seeded=True)
         row_params = [p for g, p in enumerate(params) for _ in range(offsets[g + 1] - offsets[g])]
         max_lp = max((p.logprobs for p in params if p.logprobs is not None), default=-1)
         h = StepHandle({}, out.tokens, params=row_params, max_logprobs=max_lp, offsets=offsets, groups=groups,
@@ -427,17 +432,52 @@ class ModelRunner:
                    for i in rows if so.chunks[i].num_samples == 1]
         h.drafts = {c.request_id: j for j, (c, _, _) in enumerate(anchors)}
         h.draft_width = self.drafter.num_tokens
-        host = torch.tensor([[h.offsets[g], c.start + len(c.token_ids) - c.num_draft, c.slot, r]
-                             for c, g, r in anchors], dtype=torch.long).view(-1, 4)
-        first, pos, slots, row = to_device(host, self.device).unbind(1)
-        acc = out.num_accepted[torch.tensor([g for _, g, _ in anchors], dtype=torch.long, device=self.device)]
-        block = self.drafter.propose(Anchors(out.tokens[first + acc], pos + acc, slots, row + acc))
+        host = torch.tensor([[h.offsets[g], c.start + len(c.token_ids) - c.num_draft, c.slot, r, g]
+                             for c, g, r in anchors], dtype=torch.long).view(-1, 5)
+        first, pos, slots, row, group = to_device(host, self.device).unbind(1)
+        acc = out.num_accepted[group]
+        sampler = self._draft_sampler([c for c, _, _ in anchors])
+        block = self.drafter.propose(Anchors(out.tokens[first + acc], pos + acc, slots, row + acc, sampler))
         if block is None:
             return out.tokens[:0]
         k = self.drafter.num_tokens
+        self._draft_q = None if block.probs is None else (block.probs[:, :k], h.drafts)
         # the confidences ride in the same int64 copy as the tokens: their fp32 bits
         conf_bits = block.confidence[:, :k].float().contiguous().view(torch.int32).long()
         return torch.cat((block.tokens[:, :k].flatten(), conf_bits.flatten()))
+
+    def _draft_sampler(self, chunks: list) -> DraftSampler | None:
+        """The drafter's sampler for these anchors' requests, or None when every draft is greedy. Drafts are drawn
+        from q for requests at temperature > 0 that are unseeded (a seeded one verifies by matching the target's
+        own draw, for which a greedy draft serves as well) and have no grammar (a grammar cuts drafts by their own
+        tokens, which keeps verification exact for deterministic drafts only)."""
+        drawn = [not c.params.greedy and c.params.seq_seed is None and c.grammar is None for c in chunks]
+        if not any(drawn):
+            return None
+        params = [c.params if d else GREEDY for c, d in zip(chunks, drawn)]
+        return DraftSampler(SamplingBatch.build(params, self.model.config.vocab_size, self.device), self.generator)
+
+    def _draft_probs(self, so: SchedulerOutput, rows, drafts: torch.Tensor) -> torch.Tensor | None:
+        """The distribution each draft row of this step was drawn from [draft rows, V], in verify's order: the
+        rows the previous step's DraftSampler drew (their q), one-hot at the token for the rest; None when no
+        draft of this step was drawn."""
+        held, self._draft_q = self._draft_q, None
+        if held is None or not drafts.numel():
+            return None
+        probs, where = held
+        width, sel = probs.shape[1], []
+        for i in rows:
+            c = so.chunks[i]
+            j = where.get(c.request_id)
+            if c.num_draft:  # (a step's drafts are a prefix of the block its request was given)
+                sel += [j * width + t for t in range(c.num_draft)] if j is not None and c.num_draft <= width \
+                    else [-1] * c.num_draft
+        idx = to_device(torch.tensor(sel, dtype=torch.long), self.device)
+        q = probs.reshape(-1, probs.shape[-1])[idx.clamp(min=0)]
+        if min(sel) < 0:
+            one_hot = torch.zeros_like(q).scatter_(1, drafts[:, None], 1.0)
+            q = torch.where((idx < 0)[:, None], one_hot, q)
+        return q
 
     def _collect_verified(self, h: StepHandle) -> ModelOutput:
         out = ModelOutput({})
