@@ -131,7 +131,7 @@ class EngineConfig:
     speculative_config: dict | None = field(default=None, metadata=_option(
         'vLLM\'s speculative decoding settings: {"method": "ngram", "num_speculative_tokens": k, '
         '"prompt_lookup_max": 4, "prompt_lookup_min": 1} (prompt-lookup drafts), {"method": "dspark", '
-        '"num_speculative_tokens": k} (V4.1\'s draft stages) or {"method": "mtp", "num_speculative_tokens": 1} '
+        '"num_speculative_tokens": k} (V4.1\'s draft stages) or {"method": "mtp", "num_speculative_tokens": k} '
         "(V4's MTP layer)", default_doc="off"))
     num_speculative_tokens: int | None = field(default=None, metadata=_option(
         "draft tokens per step from the checkpoint's own draft layers, which pick the method (DSpark stages: "
@@ -446,7 +446,7 @@ def _check_choice(name: str, value: str, choices: tuple[str, ...]):
         raise ValueError(f"{name}: {value!r} is not one of {', '.join(choices)}")
 
 
-# "mtp" (vLLM's other name for it: "deepseek_mtp"): V4's MTP layer, one draft token per step (worker/drafter.py)
+# "mtp" (vLLM's other name for it: "deepseek_mtp"): V4's MTP layer, chained for k > 1 (worker/drafter.py)
 SPECULATIVE_METHODS = ("ngram", "dspark", "mtp", "deepseek_mtp")
 
 
@@ -466,7 +466,3 @@ def _check_speculative_config(sc) -> None:
         raise ValueError(f"speculative_config.{lookup[0]}: only the 'ngram' method reads it")
     if "num_speculative_tokens" not in sc:
         raise ValueError("speculative_config.num_speculative_tokens: required")
-    if sc["method"] in ("mtp", "deepseek_mtp") and sc["num_speculative_tokens"] != 1:
-        raise ValueError(f"speculative_config.num_speculative_tokens: the 'mtp' method drafts 1 token per step, got "
-                         f"{sc['num_speculative_tokens']!r} (chaining V4's MTP layer needs each chained position "
-                         "planned on the device; not built)")

@@ -168,12 +168,13 @@ class MTPBlock(Block):
         self.hc_head_fn, self.hc_head_base, self.hc_head_scale = _fp32(n, n * d), _fp32(n), _fp32(1)
 
     def draft(self, streams: torch.Tensor, next_emb: torch.Tensor, next_ids: torch.Tensor,
-              ctx: StepContext, cache: LayerCache) -> torch.Tensor:
-        """streams [T, n, D]: trunk residual before hc_head at t; next_emb [T, D] -> hidden [T, D]."""
+              ctx: StepContext, cache: LayerCache) -> tuple[torch.Tensor, torch.Tensor]:
+        """streams [T, n, D]: trunk residual before hc_head at t; next_emb [T, D] -> (hidden [T, D], the
+        layer's output streams [T, n, D])."""
         x = self.h_proj(self.hnorm(streams)) + self.e_proj(self.enorm(next_emb)).unsqueeze(1)
         x = self.forward(x, next_ids, ctx, cache)
         c = self.hc.hc_eps, self.hc.norm_eps
-        return self.norm(head_collapse(x, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, *c))
+        return self.norm(head_collapse(x, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, *c)), x
 
 
 class DSparkStage(Block):
@@ -334,22 +335,32 @@ class DeepseekV4ForCausalLM(nn.Module):
         """MTP draft logits for position t+2 from the trunk streams at t and token t+1."""
         if self.mtp is None:
             raise RuntimeError("this model has no MTP draft layer (num_nextn_predict_layers is 0)")
-        hidden = self.mtp[0].draft(streams, self.embed(next_ids), next_ids, ctx, cache)
+        hidden, _ = self.mtp[0].draft(streams, self.embed(next_ids), next_ids, ctx, cache)
         return self.head(hidden).float()
 
     def mtp_draft(self, batch: ForwardBatch, streams: torch.Tensor, next_ids: torch.Tensor,
-                  anchor_rows: torch.Tensor, cache: LayerCache) -> DraftBlock:
+                  anchor_rows: torch.Tensor, cache: LayerCache) -> tuple[DraftBlock, torch.Tensor]:
         """The MTP layer over every row of `batch` (models/interface.py MTPDrafting): row t reads the trunk
         streams [T, n, D] at t and next_ids[t] (the token at t + 1) and writes its window key at the batch's
         ring rows, as the trunk's layers do. One draft per anchor row [G]: the argmax of the MTP logits there
-        (for position t + 2), confidence = that token's softmax probability."""
+        (for position t + 2), confidence = that token's softmax probability; and the layer's output streams
+        at the anchor rows (what mtp_chain continues from)."""
+        hidden, x = self._mtp().draft(streams, self.embed(next_ids), next_ids, self.step_context(batch), cache)
+        logits = self.head(hidden[anchor_rows]).float()
+        prob, tokens = logits.softmax(-1).max(-1)
+        return DraftBlock(tokens[:, None], logits[:, None], prob[:, None]), x[anchor_rows]
+
+    def mtp_chain(self, streams: torch.Tensor, next_ids: torch.Tensor, batch: ForwardBatch,
+                  cache: LayerCache) -> tuple[torch.Tensor, torch.Tensor]:
+        """models/interface.py MTPDrafting.mtp_chain: the MTP layer once more, on its own output streams."""
+        hidden, x = self._mtp().draft(streams, self.embed(next_ids), next_ids, self.step_context(batch), cache)
+        return self.head(hidden).float(), x
+
+    def _mtp(self) -> MTPBlock:
         if self.mtp is None or self.config.has_dspark:
             raise RuntimeError("this model has no MTP draft layer (num_nextn_predict_layers is 0 or its draft "
                                "layers are DSpark stages)")
-        hidden = self.mtp[0].draft(streams, self.embed(next_ids), next_ids, self.step_context(batch), cache)
-        logits = self.head(hidden[anchor_rows]).float()
-        prob, tokens = logits.softmax(-1).max(-1)
-        return DraftBlock(tokens[:, None], logits[:, None], prob[:, None])
+        return self.mtp[0]
 
 
 def _fp32(*shape: int) -> nn.Parameter:

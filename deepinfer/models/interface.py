@@ -186,10 +186,17 @@ class SelfDrafting(Protocol):
 @runtime_checkable
 class MTPDrafting(Protocol):
     """A model whose multi-token-prediction layer (V4's `mtp.0`) the engine can run as its proposer
-    (declared by "mtp" in Drafting.proposers), one draft token per step: after verification, over
-    every row of the step's batch with the trunk's plan."""
+    (declared by "mtp" in Drafting.proposers): after verification, over every row of the step's batch with
+    the trunk's plan, then chained on its own output for each further draft token."""
 
     def mtp_draft(self, batch: ForwardBatch, streams: torch.Tensor, next_ids: torch.Tensor,
-                  anchor_rows: torch.Tensor, cache: LayerCache) -> DraftBlock:
+                  anchor_rows: torch.Tensor, cache: LayerCache) -> tuple[DraftBlock, torch.Tensor]:
         """The MTP layer over all rows of `batch` (trunk streams [T, ...] at t, next_ids [T] the token at
-        t + 1), writing its window ring in `cache`; a one-token DraftBlock for each of anchor_rows [G]."""
+        t + 1), writing its window ring in `cache`: (a one-token DraftBlock for each of anchor_rows [G], the
+        layer's output streams at those rows)."""
+
+    def mtp_chain(self, streams: torch.Tensor, next_ids: torch.Tensor, batch: ForwardBatch,
+                  cache: LayerCache) -> tuple[torch.Tensor, torch.Tensor]:
+        """One chained MTP step, one row per draft: the layer's previous output streams [G, ...] stand in for
+        the trunk's, next_ids [G] the newest draft, at `batch`'s positions (writing their window keys) ->
+        (fp32 logits [G, vocab] of the token after next_ids, the layer's output streams)."""

@@ -353,3 +353,15 @@ def _replay_plan(full: ForwardBatch, keep, pos, start, end, slot, lo, window: in
     upper = ForwardBatch(sub(full.input_ids), sub(full.positions), sub(full.token_req), full.logits_idx,
                          to(win_new), to(win_ring), to(ring_src), to(ring_dst), plans())
     return ReplayPlan(dev_rows, at_layer, upper)
+
+
+def single_token_batch(tokens: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor, window: int,
+                       ring: int) -> ForwardBatch:
+    """A window-only step of one token a row, planned on the device from device tensors [G] (positions known
+    only there: a chained draft's): window keys from the ring (`ring` rows a slot) up to each token, which
+    is new, and each token's key stored at its own position's ring row. No compressor plans: for layers that
+    keep a window only (V4's MTP layer)."""
+    tok = torch.arange(tokens.shape[0], device=tokens.device)
+    win_new, win_ring = _gather_plan(tok, positions, positions, slots, window, ring)
+    return ForwardBatch(tokens, positions, tok, tok, win_new, win_ring, tok, _ring_rows(slots, positions, ring), {},
+                        req_lens=(1,) * tokens.shape[0], ring_early=True)

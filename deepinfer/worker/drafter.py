@@ -30,7 +30,7 @@ import torch
 from deepinfer.engine.outputs import ScheduledChunk
 from deepinfer.kernels.row_argmax import row_argmax
 from deepinfer.models.interface import CausalLM, DraftBlock
-from deepinfer.state.forward_batch import ForwardBatch, to_device
+from deepinfer.state.forward_batch import ForwardBatch, single_token_batch, to_device
 from deepinfer.worker.kv_cache import V4Cache
 from deepinfer.worker.sampler import SamplingBatch, filtered_probs, race, race_noise
 
@@ -118,8 +118,8 @@ class DSparkDrafter:
 
 
 class MTPDrafter:
-    """V4's MTP layer (`mtp.0`: trunk streams at t + the embedding of token t + 1 -> logits for t + 2), one
-    draft token per step.
+    """V4's MTP layer (`mtp.0`: trunk streams at t + the embedding of token t + 1 -> logits for t + 2), k draft
+    tokens a step (chained for k > 1, below).
 
     State: the MTP layer's own window ring (V4Cache.mtp[0].ring, the trunk's ring geometry). Every position
     goes through the MTP layer once with its true next token, so the ring holds the layer's own keys for
@@ -134,6 +134,11 @@ class MTPDrafter:
         their drafts are less likely accepted there; verification keeps outputs exact regardless).
     The draft of each anchor is the argmax of the MTP logits at its row (greedy, deterministic:
     verification reads it as one-hot); its confidence is that token's softmax probability.
+
+    For k > 1 the layer is chained on the device: draft i + 1 comes from the layer at the anchor's position
+    + i, with its own output streams of the step before standing in for the trunk's and draft i as the next
+    token (state/forward_batch.py single_token_batch plans it from the device positions). Its window keys go
+    to the ring at positions the next step computes again (within the ring slack, as rejected drafts').
     """
 
     needs_features = False
@@ -143,12 +148,13 @@ class MTPDrafter:
         if not model.drafting.runs("mtp"):
             raise ValueError("speculative_config.method 'mtp': this checkpoint has no MTP layer (V4's mtp.0; "
                              "DSpark draft stages use method 'dspark')")
-        if num_tokens != 1:
-            raise ValueError(f"speculative_config.num_speculative_tokens: V4's MTP layer drafts 1 token per step, "
-                             f"got {num_tokens} (chaining it for more needs each chained position planned on the "
-                             "device: its rope, ring rows and window; not built)")
-        self.model, self.num_tokens = model, 1
+        if num_tokens < 1 or num_tokens > cache.ring_slack:
+            raise ValueError(f"speculative_config.num_speculative_tokens: {num_tokens} is not in 1 .. the cache's "
+                             f"ring slack ({cache.ring_slack})")
+        self.model, self.num_tokens = model, num_tokens
         self.cache = cache.mtp[0]
+        self.window = model.config.sliding_window
+        self.ring = self.window + cache.ring_slack
         self._step: tuple[ForwardBatch, torch.Tensor, torch.Tensor] | None = None
 
     def observe(self, chunks: list[ScheduledChunk], batch: ForwardBatch, streams: torch.Tensor,
@@ -171,5 +177,17 @@ class MTPDrafter:
         batch, streams, next_ids = self._step
         self._step = None
         next_ids[anchors.rows] = anchors.tokens
-        block = self.model.mtp_draft(batch, streams, next_ids, anchors.rows, self.cache)
-        return block if anchors.rows.numel() else None
+        block, x = self.model.mtp_draft(batch, streams, next_ids, anchors.rows, self.cache)
+        if not anchors.rows.numel():
+            return None
+        if self.num_tokens == 1:
+            return block
+        tokens, logits, conf = [block.tokens[:, 0]], [block.logits[:, 0]], [block.confidence[:, 0]]
+        for i in range(1, self.num_tokens):  # the layer at position anchor + i - 1 reads draft i
+            step = single_token_batch(tokens[-1], anchors.pos + i - 1, anchors.slots, self.window, self.ring)
+            li, x = self.model.mtp_chain(x, tokens[-1], step, self.cache)
+            prob, tok = li.softmax(-1).max(-1)
+            tokens.append(tok)
+            logits.append(li)
+            conf.append(prob)
+        return DraftBlock(torch.stack(tokens, 1), torch.stack(logits, 1), torch.stack(conf, 1))

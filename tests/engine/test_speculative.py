@@ -421,13 +421,24 @@ def test_mtp_ring_holds_each_position_with_its_true_next_token(ckpt, monkeypatch
     assert not torch.allclose(got[-1], wrong[-1], atol=1e-4, rtol=1e-4)
 
 
-def test_mtp_refuses_more_than_one_token_and_dspark_checkpoints(ckpt, tmp_path):
+@pytest.mark.parametrize("k", [2, 3])
+def test_chained_mtp_drafts_keep_greedy_tokens_v4(ckpt, k):
+    """V4's MTP layer chained on its own output for k drafts a step (worker/drafter.py MTPDrafter): greedy
+    outputs equal speculation off, with a small budget that chunks prompts too."""
+    prompts, want = _greedy_off(str(ckpt), 6, 0, 24)
+    greedy = SamplingParams(temperature=0, max_tokens=24)
+    for kw in (dict(speculative_config={"method": "mtp", "num_speculative_tokens": k}),
+               dict(num_speculative_tokens=k, max_num_batched_tokens=9, max_num_seqs=3)):
+        llm = _llm(ckpt, None, **kw)
+        assert [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)] == want
+        m = llm.get_metrics()
+        assert m["num_drafts"] > 0 and m["num_draft_tokens"] > m["num_drafts"]
+        assert llm.scheduler.kv.all_free()
+
+
+def test_mtp_refuses_dspark_checkpoints(tmp_path):
     from deepinfer.tools.make_checkpoint import PRESETS, write_checkpoint
 
-    with pytest.raises(ValueError, match="num_speculative_tokens.*chain"):
-        _llm(ckpt, None, speculative_config={"method": "mtp", "num_speculative_tokens": 2})
-    with pytest.raises(ValueError, match="num_speculative_tokens.*chain"):
-        _llm(ckpt, None, num_speculative_tokens=3)  # this checkpoint's draft layer is an MTP layer
     dspark = write_checkpoint(tmp_path / "dspark", PRESETS["tiny-dspark"], seed=1, dtype="fp8")
     with pytest.raises(ValueError, match="no MTP layer"):
         _llm(dspark, None, speculative_config=MTP)

@@ -54,3 +54,44 @@ def test_a_checkpoint_without_draft_stages_or_a_block_too_short_is_refused(model
                               "cpu", 4)
     with pytest.raises(ValueError, match="num_speculative_tokens"):
         DSparkDrafter(model41, cache, model41.config.dspark_block_size + 1)
+
+
+def test_chained_mtp_steps_equal_the_layer_on_host_planned_batches(tmp_path):
+    """MTPDrafter chains V4's MTP layer for k > 1, each chained step planned on the device
+    (single_token_batch): its drafts and logits equal the layer's on host-planned one-token batches
+    (build_forward_batch) over a copy of the same cache, step by step."""
+    import copy
+    from types import SimpleNamespace
+
+    from deepinfer.worker.drafter import Anchors, MTPDrafter
+
+    ckpt = write_checkpoint(tmp_path / "ckpt", PRESETS["tiny"], seed=5, dtype="fp8")
+    model = load_model(str(ckpt), dtype=torch.float32)[0]
+    cfg, k, n = model.config, 3, 30
+    W = cfg.sliding_window
+    cache = allocate_v4_cache(cfg, 2, {m: 16 for m in set(cfg.compress_ratios) if m}, "float32", "cpu", 4,
+                              ring_slack=k)
+    tables = {m: list(range(16)) for m in cache.num_blocks}
+    ids = torch.randint(3, cfg.vocab_size, (n + 1,), generator=torch.Generator().manual_seed(0)).tolist()
+    drafter = MTPDrafter(model, cache, k)
+    with torch.inference_mode():
+        batch = build_forward_batch([SeqChunk(0, 0, ids[:n], tables)], W, cache.compress_kinds, cache.block_size,
+                                    "cpu", ring_slack=k)
+        streams = model(batch, cache.layers)
+        drafter.observe([SimpleNamespace(token_ids=ids[:n], next_token=-1)], batch, streams, None)
+        ref = copy.deepcopy(cache.mtp[0])  # the MTP ring before the drafter's passes
+        # the step emitted ids[n] (at position n) after its last row, n - 1
+        got = drafter.propose(Anchors(torch.tensor([ids[n]]), torch.tensor([n]), torch.tensor([0]),
+                                      torch.tensor([n - 1])))
+        first, x = model.mtp_draft(batch, streams, torch.tensor(ids[1:n + 1]), torch.tensor([n - 1]), ref)
+        tokens, logits = [int(first.tokens[0, 0])], [first.logits[0, 0]]
+        for i in range(1, k):
+            b = build_forward_batch([SeqChunk(0, n + i - 1, [tokens[-1]], tables)], W, set(), cache.block_size,
+                                    "cpu", ring_slack=k)
+            li, x = model.mtp_chain(x, torch.tensor([tokens[-1]]), b, ref)
+            tokens.append(int(li.argmax(-1)))
+            logits.append(li[0])
+    assert got.tokens[0].tolist() == tokens
+    torch.testing.assert_close(got.logits[0], torch.stack(logits), atol=1e-5, rtol=1e-5)
+    for mine, theirs in zip(cache.mtp[0].per_slot(), ref.per_slot()):  # the same ring rows written alike
+        torch.testing.assert_close(mine.float(), theirs.float(), atol=1e-5, rtol=1e-5)
