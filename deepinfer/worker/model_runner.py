@@ -82,7 +82,7 @@ class ModelRunner:
                  drafter: DSparkDrafter | MTPDrafter | None = None):
         """`replay_keep`: SWA bounded replay keeps each request's last `replay_keep` rows above the
         model's replay layer (None = exact prefill, or a model without one). `cuda_graphs`: replay
-        decode and verify steps as CUDA graphs where the model allows it (see _graphs_for and _graph_step).
+        decode and verify steps as CUDA graphs where the model allows it (see _graphs_for and _graph_width).
         `drafter`: the model's own draft layers (worker/drafter.py) propose the next step's tokens after every
         step's verification."""
         self.model, self.cache, self.device = model, cache, torch.device(device)
