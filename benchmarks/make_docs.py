@@ -322,10 +322,11 @@ def serve_log_row(label: str, model: str, conc: int) -> Row:
                        V(r + ".Failed requests", none="0")], SERVE_LOG)
 
 
-def spec_row(label: str, method: str, conc: int, rate: float | None = None) -> Row:
-    r = f"rows[method={method},concurrency={conc}" + ("" if rate is None else f",acceptance_rate={rate}") + "]"
+def spec_row(label: str, method: str, conc: int, rate: float | None = None, varlen: bool | None = None) -> Row:
+    r = f"rows[method={method},concurrency={conc}" + ("" if rate is None else f",acceptance_rate={rate}") + \
+        ("" if varlen is None else f",varlen={str(varlen).lower()}") + "]"
     off = f"rows[method=off,concurrency={conc}]"
-    acc = T("") if method == "off" else V(r + ".mean_acceptance_length", "{:.2f}")
+    acc = T("") if method == "off" else V(r + ".mean_acceptance_length", "{:.2f}", none="no drafts")
     return Row(label, [T(str(conc)), V(r + ".output_tokens_per_s", "{:,.1f}"), acc,
                        Ratio(V(r + ".output_tokens_per_s"), V(off + ".output_tokens_per_s")), V(r + ".equal_to_off")])
 
@@ -516,13 +517,19 @@ SECTIONS = [
                     serve_log_row("V4.1 demo", "v41", 64), serve_row("V4 demo (FP8)", "v4", 1),
                     serve_row("V4 demo (FP8)", "v4", 16), serve_row("V4 demo (FP8)", "v4", 64)])]),
     Section("speculative-decoding", "Speculative decoding",
-            "`python benchmarks/spec_decode.py`: the V4.1 demo (random weights, bf16), k = 5, greedy, 128 prompt "
-            "tokens; emitted tokens/s against speculation off in the same run. `oracle r` drafts tokens that are "
-            "right with probability r. Speculative steps run synchronously and eagerly, so speculation is slower "
-            "than off here. The second table runs with `batch_invariant=True`: without it, verify chunks round "
-            "differently from one-token decode, the random model's near-tied logits diverge from speculation off "
-            "and the oracle's drafts stop matching at higher concurrency.",
-            [Table(SPEC_HEADER, [spec_row(*r) for r in [("off", "off", 1), ("DSpark (random stages)", "dspark", 1),
+            "`python benchmarks/spec_decode.py`: the V4.1 demo (bf16), k = 5, greedy, 128 prompt tokens; emitted "
+            "tokens/s against speculation off in the same run. `oracle r` drafts tokens that are right with "
+            "probability r. The first table is the latest: verify and draft steps on CUDA graphs (195f977; an H100, "
+            "256 tokens out; `--varlen`: one verify length a step over step times measured at start-up, which "
+            "here turned speculation off): fixed-length speculation is still slower than off, and why a graphed verify "
+            "step costs what it does is not yet profiled on a GPU (benchmarks/NOTES.md). The two older tables ran with eager speculative "
+            "steps (924d9f0, 128 out); the third with `batch_invariant=True`: without it, verify chunks round "
+            "differently from one-token decode, near-tied logits diverge from speculation off and the oracle's "
+            "drafts stop matching at higher concurrency.",
+            [Table(SPEC_HEADER, [spec_row("off", "off", 1), spec_row("oracle 0.8, fixed k", "oracle", 1, 0.8, False),
+                                 spec_row("oracle 0.8, varlen", "oracle", 1, 0.8, True)],
+                   Json("2026-12-07-h100-195f977-spec-decode-oracle-c1.json")),
+             Table(SPEC_HEADER, [spec_row(*r) for r in [("off", "off", 1), ("DSpark (random stages)", "dspark", 1),
                                                         ("oracle 0.8", "oracle", 1, 0.8),
                                                         ("oracle 0.95", "oracle", 1, 0.95),
                                                         ("prompt lookup", "ngram", 1)]],
