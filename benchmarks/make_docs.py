@@ -519,13 +519,13 @@ SECTIONS = [
     Section("speculative-decoding", "Speculative decoding",
             "`python benchmarks/spec_decode.py`: the V4.1 demo (bf16), k = 5, greedy, 128 prompt tokens; emitted "
             "tokens/s against speculation off in the same run. `oracle r` drafts tokens that are right with "
-            "probability r. The first table is the latest: verify and draft steps on CUDA graphs (195f977; an H100, "
-            "256 tokens out; `--varlen`: one verify length a step over step times measured at start-up, which "
-            "here turned speculation off): fixed-length speculation is still slower than off, and why a graphed verify "
-            "step costs what it does is not yet profiled on a GPU (benchmarks/NOTES.md). The two older tables ran with eager speculative "
-            "steps (924d9f0, 128 out); the third with `batch_invariant=True`: without it, verify chunks round "
-            "differently from one-token decode, near-tied logits diverge from speculation off and the oracle's "
-            "drafts stop matching at higher concurrency.",
+            "probability r. The first table is the latest: verify and draft steps on CUDA graphs (195f977; an "
+            "H100, 256 tokens out; `--varlen`: one verify length a step over step times measured at start-up, "
+            "which here turned speculation off): fixed-length speculation is still slower than off, and why a "
+            "graphed verify step costs what it does is not yet profiled on a GPU (benchmarks/NOTES.md). The two "
+            "older tables ran with eager speculative steps (924d9f0, 128 out); the third with "
+            "`batch_invariant=True`: without it, verify chunks round differently from one-token decode, near-tied "
+            "logits diverge from speculation off and the oracle's drafts stop matching at higher concurrency.",
             [Table(SPEC_HEADER, [spec_row("off", "off", 1), spec_row("oracle 0.8, fixed k", "oracle", 1, 0.8, False),
                                  spec_row("oracle 0.8, varlen", "oracle", 1, 0.8, True)],
                    Json("2026-12-07-h100-195f977-spec-decode-oracle-c1.json")),

@@ -133,8 +133,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     if args.smoke:
         args.device, args.dtype, args.output_len, args.rows = "cpu", "float32", 8, 10
-    print(f"commit {recorded_commit(args)}, device {torch.cuda.get_device_name() if args.device.startswith('cuda') else 'cpu'}",
-          flush=True)
+    device = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
+    print(f"commit {recorded_commit(args)}, device {device}", flush=True)
     count_steps()
     for spec in ([False] if args.only == "off" else [True] if args.only == "spec" else [False, True]):
         llm = build(args, spec)

@@ -45,7 +45,8 @@ class DraftGraphs:
 
     def _capture(self, padded: int):
         long = dict(dtype=torch.long, device=self.device)
-        inputs = (torch.zeros(padded, **long), torch.zeros(padded, **long), torch.full((padded,), self.scratch_slot, **long))
+        inputs = (torch.zeros(padded, **long), torch.zeros(padded, **long),
+                  torch.full((padded,), self.scratch_slot, **long))
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):  # warm-up outside the capture (lazy initialisations, kernel compiles)

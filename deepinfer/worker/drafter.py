@@ -47,7 +47,8 @@ class DraftSampler:
     def __call__(self, logits: torch.Tensor) -> torch.Tensor:
         q = filtered_probs(logits.float(), self.sb)
         self.probs.append(q)
-        return torch.where(self.sb.temperature == 0, row_argmax(logits), race(q, race_noise(q, self.sb, self.generator)))
+        drawn = race(q, race_noise(q, self.sb, self.generator))
+        return torch.where(self.sb.temperature == 0, row_argmax(logits), drawn)
 
 
 @dataclass

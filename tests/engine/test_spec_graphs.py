@@ -39,7 +39,8 @@ class EagerDraftGraphs(DraftGraphs):
     def run(self, tokens, positions, slots):
         n = tokens.shape[0]
         pad = torch.zeros(next(b for b in self.buckets if b >= n) - n, dtype=torch.long)
-        block = self.draft(torch.cat((tokens, pad)), torch.cat((positions, pad)), torch.cat((slots, pad + self.scratch_slot)))
+        block = self.draft(torch.cat((tokens, pad)), torch.cat((positions, pad)),
+                           torch.cat((slots, pad + self.scratch_slot)))
         return DraftBlock(block.tokens[:n], block.logits[:n], block.confidence[:n])
 
 
