@@ -235,6 +235,14 @@ def llm_kwargs(plan: dict) -> dict:
     return kw
 
 
+def graphs_captured(llm) -> int:
+    """CUDA graphs the LLM's runner holds so far: its decode / verify graphs and its drafter's."""
+    runner = llm.engine.core.runner
+    drafter = getattr(runner.drafter, "graphs", None)
+    return (len(runner.graphs.graphs) if runner.graphs is not None else 0) + \
+        (len(drafter.graphs) if drafter is not None else 0)
+
+
 def run_config(plan: dict, method: str, k: int, varlen: bool = False) -> dict:
     """Rows of one LLM: speculation `method` with k drafts ("dspark" also runs the oracle rows; `varlen`:
     confidence-scheduled verification instead of fixed length), every concurrency; off also returns its
@@ -281,7 +289,7 @@ def run_config(plan: dict, method: str, k: int, varlen: bool = False) -> dict:
         llm.generate(warm_pool[:c], params, use_tqdm=False)  # warm-up: other prompts, the same shape
         for name, rate in variants:
             ORACLE.set(table, rate)
-            before = llm.get_metrics()
+            before, graphs_before = llm.get_metrics(), graphs_captured(llm)
             runs, outs_each = [], []
             for _ in range(plan["reps"]):
                 _sync(plan["device"])
@@ -299,6 +307,8 @@ def run_config(plan: dict, method: str, k: int, varlen: bool = False) -> dict:
             if method == "off" and delta["num_drafts"]:
                 raise RuntimeError(f"speculation off drafted {delta['num_drafts']} times: the LLM speculated "
                                    "without a speculative_config")
+            # graphs captured inside the timed generates (a capture costs many steps: none is expected)
+            row["graphs_captured"] = graphs_captured(llm) - graphs_before
             rows.append({**row, **engine})
             print(f"  {fmt_row(row)}", file=sys.stderr, flush=True)
         if method == "off":
@@ -501,6 +511,8 @@ def main() -> None:
                     "acceptance_per_position": "accepted at draft position j / num_drafts (get_metrics deltas)",
                     "mean_acceptance_length": "1 + num_accepted_tokens / num_drafts",
                     "equal_to_off": "greedy token ids of every timed rep == speculation off's at this concurrency",
+                    "graphs_captured": "CUDA graphs (decode / verify and draft) captured during the row's timed "
+                                       "generates",
                     "oracle": "benchmark device, not a proposer: DSpark drafts replaced by off's continuation "
                               "with probability r per position"},
         "rows": rows,
