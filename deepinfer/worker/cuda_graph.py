@@ -204,9 +204,8 @@ class DecodeGraphs:
             self.drafter.store_context(batch, features)
         else:
             states = self.model(batch, self.cache.layers, token_history=self.cache.token_history)
-        # one token a request: logits_idx is every row, in order (the gather kept: graphs captured before stay valid)
-        return self.model.compute_logits(states[batch.logits_idx] if batch.num_tokens == len(batch.logits_idx)
-                                         else states)
+        # every row's logits: a fixed-shape step of one token a request has logits_idx = every row, in order
+        return self.model.compute_logits(states)
 
     @torch.inference_mode()
     def run(self, chunks: list[SeqChunk], fill: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:

@@ -221,8 +221,10 @@ class ModelRunner:
         """Whether the step goes through verification: it holds drafts, or its drafter proposes the next ones.
         A step that does neither samples as without speculation (a drafter's observe still runs: in the graphs,
         or before sampling)."""
-        return any(c.num_draft for c in so.chunks) or \
-            (self.drafter is not None and (so.propose or not self.drafter.optional))
+        if self.drafter is not None and (so.propose or not self.drafter.optional):
+            return True
+        # (a step with DecodeRows holds no drafts: the decode hot path skips the scan)
+        return so.decode is None and any(c.num_draft for c in so.chunks)
 
     def _sample_streams(self, so: SchedulerOutput, batch, streams: torch.Tensor,
                         prev: StepHandle | None) -> StepHandle:

@@ -88,7 +88,9 @@ def test_dspark_steps_on_fixed_shapes_equal_eager(ckpt41, monkeypatch, varlen):
     got = graphed.generate(prompts, greedy, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want] == \
         [o.outputs[0].token_ids for o in off]
-    for a, b in zip(got, want):  # fp32: the fixed-shape plan reads the same values in the same order
+    # fp32: the fixed-shape batch (padded rows, a compressor row for every token) runs its GEMMs at other row
+    # counts than the eager one; measured up to 3.3e-6 apart on the CI host, 1e-4 leaves room for thread counts
+    for a, b in zip(got, want):
         for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
             assert x.keys() == y.keys() and all(abs(x[t] - y[t]) < 1e-4 for t in x)
     assert graphed.get_metrics() == eager.get_metrics()
