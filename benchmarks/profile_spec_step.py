@@ -22,7 +22,7 @@ import time
 import torch
 
 from common import add_commit_arg, recorded_commit
-from spec_decode import make_prompts
+from spec_decode import graphs_captured, make_prompts
 
 
 STEPS = [0]  # ModelRunner.launch calls in this process
@@ -73,6 +73,31 @@ def timed(llm, prompts, params, device: str) -> float:
     return time.perf_counter() - t0
 
 
+def replay_times(llm, reps: int = 20) -> None:
+    """Each CUDA graph the runner holds, replayed alone `reps` times after the timed runs: median ms (a verify
+    graph against the decode graph of its batch shows what the q-token forward itself costs on the device).
+    Replays rewrite the cache rows of the inputs they last held: idempotent, and after every timed run."""
+    runner = llm.engine.core.runner
+    rows = []
+    if runner.graphs is not None:
+        for key, (graph, inputs, logits) in runner.graphs.graphs.items():
+            padded, visible = key[0], key[1]
+            rows.append((f"step padded={padded} q={logits.shape[0] // padded} visible={dict(visible)}", graph))
+    drafter = getattr(runner.drafter, "graphs", None)
+    if drafter is not None:
+        rows += [(f"draft padded={n}", entry[0]) for n, entry in drafter.graphs.items()]
+    for name, graph in rows:
+        times = []
+        for _ in range(reps):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            graph.replay()
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b))
+        print(f"   replay {name}: {sorted(times)[reps // 2]:.3f} ms", flush=True)
+
+
 def report(llm, args, label: str) -> None:
     from deepinfer import SamplingParams
 
@@ -82,15 +107,16 @@ def report(llm, args, label: str) -> None:
     warm = make_prompts(args.concurrency, args.input_len, vocab, seed=2)
     llm.generate(warm, params, use_tqdm=False)
     before = llm.get_metrics()
-    steps0 = STEPS[0]
+    steps0, graphs0 = STEPS[0], graphs_captured(llm)
     t = timed(llm, prompts, params, args.device)
+    graphs = graphs_captured(llm) - graphs0
     after = llm.get_metrics()
     tokens = args.concurrency * args.output_len
     drafts = after["num_drafts"] - before["num_drafts"]
     acc = after["num_accepted_tokens"] - before["num_accepted_tokens"]
     steps = STEPS[0] - steps0
     print(f"== {label}: C={args.concurrency} {tokens} tokens in {t * 1e3:.1f} ms = {tokens / t:.1f} tok/s; "
-          f"drafts {drafts}, accepted {acc}, steps {steps}", flush=True)
+          f"drafts {drafts}, accepted {acc}, steps {steps}, graphs captured in the timed run {graphs}", flush=True)
     if steps:
         print(f"   {t * 1e3 / steps:.3f} ms per engine step", flush=True)
     prof = cProfile.Profile()
@@ -105,6 +131,7 @@ def report(llm, args, label: str) -> None:
     print(s.getvalue(), flush=True)
     if not args.device.startswith("cuda"):
         return
+    replay_times(llm)
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as p:
         timed(llm, prompts, params, args.device)
