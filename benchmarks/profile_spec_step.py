@@ -40,6 +40,37 @@ def count_steps() -> None:
     ModelRunner.launch = launch
 
 
+# (module, qualified name) of the host phases timed by --timeline (inclusive wall time: nested ones overlap)
+PHASES = [("deepinfer.engine.scheduler", "Scheduler.schedule"), ("deepinfer.engine.scheduler", "Scheduler.update"),
+          ("deepinfer.worker.model_runner", "ModelRunner.launch"), ("deepinfer.worker.model_runner", "ModelRunner.collect"),
+          ("deepinfer.worker.cuda_graph", "DecodeGraphs.run"), ("deepinfer.worker.cuda_graph", "DecodeGraphs._plan"),
+          ("deepinfer.worker.cuda_graph", "DecodeGraphs._launch_graph"), ("deepinfer.worker.model_runner", "verify"),
+          ("deepinfer.worker.drafter", "DSparkDrafter.propose"), ("deepinfer.worker.draft_graphs", "DraftGraphs.run"),
+          ("deepinfer.worker.model_runner", "_copy_to_host"), ("deepinfer.engine.engine_core", "EngineCore.step")]
+TIMES: dict[str, list[float]] = {}
+
+
+def time_phases() -> None:
+    """Wraps PHASES with wall-clock accumulators (TIMES[name] = [seconds, calls])."""
+    import importlib
+
+    for mod_name, qual in PHASES:
+        mod = importlib.import_module(mod_name)
+        owner, attr = (getattr(mod, qual.split(".")[0]), qual.split(".")[1]) if "." in qual else (mod, qual)
+        real = getattr(owner, attr)
+        acc = TIMES.setdefault(qual, [0.0, 0])
+
+        def timed_call(*a, _real=real, _acc=acc, **kw):
+            t0 = time.perf_counter()
+            try:
+                return _real(*a, **kw)
+            finally:
+                _acc[0] += time.perf_counter() - t0
+                _acc[1] += 1
+
+        setattr(owner, attr, timed_call)
+
+
 def _sync(device: str) -> None:
     if device.startswith("cuda"):
         torch.cuda.synchronize()
@@ -108,6 +139,8 @@ def report(llm, args, label: str) -> None:
     llm.generate(warm, params, use_tqdm=False)
     before = llm.get_metrics()
     steps0, graphs0 = STEPS[0], graphs_captured(llm)
+    for acc in TIMES.values():
+        acc[:] = [0.0, 0]
     t = timed(llm, prompts, params, args.device)
     graphs = graphs_captured(llm) - graphs0
     after = llm.get_metrics()
@@ -119,6 +152,9 @@ def report(llm, args, label: str) -> None:
           f"drafts {drafts}, accepted {acc}, steps {steps}, graphs captured in the timed run {graphs}", flush=True)
     if steps:
         print(f"   {t * 1e3 / steps:.3f} ms per engine step", flush=True)
+        for name, (sec, calls) in TIMES.items():
+            if calls:
+                print(f"   host {name}: {sec * 1e3 / steps:.3f} ms per step ({calls} calls)", flush=True)
     prof = cProfile.Profile()
     prof.enable()
     timed(llm, prompts, params, args.device)
@@ -156,6 +192,7 @@ def main(argv=None) -> int:
     ap.add_argument("--enforce-eager", action="store_true")
     ap.add_argument("--only", choices=("off", "spec", "both"), default="both")
     ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--timeline", action="store_true", help="time the host phases (PHASES) of the first timed run")
     add_commit_arg(ap)
     args = ap.parse_args(argv)
     if args.smoke:
@@ -163,6 +200,8 @@ def main(argv=None) -> int:
     device = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
     print(f"commit {recorded_commit(args)}, device {device}", flush=True)
     count_steps()
+    if args.timeline:
+        time_phases()
     for spec in ([False] if args.only == "off" else [True] if args.only == "spec" else [False, True]):
         llm = build(args, spec)
         report(llm, args, f"dspark k={args.k}" if spec else "off")

@@ -19,7 +19,11 @@ wrong token, so position j is accepted with probability r^(j+1) and the expected
 it). The oracle's confidences are set to r (a calibrated drafter). Anchors missing from the table (the
 warm-up's prompts) keep the real drafter's tokens. Two prompts that reach the same (position, token) with
 different continuations are a `truth_conflicts`: the first one's continuation is used (rows then accept a
-little less than r^(j+1), never incorrectly).
+little less than r^(j+1), never incorrectly). Settling: without batch invariance a verify step's logits may
+differ from a decode step's in the last bits, so a near-tie can flip and the speculative run leave off's
+continuation, after which off's table has no entries; before each oracle row's timed runs, up to SETTLE_RUNS
+untimed runs rebuild the table from their own outputs first (`truth_settle_runs`), so r holds against the
+continuation the row actually emits (`equal_to_off` still compares with off).
 
 Workload: concurrency C = C requests submitted in one LLM.generate (max_num_seqs = the largest C, so all C
 run together), each prompt exactly --input-len tokens (noise, then a short motif repeated: prompt lookup
@@ -67,6 +71,7 @@ from common import add_commit_arg, new_results_path, recorded_commit, refuse_exi
 METHODS = ("dspark", "oracle", "ngram")
 PROMPT_LOOKUP_MAX = 4
 ORACLE_SEED = 1234
+SETTLE_RUNS = 4  # untimed runs that make the oracle's truth the speculative run's own (settle)
 
 
 # ---- workload ----
@@ -288,7 +293,10 @@ def run_config(plan: dict, method: str, k: int, varlen: bool = False) -> dict:
         ORACLE.set(None, None)
         llm.generate(warm_pool[:c], params, use_tqdm=False)  # warm-up: other prompts, the same shape
         for name, rate in variants:
-            ORACLE.set(table, rate)
+            truth, settle_runs = table, 0
+            if table is not None and rate is not None:
+                truth, settle_runs = settle(llm, prompts, params, want, truth, rate, k, vocab)
+            ORACLE.set(truth, rate)
             before, graphs_before = llm.get_metrics(), graphs_captured(llm)
             runs, outs_each = [], []
             for _ in range(plan["reps"]):
@@ -302,7 +310,7 @@ def run_config(plan: dict, method: str, k: int, varlen: bool = False) -> dict:
             row = make_row(name, k, rate, c, runs, outs_each, want if want is not None else outs_each[0],
                            plan["output_len"], delta)
             if table is not None and rate is not None:
-                row.update(truth_entries=len(table), truth_conflicts=table.conflicts,
+                row.update(truth_entries=len(truth), truth_conflicts=truth.conflicts, truth_settle_runs=settle_runs,
                            expected_mean_acceptance_length=round(expected_acceptance_length(rate, k), 4))
             if method == "off" and delta["num_drafts"]:
                 raise RuntimeError(f"speculation off drafted {delta['num_drafts']} times: the LLM speculated "
@@ -315,6 +323,22 @@ def run_config(plan: dict, method: str, k: int, varlen: bool = False) -> dict:
             reference[str(c)] = outs_each[0]
     ORACLE.set(None, None)
     return {"rows": rows, "off_outputs": reference}
+
+
+def settle(llm, prompts: list[list[int]], params, want: list[list[int]], table: TruthTable, rate: float, k: int,
+           vocab: int) -> tuple[TruthTable, int]:
+    """The oracle's truth made the speculative run's own: a verify step's logits may differ from a decode step's in
+    the last bits (bf16, other row counts), so a near-tie can flip and the run leave off's continuation, where
+    off's table has no entry and acceptance collapses. Untimed runs at `rate` each rebuild the table from their
+    own outputs first (then off's), until a run repeats the one before (at most SETTLE_RUNS). -> (table, runs)."""
+    last = None
+    for run in range(1, SETTLE_RUNS + 1):
+        ORACLE.set(table, rate)
+        outs = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+        if outs == last:
+            return table, run
+        table, last = TruthTable(prompts + prompts, outs + want, k, vocab), outs
+    return table, SETTLE_RUNS
 
 
 def make_row(method: str, k: int, rate: float | None, c: int, runs: list[float], outs_each: list, want: list,

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import logging
+import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -38,6 +40,8 @@ from deepinfer.loader.model_loader import load_model, weight_bytes
 from deepinfer.worker.drafter import DSparkDrafter, MTPDrafter
 from deepinfer.worker.kv_cache import V4Cache, allocate_v4_cache, cache_spec, default_cache_memory
 from deepinfer.worker.model_runner import ModelRunner, StepHandle
+
+logger = logging.getLogger(__name__)
 
 # drafters built on every rank from the model's own draft layers ("ngram" drafts on the driver's host)
 MODEL_DRAFTERS = {"dspark": DSparkDrafter, "mtp": MTPDrafter}
@@ -156,6 +160,11 @@ class Worker:
         graphs = not args.enforce_eager and not self.eps and (self.info.tp_size == 1 or backend == "nccl")
         self.runner = ModelRunner(self.model, self.cache, self.device, args.seed, args.replay_keep, graphs,
                                   args.batch_invariant, drafter)
+        if args.speculation and self.runner.graphs is not None:  # before any request: no capture inside a step
+            t0, k = time.perf_counter(), args.speculation[1]
+            n = self.runner.capture_speculative(min(args.max_num_seqs, self.num_slots), k, expected + k - 1)
+            if self.info.rank == 0:
+                logger.info("speculative decoding: %d CUDA graphs captured in %.1f s", n, time.perf_counter() - t0)
         if args.parallel.context_parallel_size > 1:  # long prefills split over the ranks, the rest replicated
             from deepinfer.distributed.context_parallel import CPRunner
 

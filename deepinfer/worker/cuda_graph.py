@@ -112,6 +112,44 @@ class DecodeGraphs:
         self.layouts[padded, q, tuple(sorted(visible.items()))] = key
         return key, batch, named
 
+    def visible_sets(self, max_position: int) -> list[tuple[int, dict[int, int]]]:
+        """(the first position that has them, entry-table widths) of every width set of steps whose furthest
+        position is at most `max_position`, shortest contexts first: `_visible` changes only where one ratio's
+        visible entry count passes a power of two (>= visible_bucket)."""
+        points = {0, max_position}
+        for m in self.scratch_addr:
+            w = self.visible_bucket
+            while m * (w + 1) - 1 <= max_position:  # the first position with w + 1 entries visible
+                points.add(m * (w + 1) - 1)
+                w *= 2
+        first: dict[tuple, int] = {}
+        for p in sorted(points):
+            first.setdefault(tuple(sorted(self._visible(p).items())), p)
+        return [(p, dict(v)) for v, p in first.items()]
+
+    def capture_steps(self, max_batch: int, widths: list[int], max_position: int, limit: int) -> int:
+        """Captures, before any request runs, the graph of every batch bucket up to `max_batch`, every q in
+        `widths` and every entry-table width set up to `max_position`, shortest contexts first, at most `limit`
+        graphs (the rest are captured at their first step). Every request is the scratch slot, its tables the
+        scratch block repeated: the steps write only scratch rows. -> the graphs captured."""
+        bs, count = self.cache.block_size, 0
+        scratch = {m: a // bs for m, a in self.scratch_addr.items()}
+        buckets = [b for b in self.batch_buckets if b <= self._bucket(max_batch)]
+        for p, visible in self.visible_sets(max_position):
+            for q in widths:
+                start = max(0, p - q + 1)  # the step's furthest position: p, or q - 1 past it
+                if q > bs or self._visible(start + q - 1) != visible:
+                    continue
+                tables = {m: [scratch[m]] * max(1, -(-((start + q) // m) // bs)) for m in scratch}
+                chunk = SeqChunk(self.scratch_slot, start, [0] * q, tables)
+                for padded in buckets:
+                    if count >= limit:
+                        return count
+                    if self._plan([chunk] * padded)[0] not in self.graphs:
+                        self.run([chunk] * padded)
+                        count += 1
+        return count
+
     def _bucket(self, num_requests: int) -> int:
         return next(b for b in self.batch_buckets if b >= num_requests)
 

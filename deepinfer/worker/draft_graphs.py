@@ -43,6 +43,14 @@ class DraftGraphs:
         graph.replay()
         return DraftBlock(out.tokens[:n], out.logits[:n], out.confidence[:n])
 
+    def capture_buckets(self, max_anchors: int) -> int:
+        """Captures the graph of every bucket up to `max_anchors` not yet held. -> the graphs captured."""
+        top = next((b for b in self.buckets if b >= max_anchors), self.buckets[-1])
+        todo = [b for b in self.buckets if b <= top and b not in self.graphs]
+        for b in todo:
+            self.graphs[b] = self._capture(b)
+        return len(todo)
+
     def _capture(self, padded: int):
         long = dict(dtype=torch.long, device=self.device)
         inputs = (torch.zeros(padded, **long), torch.zeros(padded, **long),

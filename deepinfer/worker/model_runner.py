@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import itertools
 import operator
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from deepinfer.engine.outputs import PLACEHOLDER, ModelOutput, SchedulerOutput
+from deepinfer.engine.outputs import PLACEHOLDER, ModelOutput, ScheduledChunk, SchedulerOutput
 from deepinfer.kernels.token_bitmask import apply_token_bitmask
 from deepinfer.layers import invariant
 from deepinfer.models.interface import CausalLM
@@ -72,6 +72,10 @@ IMAGE_CACHE_SIZE = 32
 PROMPT_LOGPROBS_ROWS = 1024
 
 
+# the most step graphs captured at start-up (shortest contexts first); the rest at their first step
+START_GRAPHS = 384
+
+
 def _no_step_before(request_id: str) -> ValueError:
     return ValueError(f"request {request_id}: placeholder input without a step before it")
 
@@ -97,6 +101,7 @@ class ModelRunner:
         self.graphs = _graphs_for(model, cache, self.device, drafter) if cuda_graphs and graphed else None
         if self.graphs is not None and drafter is not None:
             drafter.graphs = DraftGraphs(drafter.draft, cache.scratch_slot, self.device)
+        self.eager_steps: Counter[str] = Counter()  # speculative steps the graphs could not take, by reason
         # (request id, span start) -> the span's embeddings, kept until the span's last token is computed
         self.image_cache: OrderedDict[tuple[str, int], torch.Tensor] = OrderedDict()
         self._masks: torch.Tensor | None = None  # structured outputs: host token masks (see _constrain)
@@ -106,6 +111,17 @@ class ModelRunner:
         self._draft_q: tuple[torch.Tensor, dict[str, int]] | None = None
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(seed if seed is not None else torch.seed())
+
+    def capture_speculative(self, max_batch: int, k: int, max_position: int, limit: int = START_GRAPHS) -> int:
+        """Captures the graphs of speculative steps before any request runs (decode graphs.capture_steps at every
+        q = 1 .. k + 1 the graphs take, then the drafter's block per anchor bucket). -> the graphs captured."""
+        if self.graphs is None:
+            return 0
+        widths = [q for q in range(1, k + 2) if q <= self.cache.ring_slack + 1]
+        with torch.inference_mode():
+            n = self.graphs.capture_steps(max_batch, widths, max_position, limit)
+            drafts = getattr(self.drafter, "graphs", None)
+            return n + (drafts.capture_buckets(max_batch) if drafts is not None else 0)
 
     @property
     def supports_placeholders(self) -> bool:
@@ -187,7 +203,7 @@ class ModelRunner:
             q = self._graph_width(so, fill)
             if q:
                 logits = self.graphs.run([SeqChunk(c.slot, c.start, c.token_ids + [0] * (q - len(c.token_ids)),
-                                                   c.block_tables) for c in so.chunks], fill)
+                                                   self._cover(c, q)) for c in so.chunks], fill)
                 starts = [i * q for i in range(len(so.chunks))]
                 return self._verify(so, range(len(so.chunks)), logits.__getitem__, starts)
         chunks = [SeqChunk(c.slot, c.start, c.token_ids, c.block_tables, c.prev_tokens, self.replay_from(c),
@@ -327,25 +343,40 @@ class ModelRunner:
 
     def _graph_width(self, so: SchedulerOutput, fill) -> int:
         """q, the tokens per request of the graph that takes this speculative step (each chunk padded to q with
-        token 0 past its drafts), or 0: the step runs eagerly. Graphs take steps whose chunks are all one pending
-        token and its drafts, sampled once; a padded chunk's extra positions are computed and never read (as
-        rejected drafts: within the ring slack, q - 1 <= the drafter's k), so its block tables must already
-        cover them. Placeholder inputs index the unpadded rows: only at q = 1."""
+        token 0 past its drafts), or 0: the step runs eagerly (counted in `eager_steps` by reason). Graphs take
+        steps whose chunks are all one pending token and its drafts, sampled once; a padded chunk's extra
+        positions are computed and never read (as rejected drafts: within the ring slack, q - 1 <= the drafter's
+        k; entries past its block tables go to the scratch block, `_cover`). Placeholder inputs index the
+        unpadded rows: only at q = 1."""
         chunks = so.chunks
-        if self.graphs is None or not chunks or not self.graphs.fits(len(chunks)) or \
-                not all(c.num_samples == 1 and len(c.token_ids) == 1 + c.num_draft and not c.images
-                        and not c.prompt_rows for c in chunks):
+        if self.graphs is None or not chunks:
             return 0
+        if not self.graphs.fits(len(chunks)):
+            return self._eager("batch past the largest graph")
+        if not all(c.num_samples == 1 and len(c.token_ids) == 1 + c.num_draft and not c.images
+                   and not c.prompt_rows for c in chunks):
+            return self._eager("prefill, n > 1 or prompt logprobs")
         q = max(len(c.token_ids) for c in chunks)
-        if q > self.cache.ring_slack + 1 or (fill is not None and q > 1):
-            return 0
-        bs = self.cache.block_size
-        for c in chunks:
-            if len(c.token_ids) < q:
-                end = c.start + q
-                if any(len(c.block_tables.get(m, ())) * bs < end // m for m, _ in self.cache.compress_kinds):
-                    return 0
+        if q > self.cache.ring_slack + 1:
+            return self._eager("drafts past the ring slack")
+        if fill is not None and q > 1:
+            return self._eager("placeholder inputs")
         return q
+
+    def _eager(self, reason: str) -> int:
+        self.eager_steps[reason] += 1
+        return 0
+
+    def _cover(self, c: ScheduledChunk, q: int) -> dict[int, list[int]]:
+        """c's block tables, extended with the cache's scratch block where they end before the entries its
+        padding to q tokens closes (those entries are written and never read)."""
+        bs, end, tables = self.cache.block_size, c.start + q, c.block_tables
+        for m, _ in self.cache.compress_kinds:
+            have = tables.get(m, [])
+            need = -(-(end // m) // bs)
+            if len(have) < need:
+                tables = {**tables, m: list(have) + [self.cache.scratch_addr[m] // bs] * (need - len(have))}
+        return tables
 
     def _verify(self, so: SchedulerOutput, rows, logits_at, starts: list[int]) -> StepHandle:
         """A step with draft tokens: the logits of every verified position, one worker/verify.py call over

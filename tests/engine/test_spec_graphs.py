@@ -43,6 +43,9 @@ class EagerDraftGraphs(DraftGraphs):
                            torch.cat((slots, pad + self.scratch_slot)))
         return DraftBlock(block.tokens[:n], block.logits[:n], block.confidence[:n])
 
+    def _capture(self, padded):  # (start-up capture: the bucket is held, its blocks drafted eagerly as above)
+        return None
+
 
 def _graphed(llm) -> list[tuple[int, list[int], bool]]:
     """Installs the stand-ins in the LLM's runner; returns the log of (q, the chunks' token counts before
@@ -63,6 +66,15 @@ def _graphed(llm) -> list[tuple[int, list[int], bool]]:
         return q
 
     r._graph_width = logged
+    cover, llm.past_tables = r._cover, []
+
+    def covered(c, q):  # logs the padded chunks whose tables were extended with the scratch block
+        tables = cover(c, q)
+        if tables is not c.block_tables:
+            llm.past_tables.append((c.request_id, c.start, q))
+        return tables
+
+    r._cover = covered
     return seen
 
 
@@ -94,8 +106,9 @@ def test_dspark_steps_on_fixed_shapes_equal_eager(ckpt41, monkeypatch, varlen):
         for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
             assert x.keys() == y.keys() and all(abs(x[t] - y[t]) < 1e-4 for t in x)
     assert graphed.get_metrics() == eager.get_metrics()
-    # every decode step of equal draft counts took the fixed shapes (one padded past its blocks' end stays eager)
-    assert all(q for q, lens, decode in seen if decode and len(set(lens)) == 1)
+    # every decode step took the fixed shapes (padding past a request's block tables writes the scratch block)
+    assert all(q for q, lens, decode in seen if decode)
+    assert set(graphed.engine.core.runner.eager_steps) <= {"prefill, n > 1 or prompt logprobs"}
     assert any(q > 1 for q, _, _ in seen)
     if varlen:  # requests verifying fewer drafts than the step's longest were padded
         assert any(q and min(lens) < q for q, lens, _ in seen)
@@ -103,14 +116,16 @@ def test_dspark_steps_on_fixed_shapes_equal_eager(ckpt41, monkeypatch, varlen):
 
 
 def test_prompt_lookup_steps_on_fixed_shapes_equal_speculation_off(ckpt41):
-    """No drafter (the drafts are the host's): steps of unequal draft counts are padded to the longest."""
+    """No drafter (the drafts are the host's): steps of unequal draft counts are padded to the longest. Blocks of 4
+    entries: padded positions often close entries past a request's block tables, which go to the scratch block."""
     prompts, want = _greedy_off(str(ckpt41), 6, 1, 20)
     greedy = SamplingParams(temperature=0, max_tokens=20)
-    llm = _llm(ckpt41, 3)
+    llm = _llm(ckpt41, 3, block_size=4)
     seen = _graphed(llm)
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)] == want
     assert any(q > 1 and min(lens) < q for q, lens, _ in seen)
     assert llm.get_metrics()["num_drafts"] > 0
+    assert llm.past_tables and not llm.engine.core.runner.eager_steps.get("drafts past the ring slack")
 
 
 def test_step_times_are_measured_through_the_runner(ckpt41):
@@ -164,3 +179,38 @@ def test_one_length_a_step_backs_off_and_stops_drafting_where_drafts_cannot_pay(
     assert thin and any(d > 0 for _, d in thin)
     assert any(q > 1 for q, _, _ in seen)
     assert sched.kv.all_free()
+
+
+class KeyedGraphs(EagerGraphs):
+    """EagerGraphs that hold an entry per graph key they ran (what a capture would have made)."""
+
+    def run(self, chunks, fill=None):
+        self.graphs.setdefault(self.plan(chunks)[0], None)
+        return super().run(chunks, fill)
+
+
+def test_start_up_capture_covers_every_step_of_a_run(ckpt41):
+    """capture_speculative plans, before any request, the graph of every (batch bucket, q, entry-table widths) the
+    run's steps then take: no capture inside a served step (scratch-slot steps of the same shapes)."""
+    k, limit = 3, 10_000
+    llm = _llm(ckpt41, None, speculative_config={"method": "dspark", "num_speculative_tokens": k}, max_num_seqs=4,
+               max_model_len=96)
+    r = llm.engine.core.runner
+    _graphed(llm)
+    r.graphs = KeyedGraphs(r.model, r.cache, r.cache.scratch_slot, r.cache.scratch_addr, visible_bucket=4,
+                           device="cpu", drafter=r.drafter)
+    sets = r.graphs.visible_sets(96 + k - 1)
+    assert [p for p, _ in sets] == sorted(p for p, _ in sets) and len(sets) > 2
+    assert all(r.graphs._visible(p) == v for p, v in sets)
+    assert {tuple(sorted(r.graphs._visible(p).items())) for p in range(96 + k)} == \
+        {tuple(sorted(v.items())) for _, v in sets}
+    captured = r.capture_speculative(4, k, 96 + k - 1, limit)
+    held = set(r.graphs.graphs)
+    assert captured >= len(held) > 0
+    assert r.capture_speculative(4, k, 96 + k - 1, limit) == 0  # nothing left to capture
+    prompts = _prompts(4, read_model_config(ckpt41).vocab_size, seed=3)
+    params = [SamplingParams(temperature=0, max_tokens=m) for m in (30, 41, 52, 63)]
+    llm.generate(prompts, params, use_tqdm=False)
+    assert set(r.graphs.graphs) == held  # every step's key was captured at start-up
+    assert sorted(r.drafter.graphs.graphs) == [1, 2, 4]
+    assert r.capture_speculative(4, k, 96 + k - 1, limit=3) == 0
