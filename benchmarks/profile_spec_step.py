@@ -150,6 +150,7 @@ def report(llm, args, label: str) -> None:
     steps = STEPS[0] - steps0
     print(f"== {label}: C={args.concurrency} {tokens} tokens in {t * 1e3:.1f} ms = {tokens / t:.1f} tok/s; "
           f"drafts {drafts}, accepted {acc}, steps {steps}, graphs captured in the timed run {graphs}", flush=True)
+    print(f"   speculative steps left eager since start-up, by reason: {dict(llm.engine.core.runner.eager_steps)}")
     if steps:
         print(f"   {t * 1e3 / steps:.3f} ms per engine step", flush=True)
         for name, (sec, calls) in TIMES.items():
