@@ -42,8 +42,10 @@ def count_steps() -> None:
 
 # (module, qualified name) of the host phases timed by --timeline (inclusive wall time: nested ones overlap)
 PHASES = [("deepinfer.engine.scheduler", "Scheduler.schedule"), ("deepinfer.engine.scheduler", "Scheduler.update"),
-          ("deepinfer.worker.model_runner", "ModelRunner.launch"), ("deepinfer.worker.model_runner", "ModelRunner.collect"),
+          ("deepinfer.worker.model_runner", "ModelRunner.launch"),
+          ("deepinfer.worker.model_runner", "ModelRunner.collect"), ("deepinfer.worker.model_runner", "ModelRunner._verify_ahead"),
           ("deepinfer.worker.cuda_graph", "DecodeGraphs.run"), ("deepinfer.worker.cuda_graph", "DecodeGraphs._plan"),
+          ("deepinfer.worker.cuda_graph", "DecodeGraphs.run_planned"),
           ("deepinfer.worker.cuda_graph", "DecodeGraphs._launch_graph"), ("deepinfer.worker.model_runner", "verify"),
           ("deepinfer.worker.drafter", "DSparkDrafter.propose"), ("deepinfer.worker.draft_graphs", "DraftGraphs.run"),
           ("deepinfer.worker.model_runner", "_copy_to_host"), ("deepinfer.engine.engine_core", "EngineCore.step")]
@@ -112,8 +114,9 @@ def replay_times(llm, reps: int = 20) -> None:
     rows = []
     if runner.graphs is not None:
         for key, (graph, inputs, logits) in runner.graphs.graphs.items():
-            padded, visible = key[0], key[1]
-            rows.append((f"step padded={padded} q={logits.shape[0] // padded} visible={dict(visible)}", graph))
+            kind, key = ("planned on the device", key[1:]) if key[0] == "planned" else ("", key)
+            padded, visible = key[0], key[2] if kind else key[1]
+            rows.append((f"step {kind} padded={padded} q={logits.shape[0] // padded} visible={dict(visible)}", graph))
     drafter = getattr(runner.drafter, "graphs", None)
     if drafter is not None:
         rows += [(f"draft padded={n}", entry[0]) for n, entry in drafter.graphs.items()]

@@ -80,6 +80,10 @@ class SchedulerOutput:
     # verify-length policy found that the next step would not verify any; a drafter whose own state needs every
     # step, V4's MTP layer, runs regardless)
     propose: bool = True
+    # async scheduling with a drafter (Scheduler._verify_ahead): every chunk verifies the drafts the step launched
+    # before proposes, its tokens PLACEHOLDERs and its `start` the earliest one; the runner reads the tokens and
+    # adds the accepted count of that step on the device
+    verify_ahead: bool = False
 
     @property
     def num_tokens(self) -> int:

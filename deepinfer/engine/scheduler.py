@@ -238,9 +238,10 @@ class Scheduler:
         that cannot grow every such request without preempting, or speculation (but while the graphs'
         verify-length policy has it off). A request that finishes in
         `inflight` by a stop token computes one wasted token here; `update` drops it."""
-        if self.pending_forks or not inflight.chunks or not self._ahead_with_proposer(inflight) or \
-                (self.waiting and len(self.running) < self.max_num_seqs):
-            return None  # (speculation: the next step's drafts need this step's accepted tokens)
+        if self.pending_forks or not inflight.chunks or (self.waiting and len(self.running) < self.max_num_seqs):
+            return None
+        if not self._ahead_with_proposer(inflight):
+            return self._verify_ahead(inflight)
         by_id = {r.request_id: r for r in self.running}
         if any(c.num_samples != 1 or c.request_id not in by_id for c in inflight.chunks):
             return None
@@ -275,6 +276,40 @@ class Scheduler:
         n = len(chunks)
         out.decode = self._rows(np.full(n, PLACEHOLDER, dtype=np.int64), np.array(slots, dtype=np.int64),
                                 np.array(starts, dtype=np.int64))
+        return out
+
+    def _verify_ahead(self, inflight: SchedulerOutput) -> SchedulerOutput | None:
+        """Async scheduling with DSpark at fixed length: the next verify step, planned while `inflight` (which
+        drafts) runs. Each of its requests verifies the k drafts `inflight` proposes after the token it emits last,
+        at a start the host does not know: the chunk's `start` is the earliest one (no draft accepted in
+        `inflight`); the runner adds the accepted count and takes the tokens on the device (SchedulerOutput.
+        verify_ahead). The cache grows to the latest end. None (a synchronous step) where the drafts or the
+        emitted tokens matter on the host first: a grammar, seeded sampling, n > 1, prompt logprobs, a verify
+        length policy, or a request that could reach max_model_len; a request that finishes by length in
+        `inflight` for sure is left out, one that finishes there otherwise computes a wasted step (`update` drops
+        it), and tokens past max_tokens are dropped as they are appended."""
+        k = self.proposer.num_speculative_tokens if isinstance(self.proposer, ModelDrafts) else 0
+        if not k or self.proposer.method != "dspark" or self.varlen is not None or not inflight.propose:
+            return None
+        by_id = {r.request_id: r for r in self.running}
+        out = SchedulerOutput(verify_ahead=True)
+        for c in inflight.chunks:
+            req = by_id.get(c.request_id)
+            if req is None or c.num_samples != 1 or len(c.token_ids) != 1 + c.num_draft or req.grammar is not None \
+                    or req.params.seq_seed is not None or req.prompt_logprobs is not None or req.siblings:
+                return None
+            n_out = len(req.output_token_ids)
+            if n_out + 1 >= req.params.max_tokens:
+                continue  # it finishes by length in `inflight`
+            start = req.num_computed_tokens + 1  # (updated up to the step before `inflight`, whose start it is)
+            latest = start + c.num_draft + k + 1  # past the last position the step may compute
+            if latest + 1 >= self.max_model_len or not self.kv.allocate(req, latest):
+                return None
+            out.chunks.append(ScheduledChunk(req.request_id, req.slot, start, [PLACEHOLDER] * (k + 1),
+                                             dict(req.block_tables), 1, req.params, [], start + 1,
+                                             sample_index=req.sample_index, num_draft=k))
+        if not out.chunks or len(out.chunks) * (k + 1) > self.budget:
+            return None
         return out
 
     def _ahead_with_proposer(self, inflight: SchedulerOutput) -> bool:
@@ -325,7 +360,11 @@ class Scheduler:
             if c.num_draft:  # accepted drafts, then the target's token: appended until the request stops
                 accepted = len(toks) - 1
                 req.num_computed_tokens += accepted
-                self.spec_stats.record(c.num_draft, accepted)
+                # a step scheduled ahead verified k drafts whatever the request's room: its counters take the
+                # drafts a synchronous step would have verified (cut to the room; draft j is accepted only with
+                # the ones before it, so the accepted count is cut the same way)
+                drafted = c.num_draft if c.token_ids[0] != PLACEHOLDER else min(c.num_draft, max(self._room(req), 0))
+                self.spec_stats.record(drafted, min(accepted, drafted))
                 if self.spec_log is not None and c.request_id in self._verifying:
                     self.spec_log.append((self._verifying.pop(c.request_id), c.num_draft, accepted))
                 for tok, lp in zip(toks, lps):

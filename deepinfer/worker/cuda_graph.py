@@ -19,11 +19,13 @@ import numpy as np
 import torch
 
 from deepinfer.state.decode_plan import decode_inputs
+from deepinfer.state.device_plan import plan_on_device, table_width
 from deepinfer.state.forward_batch import FixedShape, ForwardBatch, SeqChunk, build_forward_batch
 from deepinfer.worker.kv_cache import V4Cache
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 PINNED_BUFFERS = 3
+VISIBLE_BUCKET = 64
 
 
 _FIELDS: dict[type, tuple[str, ...]] = {}
@@ -67,9 +69,29 @@ def _rebuild(obj, tensors):
     return obj
 
 
+def visible_widths(max_position: int, ratios, bucket: int = VISIBLE_BUCKET) -> dict[int, int]:
+    """Entry-table widths of a fixed-shape step: each ratio's entries visible at the furthest position, rounded up
+    to a power of two (>= bucket): O(log context) graphs per batch size."""
+    need = {m: (max_position + 1) // m for m in ratios}
+    return {m: max(bucket, 1 << max(n - 1, 0).bit_length()) for m, n in need.items()}
+
+
+def fixed_step_logits(model, cache: V4Cache, drafter, batch: ForwardBatch) -> torch.Tensor:
+    """A fixed-shape step (what a graph captures): the logits of every row, and the drafter's context stored from
+    the step's features (`drafter`: one with store_context, or None)."""
+    if drafter is not None:
+        states, features = model(batch, cache.layers, draft_features=True, token_history=cache.token_history)
+        drafter.store_context(batch, features)
+    else:
+        states = model(batch, cache.layers, token_history=cache.token_history)
+    # every row's logits: a fixed-shape step of one token a request has logits_idx = every row, in order
+    return model.compute_logits(states)
+
+
 class DecodeGraphs:
     def __init__(self, model, cache: V4Cache, scratch_slot: int, scratch_addr: dict[int, int],
-                 visible_bucket: int = 64, batch_buckets: tuple[int, ...] = BATCH_BUCKETS, device: str = "cuda",
+                 visible_bucket: int = VISIBLE_BUCKET, batch_buckets: tuple[int, ...] = BATCH_BUCKETS,
+                 device: str = "cuda",
                  drafter=None):
         """`drafter`: a proposer with `store_context(batch, features)` (worker/drafter.py DSparkDrafter), run in
         every captured step on the trunk's draft features; None: the trunk alone."""
@@ -102,7 +124,7 @@ class DecodeGraphs:
             raise ValueError(f"DecodeGraphs: {q} tokens a request exceed the scratch block ({bs} entries)")
         dummy = SeqChunk(self.scratch_slot, 0, [0] * q, {m: [a // bs] for m, a in self.scratch_addr.items()})
         chunks = chunks + [dummy] * (padded - B)
-        visible = self._visible(max(c.start for c in chunks) + q - 1)
+        visible = self.visible(max(c.start for c in chunks) + q - 1)
         cfg = self.model.config
         batch = build_forward_batch(chunks, cfg.sliding_window, self.cache.compress_kinds, self.cache.block_size,
                                     "cpu", fixed=FixedShape(self.scratch_addr, visible),
@@ -114,7 +136,7 @@ class DecodeGraphs:
 
     def visible_sets(self, max_position: int) -> list[tuple[int, dict[int, int]]]:
         """(the first position that has them, entry-table widths) of every width set of steps whose furthest
-        position is at most `max_position`, shortest contexts first: `_visible` changes only where one ratio's
+        position is at most `max_position`, shortest contexts first: `visible` changes only where one ratio's
         visible entry count passes a power of two (>= visible_bucket)."""
         points = {0, max_position}
         for m in self.scratch_addr:
@@ -124,21 +146,35 @@ class DecodeGraphs:
                 w *= 2
         first: dict[tuple, int] = {}
         for p in sorted(points):
-            first.setdefault(tuple(sorted(self._visible(p).items())), p)
+            first.setdefault(tuple(sorted(self.visible(p).items())), p)
         return [(p, dict(v)) for v, p in first.items()]
 
-    def capture_steps(self, max_batch: int, widths: list[int], max_position: int, limit: int) -> int:
+    def capture_steps(self, max_batch: int, widths: list[int], max_position: int, limit: int,
+                      planned: list[int] = ()) -> int:
         """Captures, before any request runs, the graph of every batch bucket up to `max_batch`, every q in
-        `widths` and every entry-table width set up to `max_position`, shortest contexts first, at most `limit`
-        graphs (the rest are captured at their first step). Every request is the scratch slot, its tables the
-        scratch block repeated: the steps write only scratch rows. -> the graphs captured."""
+        `widths` (host-planned steps) and in `planned` (device-planned ones, run_planned) and every entry-table
+        width set up to `max_position`, shortest contexts first, at most `limit` graphs (the rest are captured at
+        their first step). Every request is the scratch slot, its tables the scratch block repeated: the steps
+        write only scratch rows. -> the graphs captured."""
         bs, count = self.cache.block_size, 0
         scratch = {m: a // bs for m, a in self.scratch_addr.items()}
         buckets = [b for b in self.batch_buckets if b <= self._bucket(max_batch)]
+        for _, visible in self.visible_sets(max_position):
+            for q, padded in [(q, b) for q in planned if q <= bs for b in buckets]:
+                key = ("planned", padded, q, tuple(sorted(visible.items())))
+                if key in self.graphs:
+                    continue
+                if count >= limit:
+                    return count
+                zeros = torch.zeros(padded, dtype=torch.long, device=self.device)
+                tables = {m: np.full((padded, table_width(visible[m], bs)), b, dtype=np.int64)
+                          for m, b in scratch.items()}
+                self.run_planned(zeros[:, None].expand(padded, q), zeros, [self.scratch_slot] * padded, tables, visible)
+                count += 1
         for p, visible in self.visible_sets(max_position):
             for q in widths:
                 start = max(0, p - q + 1)  # the step's furthest position: p, or q - 1 past it
-                if q > bs or self._visible(start + q - 1) != visible:
+                if q > bs or self.visible(start + q - 1) != visible:
                     continue
                 tables = {m: [scratch[m]] * max(1, -(-((start + q) // m) // bs)) for m in scratch}
                 chunk = SeqChunk(self.scratch_slot, start, [0] * q, tables)
@@ -153,11 +189,8 @@ class DecodeGraphs:
     def _bucket(self, num_requests: int) -> int:
         return next(b for b in self.batch_buckets if b >= num_requests)
 
-    def _visible(self, max_position: int) -> dict[int, int]:
-        """Entry-table widths: each ratio's entries visible at the furthest position, rounded up to a power of
-        two (>= visible_bucket): O(log context) graphs per batch size."""
-        need = {m: (max_position + 1) // m for m in self.scratch_addr}
-        return {m: max(self.visible_bucket, 1 << max(n - 1, 0).bit_length()) for m, n in need.items()}
+    def visible(self, max_position: int) -> dict[int, int]:
+        return visible_widths(max_position, self.scratch_addr, self.visible_bucket)
 
     @torch.inference_mode()
     def run_rows(self, rows, fill: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
@@ -167,7 +200,7 @@ class DecodeGraphs:
         B = len(rows.slots)
         padded = self._bucket(B)
         # padding rows (see _plan): position 0 of the scratch slot, token 0, the scratch block as table
-        visible = self._visible(int(rows.positions.max()) if B else 0)
+        visible = self.visible(int(rows.positions.max()) if B else 0)
         key = self.layouts.get((padded, 1, tuple(sorted(visible.items()))))
         entry = None if key is None else self.graphs.get(key)
         if entry is None:
@@ -236,14 +269,7 @@ class DecodeGraphs:
         stored. A host-planned batch is moved to the device first."""
         if batch.input_ids.device.type != torch.device(self.device).type:
             batch = _rebuild(batch, iter([t.to(self.device) for _, t in _tensors(batch)]))
-        if self.drafter is not None:
-            states, features = self.model(batch, self.cache.layers, draft_features=True,
-                                          token_history=self.cache.token_history)
-            self.drafter.store_context(batch, features)
-        else:
-            states = self.model(batch, self.cache.layers, token_history=self.cache.token_history)
-        # every row's logits: a fixed-shape step of one token a request has logits_idx = every row, in order
-        return self.model.compute_logits(states)
+        return fixed_step_logits(self.model, self.cache, self.drafter, batch)
 
     @torch.inference_mode()
     def run(self, chunks: list[SeqChunk], fill: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
@@ -263,6 +289,70 @@ class DecodeGraphs:
             self._launch_graph(entry)
             return entry[2][:rows]
         return self._replay(entry, staged, fill, rows)
+
+    @torch.inference_mode()
+    def run_planned(self, tokens: torch.Tensor, starts: torch.Tensor, slots: list[int],
+                    tables: dict[int, np.ndarray], visible: dict[int, int]) -> torch.Tensor:
+        """Logits [B * q, V] of a step of q tokens per request whose tokens [B, q] and starts [B] are device
+        tensors (a step launched before the host knows them): the graph plans the step itself
+        (state/device_plan.py). `tables[m]` [B, table_width(visible[m])] block ids, scratch past each table."""
+        B, q = tokens.shape
+        padded = self._bucket(B)
+        key, staged = self.stage_planned(B, q, slots, tables, visible)
+        n = staged.numel()
+        entry = self.graphs.get(key)
+        if entry is None:
+            inputs = torch.empty(n, dtype=torch.long, device=self.device)
+            self._upload(staged, inputs)
+            self._fill_planned(inputs, tokens, starts, padded)
+            entry = self.graphs[key] = self._capture_with(lambda: self._planned_batch(inputs, padded, q, visible),
+                                                          inputs)
+        else:
+            self._upload(staged, entry[1])
+            self._fill_planned(entry[1], tokens, starts, padded)
+        self._launch_graph(entry)
+        return entry[2][:B * q]
+
+    def stage_planned(self, B: int, q: int, slots: list[int], tables: dict[int, np.ndarray],
+                      visible: dict[int, int]) -> tuple[tuple, torch.Tensor]:
+        """(graph key, the next pinned buffer holding the step's host inputs: zeros where the device's tokens and
+        starts go, the slots and tables, padding rows on the scratch slot and block)."""
+        padded = self._bucket(B)
+        bs, ms = self.cache.block_size, sorted(self.scratch_addr)
+        if q > bs:
+            raise ValueError(f"DecodeGraphs: {q} tokens a request exceed the scratch block ({bs} entries)")
+        widths = [table_width(visible[m], bs) for m in ms]
+        staged = self._buffer(padded * (q + 2) + padded * sum(widths))
+        host = staged.numpy()
+        host[:padded * (q + 1)] = 0  # tokens and starts: the device's, padding rows token 0 at position 0
+        host[padded * (q + 1):padded * (q + 2)] = list(slots) + [self.scratch_slot] * (padded - B)
+        off = padded * (q + 2)
+        for m, w in zip(ms, widths):
+            t = host[off:off + padded * w].reshape(padded, w)
+            t[:B] = tables[m]
+            t[B:] = self.scratch_addr[m] // bs
+            off += padded * w
+        return ("planned", padded, q, tuple(sorted(visible.items()))), staged
+
+    @staticmethod
+    def _fill_planned(inputs: torch.Tensor, tokens: torch.Tensor, starts: torch.Tensor, padded: int) -> None:
+        B, q = tokens.shape
+        inputs[:B * q].copy_(tokens.reshape(-1))
+        inputs[padded * q:padded * q + B].copy_(starts)
+
+    def _planned_batch(self, inputs: torch.Tensor, padded: int, q: int, visible: dict[int, int]) -> ForwardBatch:
+        """The step planned on the device from the packed inputs' views (run_planned's layout)."""
+        bs, ms = self.cache.block_size, sorted(self.scratch_addr)
+        tokens, starts, slots = inputs[:padded * q], inputs[padded * q:padded * (q + 1)], \
+            inputs[padded * (q + 1):padded * (q + 2)]
+        off, tables = padded * (q + 2), {}
+        for m in ms:
+            w = table_width(visible[m], bs)
+            tables[m] = inputs[off:off + padded * w].view(padded, w)
+            off += padded * w
+        cfg = self.model.config
+        return plan_on_device(tokens, starts, slots, tables, q, cfg.sliding_window, self.cache.compress_kinds, bs,
+                              FixedShape(self.scratch_addr, visible), self.model.token_history, self.cache.ring_slack)
 
     def _replay(self, entry, staged: torch.Tensor, fill, rows: int) -> torch.Tensor:
         inputs = entry[1]
@@ -285,16 +375,21 @@ class DecodeGraphs:
         return _rebuild(host_batch, iter(views))
 
     def _capture(self, host_batch: ForwardBatch, inputs: torch.Tensor):
-        """The batch rebuilt as views of `inputs`; warm up on a side stream (the cache rows written
-        belong to this very step, so the repeated writes are idempotent), then capture the launches."""
+        """The batch rebuilt as views of `inputs` (what the graph reads), captured (_capture_with)."""
         batch = self.input_views(host_batch, inputs)
+        return self._capture_with(lambda: batch, inputs)
+
+    def _capture_with(self, make_batch, inputs: torch.Tensor):
+        """Warm up on a side stream (the cache rows written belong to this very step, so the repeated writes are
+        idempotent), then capture the launches of forward(make_batch()): the planning too, where make_batch
+        plans on the device."""
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            self.forward(batch)
+            self.forward(make_batch())
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         self.pool = self.pool or torch.cuda.graph_pool_handle()
         with torch.cuda.graph(graph, pool=self.pool):
-            out = self.forward(batch)
+            out = self.forward(make_batch())
         return graph, inputs, out

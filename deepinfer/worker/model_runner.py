@@ -21,7 +21,9 @@ from deepinfer.layers import invariant
 from deepinfer.models.interface import CausalLM
 from deepinfer.sampling_params import SamplingParams
 from deepinfer.worker.verify import verify
-from deepinfer.state.forward_batch import SeqChunk, build_forward_batch, to_device
+from deepinfer.state.device_plan import plan_on_device, table_width
+from deepinfer.state.forward_batch import FixedShape, SeqChunk, build_forward_batch, to_device
+from deepinfer.worker.cuda_graph import fixed_step_logits, visible_widths
 from deepinfer.worker.draft_graphs import DraftGraphs
 from deepinfer.worker.drafter import Anchors, DraftSampler, DSparkDrafter, MTPDrafter
 from deepinfer.worker.kv_cache import V4Cache
@@ -53,6 +55,10 @@ class StepHandle:
     deferred: tuple | None = None
     # prompt_logprobs of the step's chunks with prompt_rows, computed at launch (see _prompt_logprobs)
     prompt: "PromptLogprobs | None" = None
+    # a drafting step: per anchor (`drafts`' rows) the token it emitted last and its drafts [G, 1 + k], and its
+    # accepted count [G], on the device: the inputs of a verify step scheduled ahead of this one's read-back
+    next_inputs: torch.Tensor | None = None
+    next_shift: torch.Tensor | None = None
 
 
 @dataclass
@@ -118,8 +124,10 @@ class ModelRunner:
         if self.graphs is None:
             return 0
         widths = [q for q in range(1, k + 2) if q <= self.cache.ring_slack + 1]
+        # DSpark at fixed length launches verify steps ahead, planned on the device (_verify_ahead)
+        planned = [k + 1] if isinstance(self.drafter, DSparkDrafter) and k + 1 in widths else []
         with torch.inference_mode():
-            n = self.graphs.capture_steps(max_batch, widths, max_position, limit)
+            n = self.graphs.capture_steps(max_batch, widths, max_position + k, limit, planned)
             drafts = getattr(self.drafter, "graphs", None)
             return n + (drafts.capture_buckets(max_batch) if drafts is not None else 0)
 
@@ -190,6 +198,8 @@ class ModelRunner:
     def _launch(self, so: SchedulerOutput, prev: StepHandle | None) -> StepHandle:
         for f in so.forks:
             self.cache.copy_state(f.src_slot, f.dst_slot, f.src_blocks, f.dst_blocks)
+        if so.verify_ahead:
+            return self._verify_ahead(so, prev)
         fill = self._fill(so, prev)
         speculative = self._verifies(so)
         if not speculative and self.graphs is not None and self.graphs.fits(len(so.chunks)) and \
@@ -232,6 +242,49 @@ class ModelRunner:
         if any(c.prompt_rows for c in so.chunks):
             h.prompt = self._prompt_logprobs(so, streams)
         return h
+
+    def _verify_ahead(self, so: SchedulerOutput, prev: StepHandle) -> StepHandle:
+        """A verify step launched before `prev` (the step in flight, which drafts) is read back (engine/scheduler.py
+        _verify_ahead): request b's tokens are the token `prev` emits last and the drafts it proposes after it, its
+        start the chunk's plus `prev`'s accepted count, both taken on the device; the step is planned there
+        (state/device_plan.py), on a graph where the runner has them."""
+        chunks, dev = so.chunks, self.device
+        B, q = len(chunks), len(chunks[0].token_ids)
+        if prev is None or prev.next_inputs is None or prev.next_inputs.shape[1] != q:
+            raise RuntimeError("a verify step scheduled ahead needs the step before it to have drafted its tokens")
+        idx = to_device(torch.tensor([prev.drafts[c.request_id] for c in chunks]), dev)
+        tokens = prev.next_inputs[idx]
+        shift = prev.next_shift[idx]
+        starts = to_device(torch.tensor([c.start for c in chunks]), dev) + shift
+        # the furthest position: every draft of `prev` accepted (at most q - 1), then this step's q tokens
+        furthest = max(c.start for c in chunks) + 2 * (q - 1)
+        visible = self.graphs.visible(furthest) if self.graphs is not None else \
+            visible_widths(furthest, self.cache.scratch_addr)
+        tables = self._planned_tables(chunks, visible)
+        if self.graphs is not None and self.graphs.fits(B):
+            logits = self.graphs.run_planned(tokens, starts, [c.slot for c in chunks], tables, visible)
+        else:
+            t = {m: to_device(torch.from_numpy(v), dev) for m, v in tables.items()}
+            batch = plan_on_device(tokens.reshape(-1), starts, to_device(torch.tensor([c.slot for c in chunks]), dev),
+                                   t, q, self.model.config.sliding_window, self.cache.compress_kinds,
+                                   self.cache.block_size, FixedShape(self.cache.scratch_addr, visible),
+                                   self.model.token_history, self.cache.ring_slack)
+            drafter = self.drafter if isinstance(self.drafter, DSparkDrafter) else None
+            logits = fixed_step_logits(self.model, self.cache, drafter, batch)
+        return self._verify(so, range(B), logits.__getitem__, [i * q for i in range(B)],
+                            ahead=(tokens[:, 1:].reshape(-1), shift))
+
+    def _planned_tables(self, chunks: list[ScheduledChunk], visible: dict[int, int]) -> dict[int, np.ndarray]:
+        """Each ratio's [B, table_width] block tables of the chunks, the scratch block past each one's end (the
+        entries a step may close past its blocks are written there and never read)."""
+        bs, out = self.cache.block_size, {}
+        for m, a in self.cache.scratch_addr.items():
+            w = table_width(visible[m], bs)
+            t = out[m] = np.full((len(chunks), w), a // bs, dtype=np.int64)
+            for b, c in enumerate(chunks):
+                blocks = c.block_tables.get(m, ())[:w]
+                t[b, :len(blocks)] = blocks
+        return out
 
     def _verifies(self, so: SchedulerOutput) -> bool:
         """Whether the step goes through verification: it holds drafts, or its drafter proposes the next ones.
@@ -378,12 +431,14 @@ class ModelRunner:
                 tables = {**tables, m: list(have) + [self.cache.scratch_addr[m] // bs] * (need - len(have))}
         return tables
 
-    def _verify(self, so: SchedulerOutput, rows, logits_at, starts: list[int]) -> StepHandle:
+    def _verify(self, so: SchedulerOutput, rows, logits_at, starts: list[int],
+                ahead: tuple[torch.Tensor, torch.Tensor] | None = None) -> StepHandle:
         """A step with draft tokens: the logits of every verified position, one worker/verify.py call over
         all sampled chunks (a chunk without drafts is a group of one row, which verify samples exactly as
         `sample` would; an n > 1 fork is n such groups of its last row), the copy to the host started.
         `logits_at(flat rows on the device)` gives those rows' logits; chunk i's tokens are the flat rows
-        starts[i] .. starts[i] + len(token_ids) - 1."""
+        starts[i] .. starts[i] + len(token_ids) - 1. `ahead` = (the drafts [rows * k], each chunk's shift [rows]) on
+        the device, of a verify step scheduled ahead (its token ids are placeholders, its starts the earliest)."""
         flat, offsets, drafts, params, seeds, groups = [], [0], [], [], [], {}
         ends = [starts[i] + len(c.token_ids) for i, c in enumerate(so.chunks)]
         for i in rows:
@@ -394,7 +449,8 @@ class ModelRunner:
                 groups.setdefault(c.request_id, []).append(len(offsets) - 1)
                 flat += range(last - k, last + 1)
                 offsets.append(offsets[-1] + k + 1)
-                drafts += c.token_ids[len(c.token_ids) - k:]
+                if ahead is None:
+                    drafts += c.token_ids[len(c.token_ids) - k:]
                 params.append(c.params)
                 seeds.append(None if c.params.seq_seed is None else (c.params.seq_seed, pos, c.sample_index + j))
         logits = logits_at(to_device(torch.tensor(flat), self.device))
@@ -406,7 +462,7 @@ class ModelRunner:
         # a seeded request verifies by matching the target's own draw at each position (its tokens are
         # speculation-off's); the others take rejection sampling against q: one-hot for deterministic drafts
         # (prompt lookup, greedy DSpark / MTP), DSpark's own distribution for the drafts it drew (_draft_sampler)
-        draft_t = to_device(torch.tensor(drafts, dtype=torch.long), self.device)
+        draft_t = to_device(torch.tensor(drafts, dtype=torch.long), self.device) if ahead is None else ahead[0]
         out = verify(logits, offsets, draft_t, params, draft_probs=self._draft_probs(so, rows, draft_t), seeds=seeds,
                      generator=self.generator, match_seeded=True)
         row_params = [p for g, p in enumerate(params) for _ in range(offsets[g + 1] - offsets[g])]
@@ -415,7 +471,7 @@ class ModelRunner:
                        logprobs=top_logprobs(logits, out.tokens.clamp(min=0), max_lp) if max_lp >= 0 else None)
         values = [out.tokens, out.num_accepted]
         if self.drafter is not None and (so.propose or not self.drafter.optional):
-            values.append(self._draft(so, rows, ends, out, h))
+            values.append(self._draft(so, rows, ends, out, h, None if ahead is None else ahead[1]))
         # a request verified with no drafts, sampled once, can be the source of a placeholder in the step after
         h.rows = {rid: (h.offsets[gs[0]], 1) for rid, gs in groups.items() if len(gs) == 1 and
                   h.offsets[gs[0] + 1] - h.offsets[gs[0]] == 1}
@@ -457,23 +513,31 @@ class ModelRunner:
         self._masks_sent = None
         return buf[:rows].fill_(-1)
 
-    def _draft(self, so: SchedulerOutput, rows: list[int], ends: list[int], out, h: StepHandle) -> torch.Tensor:
+    def _draft(self, so: SchedulerOutput, rows: list[int], ends: list[int], out, h: StepHandle,
+               shift: torch.Tensor | None = None) -> torch.Tensor:
         """The next step's drafts [G * k] of the requests this step sampled one token for, from their
         anchors on the device (the last emitted token, its position and the row that computed it): no host sync.
-        `ends`: one past each chunk's last flat row."""
+        `ends`: one past each chunk's last flat row; `shift`: each chunk's start past its host one (a step scheduled
+        ahead). Keeps on `h` the inputs of a verify step scheduled after it: each anchor's token and drafts, and
+        its accepted count (next_inputs, next_shift)."""
+        sel = [i for i in rows if so.chunks[i].num_samples == 1]
         anchors = [(so.chunks[i], h.groups[so.chunks[i].request_id][0], ends[i] - 1 - so.chunks[i].num_draft)
-                   for i in rows if so.chunks[i].num_samples == 1]
+                   for i in sel]
         h.drafts = {c.request_id: j for j, (c, _, _) in enumerate(anchors)}
         h.draft_width = self.drafter.num_tokens
         host = torch.tensor([[h.offsets[g], c.start + len(c.token_ids) - c.num_draft, c.slot, r, g]
                              for c, g, r in anchors], dtype=torch.long).view(-1, 5)
         first, pos, slots, row, group = to_device(host, self.device).unbind(1)
         acc = out.num_accepted[group]
+        if shift is not None:  # (a step scheduled ahead: every chunk samples once, so anchors are its chunks)
+            pos = pos + shift
         sampler = self._draft_sampler([c for c, _, _ in anchors])
-        block = self.drafter.propose(Anchors(out.tokens[first + acc], pos + acc, slots, row + acc, sampler))
+        last = out.tokens[first + acc]
+        block = self.drafter.propose(Anchors(last, pos + acc, slots, row + acc, sampler))
         if block is None:
             return out.tokens[:0]
         k = self.drafter.num_tokens
+        h.next_inputs, h.next_shift = torch.cat((last[:, None], block.tokens[:, :k]), 1), acc
         self._draft_q = None if block.probs is None else (block.probs[:, :k], h.drafts)
         # the confidences ride in the same int64 copy as the tokens: their fp32 bits
         conf_bits = block.confidence[:, :k].float().contiguous().view(torch.int32).long()

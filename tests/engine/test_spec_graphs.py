@@ -32,6 +32,13 @@ class EagerGraphs(DecodeGraphs):
             batch.input_ids[fill[0]] = fill[1]
         return self.forward(batch)[:sum(len(c.token_ids) for c in chunks)]
 
+    def run_planned(self, tokens, starts, slots, tables, visible):
+        B, q = tokens.shape
+        padded = self._bucket(B)
+        inputs = self.stage_planned(B, q, slots, tables, visible)[1].clone()  # (the graph's packed inputs)
+        self._fill_planned(inputs, tokens, starts, padded)
+        return self.forward(self._planned_batch(inputs, padded, q, visible))[:B * q]
+
 
 class EagerDraftGraphs(DraftGraphs):
     """DraftGraphs whose blocks are drafted eagerly over the padded anchors (scratch-slot rows at position 0)."""
@@ -188,6 +195,11 @@ class KeyedGraphs(EagerGraphs):
         self.graphs.setdefault(self.plan(chunks)[0], None)
         return super().run(chunks, fill)
 
+    def run_planned(self, tokens, starts, slots, tables, visible):
+        self.graphs.setdefault(("planned", self._bucket(tokens.shape[0]), tokens.shape[1],
+                                tuple(sorted(visible.items()))), None)
+        return super().run_planned(tokens, starts, slots, tables, visible)
+
 
 def test_start_up_capture_covers_every_step_of_a_run(ckpt41):
     """capture_speculative plans, before any request, the graph of every (batch bucket, q, entry-table widths) the
@@ -201,12 +213,12 @@ def test_start_up_capture_covers_every_step_of_a_run(ckpt41):
                            device="cpu", drafter=r.drafter)
     sets = r.graphs.visible_sets(96 + k - 1)
     assert [p for p, _ in sets] == sorted(p for p, _ in sets) and len(sets) > 2
-    assert all(r.graphs._visible(p) == v for p, v in sets)
-    assert {tuple(sorted(r.graphs._visible(p).items())) for p in range(96 + k)} == \
+    assert all(r.graphs.visible(p) == v for p, v in sets)
+    assert {tuple(sorted(r.graphs.visible(p).items())) for p in range(96 + k)} == \
         {tuple(sorted(v.items())) for _, v in sets}
     captured = r.capture_speculative(4, k, 96 + k - 1, limit)
     held = set(r.graphs.graphs)
-    assert captured >= len(held) > 0
+    assert captured >= len(held) > 0 and any(key[0] == "planned" for key in held)
     assert r.capture_speculative(4, k, 96 + k - 1, limit) == 0  # nothing left to capture
     prompts = _prompts(4, read_model_config(ckpt41).vocab_size, seed=3)
     params = [SamplingParams(temperature=0, max_tokens=m) for m in (30, 41, 52, 63)]
