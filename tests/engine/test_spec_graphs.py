@@ -54,6 +54,17 @@ class EagerDraftGraphs(DraftGraphs):
         return None
 
 
+def assert_same_outputs(got, want, off) -> None:
+    """Greedy tokens equal (got, want and speculation off); got's logprobs equal want's within fp32 noise."""
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want] == \
+        [o.outputs[0].token_ids for o in off]
+    # fp32: a fixed-shape batch (padded rows, a compressor row for every token) runs its GEMMs at other row
+    # counts than an eager one; measured up to 3.3e-6 apart on the CI host, 1e-4 leaves room for thread counts
+    for a, b in zip(got, want):
+        for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert x.keys() == y.keys() and all(abs(x[t] - y[t]) < 1e-4 for t in x)
+
+
 def _graphed(llm) -> list[tuple[int, list[int], bool]]:
     """Installs the stand-ins in the LLM's runner; returns the log of (q, the chunks' token counts before
     padding, whether every chunk is a pending token and its drafts) of every speculative step, q = 0 for the
@@ -105,13 +116,7 @@ def test_dspark_steps_on_fixed_shapes_equal_eager(ckpt41, monkeypatch, varlen):
     seen = _graphed(graphed)
     want = eager.generate(prompts, greedy, use_tqdm=False)
     got = graphed.generate(prompts, greedy, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want] == \
-        [o.outputs[0].token_ids for o in off]
-    # fp32: the fixed-shape batch (padded rows, a compressor row for every token) runs its GEMMs at other row
-    # counts than the eager one; measured up to 3.3e-6 apart on the CI host, 1e-4 leaves room for thread counts
-    for a, b in zip(got, want):
-        for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
-            assert x.keys() == y.keys() and all(abs(x[t] - y[t]) < 1e-4 for t in x)
+    assert_same_outputs(got, want, off)
     assert graphed.get_metrics() == eager.get_metrics()
     # every decode step took the fixed shapes (padding past a request's block tables writes the scratch block)
     assert all(q for q, lens, decode in seen if decode)
