@@ -256,7 +256,9 @@ class Scheduler:
             n_out = len(req.output_token_ids)
             if n_out + 1 >= req.params.max_tokens or len(req.prompt_token_ids) + n_out + 1 >= max_len:
                 continue  # it finishes by length in `inflight`
-            start = c.start + len(c.token_ids)
+            # (the step before `inflight` is updated: its computed tokens are `inflight`'s start, which the chunk
+            # holds only as the earliest one where `inflight` was a verify step scheduled ahead)
+            start = req.num_computed_tokens + len(c.token_ids)
             if (crossing is None or crossing[b]) and not allocate(req, start + 1):
                 return None
             # the tables' lists are shared, not copied: blocks are only ever appended to them, and entries
@@ -279,20 +281,27 @@ class Scheduler:
         return out
 
     def _verify_ahead(self, inflight: SchedulerOutput) -> SchedulerOutput | None:
-        """Async scheduling with DSpark at fixed length: the next verify step, planned while `inflight` (which
-        drafts) runs. Each of its requests verifies the k drafts `inflight` proposes after the token it emits last,
-        at a start the host does not know: the chunk's `start` is the earliest one (no draft accepted in
-        `inflight`); the runner adds the accepted count and takes the tokens on the device (SchedulerOutput.
-        verify_ahead). The cache grows to the latest end. None (a synchronous step) where the drafts or the
-        emitted tokens matter on the host first: a grammar, seeded sampling, n > 1, prompt logprobs, a verify
-        length policy, or a request that could reach max_model_len; a request that finishes by length in
+        """Async scheduling with DSpark: the next verify step, planned while `inflight` (which drafts) runs. Each
+        of its requests verifies the drafts `inflight` proposes after the token it emits last, at a start the host
+        does not know: the chunk's `start` is the earliest one (no draft accepted in `inflight`); the runner adds
+        the accepted count and takes the tokens on the device (SchedulerOutput.verify_ahead). Every request
+        verifies k drafts, or with the graphs' verify-length policy one length l (l = 0: the pending token alone,
+        drafting nothing). The cache grows to the latest end. None (a synchronous step) where the drafts or the
+        emitted tokens matter on the host first: a grammar, seeded sampling, n > 1, prompt logprobs, per-request
+        lengths (Alg. 1), or a request that could reach max_model_len; a request that finishes by length in
         `inflight` for sure is left out, one that finishes there otherwise computes a wasted step (`update` drops
         it), and tokens past max_tokens are dropped as they are appended."""
         k = self.proposer.num_speculative_tokens if isinstance(self.proposer, ModelDrafts) else 0
-        if not k or self.proposer.method != "dspark" or self.varlen is not None or not inflight.propose:
+        if not k or self.proposer.method != "dspark" or not inflight.propose:
             return None
+        length, propose = k, True
+        if self.varlen is not None:  # the graphs' policy: one length a step, from confidences two steps old
+            if self.varlen.times is None:
+                return None  # (per-request lengths, Alg. 1: eager steps)
+            length = max(self._uniform_lengths().values(), default=k)  # (none known yet: every request k)
+            propose = self._propose
         by_id = {r.request_id: r for r in self.running}
-        out = SchedulerOutput(verify_ahead=True)
+        out = SchedulerOutput(verify_ahead=True, propose=propose)
         for c in inflight.chunks:
             req = by_id.get(c.request_id)
             if req is None or c.num_samples != 1 or len(c.token_ids) != 1 + c.num_draft or req.grammar is not None \
@@ -302,13 +311,13 @@ class Scheduler:
             if n_out + 1 >= req.params.max_tokens:
                 continue  # it finishes by length in `inflight`
             start = req.num_computed_tokens + 1  # (updated up to the step before `inflight`, whose start it is)
-            latest = start + c.num_draft + k + 1  # past the last position the step may compute
+            latest = start + c.num_draft + length + 1  # past the last position the step may compute
             if latest + 1 >= self.max_model_len or not self.kv.allocate(req, latest):
                 return None
-            out.chunks.append(ScheduledChunk(req.request_id, req.slot, start, [PLACEHOLDER] * (k + 1),
+            out.chunks.append(ScheduledChunk(req.request_id, req.slot, start, [PLACEHOLDER] * (length + 1),
                                              dict(req.block_tables), 1, req.params, [], start + 1,
-                                             sample_index=req.sample_index, num_draft=k))
-        if not out.chunks or len(out.chunks) * (k + 1) > self.budget:
+                                             sample_index=req.sample_index, num_draft=length))
+        if not out.chunks or len(out.chunks) * (length + 1) > self.budget:
             return None
         return out
 

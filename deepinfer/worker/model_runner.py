@@ -250,10 +250,10 @@ class ModelRunner:
         (state/device_plan.py), on a graph where the runner has them."""
         chunks, dev = so.chunks, self.device
         B, q = len(chunks), len(chunks[0].token_ids)
-        if prev is None or prev.next_inputs is None or prev.next_inputs.shape[1] != q:
+        if prev is None or prev.next_inputs is None or prev.next_inputs.shape[1] < q:
             raise RuntimeError("a verify step scheduled ahead needs the step before it to have drafted its tokens")
         idx = to_device(torch.tensor([prev.drafts[c.request_id] for c in chunks]), dev)
-        tokens = prev.next_inputs[idx]
+        tokens = prev.next_inputs[idx, :q]  # (the token emitted last and the first q - 1 drafts)
         shift = prev.next_shift[idx]
         starts = to_device(torch.tensor([c.start for c in chunks]), dev) + shift
         # the furthest position: every draft of `prev` accepted (at most q - 1), then this step's q tokens

@@ -7,7 +7,9 @@ from __future__ import annotations
 import pytest
 
 from deepinfer import SamplingParams
+from deepinfer.engine.scheduler import VarlenPolicy
 from deepinfer.loader.model_config import read_model_config
+from deepinfer.spec.schedule import StepTimes
 from test_spec_graphs import EagerGraphs, _graphed, assert_same_outputs
 from test_speculative import _llm, _prompts, confident_oracle
 
@@ -50,3 +52,42 @@ def test_verify_steps_launched_ahead_keep_greedy_tokens(ckpt41, monkeypatch, gra
     assert ahead.scheduler.kv.all_free()
     if graphs:
         assert isinstance(ahead.engine.core.runner.graphs, EagerGraphs)
+
+
+def test_one_length_a_step_launched_ahead_backs_off_and_resumes(ckpt41, monkeypatch):
+    """With the graphs' verify-length policy, verify steps scheduled ahead take the step's one length l: l > 0
+    verifies the first l drafts, l = 0 the pending token alone without drafting, after which decode steps launch
+    ahead from host positions that learned the device's. The policy's lengths are scripted here (four calls
+    drafting, four not); greedy outputs equal speculation off."""
+    k = 3
+    prompts = _prompts(3, read_model_config(ckpt41).vocab_size, seed=9)
+    params = [SamplingParams(temperature=0, max_tokens=m) for m in (17, 40, 60)]
+    off = [o.outputs[0].token_ids for o in _llm(ckpt41, None, max_num_seqs=8).generate(prompts, params, use_tqdm=False)]
+    confident_oracle(monkeypatch, {(i, t): (p + o)[i + 1:] for p, o in zip(prompts, off) for i, t in enumerate(p + o)},
+                     k)
+    llm = _llm(ckpt41, None, speculative_config={"method": "dspark", "num_speculative_tokens": k}, max_num_seqs=8)
+    sched, calls = llm.scheduler, [0]
+    sched.varlen = VarlenPolicy(None, None, StepTimes([1, 8], [[0.01] * (k + 1)] * 2))
+
+    def scripted():
+        length = (1 + calls[0] % 3) if calls[0] // 4 % 2 == 0 else 0
+        calls[0] += 1
+        sched._propose = length > 0
+        return {r.request_id: length for r in sched.running}
+
+    sched._uniform_lengths = scripted
+    r, launches = llm.engine.core.runner, []
+    real = r.launch
+
+    def logged(so, prev=None):  # (requests, verified drafts, proposes) of verify steps ahead, else the kind
+        kind = "decode ahead" if so.decode is not None and prev is not None else "other"
+        launches.append((len(so.chunks), len(so.chunks[0].token_ids) - 1, so.propose) if so.verify_ahead else kind)
+        return real(so, prev)
+
+    r.launch = logged
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)] == off
+    ahead = [(i, x) for i, x in enumerate(launches) if isinstance(x, tuple)]
+    assert len({q for _, (_, q, p) in ahead if p}) > 1  # lengths vary
+    # backed off ahead (the pending token alone), then decode steps launched ahead of it
+    assert any(q == 0 and not p and launches[i + 1] == "decode ahead" for i, (_, q, p) in ahead[:-1])
+    assert sched.kv.all_free()

@@ -68,7 +68,7 @@ def assert_same_outputs(got, want, off) -> None:
 def _graphed(llm) -> list[tuple[int, list[int], bool]]:
     """Installs the stand-ins in the LLM's runner; returns the log of (q, the chunks' token counts before
     padding, whether every chunk is a pending token and its drafts) of every speculative step, q = 0 for the
-    steps left eager."""
+    steps left eager (verify steps scheduled ahead included)."""
     r = llm.engine.core.runner
     drafter = r.drafter if isinstance(r.drafter, DSparkDrafter) else None
     r.graphs = EagerGraphs(r.model, r.cache, r.cache.scratch_slot, r.cache.scratch_addr, visible_bucket=4,
@@ -84,6 +84,13 @@ def _graphed(llm) -> list[tuple[int, list[int], bool]]:
         return q
 
     r._graph_width = logged
+    ahead = r._verify_ahead
+
+    def planned(so, prev):  # a verify step scheduled ahead: always on the fixed shapes (planned on the device)
+        seen.append((len(so.chunks[0].token_ids), [len(c.token_ids) for c in so.chunks], True))
+        return ahead(so, prev)
+
+    r._verify_ahead = planned
     cover, llm.past_tables = r._cover, []
 
     def covered(c, q):  # logs the padded chunks whose tables were extended with the scratch block
