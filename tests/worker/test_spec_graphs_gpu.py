@@ -31,8 +31,18 @@ def _prompts(n: int, vocab: int, seed: int) -> list[list[int]]:
 
 def _run(path, spec, eager: bool, prompts, max_tokens: int = 24, **kw):
     kw = {"dtype": "bfloat16", "batch_invariant": True, **kw}
-    llm = LLM(str(path), device="cuda", enforce_eager=eager, kv_cache_memory=1 << 30,
+    # (max_model_len bounds the graphs captured at start-up: the prompts hold at most 63 tokens)
+    llm = LLM(str(path), device="cuda", enforce_eager=eager, kv_cache_memory=1 << 30, max_model_len=64 + max_tokens,
               max_num_seqs=max(len(prompts), 1), skip_tokenizer_init=True, speculative_config=spec, **kw)
+    runner, ahead = llm.engine.core.runner, []
+    real = runner._verify_ahead
+
+    def counted(so, prev):  # verify steps scheduled ahead (planned on the device)
+        ahead.append(len(so.chunks))
+        return real(so, prev)
+
+    runner._verify_ahead = counted
+    llm.ahead_steps = ahead
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=3)
     outs = llm.generate(prompts, params, use_tqdm=False)
     return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs], llm
@@ -47,10 +57,9 @@ def test_graphed_verify_steps_equal_eager_and_speculation_off(ckpt41, spec):
     eager, _ = _run(ckpt41, spec, True, prompts)
     graphed, llm = _run(ckpt41, spec, False, prompts)
     runner = llm.engine.core.runner
-    widths = {key[2][0][1][0] // key[0] for key in runner.graphs.graphs}  # input_ids length / padded batch
-    assert max(widths) > 1  # verify steps were captured
+    assert set(runner.eager_steps) <= {"prefill, n > 1 or prompt logprobs"}  # every verify step on the graphs
     if spec["method"] == "dspark":
-        assert runner.drafter.graphs.graphs  # and the drafter's blocks
+        assert runner.drafter.graphs.graphs and llm.ahead_steps  # the drafter's blocks, verify steps ahead
     assert graphed == eager == off  # tokens and every top-3 logprob, bit for bit
 
 
@@ -63,7 +72,7 @@ def test_demo_dspark_greedy_equals_speculation_off(concurrency):
     on, llm = _run(path, {"method": "dspark", "num_speculative_tokens": 5}, False, prompts, 48)
     assert [t for t, _ in on] == [t for t, _ in off]
     assert [lp for _, lp in on] == [lp for _, lp in off]
-    assert llm.get_metrics()["num_drafts"] > 0
+    assert llm.get_metrics()["num_drafts"] > 0 and llm.ahead_steps
 
 
 @pytest.mark.parametrize("concurrency", [1, 16, 64])
