@@ -44,6 +44,8 @@ class _LockstepReplica:
     collect returns the replica's output of the round's collect (Engine._collect), which gathers every
     replica's at once. `execute` runs one step of this replica alone (start-up profiling)."""
 
+    pipelines = False  # (a launch waits for every replica's: start-up profiling times one step at a time)
+
     def __init__(self, engine: "Engine", d: int, placeholders: bool):
         self.engine, self.d, self.supports_placeholders = engine, d, placeholders
 

@@ -32,6 +32,29 @@ def _median_seconds(runner, so: SchedulerOutput, reps: int) -> float:
     return statistics.median(times[1:])
 
 
+def _pipelined_seconds(runner, so: SchedulerOutput, reps: int) -> float:
+    """Seconds per step of `reps` runs of `so` each launched before the one before it is collected (async
+    scheduling's steady state: one step's host work overlaps the step in flight), after one run (warm-up, graph
+    capture). A runner whose launches wait for other replicas' (`pipelines` False: lockstep data parallelism) is
+    timed a step at a time (_median_seconds)."""
+    if not getattr(runner, "pipelines", True):
+        return _median_seconds(runner, so, reps)
+    cuda = runner.device.type == "cuda"
+    runner.execute(so)
+    if cuda:
+        torch.cuda.synchronize(runner.device)
+    t0 = time.perf_counter()
+    prev = runner.launch(so)
+    for _ in range(reps - 1):
+        h = runner.launch(so)
+        runner.collect(prev)
+        prev = h
+    runner.collect(prev)
+    if cuda:
+        torch.cuda.synchronize(runner.device)
+    return (time.perf_counter() - t0) / reps
+
+
 def profile_sps(runner, kv: KVCacheManager, max_tokens: int, max_batch: int, reps: int = 3) -> SPSTable:
     """Seconds per step at B = 1, 2, 4, ... up to min(max_tokens, max_batch) tokens: one request's B-token chunk from
     position 0 through runner.execute (what a B-token verify step costs, to first order: the same
@@ -73,12 +96,13 @@ def step_buckets(max_requests: int) -> list[int]:
 
 
 def profile_step_times(runner, kv: KVCacheManager, k: int, max_requests: int, max_tokens: int,
-                       reps: int = 3) -> StepTimes:
+                       reps: int = 8) -> StepTimes:
     """StepTimes at n = step_buckets(max_requests) requests and l = 0..k drafts each: n requests of l + 1 tokens
-    from position 0 (each a pending token and l drafts, all verified and sampled), through runner.execute, the
+    from position 0 (each a pending token and l drafts, all verified and sampled), through the runner, the
     step drafting the next block when l > 0 (SchedulerOutput.propose), so that the time is what such a decode
-    step costs on this runner: its graph replays, verification and draft included. The median of `reps` runs
-    after one (which captures the graphs). Sizes past the token budget or the free cache are np.inf."""
+    step costs on this runner: its graph replays, verification and draft included. Seconds per step of `reps`
+    steps launched one ahead of the last one's read-back, as async scheduling runs decode and verify steps
+    (_pipelined_seconds). Sizes past the token budget or the free cache are np.inf."""
     buckets = step_buckets(max_requests)
     seconds = np.full((len(buckets), k + 1), np.inf)
     for i, n in enumerate(buckets):
@@ -95,7 +119,7 @@ def profile_step_times(runner, kv: KVCacheManager, k: int, max_requests: int, ma
                                                      {m: list(t) for m, t in r.block_tables.items()}, 1, r.params,
                                                      num_tokens=q, num_draft=length) for r in reqs],
                                      propose=length > 0)
-                seconds[i, length] = _median_seconds(runner, so, reps)
+                seconds[i, length] = _pipelined_seconds(runner, so, reps)
             finally:
                 for r in held:
                     kv.free(r)
