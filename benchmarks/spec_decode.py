@@ -240,6 +240,13 @@ def llm_kwargs(plan: dict) -> dict:
     return kw
 
 
+def runner_steps(llm) -> dict[str, int]:
+    """The runner's counts so far: verify steps scheduled ahead, speculative steps the graphs could not take."""
+    runner = llm.engine.core.runner
+    return {"verify_ahead_steps": getattr(runner, "ahead_steps", 0),
+            "eager_speculative_steps": sum(getattr(runner, "eager_steps", {}).values())}
+
+
 def graphs_captured(llm) -> int:
     """CUDA graphs the LLM's runner holds so far: its decode / verify graphs and its drafter's."""
     runner = llm.engine.core.runner
@@ -297,7 +304,7 @@ def run_config(plan: dict, method: str, k: int, varlen: bool = False) -> dict:
             if table is not None and rate is not None:
                 truth, settle_runs = settle(llm, prompts, params, want, truth, rate, k, vocab)
             ORACLE.set(truth, rate)
-            before, graphs_before = llm.get_metrics(), graphs_captured(llm)
+            before, graphs_before, steps_before = llm.get_metrics(), graphs_captured(llm), runner_steps(llm)
             runs, outs_each = [], []
             for _ in range(plan["reps"]):
                 _sync(plan["device"])
@@ -317,6 +324,8 @@ def run_config(plan: dict, method: str, k: int, varlen: bool = False) -> dict:
                                    "without a speculative_config")
             # graphs captured inside the timed generates (a capture costs many steps: none is expected)
             row["graphs_captured"] = graphs_captured(llm) - graphs_before
+            # verify steps scheduled ahead of the step before's read-back, and speculative steps left eager
+            row.update({key: after - steps_before[key] for key, after in runner_steps(llm).items()})
             rows.append({**row, **engine})
             print(f"  {fmt_row(row)}", file=sys.stderr, flush=True)
         if method == "off":

@@ -108,6 +108,7 @@ class ModelRunner:
         if self.graphs is not None and drafter is not None:
             drafter.graphs = DraftGraphs(drafter.draft, cache.scratch_slot, self.device)
         self.eager_steps: Counter[str] = Counter()  # speculative steps the graphs could not take, by reason
+        self.ahead_steps = 0  # verify steps scheduled ahead (_verify_ahead)
         # (request id, span start) -> the span's embeddings, kept until the span's last token is computed
         self.image_cache: OrderedDict[tuple[str, int], torch.Tensor] = OrderedDict()
         self._masks: torch.Tensor | None = None  # structured outputs: host token masks (see _constrain)
@@ -250,6 +251,7 @@ class ModelRunner:
         (state/device_plan.py), on a graph where the runner has them."""
         chunks, dev = so.chunks, self.device
         B, q = len(chunks), len(chunks[0].token_ids)
+        self.ahead_steps += 1
         if prev is None or prev.next_inputs is None or prev.next_inputs.shape[1] < q:
             raise RuntimeError("a verify step scheduled ahead needs the step before it to have drafted its tokens")
         idx = to_device(torch.tensor([prev.drafts[c.request_id] for c in chunks]), dev)
