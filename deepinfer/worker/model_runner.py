@@ -127,7 +127,8 @@ class ModelRunner:
         widths = [q for q in range(1, k + 2) if q <= self.cache.ring_slack + 1]
         # DSpark at fixed length launches verify steps ahead, planned on the device (_verify_ahead)
         planned = [k + 1] if isinstance(self.drafter, DSparkDrafter) and k + 1 in widths else []
-        with torch.inference_mode():
+        # (in the runner's numerics mode, as its steps: a graph replays the kernels it was captured with)
+        with torch.inference_mode(), invariant.mode(self.batch_invariant):
             n = self.graphs.capture_steps(max_batch, widths, max_position + k, limit, planned)
             drafts = getattr(self.drafter, "graphs", None)
             return n + (drafts.capture_buckets(max_batch) if drafts is not None else 0)

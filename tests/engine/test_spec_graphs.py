@@ -13,6 +13,7 @@ import torch
 
 from deepinfer import SamplingParams
 from deepinfer.engine.scheduler import VarlenPolicy
+from deepinfer.layers import invariant
 from deepinfer.loader.model_config import read_model_config
 from deepinfer.models.interface import DraftBlock
 from deepinfer.spec.schedule import SPSTable, StepTimes
@@ -201,10 +202,14 @@ def test_one_length_a_step_backs_off_and_stops_drafting_where_drafts_cannot_pay(
 
 
 class KeyedGraphs(EagerGraphs):
-    """EagerGraphs that hold an entry per graph key they ran (what a capture would have made)."""
+    """EagerGraphs that hold an entry per graph key they ran (what a capture would have made), and log whether
+    each ran in batch-invariant numerics (a graph replays the kernels of its capture)."""
+
+    modes: list[bool]
 
     def run(self, chunks, fill=None):
         self.graphs.setdefault(self.plan(chunks)[0], None)
+        self.modes.append(invariant.enabled())
         return super().run(chunks, fill)
 
     def run_planned(self, tokens, starts, slots, tables, visible):
@@ -213,22 +218,25 @@ class KeyedGraphs(EagerGraphs):
         return super().run_planned(tokens, starts, slots, tables, visible)
 
 
-def test_start_up_capture_covers_every_step_of_a_run(ckpt41):
+@pytest.mark.parametrize("invariant_on", [False, True], ids=["default", "batch-invariant"])
+def test_start_up_capture_covers_every_step_of_a_run(ckpt41, invariant_on):
     """capture_speculative plans, before any request, the graph of every (batch bucket, q, entry-table widths) the
     run's steps then take: no capture inside a served step (scratch-slot steps of the same shapes)."""
     k, limit = 3, 10_000
     llm = _llm(ckpt41, None, speculative_config={"method": "dspark", "num_speculative_tokens": k}, max_num_seqs=4,
-               max_model_len=96)
+               max_model_len=96, batch_invariant=invariant_on)
     r = llm.engine.core.runner
     _graphed(llm)
     r.graphs = KeyedGraphs(r.model, r.cache, r.cache.scratch_slot, r.cache.scratch_addr, visible_bucket=4,
                            device="cpu", drafter=r.drafter)
+    r.graphs.modes = []
     sets = r.graphs.visible_sets(96 + k - 1)
     assert [p for p, _ in sets] == sorted(p for p, _ in sets) and len(sets) > 2
     assert all(r.graphs.visible(p) == v for p, v in sets)
     assert {tuple(sorted(r.graphs.visible(p).items())) for p in range(96 + k)} == \
         {tuple(sorted(v.items())) for _, v in sets}
     captured = r.capture_speculative(4, k, 96 + k - 1, limit)
+    assert r.graphs.modes and all(m == invariant_on for m in r.graphs.modes)  # the runner's numerics
     held = set(r.graphs.graphs)
     assert captured >= len(held) > 0 and any(key[0] == "planned" for key in held)
     assert r.capture_speculative(4, k, 96 + k - 1, limit) == 0  # nothing left to capture
