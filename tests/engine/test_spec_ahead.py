@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 
 from deepinfer import SamplingParams
+from deepinfer.llm import GenerationError
 from deepinfer.engine.scheduler import VarlenPolicy
 from deepinfer.loader.model_config import read_model_config
 from deepinfer.spec.schedule import StepTimes
@@ -91,3 +92,35 @@ def test_one_length_a_step_launched_ahead_backs_off_and_resumes(ckpt41, monkeypa
     # backed off ahead (the pending token alone), then decode steps launched ahead of it
     assert any(q == 0 and not p and launches[i + 1] == "decode ahead" for i, (_, q, p) in ahead[:-1])
     assert sched.kv.all_free()
+
+
+def test_an_abort_while_a_verify_step_ahead_is_in_flight_harms_no_other_request(ckpt41, monkeypatch):
+    """A request aborted (a client gone) between the launch of a verify step scheduled ahead and the read-back of
+    the step before it: that step's tokens for it are dropped, its blocks freed once the steps end, and every other
+    request's greedy tokens equal speculation off."""
+    k = 3
+    prompts = _prompts(4, read_model_config(ckpt41).vocab_size, seed=12)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    off = [o.outputs[0].token_ids for o in _llm(ckpt41, None, max_num_seqs=8).generate(prompts, params, use_tqdm=False)]
+    confident_oracle(monkeypatch, {(i, t): (p + o)[i + 1:] for p, o in zip(prompts, off) for i, t in enumerate(p + o)},
+                     k)
+    llm = _llm(ckpt41, None, speculative_config={"method": "dspark", "num_speculative_tokens": k}, max_num_seqs=8)
+    core = llm.engine.core
+    runner, aborted = core.runner, []
+    collect = runner.collect
+
+    def abort_once(h):
+        if not aborted and core.inflight is not None and core.inflight[0].verify_ahead:
+            victim = core.inflight[0].chunks[1].request_id
+            aborted.append(victim)
+            core.abort([victim], "client disconnected")
+        return collect(h)
+
+    runner.collect = abort_once
+    with pytest.raises(GenerationError) as e:
+        llm.generate(prompts, params, use_tqdm=False)
+    assert aborted and [i for i, _ in e.value.failed] == [1]
+    outs = [o.outputs[0] for o in e.value.outputs]
+    assert outs[1].finish_reason == "abort"
+    assert [o.token_ids for i, o in enumerate(outs) if i != 1] == [t for i, t in enumerate(off) if i != 1]
+    assert llm.scheduler.kv.all_free() and core.inflight is None
