@@ -235,8 +235,9 @@ class Scheduler:
         decode token, a PLACEHOLDER for the token it is sampling now. Returns None (the caller runs
         the next step synchronously) where looking ahead would change scheduling decisions:
         n > 1 forks, partial prefill chunks, requests waiting that could be admitted, a cache
-        that cannot grow every such request without preempting, or speculation (but while the graphs'
-        verify-length policy has it off). A request that finishes in
+        that cannot grow every such request without preempting. With a proposer, while `inflight` drafts, the
+        next step is a verify step scheduled ahead where _verify_ahead allows one (else None); while the graphs'
+        verify-length policy has speculation off, a decode step as above. A request that finishes in
         `inflight` by a stop token computes one wasted token here; `update` drops it."""
         if self.pending_forks or not inflight.chunks or (self.waiting and len(self.running) < self.max_num_seqs):
             return None
