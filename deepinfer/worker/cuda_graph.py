@@ -10,6 +10,9 @@ The step is planned on the host; all its index tensors are packed into one pinne
 and reach the captured inputs (views of one device buffer) in a single non-blocking copy, so a
 step costs one copy and one graph launch. Pinned buffers rotate; one is refilled only after the
 copy that last read it has run (its event), so planning step N+1 may overlap step N on the GPU.
+A step whose tokens and starts only the device knows (a verify step scheduled ahead) is planned inside its
+graph instead (`run_planned`, state/device_plan.py): the host packs slots and block tables, and the
+device copies the tokens and starts into the captured inputs.
 """
 from __future__ import annotations
 
