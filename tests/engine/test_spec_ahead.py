@@ -12,7 +12,7 @@ from deepinfer.engine.scheduler import VarlenPolicy
 from deepinfer.loader.model_config import read_model_config
 from deepinfer.spec.schedule import StepTimes
 from test_spec_graphs import EagerGraphs, _graphed, assert_same_outputs
-from test_speculative import _llm, _prompts, confident_oracle
+from test_speculative import _llm, _prompts, confident_oracle, continuations
 
 
 def _count_ahead(llm) -> list[int]:
@@ -35,9 +35,7 @@ def test_verify_steps_launched_ahead_keep_greedy_tokens(ckpt41, monkeypatch, gra
     # requests finish at different steps, some inside a step launched ahead of their last one
     params = [SamplingParams(temperature=0, max_tokens=m, logprobs=1) for m in (5, 9, 16, 23, 30)]
     off = _llm(ckpt41, None, max_num_seqs=8).generate(prompts, params, use_tqdm=False)
-    truth = {(i, t): (p + o.outputs[0].token_ids)[i + 1:] for p, o in zip(prompts, off)
-             for i, t in enumerate(p + o.outputs[0].token_ids)}
-    confident_oracle(monkeypatch, truth, k)
+    confident_oracle(monkeypatch, continuations(prompts, [o.outputs[0].token_ids for o in off]), k)
     kw = dict(speculative_config={"method": "dspark", "num_speculative_tokens": k}, max_num_seqs=8)
     sync = _llm(ckpt41, None, async_scheduling=False, **kw)
     ahead = _llm(ckpt41, None, **kw)
@@ -64,8 +62,7 @@ def test_one_length_a_step_launched_ahead_backs_off_and_resumes(ckpt41, monkeypa
     prompts = _prompts(3, read_model_config(ckpt41).vocab_size, seed=9)
     params = [SamplingParams(temperature=0, max_tokens=m) for m in (17, 40, 60)]
     off = [o.outputs[0].token_ids for o in _llm(ckpt41, None, max_num_seqs=8).generate(prompts, params, use_tqdm=False)]
-    confident_oracle(monkeypatch, {(i, t): (p + o)[i + 1:] for p, o in zip(prompts, off) for i, t in enumerate(p + o)},
-                     k)
+    confident_oracle(monkeypatch, continuations(prompts, off), k)
     llm = _llm(ckpt41, None, speculative_config={"method": "dspark", "num_speculative_tokens": k}, max_num_seqs=8)
     sched, calls = llm.scheduler, [0]
     sched.varlen = VarlenPolicy(None, None, StepTimes([1, 8], [[0.01] * (k + 1)] * 2))
@@ -102,8 +99,7 @@ def test_an_abort_while_a_verify_step_ahead_is_in_flight_harms_no_other_request(
     prompts = _prompts(4, read_model_config(ckpt41).vocab_size, seed=12)
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     off = [o.outputs[0].token_ids for o in _llm(ckpt41, None, max_num_seqs=8).generate(prompts, params, use_tqdm=False)]
-    confident_oracle(monkeypatch, {(i, t): (p + o)[i + 1:] for p, o in zip(prompts, off) for i, t in enumerate(p + o)},
-                     k)
+    confident_oracle(monkeypatch, continuations(prompts, off), k)
     llm = _llm(ckpt41, None, speculative_config={"method": "dspark", "num_speculative_tokens": k}, max_num_seqs=8)
     core = llm.engine.core
     runner, aborted = core.runner, []

@@ -21,7 +21,7 @@ from deepinfer.worker.cuda_graph import DecodeGraphs
 from deepinfer.worker.draft_graphs import DraftGraphs
 from deepinfer.worker.drafter import DSparkDrafter
 from deepinfer.worker.sps_profile import profile_step_times, step_buckets
-from test_speculative import _greedy_off, _llm, _prompts, confident_oracle
+from test_speculative import _greedy_off, _llm, _prompts, confident_oracle, continuations
 
 
 class EagerGraphs(DecodeGraphs):
@@ -110,9 +110,7 @@ def test_dspark_steps_on_fixed_shapes_equal_eager(ckpt41, monkeypatch, varlen):
     prompts = _prompts(5, read_model_config(ckpt41).vocab_size, seed=8)
     greedy = SamplingParams(temperature=0, max_tokens=20, logprobs=2)
     off = _llm(ckpt41, None, max_num_seqs=8).generate(prompts, greedy, use_tqdm=False)
-    truth = {(i, t): (p + o.outputs[0].token_ids)[i + 1:] for p, o in zip(prompts, off)
-             for i, t in enumerate(p + o.outputs[0].token_ids)}
-    confident_oracle(monkeypatch, truth, k)
+    confident_oracle(monkeypatch, continuations(prompts, [o.outputs[0].token_ids for o in off]), k)
     kw = dict(speculative_config={"method": "dspark", "num_speculative_tokens": k}, enable_mtp_varlen=varlen,
               max_num_seqs=8)
     eager = _llm(ckpt41, None, **kw)
@@ -165,8 +163,7 @@ def test_one_length_a_step_backs_off_and_stops_drafting_where_drafts_cannot_pay(
     prompts = _prompts(6, read_model_config(ckpt41).vocab_size, seed=9)
     params = [SamplingParams(temperature=0, max_tokens=m) for m in (4, 6, 8, 10, 22, 26)]
     off = [o.outputs[0].token_ids for o in _llm(ckpt41, None, max_num_seqs=8).generate(prompts, params, use_tqdm=False)]
-    confident_oracle(monkeypatch, {(i, t): (p + o)[i + 1:] for p, o in zip(prompts, off) for i, t in enumerate(p + o)},
-                     k)
+    confident_oracle(monkeypatch, continuations(prompts, off), k)
     llm = _llm(ckpt41, None, speculative_config={"method": "dspark", "num_speculative_tokens": k}, max_num_seqs=8)
     seen = _graphed(llm)
     sched = llm.scheduler

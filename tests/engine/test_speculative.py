@@ -261,6 +261,11 @@ def test_dspark_on_a_model_whose_stages_are_not_wired_is_refused(ckpt):
         _llm(ckpt, None, speculative_config={"method": "dspark", "num_speculative_tokens": 2})
 
 
+def continuations(prompts: list[list[int]], outputs: list[list[int]]) -> dict:
+    """(position, token) -> the tokens after it, over each prompt and its output (confident_oracle's truth)."""
+    return {(i, t): (p + o)[i + 1:] for p, o in zip(prompts, outputs) for i, t in enumerate(p + o)}
+
+
 def confident_oracle(monkeypatch, truth: dict, k: int) -> None:
     """DSpark blocks replaced by the true continuation (truth: (position, token) -> the tokens after it) with one
     wrong token at a position that moves with the anchor (every acceptance length occurs), confident before it

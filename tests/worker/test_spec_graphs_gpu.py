@@ -34,15 +34,6 @@ def _run(path, spec, eager: bool, prompts, max_tokens: int = 24, **kw):
     # (max_model_len bounds the graphs captured at start-up: the prompts hold at most 63 tokens)
     llm = LLM(str(path), device="cuda", enforce_eager=eager, kv_cache_memory=1 << 30, max_model_len=64 + max_tokens,
               max_num_seqs=max(len(prompts), 1), skip_tokenizer_init=True, speculative_config=spec, **kw)
-    runner, ahead = llm.engine.core.runner, []
-    real = runner._verify_ahead
-
-    def counted(so, prev):  # verify steps scheduled ahead (planned on the device)
-        ahead.append(len(so.chunks))
-        return real(so, prev)
-
-    runner._verify_ahead = counted
-    llm.ahead_steps = ahead
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, logprobs=3)
     outs = llm.generate(prompts, params, use_tqdm=False)
     return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs], llm
@@ -59,7 +50,7 @@ def test_graphed_verify_steps_equal_eager_and_speculation_off(ckpt41, spec):
     runner = llm.engine.core.runner
     assert set(runner.eager_steps) <= {"prefill, n > 1 or prompt logprobs"}  # every verify step on the graphs
     if spec["method"] == "dspark":
-        assert runner.drafter.graphs.graphs and llm.ahead_steps  # the drafter's blocks, verify steps ahead
+        assert runner.drafter.graphs.graphs and runner.ahead_steps  # the drafter's blocks, verify steps ahead
     assert graphed == eager == off  # tokens and every top-3 logprob, bit for bit
 
 
@@ -72,7 +63,7 @@ def test_demo_dspark_greedy_equals_speculation_off(concurrency):
     on, llm = _run(path, {"method": "dspark", "num_speculative_tokens": 5}, False, prompts, 48)
     assert [t for t, _ in on] == [t for t, _ in off]
     assert [lp for _, lp in on] == [lp for _, lp in off]
-    assert llm.get_metrics()["num_drafts"] > 0 and llm.ahead_steps
+    assert llm.get_metrics()["num_drafts"] > 0 and llm.engine.core.runner.ahead_steps
 
 
 @pytest.mark.parametrize("concurrency", [1, 16, 64])
