@@ -21,6 +21,8 @@ from deepinfer.layers.moe import MoE
 from deepinfer.layers.norm import RMSNorm
 from deepinfer.layers.rotary import RopeCache, apply_rope, norm_rope, rope_inv_freq
 from deepinfer.models.config import CSA, HCA, SLIDING, DeepseekV4Config
+from deepinfer.models.dspark_common import MARKOV_NAMES_V4, add_dspark_heads, block_attention, write_draft_context
+from deepinfer.models.dspark_v4 import draft_from_cache
 from deepinfer.models.interface import EXPERT_SPLIT, HEAD_SPLIT, DraftBlock, Drafting, TPSplit
 
 
@@ -178,30 +180,47 @@ class MTPBlock(Block):
 
 
 class DSparkStage(Block):
-    """One stage of the -0731 DSpark draft (its forward is DSpark's own, see deepseek_v41 design)."""
+    """One stage (`mtp.K`) of V4-Flash-0731's DSpark draft: a sliding-window V4 block (the trunk's mHC at each
+    sub-layer, its weightless per-head query norm, no hash routing) whose attention reads the context KV of the
+    target features and the draft block instead of a ring (dspark_v4.py drafts with it); the last stage also
+    owns the hc_head that collapses the block's streams. As vLLM 0.34.0 serves 0731 (models/deepseek_v4/nvidia/
+    dspark.py), where the spec could only name the tensors."""
 
     def __init__(self, cfg: DeepseekV4Config, stage: int, dtype: torch.dtype, quant: QuantSpec,
                  expert_quant: QuantSpec):
         super().__init__(cfg, cfg.num_hidden_layers + stage, SLIDING, 0, dtype, quant, expert_quant,
                          cfg.dspark_n_routed_experts, cfg.dspark_num_experts_per_tok)
-        add_dspark_heads(self, cfg, stage, dtype, quant)
+        add_dspark_heads(self, cfg, stage, dtype, quant, MARKOV_NAMES_V4)
+        if stage == cfg.num_nextn_predict_layers - 1:
+            n, d = cfg.hc_mult, cfg.hidden_size
+            self.hc_head_fn, self.hc_head_base, self.hc_head_scale = _fp32(n, n * d), _fp32(n), _fp32(1)
 
+    def context_keys(self, ctx_h: torch.Tensor, rope: RopeCache) -> torch.Tensor:
+        """This stage's context KV [N, head_dim] of projected target features ctx_h [N, D] (rotated at their
+        positions; not yet rounded through the window format)."""
+        a = self.attn
+        return apply_rope(a.kv_norm(a.wkv(ctx_h)), rope)
 
-def add_dspark_heads(stage_module: nn.Module, cfg, stage: int, dtype: torch.dtype, quant: QuantSpec) -> None:
-    """DSpark's stage-owned parts: the target-feature projection (first stage); the norm, Markov
-    head (rank-r bigram bias) and confidence head (last stage)."""
-    d = cfg.hidden_size
-    if stage == 0:
-        stage_module.main_proj = Linear(len(cfg.dspark_target_layer_ids) * d, d, dtype, quant)
-        stage_module.main_norm = RMSNorm(d, cfg.rms_norm_eps)
-    if stage == cfg.num_nextn_predict_layers - 1:
-        rank = cfg.dspark_markov_rank
-        stage_module.norm = RMSNorm(d, cfg.rms_norm_eps)
-        stage_module.markov_head = nn.Module()
-        stage_module.markov_head.embed = nn.Embedding(cfg.vocab_size, rank, dtype=dtype)
-        stage_module.markov_head.head = Linear(rank, cfg.vocab_size, dtype)
-        stage_module.confidence_head = nn.Module()
-        stage_module.confidence_head.proj = Linear(d + rank, 1, torch.float32)
+    def _attend(self, u: torch.Tensor, ctx_keys: torch.Tensor, ctx_valid: torch.Tensor, rope: RopeCache,
+                kv_fmt) -> torch.Tensor:
+        """u [B*S, D] the normed draft rows, ctx_keys [B, C, head_dim] this stage's context KV as stored -> [B*S, D]."""
+        a, (B, _, hd) = self.attn, ctx_keys.shape
+        N = u.shape[0]
+        q = norm_rope(a.wq_b(a.q_norm(a.wq_a(u))).view(N, a.n_heads, hd), a.eps, rope)
+        own = kv_fmt.roundtrip(apply_rope(a.kv_norm(a.wkv(u)), rope)).view(B, N // B, hd)
+        o = block_attention(q.view(B, N // B, a.n_heads, hd), ctx_keys.to(u.dtype), ctx_valid, own, a.attn_sink,
+                            hd ** -0.5)
+        o = apply_rope(o.to(u.dtype).flatten(0, 1), rope, inverse=True).view(N, a.o_groups, -1)
+        return a.wo_b(a.wo_a.forward_grouped(o))
+
+    def draft_forward(self, x: torch.Tensor, ids: torch.Tensor, ctx_keys: torch.Tensor, ctx_valid: torch.Tensor,
+                      rope: RopeCache, kv_fmt) -> torch.Tensor:
+        """x [B*S, n, D] the block's streams (request-major), ids [B*S] -> the streams after this stage."""
+        pre, post, comb = self.hc.weights(x, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale)
+        x = expand(x, self._attend(collapse_norm(x, pre, self.attn_norm), ctx_keys, ctx_valid, rope, kv_fmt),
+                   post, comb)
+        pre, post, comb = self.hc.weights(x, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale)
+        return expand(x, self.ffn(collapse_norm(x, pre, self.ffn_norm), ids), post, comb)
 
 
 def tp_plan_of(model: nn.Module, attention: type[nn.Module]) -> dict[str, TPSplit]:
@@ -262,13 +281,13 @@ class DeepseekV4ForCausalLM(nn.Module):
 
     @property
     def drafting(self) -> Drafting:
-        """`mtp.*`: an MTP layer (runs as the "mtp" proposer) or -0731's DSpark stages (no proposer yet)."""
-        c, stages = self.config, 0 if self.mtp is None else len(self.mtp)
+        """`mtp.*`: an MTP layer (runs as the "mtp" proposer) or -0731's DSpark stages ("dspark")."""
+        c, stages, both = self.config, 0 if self.mtp is None else len(self.mtp), frozenset({"mtp", "dspark"})
         if not stages:
-            return Drafting(proposers=frozenset({"mtp"}))
+            return Drafting(proposers=both)
         if c.has_dspark:
-            return Drafting("dspark", stages, c.dspark_block_size, frozenset({"mtp"}))
-        return Drafting("mtp", stages, 1, frozenset({"mtp"}))
+            return Drafting("dspark", stages, c.dspark_block_size, both)
+        return Drafting("mtp", stages, 1, both)
 
     def tp_plan(self) -> dict[str, TPSplit]:
         return tp_plan_of(self, Attention)
@@ -309,20 +328,35 @@ class DeepseekV4ForCausalLM(nn.Module):
         return StepContext(batch, RopeCache.at(pos, self.inv_freq_main), RopeCache.at(pos, self.inv_freq_compress),
                            self.inv_freq_compress)
 
-    def forward(self, batch: ForwardBatch, caches: list[LayerCache],
-                token_history: torch.Tensor | None = None, gather=None, draft_features: bool = False) -> torch.Tensor:
-        """Runs the trunk on a flat varlen batch; returns the residual streams [T, n, D] before hc_head.
-        (`token_history`: part of the common interface; V4 reads no input history. `gather`: context
-        parallelism, see StepContext.gather. `draft_features`: V4's draft layers read none.)"""
-        if draft_features:
-            raise ValueError("draft_features: DeepSeek-V4's draft layers read no target features "
-                             "(drafting.features is False)")
+    def forward(self, batch: ForwardBatch, caches: list[LayerCache], token_history: torch.Tensor | None = None,
+                gather=None, draft_features: bool = False):
+        """Runs the trunk on a flat varlen batch; returns the residual streams [T, n, D] before hc_head, and with
+        `draft_features` also -0731 DSpark's target features [T, len(targets) * D]: the streams leaving each
+        dspark_target_layer_ids layer, averaged over the streams. (`token_history`: part of the common
+        interface; V4 reads no input history. `gather`: context parallelism, see StepContext.gather.)"""
+        targets = self.config.dspark_target_layer_ids if draft_features else ()
+        if draft_features and not targets:
+            raise ValueError("draft_features: this checkpoint's draft layers read no target features "
+                             "(no dspark_target_layer_ids)")
         ctx = self.step_context(batch)
         ctx.gather = gather
         x = self.embed(batch.input_ids).unsqueeze(1).repeat(1, self.config.hc_mult, 1)
-        for layer, cache in zip(self.layers, caches):
+        feats = {}
+        for i, (layer, cache) in enumerate(zip(self.layers, caches)):
             x = layer(x, batch.input_ids, ctx, cache)
-        return x
+            if i in targets:
+                feats[i] = x.float().mean(1)
+        if not targets:
+            return x
+        return x, torch.cat([feats[i] for i in targets], dim=-1)
+
+    def store_draft_context(self, features: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor,
+                            rings: list) -> None:
+        write_draft_context(self, features, positions, rows, rings)
+
+    def draft_from_cache(self, rings: list, ctx_rows: torch.Tensor, ctx_valid: torch.Tensor,
+                         anchor_tokens: torch.Tensor, anchor_pos: torch.Tensor, pick=None) -> DraftBlock:
+        return draft_from_cache(self, rings, ctx_rows, ctx_valid, anchor_tokens, anchor_pos, pick)
 
     def compute_logits(self, streams: torch.Tensor) -> torch.Tensor:
         """streams [N, n, D] -> fp32 logits [N, vocab]."""

@@ -24,7 +24,8 @@ from deepinfer.layers.rotary import RopeCache, rope_inv_freq
 from deepinfer.models.block_v41 import Attention41, Block41, StepContext41
 from deepinfer.models.config_v41 import FULL, DeepseekV41Config
 from deepinfer.models.deepseek_v4 import quant_spec, tp_plan_of
-from deepinfer.models.dspark_v41 import DSparkStage41, draft_from_cache, write_draft_context
+from deepinfer.models.dspark_common import write_draft_context
+from deepinfer.models.dspark_v41 import DSparkStage41, draft_from_cache
 from deepinfer.models.interface import DraftBlock, Drafting, TPSplit
 from deepinfer.models.vision_v41 import VISION_DEFAULTS, VisionAligner, VisionTransformer, image_span_embeddings
 

@@ -22,7 +22,8 @@ from deepinfer.layers.mhc import collapse, expand
 from deepinfer.layers.rotary import RopeCache, apply_rope
 from deepinfer.models.block_v41 import Block41
 from deepinfer.models.config_v41 import DeepseekV41Config
-from deepinfer.models.deepseek_v4 import add_dspark_heads
+from deepinfer.models.dspark_common import (add_dspark_heads, block_attention, block_inputs, draft_heads,
+                                            feature_context, read_context, stages_of)
 from deepinfer.models.interface import DraftBlock
 
 
@@ -51,14 +52,9 @@ class DSparkStage41(Block41):
         a, (B, S, _) = self.attn, u.shape
         q = apply_rope(a.wq_b(a.q_norm(a.wq_a(u))).flatten(0, 1).view(B * S, a.n_heads, a.head_dim), rope)
         own = kv_fmt.roundtrip(apply_rope(a.kv_norm(a.wkv(u)).flatten(0, 1), rope)).view(B, S, a.head_dim)
-        keys = torch.cat((ctx_keys.to(u.dtype), own), 1)
-        valid = torch.cat((ctx_valid, torch.ones(B, S, dtype=torch.bool, device=u.device)), dim=1)
-        logits = torch.einsum("bshd,bkd->bhsk", q.view(B, S, a.n_heads, -1).float(), keys.float()) * a.head_dim ** -0.5
-        logits = logits.masked_fill(~valid[:, None, None, :], float("-inf"))
-        sink = a.attn_sink.float().view(1, -1, 1, 1).expand(B, -1, S, 1)
-        probs = torch.softmax(torch.cat((logits, sink), dim=-1), dim=-1)[..., :-1]
-        o = torch.einsum("bhsk,bkd->bshd", probs, keys.float()).to(u.dtype).flatten(0, 1)
-        o = apply_rope(o, rope, inverse=True).view(B * S, a.o_groups, -1)
+        o = block_attention(q.view(B, S, a.n_heads, -1), ctx_keys.to(u.dtype), ctx_valid, own, a.attn_sink,
+                            a.head_dim ** -0.5)
+        o = apply_rope(o.to(u.dtype).flatten(0, 1), rope, inverse=True).view(B * S, a.o_groups, -1)
         return a.wo_b(a.wo_a.forward_grouped(o)).view(B, S, -1)
 
     def draft_forward(self, x, pre, ctx_keys, ctx_valid, rope, kv_fmt, ids):
@@ -74,18 +70,6 @@ class DSparkStage41(Block41):
         return xs.view(x.shape), pre_f.view(B, S, -1)
 
 
-def _stages(model):
-    if model.mtp is None:
-        raise RuntimeError("this model has no DSpark draft stages (num_nextn_predict_layers is 0)")
-    return model.mtp
-
-
-def project_features(model, features: torch.Tensor) -> torch.Tensor:
-    """Target features [..., len(targets) * D] -> the draft's context input main_norm(main_proj(.)) [..., D]."""
-    first = _stages(model)[0]
-    return first.main_norm(first.main_proj(features.to(model.dtype)))
-
-
 @torch.inference_mode()
 def draft_block(model, features: torch.Tensor, feature_pos: torch.Tensor, feature_valid: torch.Tensor,
                 anchor_tokens: torch.Tensor, anchor_pos: torch.Tensor, window_format: str = "float32") -> DraftBlock:
@@ -93,22 +77,9 @@ def draft_block(model, features: torch.Tensor, feature_pos: torch.Tensor, featur
     positions feature_pos [B, C] (the window before the anchor; feature_valid masks padding);
     anchor_tokens / anchor_pos [B]: the newest accepted token and its position. The draft's KV is
     rounded through `window_format`, the storage format of the cache's window rings."""
-    stages = _stages(model)
     kv_fmt = _format(model.config.head_dim, window_format)
-    B, C = feature_pos.shape
-    ctx_h = project_features(model, features).flatten(0, 1)
-    ctx_rope = RopeCache.at(feature_pos.flatten(), model.inv_freq_main)
-    keys = [kv_fmt.roundtrip(st.context_keys(ctx_h, ctx_rope)).view(B, C, -1) for st in stages]
+    keys = feature_context(model, features, feature_pos, kv_fmt)
     return _draft(model, keys, feature_valid, anchor_tokens, anchor_pos, kv_fmt)
-
-
-def write_draft_context(model, features: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor, rings) -> None:
-    """Store each stage's context KV of target features [N, len(targets) * D] at `positions` [N] into its
-    window ring (`rings`: the cache's draft-stage stores) at `rows` [N]: the state draft_from_cache reads."""
-    ctx_h = project_features(model, features)
-    rope = RopeCache.at(positions, model.inv_freq_main)
-    for st, ring in zip(_stages(model), rings):
-        ring.write(rows, st.context_keys(ctx_h, rope))
 
 
 @torch.inference_mode()
@@ -117,10 +88,7 @@ def draft_from_cache(model, rings, ctx_rows: torch.Tensor, ctx_valid: torch.Tens
     """draft_block with the context KV read from the stages' rings (write_draft_context) at ctx_rows
     [B, C] (masked where ctx_valid is False) instead of projected from features: no recompute per call.
     `pick`: see _draft."""
-    B, C = ctx_rows.shape
-    flat = ctx_rows.clamp(min=0).flatten()
-    keys = [ring.read(flat, model.dtype).view(B, C, -1) for ring in rings]
-    return _draft(model, keys, ctx_valid, anchor_tokens, anchor_pos,
+    return _draft(model, read_context(model, rings, ctx_rows), ctx_valid, anchor_tokens, anchor_pos,
                   _format(model.config.head_dim, getattr(rings[0], "fmt", "float32")), pick)
 
 
@@ -134,31 +102,15 @@ def _format(dim: int, fmt: str) -> FormatStore:
 def _draft(model, stage_keys: list[torch.Tensor], ctx_valid: torch.Tensor, anchor_tokens: torch.Tensor,
            anchor_pos: torch.Tensor, kv_fmt: FormatStore, pick=None) -> DraftBlock:
     """The block from each stage's context keys [B, C, head_dim] (as stored): the stages over
-    [anchor, noise x (block-1)], then the target head, the Markov head and the confidence head. Position i's
-    token is pick(its logits [B, V]) (None: the argmax); position i + 1's Markov bias reads it."""
-    cfg, stages = model.config, _stages(model)
-    blk, n = cfg.dspark_block_size, cfg.hc_mult
-    B = anchor_tokens.shape[0]
-    ids = torch.full((B, blk), cfg.dspark_noise_token_id, dtype=torch.long, device=anchor_tokens.device)
-    ids[:, 0] = anchor_tokens
-    pos = anchor_pos[:, None] + torch.arange(blk, device=anchor_pos.device)
+    [anchor, noise x (block-1)], then the heads (dspark_common.draft_heads; `pick`: see there)."""
+    cfg, stages = model.config, stages_of(model)
+    ids, pos, x = block_inputs(cfg, model.embed, anchor_tokens, anchor_pos)
+    B, blk, n = x.shape[:3]
     rope = RopeCache.at(pos.flatten(), model.inv_freq_main)
-    x = model.embed(ids).unsqueeze(2).repeat(1, 1, n, 1)
     pre = torch.zeros(B, blk, n, dtype=torch.float32, device=x.device)
     pre[..., 0] = 1
     for stage, keys in zip(stages, stage_keys):
         x, pre = stage.draft_forward(x, pre, keys, ctx_valid, rope, kv_fmt, ids)
-    last = stages[-1]
     hidden = collapse(x.flatten(0, 1), pre.flatten(0, 1)).view(B, blk, -1)
-    normed = last.norm(hidden)
-    base = model.head(normed.float()).float()  # the target's head on the draft's own norm
-    conf_in = normed if cfg.dspark_confidence_input == "normalized" else hidden
-    prev, toks, logits, conf = ids[:, 0], [], [], []
-    for i in range(blk):
-        emb = last.markov_head.embed(prev)
-        li = base[:, i] + last.markov_head.head(emb).float()
-        conf.append(torch.sigmoid(last.confidence_head.proj(torch.cat((conf_in[:, i].float(), emb.float()), -1))[:, 0]))
-        prev = li.argmax(-1) if pick is None else pick(li)
-        toks.append(prev)
-        logits.append(li)
-    return DraftBlock(torch.stack(toks, 1), torch.stack(logits, 1), torch.stack(conf, 1))
+    return draft_heads(lambda h: model.head(h.float()).float(), stages[-1], hidden, anchor_tokens,
+                       cfg.dspark_confidence_input == "normalized", pick)

@@ -55,8 +55,9 @@ def attention_specs(p: str, d: int, ql: int, h: int, dh: int, g: int, ol: int) -
             S(f"{p}attn.attn_sink", (h,), "sink", "fp32")]
 
 
-def dspark_head_specs(c: dict, k: int, n_mtp: int) -> list:
-    """The stage-owned DSpark tensors of stage k (see models.deepseek_v4.add_dspark_heads)."""
+def dspark_head_specs(c: dict, k: int, n_mtp: int, markov_names: tuple[str, str] = ("embed", "head")) -> list:
+    """The stage-owned DSpark tensors of stage k (see models.dspark_common.add_dspark_heads); the Markov head's
+    two weights are named `markov_names` (V4.1: embed / head; V4-Flash-0731: markov_w1 / markov_w2)."""
     p, d, v, out = f"mtp.{k}.", c["hidden_size"], c["vocab_size"], []
     if k == 0:
         n_target = len(c.get("dspark_target_layer_ids") or [])
@@ -65,8 +66,8 @@ def dspark_head_specs(c: dict, k: int, n_mtp: int) -> list:
     if k == n_mtp - 1:
         r = c["dspark_markov_rank"]
         out += [WeightSpec(f"{p}norm.weight", (d,), "norm", "bf16"),
-                WeightSpec(f"{p}markov_head.embed.weight", (v, r), "embed", "bf16"),
-                WeightSpec(f"{p}markov_head.head.weight", (v, r), "linear", "bf16"),
+                WeightSpec(f"{p}markov_head.{markov_names[0]}.weight", (v, r), "embed", "bf16"),
+                WeightSpec(f"{p}markov_head.{markov_names[1]}.weight", (v, r), "linear", "bf16"),
                 WeightSpec(f"{p}confidence_head.proj.weight", (1, d + r), "linear", "fp32")]
     return out
 

@@ -215,7 +215,9 @@ def weight_specs(config: dict) -> list[WeightSpec]:
         p = f"mtp.{k}."
         if dspark:
             out += _block_specs(c, p, ratios[n + k], False, compressor=False)
-            out += dspark_head_specs(c, k, n_mtp)
+            # -0731's names, as vLLM 0.34.0 loads them: markov_head.markov_w1/w2, the last stage's hc_head
+            out += dspark_head_specs(c, k, n_mtp, ("markov_w1", "markov_w2"))
+            out += _hc_head_specs(c, p) if k == n_mtp - 1 else []
         else:
             out += _block_specs(c, p, ratios[n + k], False)
             out += [S(f"{p}e_proj.weight", (d, d), "linear", "fp8"),

@@ -73,7 +73,7 @@ class DSparkDrafter:
         drafting = model.drafting
         if "dspark" not in drafting.proposers:
             raise ValueError(f"speculative_config.method 'dspark': {type(model).__name__}'s draft stages do not run "
-                             "as a proposer yet (DeepSeek-V4.1's do)")
+                             "as a proposer")
         if not drafting.runs("dspark") or not drafting.block_size:
             raise ValueError("speculative_config.method 'dspark': this checkpoint has no DSpark draft stages")
         block = drafting.block_size

@@ -15,3 +15,10 @@ def ckpt(tmp_path_factory):
 def ckpt41(tmp_path_factory):
     """DeepSeek-V4.1 (Engram, CSA2 roles, DSpark stages): its windows come from the device history."""
     return write_checkpoint(tmp_path_factory.mktemp("tiny41") / "ckpt", PRESETS["tiny41"], seed=5, dtype="fp8")
+
+
+@pytest.fixture(scope="module")
+def ckpt0731(tmp_path_factory):
+    """DeepSeek-V4-Flash-0731's layout: V4 with three DSpark stages in place of the MTP layer."""
+    return write_checkpoint(tmp_path_factory.mktemp("dspark") / "ckpt", {**PRESETS["tiny-dspark"], "index_topk": 64},
+                            seed=11, dtype="fp8")

@@ -167,6 +167,20 @@ def test_dspark_drafts_keep_greedy_tokens_v41(ckpt41, k):
     assert llm.scheduler.kv.all_free()
 
 
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_dspark_drafts_keep_greedy_tokens_v4_0731(ckpt0731, k):
+    """V4-Flash-0731's DSpark stages propose (the V4 trunk's features after layers dspark_target_layer_ids):
+    greedy outputs equal speculation off, and num_speculative_tokens alone picks them."""
+    prompts, want = _greedy_off(str(ckpt0731), 4, 6, 20)
+    greedy = SamplingParams(temperature=0, max_tokens=20)
+    llm = _llm(ckpt0731, None, num_speculative_tokens=k)
+    assert llm.scheduler.proposer.method == "dspark"
+    assert [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)] == want
+    m = llm.get_metrics()
+    assert m["num_drafts"] > 0 and m["num_draft_tokens"] >= m["num_drafts"]
+    assert llm.scheduler.kv.all_free()
+
+
 def test_dspark_partial_acceptance_with_chunking_v41(ckpt41, monkeypatch):
     """The drafter's blocks replaced by the true continuation with one wrong token at a position that
     varies (0 .. k: all rejected .. all accepted), so every acceptance length occurs, with a small cache
@@ -256,8 +270,8 @@ def test_drafts_are_dropped_rather_than_preempting():
     assert [c.num_draft for c in so.chunks] == [0, 0] and sched.num_preemptions == 0
 
 
-def test_dspark_on_a_model_whose_stages_are_not_wired_is_refused(ckpt):
-    with pytest.raises(ValueError, match="do not run as a proposer"):
+def test_dspark_on_a_checkpoint_with_an_mtp_layer_is_refused(ckpt):
+    with pytest.raises(ValueError, match="no DSpark draft stages"):
         _llm(ckpt, None, speculative_config={"method": "dspark", "num_speculative_tokens": 2})
 
 

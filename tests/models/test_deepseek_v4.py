@@ -194,7 +194,28 @@ def test_dspark_checkpoint_loads_every_stage(tmp_path):
     assert model.config.has_dspark and len(model.mtp) == 3
     assert model.mtp[0].main_proj.weight.abs().sum() > 0
     assert model.mtp[2].confidence_head.proj.weight.abs().sum() > 0
+    assert model.mtp[2].markov_head.markov_w2.weight.abs().sum() > 0 and model.mtp[2].hc_head_scale.abs().sum() > 0
     assert not getattr(model, "unmapped_tensors", {})
+
+
+def test_dspark_features_are_the_streams_leaving_the_target_layers(tmp_path):
+    """-0731's DSpark reads the residual streams after each of dspark_target_layer_ids (vLLM 0.34.0 and SGLang
+    0.5.23 take V4's target ids as "after layer L", V4.1's as "entering layer L"), averaged over the streams."""
+    d = write_checkpoint(tmp_path / "dspark", PRESETS["tiny-dspark"], seed=1, dtype="fp8")
+    model = load_model(str(d), dtype=torch.float32)[0]
+    cfg = model.config
+    leaving = {}
+    for i in cfg.dspark_target_layer_ids:
+        model.layers[i].register_forward_hook(lambda m, a, out, i=i: leaving.__setitem__(i, out.float().mean(1)))
+    ids = _ids(3, 1, 20, cfg.vocab_size)[0]
+    cache = static_v4_cache(cfg, 1, 32, "float32", "cpu")
+    with torch.inference_mode():
+        b = build_forward_batch([SeqChunk(0, 0, ids.tolist(), cache.static_tables(0))], cfg.sliding_window,
+                                cache.compress_kinds, cache.block_size, "cpu")
+        streams, feats = model(b, cache.layers, draft_features=True)
+    assert feats.shape == (20, len(cfg.dspark_target_layer_ids) * cfg.hidden_size)
+    assert torch.equal(feats, torch.cat([leaving[i] for i in cfg.dspark_target_layer_ids], -1))
+    assert torch.equal(leaving[cfg.dspark_target_layer_ids[-1]], streams.float().mean(1))  # the last is the top
 
 
 def test_indexer_ties_break_to_the_lowest_entry(tmp_path):

@@ -34,12 +34,11 @@ def test_every_model_implements_the_interface(preset):
 
 def test_the_drafting_surface_of_each_kind_of_draft_layer():
     mtp, dspark, v41 = _meta_model("tiny"), _meta_model("tiny-dspark"), _meta_model("tiny41")
-    assert mtp.drafting == Drafting("mtp", 1, 1, frozenset({"mtp"}))
+    assert mtp.drafting == Drafting("mtp", 1, 1, frozenset({"mtp", "dspark"}))
     assert mtp.drafting.runs("mtp") and not mtp.drafting.runs("dspark") and not mtp.drafting.features
-    # V4 -0731's DSpark stages are declared but do not run as a proposer
-    d = dspark.drafting
+    d = dspark.drafting  # V4 -0731's DSpark stages
     assert (d.kind, d.stages, d.block_size) == ("dspark", 3, dspark.config.dspark_block_size)
-    assert not d.runs("dspark") and not d.runs("mtp") and not d.features
+    assert d.runs("dspark") and not d.runs("mtp") and d.features
     d = v41.drafting
     assert d.kind == "dspark" and d.stages == len(v41.mtp) > 0 and d.block_size == v41.config.dspark_block_size
     assert d.runs("dspark") and d.features

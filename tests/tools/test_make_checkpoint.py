@@ -96,14 +96,16 @@ def test_dspark_layout():
     specs = {s.name: s for s in weight_specs(PRESETS["tiny-dspark"])}
     assert specs["mtp.0.main_proj.weight"].shape == (96, 288) and specs["mtp.0.main_proj.weight"].store == "fp8"
     assert "mtp.0.main_norm.weight" in specs and "mtp.1.main_proj.weight" not in specs
-    assert specs["mtp.2.markov_head.embed.weight"].shape == (1024, 16)
-    assert specs["mtp.2.markov_head.head.weight"].shape == (1024, 16)
+    # -0731's names as vLLM 0.34.0 loads them (V4.1's Markov head is markov_head.embed / head)
+    assert specs["mtp.2.markov_head.markov_w1.weight"].shape == (1024, 16)
+    assert specs["mtp.2.markov_head.markov_w2.weight"].shape == (1024, 16)
+    assert specs["mtp.2.hc_head_fn"].shape == (4, 4 * 96) and specs["mtp.2.hc_head_base"].shape == (4,)
     assert specs["mtp.2.confidence_head.proj.weight"].shape == (1, 112)
     assert specs["mtp.2.confidence_head.proj.weight"].store == "fp32"
     assert "mtp.2.norm.weight" in specs and "mtp.1.norm.weight" not in specs
     for k in range(3):
         assert f"mtp.{k}.ffn.gate.bias" in specs and f"mtp.{k}.attn.wq_a.weight" in specs
-        assert f"mtp.{k}.e_proj.weight" not in specs and f"mtp.{k}.hc_head_fn" not in specs
+        assert f"mtp.{k}.e_proj.weight" not in specs and (f"mtp.{k}.hc_head_fn" in specs) == (k == 2)
         assert not any(n.startswith(f"mtp.{k}.attn.compressor") for n in specs)
 
 

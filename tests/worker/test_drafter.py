@@ -1,10 +1,10 @@
-"""worker/drafter.py: DSpark drafts from the context KV kept in the stages' rings equal draft_block's
-from the target features (the NeMo-matched reference, tests/models/test_deepseek_v41.py)."""
+"""worker/drafter.py: DSpark drafts from the context KV kept in the stages' rings equal draft_block's from the
+target features (V4.1's: the NeMo-matched reference, tests/models/test_deepseek_v41.py; V4-Flash-0731's)."""
 import pytest
 import torch
 
 from deepinfer.loader.model_loader import load_model
-from deepinfer.models.dspark_v41 import draft_block
+from deepinfer.models import dspark_v4, dspark_v41
 from deepinfer.state.forward_batch import SeqChunk, build_forward_batch
 from deepinfer.tools.make_checkpoint import PRESETS, write_checkpoint
 from deepinfer.worker.drafter import DSparkDrafter
@@ -17,23 +17,32 @@ def model41(tmp_path_factory):
     return load_model(str(ckpt), dtype=torch.float32)[0]
 
 
+@pytest.fixture(scope="module")
+def model0731(tmp_path_factory):
+    ckpt = write_checkpoint(tmp_path_factory.mktemp("dspark") / "ckpt", PRESETS["tiny-dspark"], seed=5, dtype="fp8")
+    return load_model(str(ckpt), dtype=torch.float32)[0]
+
+
+@pytest.mark.parametrize("release", ["v41", "v4-0731"])
 @pytest.mark.parametrize("chunks", [[40], [13, 27], [30, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1]], ids=["one", "two", "decode"])
-def test_drafts_from_the_rings_equal_drafts_from_the_features(model41, chunks):
-    cfg = model41.config
+def test_drafts_from_the_rings_equal_drafts_from_the_features(request, release, chunks):
+    model, draft_block = {"v41": (request.getfixturevalue("model41"), dspark_v41.draft_block),
+                          "v4-0731": (request.getfixturevalue("model0731"), dspark_v4.draft_block)}[release]
+    cfg = model.config
     W, n = cfg.sliding_window, sum(chunks)
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(3, cfg.vocab_size, (n + 1,), generator=g).tolist()
     cache = allocate_v4_cache(cfg, 1, {m: 16 for m in (1, 2, 4, 8, 16, 32, 64, 128)
                                         if any(r == m for r in cfg.compress_ratios)}, "float32", "cpu", 4,
                               ring_slack=3)
-    drafter = DSparkDrafter(model41, cache, 3)
+    drafter = DSparkDrafter(model, cache, 3)
     tables = {m: list(range(16)) for m in cache.num_blocks}
     feats, start = [], 0
     with torch.inference_mode():
         for size in chunks:  # prefill in chunks (then one-token decode steps), storing the context each step
             batch = build_forward_batch([SeqChunk(0, start, ids[start:start + size], tables)], W, cache.compress_kinds,
-                                        cache.block_size, "cpu", device_history=model41.token_history, ring_slack=3)
-            _, f = model41(batch, cache.layers, draft_features=True, token_history=cache.token_history)
+                                        cache.block_size, "cpu", device_history=model.token_history, ring_slack=3)
+            _, f = model(batch, cache.layers, draft_features=True, token_history=cache.token_history)
             drafter.store_context(batch, f)
             feats.append(f)
             start += size
@@ -42,7 +51,7 @@ def test_drafts_from_the_rings_equal_drafts_from_the_features(model41, chunks):
         got = drafter.draft(torch.tensor([ids[n]]), anchor, torch.tensor([0]))
         lo = max(0, n - W)
         pos = torch.arange(lo, n)[None]
-        want = draft_block(model41, feats[lo:n][None], pos, torch.ones_like(pos, dtype=torch.bool),
+        want = draft_block(model, feats[lo:n][None], pos, torch.ones_like(pos, dtype=torch.bool),
                            torch.tensor([ids[n]]), anchor, "float32")
     assert torch.equal(got.tokens, want.tokens)
     torch.testing.assert_close(got.logits, want.logits, atol=1e-5, rtol=1e-5)
