@@ -26,7 +26,7 @@ from deepinfer.tools.make_checkpoint import PRESETS, write_checkpoint
 
 def measure(ckpt: Path, prompts, args, on: bool) -> dict:
     llm = LLM(str(ckpt), device="cuda", dtype="bfloat16", kv_cache_dtype="bfloat16", skip_tokenizer_init=True,
-              num_speculative_tokens=0, max_num_seqs=len(prompts), async_scheduling=on)
+              max_num_seqs=len(prompts), async_scheduling=on)
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     llm.generate(prompts, params, use_tqdm=False)  # warm-up: captures every graph bucket used below
     torch.cuda.synchronize()

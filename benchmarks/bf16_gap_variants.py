@@ -31,7 +31,7 @@ for dev, kw in [("cuda", {}), ("cuda", {"enforce_eager": True}), ("cuda", {"batc
     for kv in ("bfloat16", "auto"):
         if dev == "cpu" and kv == "auto": continue
         llm = LLM(str(DEMO_DIR), device=dev, dtype="bfloat16", kv_cache_dtype=kv, kv_cache_memory=64 << 20,
-                  num_speculative_tokens=0, max_num_batched_tokens=16, yoco_prefill_truncation_mode="none", **kw)
+                  max_num_batched_tokens=16, yoco_prefill_truncation_mode="none", **kw)
         print(dev, kv, kw, flush=True)
         gaps(llm, kv)
         llm.close()

@@ -75,7 +75,7 @@ def main() -> None:
                     ref = lambda seq: nemo_v41_logits(nemo, torch.tensor([seq]),  # noqa: E731
                                                       exact=kv != "auto")[0, -1].log_softmax(-1)
                 llm = LLM(str(ckpt), device=args.device, dtype=dtype, kv_cache_dtype=kv, kv_cache_memory=64 << 20,
-                          num_speculative_tokens=0, max_num_batched_tokens=16, yoco_prefill_truncation_mode="none")
+                          max_num_batched_tokens=16, yoco_prefill_truncation_mode="none")
                 if preset is None:
                     ids = demo_prompts(llm.detokenizer.tok)
                 else:

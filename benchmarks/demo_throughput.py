@@ -57,8 +57,7 @@ def measure(model: str, preset: str, ckpt: Path, args) -> dict:
     """One model's row: LLM with its defaults, a warm-up generate, then --reps timed ones."""
     from deepinfer import LLM, SamplingParams
 
-    llm = LLM(str(ckpt), device=args.device, max_num_seqs=args.num_prompts, engram_device=ENGRAM_DEVICE.get(model),
-              num_speculative_tokens=0)
+    llm = LLM(str(ckpt), device=args.device, max_num_seqs=args.num_prompts, engram_device=ENGRAM_DEVICE.get(model))
     vocab = llm.model.config.vocab_size
     params = SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True)
     llm.generate(_prompts(args.num_prompts, args.input_len, vocab, seed=2), params, use_tqdm=False)  # warm-up

@@ -66,7 +66,7 @@ class NoOpGraphs(DecodeGraphs):
 
 def _engine(arch: str, root: Path, device: str, model: str, max_seqs: int) -> LLM:
     ckpt = write_checkpoint(root / arch, PRESETS[PRESET[arch]], seed=0, dtype="fp8")
-    llm = LLM(str(ckpt), num_speculative_tokens=0, device=device, dtype="float32" if device == "cpu" else "bfloat16",
+    llm = LLM(str(ckpt), device=device, dtype="float32" if device == "cpu" else "bfloat16",
               kv_cache_memory=512 << 20, max_num_seqs=max_seqs, max_model_len=2048)
     if model == "noop":
         r = llm.engine.core.runner

@@ -38,7 +38,7 @@ def run(ckpt: Path, args, invariant: bool, num: int) -> dict:
     budgets = [args.budget, 16, 64]
     engines = {b: LLM(str(ckpt), device=args.device, dtype=args.dtype, kv_cache_dtype=args.dtype,
                       max_num_batched_tokens=b, skip_tokenizer_init=True, batch_invariant=invariant,
-                      num_speculative_tokens=0, kv_cache_memory=1 << 30)
+                      kv_cache_memory=1 << 30)
                for b in budgets}
     while done < num:
         copies = min(num - done, rng.randint(1, 8))

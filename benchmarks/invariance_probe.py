@@ -108,7 +108,7 @@ def engine_probe(args) -> None:
         for name, budget, batch in mixes:
             llm = LLM(str(ckpt), device=args.device, dtype=args.dtype, kv_cache_dtype=args.dtype,
                       kv_cache_memory=64 << 20, batch_invariant=not args.off, enforce_eager=True,
-                      num_speculative_tokens=0, max_num_batched_tokens=budget, skip_tokenizer_init=True)
+                      max_num_batched_tokens=budget, skip_tokenizer_init=True)
             tid = str(min(1, len(batch)))  # a fresh LLM numbers its requests 0, 1, ... in prompt order
             runs[name] = _engine_rows(llm, tid, batch[:1] + [target] + batch[1:], params)
             del llm
@@ -133,7 +133,7 @@ def spec_probe(args, ckpt, target: list[int]) -> None:
     runs, outs = {}, {}
     for name, spec in (("off", None), (f"dspark k={args.spec}", {"method": "dspark", "num_speculative_tokens": args.spec})):
         llm = LLM(str(ckpt), device=args.device, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
-                  num_speculative_tokens=0, kv_cache_memory=256 << 20, batch_invariant=True, enforce_eager=True,
+                  kv_cache_memory=256 << 20, batch_invariant=True, enforce_eager=True,
                   skip_tokenizer_init=True, speculative_config=spec)
         runs[name] = _engine_rows(llm, "0", [target], params, outs.setdefault(name, []))
         del llm
@@ -175,7 +175,7 @@ def graph_outputs(args, ckpt, target, mixes, params) -> None:
         for name, budget, batch in mixes:
             llm = LLM(str(ckpt), device=args.device, dtype=args.dtype, kv_cache_dtype=args.dtype,
                       kv_cache_memory=64 << 20, batch_invariant=not args.off, enforce_eager=eager,
-                      num_speculative_tokens=0, max_num_batched_tokens=budget, skip_tokenizer_init=True)
+                      max_num_batched_tokens=budget, skip_tokenizer_init=True)
             graphs = llm.engine.core.runner.graphs
             replays = [0]
             if graphs is not None:

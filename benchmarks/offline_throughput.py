@@ -50,7 +50,7 @@ def run_deepinfer(ckpt: Path, prompts, out_len: int, args, batch_invariant: bool
     sizes = concurrency or [len(prompts)]
     llm = LLM(str(ckpt), device=args.device, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
               max_num_seqs=max(max(sizes), 1), skip_tokenizer_init=True, batch_invariant=batch_invariant,
-              num_speculative_tokens=0, load_format=args.load_format, **parallel)
+              load_format=args.load_format, **parallel)
     rows = []
     try:
         params = SamplingParams(temperature=0, max_tokens=out_len, ignore_eos=True)

@@ -40,7 +40,6 @@ def run(args) -> dict:
     from deepinfer import LLM, SamplingParams
 
     llm = LLM(args.model, device=args.device, dtype=args.dtype, max_num_seqs=max(args.batch), seed=0,
-              num_speculative_tokens=0,
               enforce_eager=args.enforce_eager, **({"kv_cache_memory": args.kv_cache_memory} if args.kv_cache_memory else {}))
     vocab = llm.model.config.vocab_size
     modes = {"free": None, "json": {"schema_type": "json", "schema": SCHEMA}}

@@ -130,7 +130,7 @@ def measure(path: Path, quantization: str | None, device: str) -> dict:
     try:
         llm = LLM(str(path), device=device, quantization=quantization, kv_cache_memory=64 << 20,
                   max_model_len=1024, max_num_seqs=2, enforce_eager=True, skip_tokenizer_init=True,
-                  num_speculative_tokens=0, kv_cache_dtype="auto" if device.startswith("cuda") else "bfloat16")
+                  kv_cache_dtype="auto" if device.startswith("cuda") else "bfloat16")
     finally:
         llm_module.load_model, llm_module.repack_fp4_experts = load, repack
     out = {"keeps_formats": llm.config.keeps_checkpoint_formats, "loaded": seen["loaded"],

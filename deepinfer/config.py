@@ -136,8 +136,7 @@ class EngineConfig:
     num_speculative_tokens: int | None = field(default=None, metadata=_option(
         "draft tokens per step from the checkpoint's own draft layers, which pick the method (DSpark stages: "
         "dspark, an MTP layer: mtp); 0: off; not with speculative_config", env="DEEPINFER_USE_NEXTN_DECODE",
-        default_doc="on CUDA, a checkpoint's draft layers (DSpark: its block, MTP: 1) with enable_mtp_varlen; "
-                    "else off"))
+        default_doc="off"))
     enable_mtp_varlen: bool = field(default=False, metadata=_option(
         "verify lengths per step from the drafts' confidences (over a steps-per-second table profiled at start-up) "
         "instead of every draft token; model drafts only, off under batch_invariant",

@@ -83,17 +83,11 @@ class LLM:
         world = cfg.tensor_parallel_size * cfg.data_parallel_size * cfg.context_parallel_size
         check = _check_before_load if world == 1 else _check_ranks_fit
         repack: list[bool] = []  # FP4 experts held as FP8 codes: decided before any weight is read
-        drafting = []  # the checkpoint's draft layers, read off the meta model
-
-        def checked(meta):
-            drafting.append(meta.drafting)
-            repack.append(check(cfg, meta))
-
-        self.model_dir, was_checked = _resolve_checked(cfg, ref, checked)
-        if not was_checked:
-            checked(meta_model(self.model_dir, dtype=getattr(torch, cfg.dtype), quantized=cfg.keeps_checkpoint_formats,
-                               engram_device=cfg.engram_device, load_format=cfg.load_format))
-        self.config = cfg = default_speculation(cfg, drafting[0])
+        self.model_dir, checked = _resolve_checked(cfg, ref, lambda meta: repack.append(check(cfg, meta)))
+        if not checked:
+            repack.append(check(cfg, meta_model(self.model_dir, dtype=getattr(torch, cfg.dtype),
+                                                quantized=cfg.keeps_checkpoint_formats,
+                                                engram_device=cfg.engram_device, load_format=cfg.load_format)))
         self.detokenizer = None if cfg.skip_tokenizer_init else _load_detokenizer(self.model_dir)
         mcfg = read_model_config(self.model_dir)
         proposer = _proposer(cfg, mcfg)
@@ -432,29 +426,6 @@ def _calibration(model_dir):
 
     path = Path(model_dir) / CALIBRATION_FILE
     return Calibration.load(path).temperatures if path.exists() else None
-
-
-def default_speculation(cfg: EngineConfig, drafting) -> EngineConfig:
-    """`cfg`, speculating by default where the checkpoint's own draft layers run (`drafting`: the model's
-    Drafting) and neither num_speculative_tokens nor speculative_config is given: DSpark stages draft their
-    whole block, an MTP layer one token, with confidence-scheduled lengths (enable_mtp_varlen), whose start-up
-    table of step times lets a step verify nothing where drafts cannot pay. num_speculative_tokens=0
-    (DEEPINFER_USE_NEXTN_DECODE=0) keeps it off. Only on CUDA: an eager CPU step costs as much per token
-    verified as per token emitted, so drafts cannot pay there; and not under batch_invariant, whose fixed
-    lengths could not back off."""
-    from dataclasses import replace
-
-    if cfg.num_speculative_tokens is not None or cfg.speculative_config is not None:
-        return cfg
-    if not cfg.device.startswith("cuda") or cfg.batch_invariant:
-        return cfg
-    method = next((m for m in ("dspark", "mtp") if drafting.runs(m)), None)
-    if method is None:
-        return cfg
-    logger.info("speculative decoding on by default: the checkpoint's %s draft layers, %d draft token(s) a step, "
-                "lengths scheduled by confidence (num_speculative_tokens=0 or DEEPINFER_USE_NEXTN_DECODE=0 turns "
-                "it off)", method, drafting.block_size)
-    return replace(cfg, num_speculative_tokens=drafting.block_size, enable_mtp_varlen=True)
 
 
 def _proposer(cfg: EngineConfig, mcfg):

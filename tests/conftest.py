@@ -2,9 +2,6 @@ import os
 
 os.environ.setdefault("TORCHDYNAMO_DISABLE", "1")  # NeMo's oracle: eager everywhere, no compiler needed
 os.environ.setdefault("DEEPINFER_CONFIGURE_LOGGING", "0")  # records reach pytest's caplog (the root logger)
-# speculation only where a test asks for it: on CUDA a checkpoint with draft layers speculates by default
-# (llm.default_speculation; tests/engine/test_default_speculation.py runs without this)
-os.environ.setdefault("DEEPINFER_USE_NEXTN_DECODE", "0")
 
 import pytest
 import torch

@@ -78,18 +78,3 @@ def test_demo_dspark_equals_speculation_off_in_fp32_with_exact_caches(concurrenc
     on, llm = _run(path, {"method": "dspark", "num_speculative_tokens": 5}, False, prompts, 48, **exact)
     assert [t for t, _ in on] == [t for t, _ in off]
     assert llm.get_metrics()["num_drafts"] > 0
-
-
-def test_the_demo_speculates_by_default_and_equals_off_in_fp32(monkeypatch):
-    """Issue 39 item 3: with no speculation option set, the demo (DSpark stages) speculates on CUDA with its
-    whole block and confidence-scheduled lengths; num_speculative_tokens=0 turns it off. fp32 with exact caches,
-    so the two are compared token for token."""
-    monkeypatch.delenv("DEEPINFER_USE_NEXTN_DECODE", raising=False)  # tests/conftest.py sets it to 0
-    monkeypatch.delenv("DEEPINFER_ENABLE_MTP_VARLEN", raising=False)
-    prompts = _prompts(2, 1000, seed=7)
-    exact = dict(dtype="float32", kv_cache_dtype="float32", batch_invariant=False)
-    off, off_llm = _run(resolve_demo("demo"), None, False, prompts, 32, num_speculative_tokens=0, **exact)
-    on, llm = _run(resolve_demo("demo"), None, False, prompts, 32, **exact)
-    assert off_llm.config.speculation is None and off_llm.get_metrics().get("num_drafts", 0) == 0
-    assert llm.config.num_speculative_tokens == 5 and llm.config.enable_mtp_varlen
-    assert [t for t, _ in on] == [t for t, _ in off]
