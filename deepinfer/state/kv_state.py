@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from deepinfer.kernels import group_fp8
 from deepinfer.kernels.copy_rows import copy_rows
 from deepinfer.kernels.entry_quant import entry_encode, entry_roundtrip, group_size, reference_decode
 from deepinfer.kernels.index_query import index_keys, index_query
@@ -168,20 +169,34 @@ class FormatStore(RowStore):
     def tensors(self) -> list[torch.Tensor]:
         return [self.data] if self.fmt in EXACT_FORMATS else [self.codes, self.scale]
 
+    # "fp8" (V4.1's `auto` window and entry format): one launch each on CUDA (kernels/group_fp8.py), torch elsewhere
+
     def write(self, rows: torch.Tensor, x: torch.Tensor) -> None:
         if self.fmt in EXACT_FORMATS:
             self.data[rows] = x.to(self.data.dtype)
+        elif self.fmt == "fp8":
+            group_fp8.encode_rows(x, self.codes, self.scale, rows)
         else:
             self.codes[rows], self.scale[rows] = group_quant.encode(x, self.fmt)
+
+    def write_from(self, rows: torch.Tensor, x: torch.Tensor, src: torch.Tensor) -> None:
+        if self.fmt == "fp8":  # the gather x[src] is read by the same launch
+            group_fp8.encode_rows(x, self.codes, self.scale, rows, src)
+        else:
+            super().write_from(rows, x, src)
 
     def read(self, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         if self.fmt in EXACT_FORMATS:
             return self.data[rows].to(dtype)
+        if self.fmt == "fp8":
+            return group_fp8.decode_rows(self.codes, self.scale, rows, dtype)
         return group_quant.decode(self.codes[rows], self.scale[rows], self.fmt, dtype)
 
     def roundtrip(self, x: torch.Tensor) -> torch.Tensor:
         if self.fmt in EXACT_FORMATS:
             return x.to(self.data.dtype).to(x.dtype)
+        if self.fmt == "fp8":
+            return group_fp8.roundtrip(x)
         return group_quant.roundtrip(x, self.fmt)
 
 
