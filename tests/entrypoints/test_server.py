@@ -227,10 +227,24 @@ def test_bad_requests_are_400_naming_the_field(server, path, body, param):
     assert err["param"] == param and err["message"], err
 
 
-def test_unknown_model_404_and_unknown_fields_ignored(server, client):
+def test_unknown_model_404_and_unknown_fields_400(server, client):
+    """Request fields are understood or refused, never ignored: an unknown field, or one this server does not
+    implement yet (logit_bias, repetition_penalty: vLLM's names), is a 400 naming it, on both endpoints."""
     status, err, _ = _error(server, "/v1/completions", {"model": "nope", "prompt": "x"})
     assert (status, err["type"], err["param"], err["code"]) == (404, "not_found_error", "model", "model_not_found")
-    out = client.completions.create(model="tiny", prompt="hi", max_tokens=2, extra_body={"no_such_field": [1]})
+    chat = [{"role": "user", "content": "hi"}]
+    for field, value in (("no_such_field", [1]), ("logit_bias", {"5": 10}), ("repetition_penalty", 1.3),
+                         ("min_tokens", 3)):
+        with pytest.raises(openai.BadRequestError) as e:
+            client.completions.create(model="tiny", prompt="hi", max_tokens=2, extra_body={field: value})
+        assert e.value.body["param"] == field and "not supported" in e.value.body["message"]
+        with pytest.raises(openai.BadRequestError) as e:
+            client.chat.completions.create(model="tiny", messages=chat, max_tokens=2, extra_body={field: value})
+        assert e.value.body["param"] == field
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="tiny", messages=chat, max_tokens=2, parallel_tool_calls=False)
+    assert e.value.body["param"] == "parallel_tool_calls"
+    out = client.chat.completions.create(model="tiny", messages=chat, max_tokens=2, parallel_tool_calls=True)
     assert out.usage.completion_tokens == 2
 
 

@@ -60,6 +60,8 @@ def build_app(state: ServerState, api_key: str | None = None) -> FastAPI:
         param = _param(tuple(first.get("loc", ())))
         if first.get("type") == "json_invalid":
             msg, param = f"the body is not valid JSON: {first.get('ctx', {}).get('error', first['msg'])}", "body"
+        elif first.get("type") == "extra_forbidden":  # understood or refused, never ignored
+            msg = f"{param}: not supported by this server (an unknown field, or one it does not implement)"
         else:
             msg = f"{param}: {first['msg']}"
         return JSONResponse(error_body(400, msg, param), status_code=400)

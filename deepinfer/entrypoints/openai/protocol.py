@@ -95,8 +95,9 @@ _REGEX_META = set(".^$*+?()[]{}|\\/")
 
 class SamplingFields(BaseModel):
     """Fields common to /v1/completions and /v1/chat/completions (vLLM's extras: top_k, min_p,
-    ignore_eos, stop_token_ids, prompt_logprobs)."""
-    model_config = ConfigDict(extra="allow")
+    ignore_eos, stop_token_ids, prompt_logprobs). A field not declared here or in the request's model is
+    refused (400 naming it: `logit_bias`, `repetition_penalty`, ... would otherwise be ignored)."""
+    model_config = ConfigDict(extra="forbid")
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0, le=2)
@@ -167,8 +168,15 @@ class ChatRequest(SamplingFields):
     top_logprobs: int | None = Field(None, ge=0, le=20)
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
     thinking: dict[str, Any] | None = None
     reasoning_effort: str | None = None
+
+    def unsupported(self) -> None:
+        super().unsupported()
+        if self.parallel_tool_calls is False:  # DSML may hold several calls, and nothing here holds it to one
+            raise APIError(400, "parallel_tool_calls: only true (several calls a turn) is supported by this server",
+                           "parallel_tool_calls")
 
 
 def sampling_params(req: SamplingFields, *, max_tokens: int, logprobs: int | None, so_args: dict | None = None,

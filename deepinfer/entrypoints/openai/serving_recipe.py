@@ -278,4 +278,5 @@ def _fix_usage(obj: dict, generated: int) -> None:
 
 
 async def create_chat(req: ChatRequest, raw: Request, state: ServerState):
+    req.unsupported()
     return await create(CHAT, req.model_dump(exclude_unset=True, by_alias=True), raw, state)
