@@ -53,6 +53,7 @@ memory the others do not hold. The JSON records the device, commit, model, dtype
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import json
 import os
@@ -69,6 +70,8 @@ import torch
 from common import add_commit_arg, new_results_path, recorded_commit, refuse_existing_out
 
 METHODS = ("dspark", "oracle", "ngram")
+HELDOUT = "demo-heldout"  # --prompt-tokens: the held-out stdlib source in the checkpoint's tokenizer
+ROOT = Path(__file__).resolve().parents[1]  # the repository: training/ is not installed
 PROMPT_LOOKUP_MAX = 4
 ORACLE_SEED = 1234
 SETTLE_RUNS = 4  # untimed runs that make the oracle's truth the speculative run's own (settle)
@@ -95,10 +98,38 @@ def file_prompts(path: str, n: int, length: int, offset: int) -> list[list[int]]
     import numpy as np
 
     tokens = np.fromfile(path, dtype="<u2")
+    return _slices(tokens, n, length, offset, path)
+
+
+def heldout_prompts(model_path: str, n: int, length: int, offset: int) -> list[list[int]]:
+    """As file_prompts, from this machine's held-out stdlib files encoded by the checkpoint's own tokenizer.json
+    (training.tokenizer.heldout_tokens: the demo's training split)."""
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    from training.tokenizer import heldout_tokens
+
+    return _slices(heldout_tokens(Path(model_path) / "tokenizer.json"), n, length, offset, "demo-heldout")
+
+
+def _slices(tokens, n: int, length: int, offset: int, name: str) -> list[list[int]]:
+    import numpy as np
+
     need = (offset + n) * length
     if tokens.size < need:
-        raise ValueError(f"--prompt-tokens: {path} has {tokens.size} tokens, {need} needed")
+        raise ValueError(f"--prompt-tokens: {name} has {tokens.size} tokens, {need} needed")
     return tokens[offset * length:need].astype(np.int64).reshape(n, length).tolist()
+
+
+def _prompts_doc(args) -> str:
+    """What the JSON records about the prompts."""
+    if args.prompt_tokens == HELDOUT:
+        return (f"consecutive {args.input_len}-token slices of the held-out stdlib files (training.tokenizer's split, "
+                f"Python {sys.version.split()[0]}) encoded by the checkpoint's tokenizer.json: the first max_num_seqs "
+                "timed, the next warm up")
+    if args.prompt_tokens:
+        return (f"consecutive {args.input_len}-token slices of {args.prompt_tokens} (sha256 "
+                f"{_sha256(args.prompt_tokens)}): the first max_num_seqs timed, the next warm up")
+    return "noise then a repeated motif (make_prompts), seed 1; warm-up prompts seed 2"
 
 
 def _sha256(path: str) -> str:
@@ -282,8 +313,9 @@ def run_config(plan: dict, method: str, k: int, varlen: bool = False) -> dict:
     params = SamplingParams(temperature=0, max_tokens=plan["output_len"], ignore_eos=True)
     vocab, most = plan["vocab"], max(plan["concurrency"])
     if plan["prompt_tokens"]:  # the file's first `most` prompts are timed, the next `most` warm up
-        pool = file_prompts(plan["prompt_tokens"], most, plan["input_len"], 0)
-        warm_pool = file_prompts(plan["prompt_tokens"], most, plan["input_len"], most)
+        cut = functools.partial(heldout_prompts, plan["model_path"]) if plan["prompt_tokens"] == HELDOUT \
+            else functools.partial(file_prompts, plan["prompt_tokens"])
+        pool, warm_pool = cut(most, plan["input_len"], 0), cut(most, plan["input_len"], most)
     else:
         pool = make_prompts(most, plan["input_len"], vocab, seed=1)
         warm_pool = make_prompts(most, plan["input_len"], vocab, seed=2)
@@ -442,7 +474,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "verification of up to k drafts) beside fixed length")
     ap.add_argument("--prompt-tokens", default=None,
                     help="prompts cut from this flat uint16 token file (e.g. the demo's held-out Python source, "
-                         "runs/data/heldout.bin) instead of noise and a motif")
+                         f"runs/data/heldout.bin), or '{HELDOUT}' (that source encoded here by the checkpoint's "
+                         "tokenizer.json), instead of noise and a motif")
     ap.add_argument("--input-len", type=int, default=128)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--reps", type=int, default=2)
@@ -535,10 +568,7 @@ def main() -> None:
                      "max_num_batched_tokens": args.max_num_batched_tokens, "kv_cache_memory": args.kv_cache_memory,
                      "enforce_eager": args.enforce_eager, "batch_invariant": args.batch_invariant,
                      "oracle_seed": ORACLE_SEED,
-                     "prompts": (f"consecutive {args.input_len}-token slices of {args.prompt_tokens} (sha256 "
-                                 f"{_sha256(args.prompt_tokens)}): the first max_num_seqs timed, the next warm up"
-                                 if args.prompt_tokens else "noise then a repeated motif (make_prompts), seed 1; "
-                                                            "warm-up prompts seed 2")},
+                     "prompts": _prompts_doc(args)},
         "columns": {"output_tokens_per_s": "completion tokens / LLM.generate wall time (median of reps)",
                     "per_request_tokens_per_s": "mean over requests of own completion tokens / the same wall time",
                     "acceptance_per_position": "accepted at draft position j / num_drafts (get_metrics deltas)",

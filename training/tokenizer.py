@@ -168,6 +168,16 @@ def build(out_dir: str | Path, vocab_size: int, *, held_out_percent: float = 2.0
     return manifest
 
 
+def heldout_tokens(tokenizer_json: str | Path, held_out_percent: float = 2.0, root: Path | None = None) -> np.ndarray:
+    """The held-out files (this machine's stdlib, the same split as `build`) encoded by an existing tokenizer (e.g.
+    the shipped demo's tokenizer.json), as heldout.bin holds them: prompts its DSpark stages never trained on."""
+    tok = Tokenizer.from_file(str(tokenizer_json))
+    held = [f for f in corpus_files(root, held_out_percent) if f.held_out]
+    if not held:
+        raise ValueError(f"no held-out files at --held-out-percent {held_out_percent}")
+    return encode_files(tok, held)
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", required=True, help="directory for the tokenizer and the token files")

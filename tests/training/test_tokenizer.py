@@ -10,8 +10,8 @@ from tokenizers import Tokenizer
 
 from deepinfer.entrypoints.openai.tokenizer import complete_specials, special_spellings
 from deepinfer.tools.tiny_tokenizer import SPECIAL_TOKENS
-from training.tokenizer import (IMAGE_TOKEN, RECIPE_SPECIALS, build, corpus_files, is_held_out, read_tokens,
-                                train_tokenizer)
+from training.tokenizer import (IMAGE_TOKEN, RECIPE_SPECIALS, build, corpus_files, heldout_tokens, is_held_out,
+                                read_tokens, train_tokenizer)
 
 
 @pytest.fixture(scope="module")
@@ -53,6 +53,19 @@ def test_split_and_token_files(tok_dir):
     assert train.dtype == np.uint16 and manifest["token_dtype"] == "<u2" and train.size == manifest["train_tokens"]
     assert train[0] == 0 and (train == 0).sum() == (train == 1).sum() == manifest["train_files"]  # BOS ... EOS
     assert (tok_dir / "heldout.txt").read_text() == "".join(f.text for f in files if f.held_out)
+
+
+def test_an_existing_tokenizer_encodes_the_same_held_out_files(tok_dir, tmp_path):
+    """heldout_tokens (benchmarks/spec_decode.py --prompt-tokens demo-heldout): the split `build` made, encoded by a
+    given tokenizer.json, equals the heldout.bin `build` wrote with that tokenizer."""
+    root = tmp_path / "lib"
+    for f in corpus_files(max_files=8, held_out_percent=30):
+        (root / f.rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / f.rel).write_text(f.text)
+    got = heldout_tokens(tok_dir / "tokenizer.json", 30, root=root)
+    assert got.dtype == np.uint16 and np.array_equal(got, read_tokens(tok_dir / "heldout.bin"))
+    with pytest.raises(ValueError, match="no held-out files"):
+        heldout_tokens(tok_dir / "tokenizer.json", 0, root=root)
 
 
 def test_too_small_vocab_is_refused():
