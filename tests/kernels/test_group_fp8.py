@@ -19,8 +19,8 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def _random(rows: int, dim: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
-    """Rows from ~1e-30 to ~1e25 in magnitude (finite after the 2^20 below), every group of 8 at its own scale, a zero row, -0.0s, tiny values
-    beside large ones in a group (subnormal results), fp32 subnormals."""
+    """Rows from ~1e-30 to ~1e25 in magnitude (finite after the 2^20 below), every group of 8 at its own scale, a
+    zero row, -0.0s, tiny values beside large ones in a group (subnormal results), fp32 subnormals."""
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(rows, dim, generator=g) * torch.logspace(-30, 25, rows)[:, None]
     x = x * torch.exp2(torch.randint(-12, 13, (rows, dim // 8), generator=g).float()).repeat_interleave(8, 1)
@@ -141,7 +141,8 @@ CHECK = (
     "    check(x, gf._launch_encode(x), gf._launch_encode(x, decode=True))\n"
     "    check(x, gf._launch_encode(x, ROWS=8), gf._launch_encode(x, decode=True, ROWS=8))\n"
     "    check(x[:1], gf._launch_encode(x[:1]), gf._launch_encode(x[:1], decode=True))\n"
-    "    store, rows, src = _store(50, dim, DEV), torch.randperm(50)[:37].to(DEV), torch.randint(0, 37, (37,)).to(DEV)\n"
+    "    store, rows = _store(50, dim, DEV), torch.randperm(50)[:37].to(DEV)\n"
+    "    src = torch.randint(0, 37, (37,)).to(DEV)\n"
     "    gf._launch_encode(x, store, rows, src)\n"
     "    check_scatter(x, store, rows, src)\n"
     "    for out in (torch.bfloat16, torch.float32):\n"
