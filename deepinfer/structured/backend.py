@@ -22,8 +22,9 @@ from typing import Any
 import numpy as np
 
 from deepinfer.structured.char_classes import CONTROL, LINE_BREAKS, SURROGATES, exclude
+from deepinfer.structured.tool_calls import MARKER as DSML_MARKER
 
-SCHEMA_TYPES = ("json", "regex", "ebnf", "json_object")
+SCHEMA_TYPES = ("json", "regex", "ebnf", "json_object", "structural_tag")
 _KEYS = ("schema_type", "schema", "any_whitespace")
 # Compact JSON: no whitespace around separators, so a bounded schema bounds the completion's length.
 _COMPACT = (",", ":")
@@ -46,9 +47,9 @@ def _xgrammar():
 @dataclass(frozen=True)
 class GrammarKey:
     """What the compile cache is keyed by."""
-    schema_type: str       # "json" | "regex" | "ebnf" | "json_object"
-    schema: str            # canonical text: a JSON schema as compact json.dumps in its own key order
-                           # (the order is kept: properties are generated in it); "" for json_object
+    schema_type: str       # "json" | "regex" | "ebnf" | "json_object" | "structural_tag"
+    schema: str            # canonical text: a JSON schema (or an xgrammar structural tag) as compact json.dumps in
+                           # its own key order (the order is kept: properties are generated in it); "" for json_object
     any_whitespace: bool = False  # json / json_object only: False = compact JSON, no free whitespace
 
 
@@ -67,8 +68,9 @@ def opens_thinking(prompt: list[int], think_start_id: int | None, think_end_id: 
 
 
 def parse_so_args(so_args: dict) -> GrammarKey:
-    """DeepInfer's API: {"schema_type": "regex"|"json"|"ebnf"|"json_object", "schema": ...} (a JSON
-    schema as a dict or a JSON string; none for json_object, any JSON object), optional "any_whitespace":
+    """DeepInfer's API: {"schema_type": "regex"|"json"|"ebnf"|"json_object"|"structural_tag", "schema": ...} (a
+    JSON schema, or an xgrammar structural tag, as a dict or a JSON string; none for json_object, any JSON
+    object), optional "any_whitespace":
     bool (json and json_object only). Structural checks only (no tokenizer, no xgrammar): ValueError naming the
     field."""
     if not isinstance(so_args, dict):
@@ -89,15 +91,15 @@ def parse_so_args(so_args: dict) -> GrammarKey:
         if schema is not None:
             raise ValueError("so_args.schema must be absent for schema_type 'json_object' (any JSON object)")
         return GrammarKey(kind, "", ws)
-    if kind == "json":
+    if kind in ("json", "structural_tag"):
         if isinstance(schema, str):
             try:
                 schema = json.loads(schema)
             except json.JSONDecodeError as e:
                 raise ValueError(f"so_args.schema is not valid JSON: {e}") from None
         if not isinstance(schema, dict):
-            raise ValueError(f"so_args.schema must be a JSON schema (a dict or a JSON object string) for "
-                             f"schema_type 'json', got {type(schema).__name__}")
+            raise ValueError(f"so_args.schema must be a dict or a JSON object string for schema_type {kind!r}, "
+                             f"got {type(schema).__name__}")
         try:
             text = json.dumps(schema, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
         except (TypeError, ValueError) as e:
@@ -114,6 +116,8 @@ def _build_grammar(key: GrammarKey):
     xgr = _xgrammar()
     try:
         schema = key.schema if key.schema_type == "json" else _OBJECT
+        if key.schema_type == "structural_tag":  # its token terminals do not survive a print and re-parse
+            return xgr.Grammar.from_structural_tag(key.schema)
         if key.schema_type == "regex":
             grammar = xgr.Grammar.from_regex(key.schema)
         elif key.schema_type == "ebnf":
@@ -174,7 +178,9 @@ class GrammarBackend:
         self.think_end_id: int | None = vocab.get(THINK_END)
         # xgrammar detects the vocab type from the tokenizer; the vocabulary is then rebuilt with
         # every special added token (BOS, <think>, padding tokens ...) as "", which xgrammar never
-        # lets a grammar emit: their text is not what the detokenizer writes for them. Ids past the
+        # lets a grammar emit: their text is not what the detokenizer writes for them. DSML's marker keeps
+        # its text: tool-call tags (structured/tool_calls.py) match it as its token, which xgrammar accepts
+        # only for a token with text. Ids past the
         # tokenizer's vocab are "" too; ids past the model's vocab are dropped.
         meta = xgr.TokenizerInfo.from_huggingface(tok, vocab_size=vocab_size, stop_token_ids=eos).dump_metadata()
         encoded = [""] * vocab_size
@@ -182,7 +188,7 @@ class GrammarBackend:
             if i < vocab_size:
                 encoded[i] = text
         for i, added in tok.backend_tokenizer.get_added_tokens_decoder().items():
-            if added.special and i < vocab_size:
+            if added.special and i < vocab_size and added.content != DSML_MARKER:
                 encoded[i] = ""
         self.tokenizer_info = xgr.TokenizerInfo.from_vocab_and_metadata(encoded, meta)
         self._compiler = xgr.GrammarCompiler(self.tokenizer_info, max_threads=max_threads,

@@ -241,9 +241,14 @@ def test_unknown_model_404_and_unknown_fields_400(server, client):
         with pytest.raises(openai.BadRequestError) as e:
             client.chat.completions.create(model="tiny", messages=chat, max_tokens=2, extra_body={field: value})
         assert e.value.body["param"] == field
-    with pytest.raises(openai.BadRequestError) as e:
-        client.chat.completions.create(model="tiny", messages=chat, max_tokens=2, parallel_tool_calls=False)
+    with pytest.raises(openai.BadRequestError) as e:  # "auto" is not constrained: one call a turn cannot be held
+        client.chat.completions.create(model="tiny", messages=chat, max_tokens=2, tools=TOOLS,
+                                       parallel_tool_calls=False, extra_body=NO_THINKING)
     assert e.value.body["param"] == "parallel_tool_calls"
+    with pytest.raises(openai.BadRequestError) as e:  # the tiny tokenizer has no ｜DSML｜ token to enforce calls by
+        client.chat.completions.create(model="tiny", messages=chat, max_tokens=2, tools=TOOLS, tool_choice="required",
+                                       extra_body=NO_THINKING)
+    assert e.value.body["param"] == "tool_choice"
     out = client.chat.completions.create(model="tiny", messages=chat, max_tokens=2, parallel_tool_calls=True)
     assert out.usage.completion_tokens == 2
 

@@ -174,9 +174,10 @@ class ChatRequest(SamplingFields):
 
     def unsupported(self) -> None:
         super().unsupported()
-        if self.parallel_tool_calls is False:  # DSML may hold several calls, and nothing here holds it to one
-            raise APIError(400, "parallel_tool_calls: only true (several calls a turn) is supported by this server",
-                           "parallel_tool_calls")
+        # a required or named tool choice is held to one call by its grammar; "auto" is not constrained
+        if self.parallel_tool_calls is False and self.tools and self.tool_choice in (None, "auto"):
+            raise APIError(400, "parallel_tool_calls: false is supported with tool_choice \"required\" or a named "
+                                "function (whose calls follow a grammar), not with \"auto\"", "parallel_tool_calls")
 
 
 def sampling_params(req: SamplingFields, *, max_tokens: int, logprobs: int | None, so_args: dict | None = None,

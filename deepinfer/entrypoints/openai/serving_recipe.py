@@ -16,7 +16,8 @@ from deepinfer.entrypoints.openai.protocol import (APIError, ChatRequest, Sampli
                                                    sampling_params)
 from deepinfer.entrypoints.openai.serving import (ServerState, aborted, new_id, primed, prompt_logprobs_json, sse,
                                                   unless_disconnected)
-from deepinfer.structured.backend import opens_thinking
+from deepinfer.structured.backend import DSML_MARKER, opens_thinking
+from deepinfer.structured.tool_calls import V4, V41, tool_call_tag
 
 
 @dataclass(frozen=True)
@@ -55,10 +56,19 @@ def _conversion_error(e: Exception, proto: Protocol) -> APIError:
     return APIError(e.status_code, message, param)
 
 
-def _so_args(io, proto: Protocol) -> tuple[dict | None, str]:
-    """recipe's output constraint -> (SamplingParams.so_args, the request field it came from); tool-call
-    constraints are not enforced (the DSML grammar is not built yet), the output is still parsed for tool calls."""
-    c = io.output_constraint
+def _so_args(conv, proto: Protocol, body: dict, dsml_id: int | None) -> tuple[dict | None, str]:
+    """recipe's output constraint -> (SamplingParams.so_args, the request field it came from). A required tool call
+    (tool_choice "required" or a named function: recipe renders the prompt into the opened calls block) follows
+    the DSML tag of the tools recipe passes (structured/tool_calls.py); with "auto" the model may call a tool or
+    not, and its output is parsed for calls without a constraint."""
+    c = conv.inference_options.output_constraint
+    if c is not None and c.kind == "tool_call_required" and conv.parsing_options.starts_in_tool_calls:
+        if dsml_id is None:
+            raise APIError(400, f"tool_choice: this model's tokenizer.json has no {DSML_MARKER} token, which a "
+                                "required tool call is matched by", "tool_choice")
+        fmt = V41 if conv.model_version == recipe.ModelVersion.DeepseekV41Flash else V4
+        tag = tool_call_tag(json.loads(c.schema), fmt, dsml_id, body.get("parallel_tool_calls") is not False)
+        return {"schema_type": "structural_tag", "schema": tag}, "tool_choice"
     if c is not None and c.kind == "json" and c.schema:
         return {"schema_type": "json", "schema": json.loads(c.schema)}, proto.schema_field
     if c is not None and c.kind == "json":
@@ -129,7 +139,8 @@ async def create(proto: Protocol, body: dict, raw: Request, state: ServerState):
         raise _conversion_error(e, proto) from None
     io, po = conv.inference_options, conv.parsing_options
     top = (io.top_logprobs or 0) if io.logprobs else None
-    (so_args, field), constraint = _so_args(io, proto), proto.format_field
+    so_args, field = _so_args(conv, proto, body, state.tokenizer.dsml_id)
+    constraint = "tool_choice" if field == "tool_choice" else proto.format_field
     if own.structured_outputs is not None:
         if so_args is not None:
             raise APIError(400, "structured_outputs: give it or response_format, not both", "structured_outputs")

@@ -18,7 +18,7 @@ from pathlib import Path
 import deepseek_recipe as recipe
 import tokenizers
 
-from deepinfer.structured.backend import THINK_END, THINK_START
+from deepinfer.structured.backend import DSML_MARKER, THINK_END, THINK_START
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +57,8 @@ class ServingTokenizer:
     # ids of <think> and </think> as the engine sees them (tokenizer.json as written): None for one that
     # took a padding entry here, which the engine's grammar backend does not know as a thinking token
     think_ids: tuple[int | None, int | None] = (None, None)
+    # the DSML marker's id (tool-call grammars match it as that token): None where it took a padding entry
+    dsml_id: int | None = None
 
     @classmethod
     def load(cls, model_dir: str | Path) -> "ServingTokenizer":
@@ -70,4 +72,5 @@ class ServingTokenizer:
         text = json.dumps(spec, ensure_ascii=False)
         hf = tokenizers.Tokenizer.from_str(text)
         think = tuple(None if s in added else hf.token_to_id(s) for s in (THINK_START, THINK_END))
-        return cls(recipe.Tokenizer.from_str(text), hf, think)
+        dsml = None if DSML_MARKER in added else hf.token_to_id(DSML_MARKER)
+        return cls(recipe.Tokenizer.from_str(text), hf, think, dsml)
