@@ -44,15 +44,20 @@ LAYOUTS = {
 TWO_NODES = dict(tensor_parallel_size=2, nnodes=2, master_addr="127.0.0.1")
 LAYOUTS["2node-tp2"] = TWO_NODES
 # (model, layout) pairs run in CI; V4 on the layouts that reach its own MTP drafter through every rank kind
-CASES = [("v41", name) for name in LAYOUTS] + [("v4", "tp2"), ("v4", "cp2xtp2")]
-SPEC = {"v41": {"method": "dspark", "num_speculative_tokens": 2}, "v4": {"method": "mtp", "num_speculative_tokens": 1}}
+# and V4-Flash-0731's DSpark stages (V4 blocks drafting from the trunk's features) split by heads and by experts
+CASES = [("v41", name) for name in LAYOUTS] + [("v4", "tp2"), ("v4", "cp2xtp2"), ("v4-0731", "tp2"),
+                                               ("v4-0731", "dp2-ep")]
+SPEC = {"v41": {"method": "dspark", "num_speculative_tokens": 2}, "v4": {"method": "mtp", "num_speculative_tokens": 1},
+        "v4-0731": {"method": "dspark", "num_speculative_tokens": 3}}
 
 
 @pytest.fixture(scope="module")
 def ckpts(tmp_path_factory):
     root = tmp_path_factory.mktemp("layouts")
     return {"v4": write_checkpoint(root / "v4", {**PRESETS["tiny"], "index_topk": 64}, seed=11, dtype="fp8"),
-            "v41": write_checkpoint(root / "v41", PRESETS["tiny41"], seed=5, dtype="fp8")}
+            "v41": write_checkpoint(root / "v41", PRESETS["tiny41"], seed=5, dtype="fp8"),
+            "v4-0731": write_checkpoint(root / "v4-0731", {**PRESETS["tiny-dspark"], "index_topk": 64}, seed=11,
+                                        dtype="fp8")}
 
 
 def _requests(vocab: int = 500):
