@@ -128,6 +128,27 @@ if triton is not None:
         return ((b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000).to(tl.float32, bitcast=True)
 
     @triton.jit
+    def _row_ids(idx_ptr, i, live, HAS: tl.constexpr):
+        """Row i as int64, or idx[i] where an index is given."""
+        r = i.to(tl.int64)
+        if HAS:
+            r = tl.load(idx_ptr + i, mask=live, other=0).to(tl.int64)
+        return r
+
+    @triton.jit
+    def _e4m3_round(a):
+        """a >= 0 (at most 464) rounded to e4m3's grid, ties to even, as fp32: to a multiple of its binade's step
+        (2^-9 below 2^-6) by adding and removing 1.5 * 2^23 * step."""
+        E = tl.minimum(tl.maximum(((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -6), 8)
+        magic = (((147 + E) << 23) | 0x400000).to(tl.float32, bitcast=True)
+        return (a + magic) - magic
+
+    @triton.jit
+    def _e4m3_magnitude(v):
+        """The 7-bit e4m3 code of a magnitude v already on e4m3's grid (_e4m3_round)."""
+        return tl.where(v < 0.015625, (v * 512.0).to(tl.int32), (v.to(tl.int32, bitcast=True) >> 20) - 960)
+
+    @triton.jit
     def _to_x_dtype(v, BF16: tl.constexpr):
         """fp32 values cast to x's dtype (bf16 or fp32) and back to fp32."""
         if BF16:
@@ -144,12 +165,7 @@ if triton is not None:
                             NORM_ROPE: tl.constexpr = False, HALF_P: tl.constexpr = 1):
         i = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
         live = i < n_rows
-        xr = i.to(tl.int64)
-        if HAS_SRC:
-            xr = tl.load(src_ptr + i, mask=live, other=0).to(tl.int64)
-        dr = i.to(tl.int64)
-        if HAS_DST:
-            dr = tl.load(dst_ptr + i, mask=live, other=0).to(tl.int64)
+        xr, dr = _row_ids(src_ptr, i, live, HAS_SRC), _row_ids(dst_ptr, i, live, HAS_DST)
         grp = tl.arange(0, NG_P)
         cols = grp[:, None] * G + tl.arange(0, G)[None, :]                          # [NG_P, G]
         gm = live[:, None] & (grp < NG)[None, :]                                     # [ROWS, NG_P]
@@ -191,12 +207,8 @@ if triton is not None:
         a = tl.abs(r)
         bad = (a != a) | nan[:, :, None]                                             # NaN code
         big = a > 464.0                                                              # rounds past 448; inf
-        a = tl.where(a <= 464.0, a, 0.0)
-        E = tl.minimum(tl.maximum(((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -6), 8)
-        magic = (((147 + E) << 23) | 0x400000).to(tl.float32, bitcast=True)         # 1.5 * 2^23 * step
-        v = (a + magic) - magic
-        mag = tl.where(v < 0.015625, (v * 512.0).to(tl.int32), (v.to(tl.int32, bitcast=True) >> 20) - 960)
-        mag = tl.where(bad, 0x7F, tl.where(big, 0x7E, mag))
+        v = _e4m3_round(tl.where(a <= 464.0, a, 0.0))
+        mag = tl.where(bad, 0x7F, tl.where(big, 0x7E, _e4m3_magnitude(v)))
         neg = (bits < 0) & ~nan[:, :, None]
         if STORE:
             code = (mag | (neg.to(tl.int32) << 7)).to(tl.uint8)
@@ -256,11 +268,13 @@ def _check_out(out, nope: int, rope_dim: int) -> tuple[torch.Tensor, torch.Tenso
     return q.view(torch.uint8), s, r.view(torch.int16)
 
 
-def _index(t: torch.Tensor | None, n: int, name: str) -> torch.Tensor | None:
+def _index(t: torch.Tensor | None, n: int, name: str, op: str = "entry_quant") -> torch.Tensor | None:
+    """An index tensor flat and contiguous (None stays None); ValueError naming `op` and `name` if it is not
+    int32 / int64 with n entries."""
     if t is None:
         return None
     if t.dtype not in (torch.int32, torch.int64) or t.numel() != n:
-        raise ValueError(f"entry_quant: {name} must be int32/int64 with {n} entries, got {t.dtype} {tuple(t.shape)}")
+        raise ValueError(f"{op}: {name} must be int32/int64 with {n} entries, got {t.dtype} {tuple(t.shape)}")
     return t.reshape(-1).contiguous()
 
 

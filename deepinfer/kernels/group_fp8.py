@@ -28,6 +28,7 @@ from __future__ import annotations
 import torch
 
 from deepinfer.formats import group_quant
+from deepinfer.kernels.entry_quant import _index
 
 try:
     import triton
@@ -60,19 +61,13 @@ def supported(x: torch.Tensor) -> bool:
 
 
 if triton is not None:
-    @triton.jit
-    def _load_f32(ptrs, mask):
-        """Loads as fp32; bf16 comes as its bits (int16 view)."""
-        if ptrs.dtype.element_ty == tl.int16:
-            v = tl.load(ptrs, mask=mask, other=0)
-            return (v.to(tl.int32) << 16).to(tl.float32, bitcast=True)
-        return tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    from deepinfer.kernels.entry_quant import _bf16_bits, _e4m3_magnitude, _e4m3_round, _load_f32, _row_ids
 
     @triton.jit
     def _store_f32(ptrs, v, mask):
         """Stores fp32 values exact in the output's dtype (bf16: as its bits, the fp32 value's top half)."""
         if ptrs.dtype.element_ty == tl.int16:
-            tl.store(ptrs, (v.to(tl.int32, bitcast=True) >> 16).to(tl.int16), mask=mask)
+            tl.store(ptrs, _bf16_bits(v), mask=mask)
         else:
             tl.store(ptrs, v, mask=mask)
 
@@ -83,12 +78,7 @@ if triton is not None:
                        INV_FMT_MAX: tl.constexpr):
         i = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
         live = i < n_rows
-        xr = i.to(tl.int64)
-        if HAS_SRC:
-            xr = tl.load(src_ptr + i, mask=live, other=0).to(tl.int64)
-        dr = i.to(tl.int64)
-        if HAS_DST:
-            dr = tl.load(dst_ptr + i, mask=live, other=0).to(tl.int64)
+        xr, dr = _row_ids(src_ptr, i, live, HAS_SRC), _row_ids(dst_ptr, i, live, HAS_DST)
         grp = tl.arange(0, NG_P)
         cols = grp[:, None] * GS + tl.arange(0, GS)[None, :]                        # [NG_P, GS]
         gm = live[:, None] & (grp < NG)[None, :]                                     # [ROWS, NG_P]
@@ -100,15 +90,10 @@ if triton is not None:
         byte = ((p >> 23) & 0xFF) + ((p & 0x7FFFFF) != 0).to(tl.int32)             # pow2_ceil's biased exponent
         inv = ((254 - byte) << 23).to(tl.float32, bitcast=True)                      # 1 / scale, exactly
         r = tl.minimum(tl.maximum(x * inv[:, :, None], -448.0), 448.0)
-        # e4m3 magnitude: a rounded to a multiple of its binade's step (2^-9 below 2^-6), ties to even
-        a = tl.abs(r)
-        E = tl.minimum(tl.maximum(((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -6), 8)
-        magic = (((147 + E) << 23) | 0x400000).to(tl.float32, bitcast=True)         # 1.5 * 2^23 * step
-        v = (a + magic) - magic
+        v = _e4m3_round(tl.abs(r))                                                   # the code's magnitude
         neg = bits < 0
         if STORE:
-            mag = tl.where(v < 0.015625, (v * 512.0).to(tl.int32), (v.to(tl.int32, bitcast=True) >> 20) - 960)
-            code = (mag | (neg.to(tl.int32) << 7)).to(tl.uint8)
+            code = (_e4m3_magnitude(v) | (neg.to(tl.int32) << 7)).to(tl.uint8)
             tl.store(q_ptr + dr[:, None, None] * stride_q + cols[None, :, :], code, mask=m)
             tl.store(s_ptr + dr[:, None] * stride_s + grp[None, :], byte.to(tl.uint8), mask=gm)
         if DECODE:
@@ -146,14 +131,6 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return rows if rows.stride(-1) == 1 else rows.contiguous()
 
 
-def _index(t: torch.Tensor | None, n: int, name: str) -> torch.Tensor | None:
-    if t is None:
-        return None
-    if t.dtype not in (torch.int32, torch.int64) or t.numel() != n:
-        raise ValueError(f"group_fp8: {name} must be int32/int64 with {n} entries, got {t.dtype} {tuple(t.shape)}")
-    return t.reshape(-1).contiguous()
-
-
 def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int16) if t.dtype == torch.bfloat16 else t
 
@@ -172,7 +149,7 @@ def _launch_encode(x: torch.Tensor, out=None, rows: torch.Tensor | None = None, 
     dim = x.shape[-1]
     ng = dim // G
     n = xr.shape[0] if src is None else src.numel()
-    src, rows = _index(src, n, "src"), _index(rows, n, "rows")
+    src, rows = _index(src, n, "src", "group_fp8"), _index(rows, n, "rows", "group_fp8")
     if out is None and not decode:
         lead = x.shape[:-1] if src is None else (n,)
         out = (torch.empty(*lead, dim, dtype=torch.float8_e4m3fn, device=x.device),
@@ -208,7 +185,7 @@ def _launch_decode(codes: torch.Tensor, scale: torch.Tensor, rows: torch.Tensor,
     """The stored rows codes[rows], scale[rows] decoded -> [n, dim] in dtype (bf16 / fp32), one launch."""
     dim, ng = codes.shape[-1], scale.shape[-1]
     n = rows.numel()
-    rows = _index(rows, n, "rows")
+    rows = _index(rows, n, "rows", "group_fp8")
     out = torch.empty(n, dim, dtype=dtype, device=codes.device)
     if n:
         R = _grid_rows(n, ng, ROWS)
