@@ -21,7 +21,7 @@ from deepinfer.layers.moe import MoE
 from deepinfer.layers.norm import RMSNorm
 from deepinfer.layers.rotary import RopeCache, apply_rope, norm_rope, rope_inv_freq
 from deepinfer.models.config import CSA, HCA, SLIDING, DeepseekV4Config
-from deepinfer.models.dspark_common import MARKOV_NAMES_V4, add_dspark_heads, block_attention, write_draft_context
+from deepinfer.models.dspark_common import MARKOV_NAMES_V4, DSparkHost, add_dspark_heads, block_attention
 from deepinfer.models.dspark_v4 import draft_from_cache
 from deepinfer.models.interface import EXPERT_SPLIT, HEAD_SPLIT, DraftBlock, Drafting, TPSplit
 
@@ -244,7 +244,7 @@ KV_FORMATS = {
 }
 
 
-class DeepseekV4ForCausalLM(nn.Module):
+class DeepseekV4ForCausalLM(DSparkHost, nn.Module):
     def __init__(self, cfg: DeepseekV4Config, dtype: torch.dtype = torch.float32, quantized: bool = False):
         super().__init__()
         self.config, self.dtype = cfg, dtype
@@ -268,6 +268,7 @@ class DeepseekV4ForCausalLM(nn.Module):
         self.register_buffer("inv_freq_compress", rope_inv_freq(cfg.qk_rope_head_dim, cfg.compress_rope_theta, yarn),
                              persistent=False)
 
+    dspark_draft = staticmethod(draft_from_cache)  # -0731's stages (dspark_v4.py)
     replay_layer = -1        # no bounded replay cut (models/interface.py)
     token_history = 0
     host_inputs = False
@@ -349,14 +350,6 @@ class DeepseekV4ForCausalLM(nn.Module):
         if not targets:
             return x
         return x, torch.cat([feats[i] for i in targets], dim=-1)
-
-    def store_draft_context(self, features: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor,
-                            rings: list) -> None:
-        write_draft_context(self, features, positions, rows, rings)
-
-    def draft_from_cache(self, rings: list, ctx_rows: torch.Tensor, ctx_valid: torch.Tensor,
-                         anchor_tokens: torch.Tensor, anchor_pos: torch.Tensor, pick=None) -> DraftBlock:
-        return draft_from_cache(self, rings, ctx_rows, ctx_valid, anchor_tokens, anchor_pos, pick)
 
     def compute_logits(self, streams: torch.Tensor) -> torch.Tensor:
         """streams [N, n, D] -> fp32 logits [N, vocab]."""

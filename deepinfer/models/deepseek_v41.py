@@ -24,9 +24,9 @@ from deepinfer.layers.rotary import RopeCache, rope_inv_freq
 from deepinfer.models.block_v41 import Attention41, Block41, StepContext41
 from deepinfer.models.config_v41 import FULL, DeepseekV41Config
 from deepinfer.models.deepseek_v4 import quant_spec, tp_plan_of
-from deepinfer.models.dspark_common import write_draft_context
+from deepinfer.models.dspark_common import DSparkHost
 from deepinfer.models.dspark_v41 import DSparkStage41, draft_from_cache
-from deepinfer.models.interface import DraftBlock, Drafting, TPSplit
+from deepinfer.models.interface import Drafting, TPSplit
 from deepinfer.models.vision_v41 import VISION_DEFAULTS, VisionAligner, VisionTransformer, image_span_embeddings
 
 
@@ -38,7 +38,7 @@ KV_FORMATS = {
 }
 
 
-class DeepseekV41ForCausalLM(nn.Module):
+class DeepseekV41ForCausalLM(DSparkHost, nn.Module):
     def __init__(self, cfg: DeepseekV41Config, dtype: torch.dtype = torch.float32, quantized: bool = False,
                  engram_device: str | None = None):
         """engram_device="cpu": the Engram tables stay on the host, memory-mapped from the shards."""
@@ -68,6 +68,8 @@ class DeepseekV41ForCausalLM(nn.Module):
         self.register_buffer("engram_token_map", None, persistent=False)
         self.engram_params: EngramHashParams | None = None
         self.engram_host = host
+
+    dspark_draft = staticmethod(draft_from_cache)  # V4.1's stages (dspark_v41.py)
 
     @staticmethod
     def compressed_kinds(cfg: DeepseekV41Config) -> list[tuple[int, bool]]:
@@ -225,14 +227,6 @@ class DeepseekV41ForCausalLM(nn.Module):
             return h
         d = self.config.hidden_size
         return h[:, :d].to(self.dtype), h[:, d:]
-
-    def store_draft_context(self, features: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor,
-                            rings: list) -> None:
-        write_draft_context(self, features, positions, rows, rings)
-
-    def draft_from_cache(self, rings: list, ctx_rows: torch.Tensor, ctx_valid: torch.Tensor,
-                         anchor_tokens: torch.Tensor, anchor_pos: torch.Tensor, pick=None) -> DraftBlock:
-        return draft_from_cache(self, rings, ctx_rows, ctx_valid, anchor_tokens, anchor_pos, pick)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden [N, D] -> fp32 logits (the head is kept in fp32)."""

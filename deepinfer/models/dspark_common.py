@@ -143,3 +143,17 @@ def read_context(model, rings, ctx_rows: torch.Tensor) -> list[torch.Tensor]:
     B, C = ctx_rows.shape
     flat = ctx_rows.clamp(min=0).flatten()
     return [ring.read(flat, model.dtype).view(B, C, -1) for ring in rings]
+
+
+class DSparkHost:
+    """SelfDrafting (models/interface.py) for a model class whose release drafts with `dspark_draft` (a
+    staticmethod: that release's draft_from_cache(model, rings, ctx_rows, ctx_valid, anchor_tokens, anchor_pos,
+    pick)); the context store is the same for every release."""
+
+    def store_draft_context(self, features: torch.Tensor, positions: torch.Tensor, rows: torch.Tensor,
+                            rings: list) -> None:
+        write_draft_context(self, features, positions, rows, rings)
+
+    def draft_from_cache(self, rings: list, ctx_rows: torch.Tensor, ctx_valid: torch.Tensor,
+                         anchor_tokens: torch.Tensor, anchor_pos: torch.Tensor, pick=None) -> DraftBlock:
+        return self.dspark_draft(self, rings, ctx_rows, ctx_valid, anchor_tokens, anchor_pos, pick)
