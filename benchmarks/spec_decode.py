@@ -104,11 +104,17 @@ def file_prompts(path: str, n: int, length: int, offset: int) -> list[list[int]]
 def heldout_prompts(model_path: str, n: int, length: int, offset: int) -> list[list[int]]:
     """As file_prompts, from this machine's held-out stdlib files encoded by the checkpoint's own tokenizer.json
     (training.tokenizer.heldout_tokens: the demo's training split)."""
+    return _slices(_heldout_tokens(model_path), n, length, offset, "demo-heldout")
+
+
+@functools.lru_cache(maxsize=None)
+def _heldout_tokens(model_path: str):
+    """Encoded once a process (the timed and the warm-up prompts are cut from the same tokens)."""
     if str(ROOT) not in sys.path:
         sys.path.insert(0, str(ROOT))
     from training.tokenizer import heldout_tokens
 
-    return _slices(heldout_tokens(Path(model_path) / "tokenizer.json"), n, length, offset, "demo-heldout")
+    return heldout_tokens(Path(model_path) / "tokenizer.json")
 
 
 def _slices(tokens, n: int, length: int, offset: int, name: str) -> list[list[int]]:
