@@ -13,7 +13,7 @@ import torch
 from tqdm import tqdm
 
 from deepinfer.config import EngineConfig, with_option_signature
-from deepinfer.engine.detokenizer import Detokenizer
+from deepinfer.engine.detokenizer import Detokenizer, bad_words_token_ids
 from deepinfer.engine.kv_manager import KVCacheManager
 from deepinfer.engine.memory_fit import (WORKSPACE_BYTES, WeightBytes, check_fit, format_bytes, repack_fits,
                                          requests_at_length)
@@ -22,7 +22,7 @@ from deepinfer.engine.request import Request, Status
 from deepinfer.engine.scheduler import VarlenPolicy
 from deepinfer.layers.moe import Experts
 from deepinfer.loader.model_loader import weight_bytes
-from deepinfer.sampling_params import SamplingParams
+from deepinfer.sampling_params import MAX_BAD_WORD_TOKENS, SamplingParams
 from deepinfer.tools.demo import resolve_demo
 from deepinfer.worker.kv_cache import cache_spec
 from deepinfer.worker.sps_profile import profile_sps, profile_step_times
@@ -239,10 +239,23 @@ class LLM:
             if k is not None and k > limit:
                 raise ValueError(f"prompts[{i}]: SamplingParams.{name} {k} is above the limit {limit} "
                                  f"(max_logprobs={self.config.max_logprobs}, vocab_size={vocab})")
-        bad = [t for t in sp.stop_token_ids if t >= vocab]
-        if bad:
-            raise ValueError(f"prompts[{i}]: SamplingParams.stop_token_ids {bad[:5]} are outside the vocabulary "
-                             f"[0, {vocab})")
+        if sp.bad_words:
+            if self.detokenizer is None:
+                raise ValueError(f"prompts[{i}]: SamplingParams.bad_words needs a tokenizer (skip_tokenizer_init=True); "
+                                 "give bad_words_token_ids instead")
+            words = bad_words_token_ids(sp.bad_words, self.detokenizer)
+            sp.bad_words_token_ids = words + [w for w in sp.bad_words_token_ids or () if w not in words]
+            long = [w for w in sp.bad_words_token_ids if len(w) > MAX_BAD_WORD_TOKENS]
+            if long:
+                raise ValueError(f"prompts[{i}]: SamplingParams.bad_words: a word of {len(long[0])} tokens; each may "
+                                 f"be at most {MAX_BAD_WORD_TOKENS}")
+        for name, ids in (("stop_token_ids", sp.stop_token_ids), ("logit_bias", sp.logit_bias or ()),
+                          ("allowed_token_ids", sp.allowed_token_ids or ()),
+                          ("bad_words_token_ids", [t for w in sp.bad_words_token_ids or () for t in w])):
+            bad = [t for t in ids if t >= vocab]
+            if bad:
+                raise ValueError(f"prompts[{i}]: SamplingParams.{name} {bad[:5]} are outside the vocabulary "
+                                 f"[0, {vocab})")
         if sp.so_args is not None:
             try:
                 backend = self._grammar_backend()

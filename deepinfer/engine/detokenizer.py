@@ -29,9 +29,10 @@ class Detokenizer:
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=self.skip)
 
-    def update(self, st: DecodeState, ids: list[int], stop: list[str]) -> None:
+    def update(self, st: DecodeState, ids: list[int], stop: list[str], check: bool = True) -> None:
         """Extend st.text with what ids[read_offset:] adds; hold back an incomplete UTF-8 tail.
-        On a stop string, truncate text before it and set stop_hit."""
+        On a stop string, truncate text before it and set stop_hit. `check` False (before min_tokens outputs):
+        the new text is never searched, except the end that a stop string found later may begin in."""
         if st.stop_hit or st.read_offset >= len(ids):
             return
         prefix = self.decode(ids[st.prefix_offset:st.read_offset])
@@ -41,7 +42,10 @@ class Detokenizer:
         st.text += full[len(prefix):]
         st.prefix_offset = max(st.prefix_offset, len(ids) - _CONTEXT)
         st.read_offset = len(ids)
-        self._check_stop(st, stop)
+        if check:
+            self._check_stop(st, stop)
+        else:
+            st._scanned = len(st.text)
 
     def finalize(self, st: DecodeState, ids: list[int]) -> str:
         """The completion text: everything decoded (a held-back tail included) unless a stop string cut it."""
@@ -56,3 +60,15 @@ class Detokenizer:
         if hits:
             st.text, st.stop_hit = st.text[:min(hits)], True
         st._scanned = len(st.text)
+
+
+def bad_words_token_ids(words: list[str], detok: Detokenizer) -> list[list[int]]:
+    """SamplingParams.bad_words as token ids, as vLLM encodes them: each word without its leading spaces, and
+    again after one space where that encodes differently (a word inside text usually follows a space)."""
+    out: list[list[int]] = []
+    for word in words:
+        for text in (word.lstrip(), " " + word.lstrip()):
+            ids = detok.encode(text, None)
+            if ids and ids not in out:
+                out.append(ids)
+    return out

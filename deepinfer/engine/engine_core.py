@@ -153,7 +153,8 @@ class EngineCore:
         if self.detok is not None and req.params.stop and not req.finished:
             st = self.decode_state[req.request_id]
             try:
-                self.detok.update(st, req.output_token_ids, req.params.stop)
+                self.detok.update(st, req.output_token_ids, req.params.stop,
+                                  len(req.output_token_ids) > req.params.min_tokens)
             except Exception as e:
                 logger.exception("request %s: detokenisation failed; aborting it", req.request_id)
                 self.scheduler.abort(req, f"detokenisation failed: {type(e).__name__}: {e}")

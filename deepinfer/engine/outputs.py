@@ -37,6 +37,9 @@ class ScheduledChunk:
     # prompt_logprobs: the chunk's first `prompt_rows` rows give the logprobs of the prompt tokens at positions
     # start + 1 .. start + prompt_rows (0: none; never the row that samples)
     prompt_rows: int = 0
+    # the request's prompt length: positions before it are prompt, from it on outputs (what the penalties and
+    # min_tokens count, worker/logits_processors.py)
+    prompt_len: int = 0
 
 
 # input token of a chunk scheduled ahead (async scheduling): the token its request samples in the step

@@ -110,7 +110,7 @@ class Scheduler:
         return ScheduledChunk(req.request_id, req.slot, start, ids[start:start + n] + list(drafts),
                               {m: list(t) for m, t in req.block_tables.items()}, samples, req.params,
                               ids[max(0, lo):start], req.num_tokens, images, req.sample_index, len(drafts),
-                              -1 if at_end else ids[start + n], req.grammar, prompt_rows)
+                              -1 if at_end else ids[start + n], req.grammar, prompt_rows, len(req.prompt_token_ids))
 
     def _drafts(self, req: Request, budget: int) -> list[int]:
         """Draft tokens for a decoding request (one pending token): at most what the step's token budget
@@ -266,7 +266,7 @@ class Scheduler:
             # past this chunk's are never read by its plan
             chunks.append(ScheduledChunk(req.request_id, req.slot, start, [PLACEHOLDER], dict(req.block_tables), 1,
                                          req.params, [], start + 1, sample_index=req.sample_index,
-                                         grammar=req.grammar))
+                                         grammar=req.grammar, prompt_len=len(req.prompt_token_ids)))
             slots.append(req.slot)
             starts.append(start)
         if not chunks:
@@ -317,7 +317,8 @@ class Scheduler:
                 return None
             out.chunks.append(ScheduledChunk(req.request_id, req.slot, start, [PLACEHOLDER] * (length + 1),
                                              dict(req.block_tables), 1, req.params, [], start + 1,
-                                             sample_index=req.sample_index, num_draft=length))
+                                             sample_index=req.sample_index, num_draft=length,
+                                             prompt_len=len(req.prompt_token_ids)))
         if not out.chunks or len(out.chunks) * (length + 1) > self.budget:
             return None
         return out
@@ -404,7 +405,8 @@ class Scheduler:
             self.finish(req, "abort")
         elif req.grammar is not None and req.grammar.terminated:  # the grammar is complete
             self.finish(req, "stop")
-        elif (not p.ignore_eos and tok == req.eos_token_id) or tok in p.stop_token_ids:
+        elif ((not p.ignore_eos and tok == req.eos_token_id) or tok in p.stop_token_ids) and \
+                len(req.output_token_ids) > p.min_tokens:  # (the runner masks them before min_tokens outputs)
             self.finish(req, "stop")
         elif len(req.output_token_ids) >= p.max_tokens or req.num_tokens >= self.max_model_len:
             self.finish(req, "length")

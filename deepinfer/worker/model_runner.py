@@ -27,6 +27,7 @@ from deepinfer.worker.cuda_graph import fixed_step_logits, visible_widths
 from deepinfer.worker.draft_graphs import DraftGraphs
 from deepinfer.worker.drafter import Anchors, DraftSampler, DSparkDrafter, MTPDrafter
 from deepinfer.worker.kv_cache import V4Cache
+from deepinfer.worker.logits_processors import LogitsProcessors, RowPlan
 from deepinfer.worker.sampler import SamplingBatch, sample, top_logprobs
 
 
@@ -114,6 +115,9 @@ class ModelRunner:
         self._masks: torch.Tensor | None = None  # structured outputs: host token masks (see _constrain)
         self._masks_sent: torch.cuda.Event | None = None
         self._sb_cache: tuple | None = None  # (vocab, params, SamplingBatch) of the last sampled step
+        # penalties, logit bias, min_tokens, bad words, allowed tokens (and the token history some of them read)
+        self.procs = LogitsProcessors(cache.num_slots, model.config.vocab_size, self.device,
+                                      getattr(model.config, "eos_token_id", None))
         # (q [G, k, V], request id -> its row) of the drafts the last step drew from the drafter's distribution
         self._draft_q: tuple[torch.Tensor, dict[str, int]] | None = None
         self.generator = torch.Generator(device=self.device)
@@ -200,6 +204,7 @@ class ModelRunner:
     def _launch(self, so: SchedulerOutput, prev: StepHandle | None) -> StepHandle:
         for f in so.forks:
             self.cache.copy_state(f.src_slot, f.dst_slot, f.src_blocks, f.dst_blocks)
+        self.procs.observe(so)
         if so.verify_ahead:
             return self._verify_ahead(so, prev)
         fill = self._fill(so, prev)
@@ -374,11 +379,19 @@ class ModelRunner:
         seeds = [None if c.params.seq_seed is None else (c.params.seq_seed, c.start + len(c.token_ids), c.sample_index + j)
                  for c in sampled for j in range(c.num_samples)]
         sb = self._sampling_batch(params, logits.shape[-1], seeds)
-        tokens = sample(logits, sb, self.generator)
+        processed = logits
+        if any(p.processes_logits for p in params):
+            processed = self.procs.apply(logits, RowPlan.sampled(params, [c.slot for c in sampled
+                                                                          for _ in range(c.num_samples)]))
+        tokens = sample(processed, sb, self.generator)
         row_of, i = {}, 0
         for c in sampled:
             row_of[c.request_id] = (i, c.num_samples)
             i += c.num_samples
+        # a fork's leader keeps the first of its rows (its siblings start from theirs: LogitsProcessors.observe)
+        tracked = [(row_of[c.request_id][0], c.slot) for c in sampled if c.params.needs_history]
+        if tracked:
+            self.procs.record(tokens, *map(list, zip(*tracked)))
         h = StepHandle(row_of, tokens, params=params, max_logprobs=sb.max_logprobs,
                        logprobs=top_logprobs(logits, tokens, sb.max_logprobs) if sb.max_logprobs >= 0 else None)
         return _copy_to_host(h, tokens)
@@ -457,21 +470,28 @@ class ModelRunner:
                 params.append(c.params)
                 seeds.append(None if c.params.seq_seed is None else (c.params.seq_seed, pos, c.sample_index + j))
         logits = logits_at(to_device(torch.tensor(flat), self.device))
+        draft_t = to_device(torch.tensor(drafts, dtype=torch.long), self.device) if ahead is None else ahead[0]
         constrained = [(offsets[g], offsets[g + 1] - offsets[g], so.chunks[i].grammar,
                         so.chunks[i].token_ids[len(so.chunks[i].token_ids) - so.chunks[i].num_draft:])
                        for i in rows if so.chunks[i].grammar is not None for g in groups[so.chunks[i].request_id]]
         if constrained:  # a verify row's mask follows the drafts before it (the scheduler kept them in the grammar)
             logits = self._constrain(logits, constrained)
+        processed = logits  # (on a copy: the logprobs are the model's, as in _sample)
+        if any(p.processes_logits for p in params):
+            processed = self.procs.apply(logits, self._verify_plan(so, rows, groups, offsets), draft_t)
         # a seeded request verifies by matching the target's own draw at each position (its tokens are
         # speculation-off's); the others take rejection sampling against q: one-hot for deterministic drafts
         # (prompt lookup, greedy DSpark / MTP), DSpark's own distribution for the drafts it drew (_draft_sampler)
-        draft_t = to_device(torch.tensor(drafts, dtype=torch.long), self.device) if ahead is None else ahead[0]
-        out = verify(logits, offsets, draft_t, params, draft_probs=self._draft_probs(so, rows, draft_t), seeds=seeds,
+        out = verify(processed, offsets, draft_t, params, draft_probs=self._draft_probs(so, rows, draft_t), seeds=seeds,
                      generator=self.generator, match_seeded=True)
         row_params = [p for g, p in enumerate(params) for _ in range(offsets[g + 1] - offsets[g])]
         max_lp = max((p.logprobs for p in params if p.logprobs is not None), default=-1)
         h = StepHandle({}, out.tokens, params=row_params, max_logprobs=max_lp, offsets=offsets, groups=groups,
                        logprobs=top_logprobs(logits, out.tokens.clamp(min=0), max_lp) if max_lp >= 0 else None)
+        tracked = [(offsets[gs[0]], offsets[gs[0] + 1] - offsets[gs[0]], c.slot) for c in (so.chunks[i] for i in rows)
+                   if c.params.needs_history for gs in (groups[c.request_id],)]
+        if tracked:  # (a fork's leader keeps its first group, as in _sample)
+            self.procs.record_verified(out.tokens, tracked)
         values = [out.tokens, out.num_accepted]
         if self.drafter is not None and (so.propose or not self.drafter.optional):
             values.append(self._draft(so, rows, ends, out, h, None if ahead is None else ahead[1]))
@@ -479,6 +499,21 @@ class ModelRunner:
         h.rows = {rid: (h.offsets[gs[0]], 1) for rid, gs in groups.items() if len(gs) == 1 and
                   h.offsets[gs[0] + 1] - h.offsets[gs[0]] == 1}
         return _copy_to_host(h, torch.cat(values))
+
+    @staticmethod
+    def _verify_plan(so: SchedulerOutput, rows, groups: dict[str, list[int]], offsets: list[int]) -> RowPlan:
+        """_verify's logits rows for LogitsProcessors: group g's row j follows j drafts, which start at
+        offsets[g] - g in the step's flattened drafts."""
+        plan = RowPlan([], [], [], [])
+        for i in rows:
+            c = so.chunks[i]
+            for g in groups[c.request_id]:
+                n = offsets[g + 1] - offsets[g]
+                plan.params += [c.params] * n
+                plan.slots += [c.slot] * n
+                plan.depths += range(n)
+                plan.draft_starts += [offsets[g] - g] * n
+        return plan
 
     def _constrain(self, logits: torch.Tensor, groups: list[tuple[int, int, object, list[int]]]) -> torch.Tensor:
         """Structured outputs: logits [R, V] with -inf where a grammar forbids the token. `groups`: (first row,
