@@ -20,6 +20,7 @@ sys.path.insert(0, str(ROOT / "tests" / "models"))
 from oracle import transformers_model  # noqa: E402
 
 from conftest import CFG  # noqa: E402
+from test_speculative import confident_oracle, continuations  # noqa: E402
 
 V, EOS = CFG["vocab_size"], CFG["eos_token_id"]
 
@@ -101,14 +102,14 @@ def test_each_field_changes_greedy_tokens_as_the_reference_says(ckpt, hf):
 
 
 def test_history_survives_chunked_prefill_preemption_and_forks(ckpt, hf):
-    """Prompts in 16-token chunks, a cache too small for all (preempted requests recompute prompt and outputs),
+    """Prompts in 24-token chunks, a cache too small for all (preempted requests recompute prompt and outputs),
     and n = 2 (the sibling forks the leader's prompt): every request still equals the reference."""
-    params = SamplingParams(temperature=0, max_tokens=16, repetition_penalty=1.5, frequency_penalty=0.7,
+    params = SamplingParams(temperature=0, max_tokens=12, repetition_penalty=1.5, frequency_penalty=0.7,
                             bad_words_token_ids=[[14, 15]], min_tokens=4)
-    prompts = _prompts(6, seed=2, lo=30, hi=60)
+    prompts = _prompts(7, seed=2, lo=55, hi=85)
     small = LLM(str(ckpt), device="cpu", dtype="float32", kv_cache_dtype="float32", block_size=4,
-                kv_cache_memory=_memory(ckpt, slots=3, tokens=150), max_num_seqs=3, max_num_batched_tokens=16,
-                max_model_len=90)
+                kv_cache_memory=_memory(ckpt, slots=3, tokens=300), max_num_seqs=3, max_num_batched_tokens=24,
+                max_model_len=100)
     outs = small.generate(prompts, params, use_tqdm=False)
     assert small.scheduler.num_preemptions > 0 and small.scheduler.kv.all_free()
     for prompt, o in zip(prompts, outs):
@@ -130,31 +131,38 @@ def _memory(ckpt, slots: int, tokens: int) -> int:
 
 
 @pytest.mark.parametrize("k", [1, 3])
-def test_speculation_with_penalties_equals_speculation_off(ckpt41, k):
-    """Verify rows penalised as the target would after the drafts before them: DSpark greedy == off."""
+def test_speculation_with_penalties_equals_speculation_off(ckpt41, monkeypatch, k):
+    """Verify rows penalised as the target would after the drafts before them: DSpark greedy == off, with drafts
+    that are the true continuation up to a wrong one at a moving position (every acceptance length occurs)."""
     prompts = _prompts(4, seed=3, hi=30)
-    params = [SamplingParams(temperature=0, max_tokens=20, frequency_penalty=1.0, repetition_penalty=1.3,
-                             bad_words_token_ids=[[8, 9]]),
-              SamplingParams(temperature=0, max_tokens=20, presence_penalty=1.5, min_tokens=15),
-              SamplingParams(temperature=0, max_tokens=20, logit_bias={5: 3.0}),
+    # biased tokens the penalties then take turns among: which one wins at a verify row depends on the drafts
+    # before it (and on bad word 6 -> 7, whose prefix may be a draft)
+    bias = {5: 6.0, 6: 6.0, 7: 6.0}
+    params = [SamplingParams(temperature=0, max_tokens=20, frequency_penalty=0.9, logit_bias=bias),
+              SamplingParams(temperature=0, max_tokens=20, presence_penalty=2.0, repetition_penalty=1.5,
+                             logit_bias=bias, bad_words_token_ids=[[6, 7]]),
+              SamplingParams(temperature=0, max_tokens=20, min_tokens=15, logit_bias={EOS: 50.0, 5: 30.0}),
               SamplingParams(temperature=0, max_tokens=20)]
     kw = dict(device="cpu", dtype="float32", kv_cache_dtype="float32", kv_cache_memory=32 << 20)
-    off = LLM(str(ckpt41), **kw).generate(prompts, params, use_tqdm=False)
+    off = [o.outputs[0].token_ids for o in LLM(str(ckpt41), **kw).generate(prompts, params, use_tqdm=False)]
+    confident_oracle(monkeypatch, continuations(prompts, off), k)
     spec = LLM(str(ckpt41), **kw, speculative_config={"method": "dspark", "num_speculative_tokens": k})
-    on = spec.generate(prompts, params, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in on] == [o.outputs[0].token_ids for o in off]
-    assert spec.get_metrics()["num_drafts"] > 0
+    got = [o.outputs[0].token_ids for o in spec.generate(prompts, params, use_tqdm=False)]
+    assert got == off, (got, off)
+    m = spec.get_metrics()
+    assert all(n > 0 for n in m["accepted_per_position"])
 
 
-def test_seeded_sampling_with_penalties_is_the_same_with_speculation(ckpt41):
+def test_seeded_sampling_with_penalties_is_the_same_with_speculation(ckpt41, monkeypatch):
     prompts = _prompts(3, seed=4, hi=30)
     params = SamplingParams(temperature=0.9, max_tokens=16, seq_seed=7, frequency_penalty=1.2,
-                            repetition_penalty=1.2)
+                            repetition_penalty=1.2, logit_bias={5: 4.0})
     kw = dict(device="cpu", dtype="float32", kv_cache_dtype="float32", kv_cache_memory=32 << 20)
-    off = LLM(str(ckpt41), **kw).generate(prompts, params, use_tqdm=False)
-    on = LLM(str(ckpt41), **kw, speculative_config={"method": "dspark", "num_speculative_tokens": 3}) \
-        .generate(prompts, params, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in on] == [o.outputs[0].token_ids for o in off]
+    off = [o.outputs[0].token_ids for o in LLM(str(ckpt41), **kw).generate(prompts, params, use_tqdm=False)]
+    confident_oracle(monkeypatch, continuations(prompts, off), 3)
+    spec = LLM(str(ckpt41), **kw, speculative_config={"method": "dspark", "num_speculative_tokens": 3})
+    assert [o.outputs[0].token_ids for o in spec.generate(prompts, params, use_tqdm=False)] == off
+    assert spec.get_metrics()["num_accepted_tokens"] > 0
 
 
 def test_verify_rows_see_the_drafts_before_them():
