@@ -229,12 +229,11 @@ def test_bad_requests_are_400_naming_the_field(server, path, body, param):
 
 def test_unknown_model_404_and_unknown_fields_400(server, client):
     """Request fields are understood or refused, never ignored: an unknown field, or one this server does not
-    implement yet (logit_bias, repetition_penalty: vLLM's names), is a 400 naming it, on both endpoints."""
+    implement (vLLM's truncate_prompt_tokens, its old guided_json), is a 400 naming it, on both endpoints."""
     status, err, _ = _error(server, "/v1/completions", {"model": "nope", "prompt": "x"})
     assert (status, err["type"], err["param"], err["code"]) == (404, "not_found_error", "model", "model_not_found")
     chat = [{"role": "user", "content": "hi"}]
-    for field, value in (("no_such_field", [1]), ("logit_bias", {"5": 10}), ("repetition_penalty", 1.3),
-                         ("min_tokens", 3)):
+    for field, value in (("no_such_field", [1]), ("truncate_prompt_tokens", 3), ("guided_json", {"type": "object"})):
         with pytest.raises(openai.BadRequestError) as e:
             client.completions.create(model="tiny", prompt="hi", max_tokens=2, extra_body={field: value})
         assert e.value.body["param"] == field and "not supported" in e.value.body["message"]
@@ -251,6 +250,41 @@ def test_unknown_model_404_and_unknown_fields_400(server, client):
     assert e.value.body["param"] == "tool_choice"
     out = client.chat.completions.create(model="tiny", messages=chat, max_tokens=2, parallel_tool_calls=True)
     assert out.usage.completion_tokens == 2
+
+
+def test_sampling_fields_act_and_equal_the_offline_engine(server, client):
+    """Each of vLLM's sampling fields changes the greedy tokens the server emits, and the server's tokens equal the
+    offline LLM's with the same SamplingParams (whose processing tests/engine/test_logits_processors.py holds to a
+    torch reference of vLLM's definitions)."""
+    from deepinfer import LLM, SamplingParams
+
+    llm = LLM(client.models.list().data[0].root, device="cpu", dtype="float32", kv_cache_memory=64 << 20, max_model_len=MAX_MODEL_LEN, max_num_seqs=MAX_NUM_SEQS,
+              batch_invariant=True)
+    prompt = [0] + [5, 9, 12, 5, 9, 30, 12, 7] * 3
+
+    def offline(**fields):
+        sp = SamplingParams(temperature=0, max_tokens=10, **{k: ({int(t): b for t, b in v.items()}
+                                                                  if k == "logit_bias" else v) for k, v in fields.items()})
+        return llm.generate([prompt], sp, use_tqdm=False)[0].outputs[0]
+
+    plain = offline().token_ids
+    enc = llm.detokenizer.encode
+    # a word the greedy output holds as one token (bad_words bans it with and without a leading space)
+    word = next(w for t in plain for w in [llm.detokenizer.decode([t]).strip()]
+                if w and t in (enc(w, None) + enc(" " + w, None))[:1] + enc(" " + w, None)[:1])
+    bias = {"7": 4.0}
+    cases = [({"repetition_penalty": 1.8, "logit_bias": bias}, {"logit_bias": bias}), ({"frequency_penalty": 1.5, "logit_bias": bias}, {"logit_bias": bias}),
+             ({"presence_penalty": 2.0, "logit_bias": bias}, {"logit_bias": bias}), ({"logit_bias": {"7": 5.0}}, {}),
+             ({"min_tokens": 6, "stop_token_ids": [plain[1]]}, {"stop_token_ids": [plain[1]]}),
+             ({"allowed_token_ids": [5, 6, 7, 8]}, {}), ({"bad_words": [word]}, {})]
+    for fields, base in cases:
+        want = offline(**fields)
+        assert want.token_ids != offline(**base).token_ids, fields
+        out = client.completions.create(model="tiny", prompt=prompt, max_tokens=10, temperature=0, extra_body=fields)
+        assert (out.choices[0].text, out.usage.completion_tokens) == (want.text, len(want.token_ids)), fields
+    with pytest.raises(openai.BadRequestError) as e:  # checked against the model's vocabulary
+        client.completions.create(model="tiny", prompt=prompt, max_tokens=2, logit_bias={"999999": 1})
+    assert e.value.body["param"] == "logit_bias", e.value.body
 
 
 def test_api_key_required(server):

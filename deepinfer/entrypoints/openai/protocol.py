@@ -94,9 +94,9 @@ _REGEX_META = set(".^$*+?()[]{}|\\/")
 
 
 class SamplingFields(BaseModel):
-    """Fields common to /v1/completions and /v1/chat/completions (vLLM's extras: top_k, min_p,
-    ignore_eos, stop_token_ids, prompt_logprobs). A field not declared here or in the request's model is
-    refused (400 naming it: `logit_bias`, `repetition_penalty`, ... would otherwise be ignored)."""
+    """Fields common to /v1/completions and /v1/chat/completions (vLLM's extras: top_k, min_p, ignore_eos,
+    stop_token_ids, prompt_logprobs, repetition_penalty, min_tokens, bad_words, allowed_token_ids). A field
+    not declared here or in the request's model is refused (400 naming it), never ignored."""
     model_config = ConfigDict(extra="forbid")
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
@@ -111,6 +111,13 @@ class SamplingFields(BaseModel):
     ignore_eos: bool = False
     presence_penalty: float | None = Field(None, ge=-2, le=2)
     frequency_penalty: float | None = Field(None, ge=-2, le=2)
+    # OpenAI's: token id (a string in JSON) -> bias in [-100, 100]
+    logit_bias: dict[int, float] | None = None
+    # vLLM's extras
+    repetition_penalty: float | None = Field(None, gt=0, le=2)
+    min_tokens: int | None = Field(None, ge=0)
+    bad_words: list[str] | None = None
+    allowed_token_ids: list[int] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     response_format: ResponseFormat | None = None
@@ -134,11 +141,15 @@ class SamplingFields(BaseModel):
             raise ValueError("must be up to 16 non-empty strings")
         return v
 
+    @field_validator("logit_bias")
+    @classmethod
+    def _logit_bias(cls, v):
+        if v is not None and not all(-100 <= b <= 100 for b in v.values()):
+            raise ValueError("values must be in [-100, 100]")
+        return v
+
     def unsupported(self) -> None:
-        """Fields this server accepts only at their neutral values."""
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name):
-                raise APIError(400, f"{name}: not supported by this server (only 0)", name)
+        """Fields this server accepts only at some values (none on this class)."""
 
 
 class CompletionRequest(SamplingFields):
@@ -193,7 +204,11 @@ def sampling_params(req: SamplingFields, *, max_tokens: int, logprobs: int | Non
             top_k=-1 if req.top_k is None else req.top_k, min_p=req.min_p or 0.0, max_tokens=max_tokens,
             stop=req.stop, stop_token_ids=req.stop_token_ids, ignore_eos=req.ignore_eos, logprobs=logprobs,
             prompt_logprobs=req.prompt_logprobs, n=req.n, seq_seed=seed if seed is not None else req.seed,
-            so_args=so_args, so_prefix_tokens=so_prefix_tokens)
+            so_args=so_args, so_prefix_tokens=so_prefix_tokens, presence_penalty=req.presence_penalty or 0.0,
+            frequency_penalty=req.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            logit_bias=req.logit_bias, min_tokens=req.min_tokens or 0, bad_words=req.bad_words,
+            allowed_token_ids=req.allowed_token_ids)
     except ValueError as e:  # "SamplingParams.<field> ..."
         field = str(e).split(" ", 1)[0].removeprefix("SamplingParams.")
         raise APIError(400, str(e).removeprefix("SamplingParams."), field) from None

@@ -40,7 +40,8 @@ _RECIPE_SCHEMA_ERROR = "Invalid json schema"  # how recipe's message begins for 
 
 # fields this server reads itself (vLLM's sampling extras); recipe ignores them
 _OWN_FIELDS = ("n", "top_k", "min_p", "ignore_eos", "stop_token_ids", "seed", "presence_penalty",
-               "frequency_penalty", "structured_outputs", "prompt_logprobs")
+               "frequency_penalty", "structured_outputs", "prompt_logprobs", "logit_bias", "repetition_penalty",
+               "min_tokens", "bad_words", "allowed_token_ids")
 
 
 def _conversion_error(e: Exception, proto: Protocol) -> APIError:
