@@ -201,3 +201,18 @@ def test_out_of_vocabulary_ids_are_refused_and_the_engine_keeps_serving(ckpt):
         with pytest.raises(ValueError, match=field):
             llm.generate([[0, 5, 6]], SamplingParams(**kw), use_tqdm=False)
     assert not llm.scheduler.has_unfinished()
+
+
+def test_batch_invariant_rows_are_the_same_alone_and_batched(ckpt):
+    """Each row's processing reads only its own request: under batch invariance a penalised, biased, seeded request
+    gives the same tokens alone and among others with other fields."""
+    llm = LLM(str(ckpt), device="cpu", dtype="float32", kv_cache_dtype="float32", kv_cache_memory=32 << 20,
+              batch_invariant=True)
+    prompts = _prompts(4, seed=6)
+    params = [SamplingParams(temperature=0.8, seq_seed=3, max_tokens=12, frequency_penalty=1.0, logit_bias={7: 3.0}),
+              SamplingParams(temperature=0, max_tokens=12, repetition_penalty=1.5, min_tokens=5),
+              SamplingParams(temperature=0, max_tokens=12, allowed_token_ids=list(range(5, 50))),
+              SamplingParams(temperature=0.8, seq_seed=4, max_tokens=12)]
+    batched = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    alone = [llm.generate([p], sp, use_tqdm=False)[0].outputs[0].token_ids for p, sp in zip(prompts, params)]
+    assert batched == alone

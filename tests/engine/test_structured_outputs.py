@@ -178,6 +178,20 @@ def test_every_completion_fully_matches_its_regex(run, pattern):
     _check_answers(run(_prompts(None, 3), params), lambda text: re.fullmatch(pattern, text) or pytest.fail(f"{text!r} !~ {pattern}"))
 
 
+def test_penalties_bias_and_min_tokens_keep_the_grammar(run):
+    """vLLM's logits processing on top of the grammar's masks (plain, thinking, speculative): every answer still
+    parses, and the penalties change the greedy walk (the expressions' digits repeat without them)."""
+    extra = dict(frequency_penalty=1.5, repetition_penalty=1.4, presence_penalty=0.5, min_tokens=2,
+                 logit_bias={run_tok: 2.0 for run_tok in range(7, 40)})
+    params = [SamplingParams(temperature=t, max_tokens=MAX_TOKENS, seq_seed=s, so_args={"schema_type": "ebnf", "schema": ARITH},
+                             **extra) for t, s in ((0.0, None), (1.0, 1), (1.0, 2))]
+    answers = run(_prompts(None, 3, seed=5), params)
+    _check_answers(answers, _arith_ok)
+    plain = run(_prompts(None, 1, seed=5), SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS,
+                                                          so_args={"schema_type": "ebnf", "schema": ARITH}))
+    assert plain[0][1] != answers[0][1]
+
+
 def test_an_arithmetic_ebnf_always_parses(run):
     params = [SamplingParams(temperature=t, max_tokens=MAX_TOKENS, seq_seed=s, so_args={"schema_type": "ebnf", "schema": ARITH})
               for t, s in ((0.0, None), (1.0, 1), (1.0, 2), (1.0, 3))]
