@@ -53,7 +53,10 @@ def _generate(args: argparse.Namespace) -> None:
 
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
                             max_tokens=args.max_tokens, stop=args.stop, ignore_eos=args.ignore_eos, n=args.n,
-                            seq_seed=args.seq_seed, logprobs=args.logprobs)
+                            seq_seed=args.seq_seed, logprobs=args.logprobs, presence_penalty=args.presence_penalty,
+                            frequency_penalty=args.frequency_penalty, repetition_penalty=args.repetition_penalty,
+                            logit_bias=args.logit_bias, min_tokens=args.min_tokens, bad_words=args.bad_words,
+                            allowed_token_ids=args.allowed_token_ids)
     from deepinfer import LLM
 
     llm = LLM(**engine_kwargs(args))
@@ -96,6 +99,20 @@ def _eval(args: argparse.Namespace) -> None:
     sys.exit(importlib.import_module(f"deepinfer.eval.{args.tool}").main(args.args))
 
 
+def _logit_bias(text: str) -> dict[int, float]:
+    try:
+        return {int(k): float(v) for k, v in (item.split("=") for item in text.split(","))}
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--logit-bias: {text!r} is not ID=BIAS[,ID=BIAS...]") from None
+
+
+def _ids(text: str) -> list[int]:
+    try:
+        return [int(t) for t in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--allowed-token-ids: {text!r} is not ID[,ID...]") from None
+
+
 def _parser() -> argparse.ArgumentParser:
     ap = OneLineParser(prog="deepinfer")
     sub = ap.add_subparsers(dest="command", required=True)
@@ -112,6 +129,13 @@ def _parser() -> argparse.ArgumentParser:
     g.add_argument("--n", type=int, default=1)
     g.add_argument("--seq-seed", type=int, default=None)
     g.add_argument("--logprobs", type=int, default=None)
+    g.add_argument("--presence-penalty", type=float, default=0.0)
+    g.add_argument("--frequency-penalty", type=float, default=0.0)
+    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--logit-bias", type=_logit_bias, default=None, metavar="ID=BIAS[,ID=BIAS...]")
+    g.add_argument("--min-tokens", type=int, default=0)
+    g.add_argument("--bad-words", action="append", default=None, metavar="WORD", help="repeat for several words")
+    g.add_argument("--allowed-token-ids", type=_ids, default=None, metavar="ID[,ID...]")
     g.set_defaults(run=_generate)
 
     s = sub.add_parser("serve", help="serve the model over HTTP (OpenAI / Anthropic-compatible endpoints)")

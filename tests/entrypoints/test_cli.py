@@ -84,6 +84,8 @@ def _main_error(capsys, *argv: str) -> str:
     (("generate", "--prompt", "hi", "--max-tokens", "many"), ("argument --max-tokens", "invalid int value")),
     (("generate", "--prompt", "hi", "--dtype", "float8"), ("argument --dtype", "invalid choice")),
     (("generate",), ("--prompt",)),
+    (("generate", "--prompt", "hi", "--logit-bias", "5:1"), ("--logit-bias", "ID=BIAS")),
+    (("generate", "--prompt", "hi", "--allowed-token-ids", "a,b"), ("--allowed-token-ids",)),
     (("bench", "serve", "--port", "-1"), ("argument --port",)),
     (("bench", "serve", "--request-rate", "fast"), ("argument --request-rate",)),
     (("nonsense",), ("invalid choice",)),
@@ -138,7 +140,9 @@ def test_cuda_without_a_cuda_device_is_one_line(tmp_path):
 
 def test_sampling_flags_are_checked_before_the_model_is_looked_for(tmp_path):
     # the model does not exist: the error must be the flag's, found before any loading
-    cases = [("--top-p", "2"), ("--temperature", "-1"), ("--max-tokens", "0"), ("--n", "0")]
+    cases = [("--top-p", "2"), ("--temperature", "-1"), ("--max-tokens", "0"), ("--n", "0"),
+             ("--presence-penalty", "3"), ("--repetition-penalty", "0"), ("--min-tokens", "-1"),
+             ("--logit-bias", "5=200")]
     runs = _clis(*[("generate", "--model", str(tmp_path / "nowhere"), "--prompt", "hi", flag, value)
                    for flag, value in cases])
     for res, (flag, _) in zip(runs, cases):
@@ -164,6 +168,15 @@ def test_quantization_flag_reaches_the_engine(fp8_ckpt):
         assert said in res.stderr and "request(s) of max_model_len=" in res.stderr, res.stderr[-2000:]
         runs[q] = json.loads(res.stdout.splitlines()[0])["token_ids"]
     assert runs["fp8"] == runs["none"] and len(runs["fp8"]) == 4
+
+
+def test_logits_processing_flags_reach_the_engine(fp8_ckpt):
+    res = _cli("generate", "--model", str(fp8_ckpt), "--prompt", "hello", "--device", "cpu", "--dtype", "float32",
+               "--temperature", "0", "--max-tokens", "6", "--allowed-token-ids", "5,6,7", "--logit-bias", "7=-100",
+               "--frequency-penalty", "1.5", "--min-tokens", "6")
+    assert res.returncode == 0, res.stderr[-2000:]
+    ids = json.loads(res.stdout.splitlines()[0])["token_ids"]
+    assert len(ids) == 6 and set(ids) <= {5, 6}, ids
 
 
 def test_quantization_and_parallel_flags_are_checked_before_any_weight_is_read(fp8_ckpt, tmp_path):
