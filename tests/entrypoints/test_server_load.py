@@ -3,6 +3,7 @@ engine-core process killed. One server for the module; the kill test runs last."
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import time
@@ -78,6 +79,126 @@ def test_200_concurrent_streams_complete_and_metrics_agree(server):
     assert after["deepinfer:num_requests_in_flight"] == 0
     assert after["deepinfer:kv_cache_free_blocks"] == after["deepinfer:kv_cache_total_blocks"]
     print(f"{N_REQUESTS} streams in {elapsed:.1f} s")
+
+
+# issue 40's load test: the whole request surface at once
+MIXED_REQUESTS, MIXED_CONCURRENCY = 1000, 256
+ALARM = {"type": "object", "properties": {"on": {"type": "boolean"}}, "required": ["on"]}
+TOOLS = [{"type": "function", "function": {"name": "set_alarm", "description": "An alarm", "parameters": ALARM}}]
+POINT = {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}
+
+
+def _mixed(i: int) -> tuple[str, str, dict, int]:
+    """Request i of the mix: (kind, path, body, samples): streamed and not, n = 2, structured outputs, logprobs,
+    prompt logprobs, penalties, enforced tool calls, a client that leaves mid-stream, and a refused field."""
+    chat = [{"role": "user", "content": f"request {i}"}]
+    stream = {"stream": True, "stream_options": {"include_usage": True}}
+    kind = ("stream", "n2", "schema", "penalties", "tools", "leave", "bad", "chat-stream", "prompt-lp", "allowed")[i % 10]
+    c, h = "/v1/completions", "/v1/chat/completions"
+    body = {
+        "stream": (c, {"prompt": f"{i}:", "max_tokens": 3, "ignore_eos": True, "logprobs": 2, **stream}),
+        "n2": (h, {"messages": chat, "max_tokens": 3, "n": 2, "logprobs": True, "top_logprobs": 2, "seed": i,
+                   "ignore_eos": True, **NO_THINKING}),
+        "schema": (h, {"messages": chat, "max_tokens": 12, "temperature": 0, **NO_THINKING,
+                       "response_format": {"type": "json_schema", "json_schema": {"name": "p", "schema": POINT}}}),
+        "penalties": (c, {"prompt": f"def f{i}(", "max_tokens": 4, "frequency_penalty": 1.0, "presence_penalty": 0.5,
+                          "repetition_penalty": 1.2, "logit_bias": {"5": 2.0}, "min_tokens": 2, "bad_words": ["self"],
+                          **stream}),
+        "tools": (h, {"messages": chat, "max_tokens": 24, "tools": TOOLS, "tool_choice": "required", **NO_THINKING,
+                      **stream}),
+        "leave": (c, {"prompt": f"{i}", "max_tokens": 400, "ignore_eos": True, **stream}),
+        "bad": (c, {"prompt": "x", "max_tokens": 2, "no_such_field": 1}),
+        "chat-stream": (h, {"messages": chat, "max_tokens": 3, "n": 2, "seed": i, "ignore_eos": True, **NO_THINKING,
+                            **stream}),
+        "prompt-lp": (c, {"prompt": f"x = {i}", "max_tokens": 2, "prompt_logprobs": 1, "ignore_eos": True}),
+        "allowed": (c, {"prompt": f"{i}", "max_tokens": 3, "allowed_token_ids": list(range(10, 200)),
+                        "ignore_eos": True}),
+    }[kind]
+    return kind, body[0], {"model": "demo", **body[1]}, body[1].get("n", 1)
+
+
+async def _send(http: httpx.AsyncClient, i: int) -> dict:
+    """Sends request i; returns its status and, for a completed one, its samples' finish reasons and usage."""
+    kind, path, body, n = _mixed(i)
+    rec = {"i": i, "kind": kind, "samples": n, "reasons": [], "usage": None}
+    if not body.get("stream"):
+        r = await http.post(path, json=body)
+        rec["status"] = r.status_code
+        if r.status_code == 200:
+            out = r.json()
+            rec["reasons"] = [ch["finish_reason"] for ch in out["choices"]]
+            rec["usage"] = out["usage"]
+        return rec
+    async with http.stream("POST", path, json=body) as r:
+        rec["status"] = r.status_code
+        if r.status_code != 200:
+            await r.aread()
+            return rec
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            ev = json.loads(line[6:])
+            assert "error" not in ev, (i, ev)
+            rec["reasons"] += [ch["finish_reason"] for ch in ev.get("choices", []) if ch.get("finish_reason")]
+            rec["usage"] = ev.get("usage") or rec["usage"]
+            if kind == "leave":  # the client goes away after its first tokens
+                rec["left"] = True
+                return rec
+    return rec
+
+
+def test_1000_mixed_requests_at_concurrency_256(server):
+    """Every request is answered (200, each sample finished) or refused with a 4xx; none gets a 5xx; /metrics
+    counts every finished sample by reason (the clients that left as aborts); the cache is free at the end."""
+    before = server.metrics()
+
+    async def main():
+        sem = asyncio.Semaphore(MIXED_CONCURRENCY)
+        limits = httpx.Limits(max_connections=MIXED_CONCURRENCY + 8)
+        async with httpx.AsyncClient(base_url=server.url, timeout=600, limits=limits) as http:
+            async def one(i):
+                async with sem:
+                    return await _send(http, i)
+            return await asyncio.gather(*(one(i) for i in range(MIXED_REQUESTS)))
+
+    t0 = time.monotonic()
+    recs = asyncio.run(main())
+    elapsed = time.monotonic() - t0
+    assert not [r for r in recs if r["status"] >= 500], [r for r in recs if r["status"] >= 500][:3]
+    refused = [r for r in recs if 400 <= r["status"] < 500]
+    assert {r["kind"] for r in refused} <= {"bad"} | ({"n2", "chat-stream"} if any(r["status"] == 429 for r in refused)
+                                                    else set()), refused[:3]
+    assert all(r["status"] == 400 for r in recs if r["kind"] == "bad")
+    done = [r for r in recs if r["status"] == 200 and not r.get("left")]
+    left = [r for r in recs if r.get("left")]
+    for r in done:
+        assert len(r["reasons"]) == r["samples"] and r["usage"], r
+        if r["kind"] == "tools":
+            assert set(r["reasons"]) <= {"tool_calls", "length"}, r
+    m = _wait_free(server)
+
+    def delta(name):
+        return m.get(name, 0) - before.get(name, 0)
+
+    finished = sum(r["samples"] for r in done)
+    assert delta("deepinfer:request_success_total{length}") + delta("deepinfer:request_success_total{stop}") \
+        == finished
+    assert delta("deepinfer:request_success_total{abort}") == len(left) == MIXED_REQUESTS // 10
+    assert delta("deepinfer:generation_tokens_total") >= sum(r["usage"]["completion_tokens"] for r in done)
+    print(f"{MIXED_REQUESTS} mixed requests in {elapsed:.1f} s: {len(done)} answered, {len(left)} left, "
+          f"{len(refused)} refused")
+
+
+def _wait_free(server, within_s: float = 60) -> dict:
+    """The metrics once nothing is in flight and every cache block is free (fails after within_s)."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < within_s:
+        m = server.metrics()
+        if m["deepinfer:kv_cache_free_blocks"] == m["deepinfer:kv_cache_total_blocks"] and \
+                m["deepinfer:num_requests_running"] == 0 and m["deepinfer:num_requests_in_flight"] == 0:
+            return m
+        time.sleep(0.2)
+    pytest.fail(f"the cache was not freed: {m}")
 
 
 def test_fuzzed_requests_never_get_5xx(server):
