@@ -65,6 +65,7 @@ import time
 from datetime import date
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from common import add_commit_arg, new_results_path, recorded_commit, refuse_existing_out
@@ -284,6 +285,20 @@ def runner_steps(llm) -> dict[str, int]:
             "eager_speculative_steps": sum(getattr(runner, "eager_steps", {}).values())}
 
 
+def policy_lengths(llm) -> dict[int, int]:
+    """How often the graphs' verify-length policy chose each length so far (-1: before any confidence)."""
+    return dict(getattr(llm.scheduler, "policy_lengths", {}))
+
+
+def step_times_ms(llm) -> dict | None:
+    """The varlen policy's start-up step times (ms) by batch bucket x verify length, or None."""
+    times = getattr(getattr(llm.scheduler, "varlen", None), "times", None)
+    if times is None:
+        return None
+    return {"buckets": times.buckets.tolist(),
+            "ms": [[round(float(x) * 1e3, 4) if np.isfinite(x) else None for x in row] for row in times.seconds]}
+
+
 def graphs_captured(llm) -> int:
     """CUDA graphs the LLM's runner holds so far: its decode / verify graphs and its drafter's."""
     runner = llm.engine.core.runner
@@ -315,7 +330,8 @@ def run_config(plan: dict, method: str, k: int, varlen: bool = False) -> dict:
     if varlen and not getattr(llm.config, "enable_mtp_varlen", False):
         raise RuntimeError("--varlen: the engine turned enable_mtp_varlen off (batch_invariant forces fixed length)")
     engine = {"varlen": varlen, "async_scheduling": llm.engine.core.async_scheduling,
-              "cuda_graphs": llm.engine.core.runner.graphs is not None, "batch_invariant": bool(llm.config.batch_invariant)}
+              "cuda_graphs": llm.engine.core.runner.graphs is not None, "batch_invariant": bool(llm.config.batch_invariant),
+              "step_times_ms": step_times_ms(llm)}
     params = SamplingParams(temperature=0, max_tokens=plan["output_len"], ignore_eos=True)
     vocab, most = plan["vocab"], max(plan["concurrency"])
     if plan["prompt_tokens"]:  # the file's first `most` prompts are timed, the next `most` warm up
@@ -343,6 +359,7 @@ def run_config(plan: dict, method: str, k: int, varlen: bool = False) -> dict:
                 truth, settle_runs = settle(llm, prompts, params, want, truth, rate, k, vocab)
             ORACLE.set(truth, rate)
             before, graphs_before, steps_before = llm.get_metrics(), graphs_captured(llm), runner_steps(llm)
+            lengths_before = policy_lengths(llm)
             runs, outs_each = [], []
             for _ in range(plan["reps"]):
                 _sync(plan["device"])
@@ -364,6 +381,10 @@ def run_config(plan: dict, method: str, k: int, varlen: bool = False) -> dict:
             row["graphs_captured"] = graphs_captured(llm) - graphs_before
             # verify steps scheduled ahead of the step before's read-back, and speculative steps left eager
             row.update({key: after - steps_before[key] for key, after in runner_steps(llm).items()})
+            if varlen:  # the lengths the policy chose in the timed generates
+                now = policy_lengths(llm)
+                row["policy_lengths"] = {str(n): now[n] - lengths_before.get(n, 0) for n in sorted(now)
+                                         if now[n] != lengths_before.get(n, 0)}
             rows.append({**row, **engine})
             print(f"  {fmt_row(row)}", file=sys.stderr, flush=True)
         if method == "off":

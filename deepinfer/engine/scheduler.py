@@ -14,6 +14,8 @@ covers the pending token and the accepted drafts only: the rejected positions ar
 """
 from __future__ import annotations
 
+from collections import Counter
+
 from collections import deque
 from dataclasses import dataclass
 
@@ -70,6 +72,8 @@ class Scheduler:
         self.varlen: VarlenPolicy | None = None  # model drafts only: per-step lengths from their confidences
         self._lengths: dict[str, int] = {}
         self._propose = True  # whether this step's drafter drafts the next block (SchedulerOutput.propose)
+        # the graphs' policy: how often it chose each verify length (-1: no confidences known yet, drafts as made)
+        self.policy_lengths: Counter[int] = Counter()
         # a list: every verified block of model drafts is logged as (confidences, drafted, accepted)
         # (eval/calibrate_dspark.py fits the confidence temperatures from it)
         self.spec_log: list[tuple[list[float], int, int]] | None = None
@@ -175,6 +179,7 @@ class Scheduler:
         rows = [(r.stale_confidence or (r.spec_confidence if r.params.greedy else []))[:k] for r in reqs]
         known = [np.pad(np.asarray(c, dtype=np.float64), (0, k - len(c))) for c in rows if c]
         if not known:
+            self.policy_lengths[-1] += 1
             return {}
         mean = np.mean(known, axis=0)
         conf = np.stack([np.pad(np.asarray(c, dtype=np.float64), (0, k - len(c))) if c else mean for c in rows])
@@ -183,6 +188,7 @@ class Scheduler:
         limit = np.array([max(0, min(k, self._room(r))) for r in reqs], dtype=np.int64)
         length = uniform_length(self.varlen.confidences(conf), self.varlen.times, max_len=limit)
         self._propose = length > 0
+        self.policy_lengths[length] += 1
         return {r.request_id: length for r in reqs}
 
     def schedule(self) -> SchedulerOutput:
