@@ -180,7 +180,7 @@ class LLM:
             raise
         outs = [RequestOutput(g[0].request_id, _text_of(p), ids,
                               [self.engine.completion(r, k) for k, r in enumerate(g)],
-                              prompt_logprobs=g[0].prompt_logprobs)
+                              prompt_logprobs=g[0].prompt_logprobs, prompt_logprob_ranks=g[0].prompt_logprob_ranks)
                 for g, p, (ids, _) in zip(groups, prompts, inputs)]
         failed = [(i, c) for i, o in enumerate(outs) for c in o.outputs if c.finish_reason == "abort"]
         if failed:
@@ -355,6 +355,7 @@ class LLM:
         leader = reqs[0]
         if sp.prompt_logprobs is not None:  # position 0 stays None: nothing predicts it
             leader.prompt_logprobs = [None] * len(ids)
+            leader.prompt_logprob_ranks = [None] * len(ids)
         if sp.so_args is not None:  # compiled on a worker thread; the request waits in the queue until it is
             backend = self._grammar_backend()
             k = sp.so_prefix_tokens  # the prompt's last k tokens begin the output (_check_params checked them)

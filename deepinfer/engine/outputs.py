@@ -104,6 +104,7 @@ class ModelOutput:
     draft_confidence: dict[str, list[float]] = field(default_factory=dict)  # and their confidences
     # request id -> (first position, one logprob dict per prompt position from it on) of its chunk's prompt_rows
     prompt_logprobs: dict[str, tuple[int, list[dict[int, float]]]] = field(default_factory=dict)
+    prompt_ranks: dict[str, list[int]] = field(default_factory=dict)  # and each prompt token's rank (1-based)
 
 
 @dataclass
@@ -126,3 +127,5 @@ class RequestOutput:
     # SamplingParams.prompt_logprobs: per prompt position, {token id: logprob} of the prompt token and the top-k
     # (None at position 0, which nothing predicts); None when not asked for
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    # with prompt_logprobs: each prompt token's rank in the raw distribution (1-based, vLLM's count; None at 0)
+    prompt_logprob_ranks: list[int | None] | None = None

@@ -44,6 +44,7 @@ class Request:
     grammar: Any = None
     # SamplingParams.prompt_logprobs (the leader only): one entry per prompt position, filled as prefill computes them
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    prompt_logprob_ranks: list[int | None] | None = None  # and each prompt token's rank
 
     @property
     def all_token_ids(self) -> list[int]:

@@ -364,6 +364,8 @@ class Scheduler:
             if c.request_id in mo.prompt_logprobs and req.prompt_logprobs is not None:
                 first, lps = mo.prompt_logprobs[c.request_id]
                 req.prompt_logprobs[first:first + len(lps)] = lps
+                if req.prompt_logprob_ranks is not None and c.request_id in mo.prompt_ranks:
+                    req.prompt_logprob_ranks[first:first + len(lps)] = mo.prompt_ranks[c.request_id]
             if c.num_samples == 0:
                 continue
             toks = mo.sampled[c.request_id]

@@ -28,7 +28,7 @@ from deepinfer.worker.draft_graphs import DraftGraphs
 from deepinfer.worker.drafter import Anchors, DraftSampler, DSparkDrafter, MTPDrafter
 from deepinfer.worker.kv_cache import V4Cache
 from deepinfer.worker.logits_processors import LogitsProcessors, RowPlan
-from deepinfer.worker.sampler import SamplingBatch, sample, top_logprobs
+from deepinfer.worker.sampler import SamplingBatch, sample, token_ranks, top_logprobs
 
 
 @dataclass
@@ -65,11 +65,13 @@ class StepHandle:
 @dataclass
 class PromptLogprobs:
     """The step's prompt rows: spans[i] = (request id, first position, rows, top-k) in row order; targets the
-    prompt token each row predicts; top = (their logprobs [N], top-k values [N, k], top-k ids [N, k]) on the device."""
+    prompt token each row predicts; top = (their logprobs [N], top-k values [N, k], top-k ids [N, k]) and ranks [N]
+    (each prompt token's rank in the whole vocabulary) on the device."""
 
     spans: list[tuple[str, int, int, int]]
     targets: list[int]
     top: tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+    ranks: torch.Tensor
 
 
 GREEDY = SamplingParams(temperature=0)  # the drafter's parameters for a row it does not sample
@@ -333,9 +335,12 @@ class ModelRunner:
         k = max(s[3] for s in spans)
         idx = to_device(torch.tensor(rows, dtype=torch.long), self.device)
         tgt = to_device(torch.tensor(targets, dtype=torch.long), self.device)
-        parts = [top_logprobs(self.model.compute_logits(streams[idx[i:i + PROMPT_LOGPROBS_ROWS]]),
-                              tgt[i:i + PROMPT_LOGPROBS_ROWS], k) for i in range(0, len(rows), PROMPT_LOGPROBS_ROWS)]
-        return PromptLogprobs(spans, targets, tuple(torch.cat(t) for t in zip(*parts)))
+        parts = []
+        for i in range(0, len(rows), PROMPT_LOGPROBS_ROWS):
+            logits, t = self.model.compute_logits(streams[idx[i:i + PROMPT_LOGPROBS_ROWS]]), tgt[i:i + PROMPT_LOGPROBS_ROWS]
+            parts.append((*top_logprobs(logits, t, k), token_ranks(logits, t)))
+        *top, ranks = (torch.cat(t) for t in zip(*parts))
+        return PromptLogprobs(spans, targets, tuple(top), ranks)
 
     def _sample_or_defer(self, so: SchedulerOutput, logits: torch.Tensor, rows: list[int],
                          prev: StepHandle | None) -> StepHandle:
@@ -641,8 +646,10 @@ class ModelRunner:
         if h.prompt is not None:
             p, r = h.prompt, 0
             lps = self._logprobs(p.top, p.targets, [k for _, _, n, k in p.spans for _ in range(n)])
+            ranks = p.ranks.tolist()
             for rid, first, n, _ in p.spans:
                 out.prompt_logprobs[rid] = (first, lps[r:r + n])
+                out.prompt_ranks[rid] = ranks[r:r + n]
                 r += n
         return out
 

@@ -109,6 +109,12 @@ def sample(logits: torch.Tensor, sb: SamplingBatch, generator: torch.Generator |
     return torch.where(sb.temperature == 0, row_argmax(logits), drawn)
 
 
+def token_ranks(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """logits [R, V], tokens [R] -> [R] each token's 1-based rank in its row, as vLLM counts it: the tokens whose
+    logit is at least the token's own (ties rank together, behind)."""
+    return (logits >= logits.gather(-1, tokens[:, None])).sum(-1)
+
+
 def top_logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor,
                                                                               torch.Tensor]:
     """Raw-model logprobs: (of the chosen tokens [R], top-k values [R, k], top-k ids [R, k])."""

@@ -61,7 +61,12 @@ def test_prompt_logprobs_equal_a_full_sequence_forward_v4(llm):
     params = [SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=k) for k in ks]
     outs = llm.generate(prompts, params, use_tqdm=False)
     for ids, k, out in zip(prompts, ks, outs):
-        _check(out.prompt_logprobs, ids, _teacher_forced(llm.model, ids), k)
+        ref = _teacher_forced(llm.model, ids)
+        _check(out.prompt_logprobs, ids, ref, k)
+        # the true rank over the whole vocabulary (vLLM's count: tokens at least as likely), far past the top-k too
+        want = [None] + [int((ref[p - 1] >= ref[p - 1, ids[p]]).sum()) for p in range(1, len(ids))]
+        assert out.prompt_logprob_ranks == want
+    assert any(r > 20 for o in outs for r in o.prompt_logprob_ranks[1:])  # (ranks beyond every k asked)
     assert outs[2].prompt_logprobs == [None]  # a one-token prompt: nothing predicts its only token
     plain = llm.generate(prompts[:1], SamplingParams(max_tokens=1), use_tqdm=False)[0]
     assert plain.prompt_logprobs is None

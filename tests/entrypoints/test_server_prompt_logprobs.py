@@ -43,8 +43,9 @@ def _post(server, path: str, body: dict) -> tuple[int, dict]:
     return r.status_code, r.json()
 
 
-def _check(got: list, ref: list, ids: list[int], k: int, decode) -> None:
-    """`got` (the server's JSON) holds `ref` (LLM.generate's prompt_logprobs of `ids`) in vLLM's shape."""
+def _check(got: list, ref: list, ranks: list, ids: list[int], k: int, decode) -> None:
+    """`got` (the server's JSON) holds `ref` (LLM.generate's prompt_logprobs of `ids`, `ranks` its prompt tokens'
+    ranks) in vLLM's shape."""
     assert len(got) == len(ref) == len(ids) and got[0] is None and ref[0] is None
     for p in range(1, len(ids)):
         want, have = ref[p], got[p]
@@ -54,10 +55,10 @@ def _check(got: list, ref: list, ids: list[int], k: int, decode) -> None:
             e = have[str(t)]
             assert abs(e["logprob"] - v) <= TOL, (p, t, e["logprob"], v)
             assert e["decoded_token"] == decode([t], skip_special_tokens=False)
-            if t in top:  # ties may swap equal values' ranks
+            if t == ids[p]:  # the prompt token: its true rank, inside the top-k or not
+                assert e["rank"] == ranks[p], (p, t, e["rank"], ranks[p])
+            else:  # ties may swap equal values' ranks
                 assert want[top[e["rank"] - 1]] == v, (p, t, e["rank"])
-            else:  # the prompt token outside the top-k: the engine does not rank it
-                assert t == ids[p] and e["rank"] is None
 
 
 def test_completions_return_what_llm_generate_computes(server, llm, ckpt):
@@ -73,14 +74,17 @@ def test_completions_return_what_llm_generate_computes(server, llm, ckpt):
         assert [c["index"] for c in body["choices"]] == [0, 1]
         assert body["usage"]["prompt_tokens"] == len(want.prompt_token_ids)
         for c, out in zip(body["choices"], want.outputs):
-            _check(c["prompt_logprobs"], want.prompt_logprobs, want.prompt_token_ids, 3, decode)
+            _check(c["prompt_logprobs"], want.prompt_logprobs, want.prompt_logprob_ranks, want.prompt_token_ids, 3,
+                   decode)
             assert c["text"] == out.text
     status, body = _post(server, "completions", {"prompt": [ids, [0, 9]], "max_tokens": 1, "prompt_logprobs": 0})
     assert status == 200, body
     ref = llm.generate([ids], SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
-    _check(body["choices"][0]["prompt_logprobs"], ref.prompt_logprobs, ids, 0, decode)
+    _check(body["choices"][0]["prompt_logprobs"], ref.prompt_logprobs, ref.prompt_logprob_ranks, ids, 0, decode)
     short = body["choices"][1]["prompt_logprobs"]
-    assert len(short) == 2 and short[0] is None and list(short[1]) == ["9"] and short[1]["9"]["rank"] is None
+    two = llm.generate([[0, 9]], SamplingParams(max_tokens=1, prompt_logprobs=0), use_tqdm=False)[0]
+    assert len(short) == 2 and short[0] is None and list(short[1]) == ["9"]
+    assert short[1]["9"]["rank"] == two.prompt_logprob_ranks[1] >= 1
     status, body = _post(server, "completions", {"prompt": ids, "max_tokens": 1})
     assert status == 200 and body["choices"][0]["prompt_logprobs"] is None
 
@@ -98,8 +102,8 @@ def test_chat_returns_what_llm_generate_computes_on_its_prompt(server, llm, ckpt
     assert status == 200 and len(body["choices"]) == 2, body
     ref = llm.generate([ids, ids], [SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=k) for k in (0, 4)],
                        use_tqdm=False)
-    _check(zero["prompt_logprobs"], ref[0].prompt_logprobs, ids, 0, decode)
-    _check(body["prompt_logprobs"], ref[1].prompt_logprobs, ids, 4, decode)
+    _check(zero["prompt_logprobs"], ref[0].prompt_logprobs, ref[0].prompt_logprob_ranks, ids, 0, decode)
+    _check(body["prompt_logprobs"], ref[1].prompt_logprobs, ref[1].prompt_logprob_ranks, ids, 4, decode)
     status, body = _post(server, "chat/completions", chat)
     assert status == 200 and body["prompt_logprobs"] is None
 

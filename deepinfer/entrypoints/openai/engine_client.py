@@ -47,6 +47,7 @@ class Delta:
     error: str | None = None
     # SamplingParams.prompt_logprobs: on the leader's (index 0) first delta only, one entry per prompt position
     prompt_logprobs: list[dict[int, float] | None] | None = None
+    prompt_logprob_ranks: list[int | None] | None = None  # with them: each prompt token's rank
 
 
 class EngineClient:
@@ -180,7 +181,8 @@ class EngineClient:
             for rid, j, ids, lps, reason, error in deltas:
                 q = self._streams.get(rid)
                 if q is not None:
-                    q.put_nowait(Delta(j, ids, lps, reason, error, prompt.get(rid) if j == 0 else None))
+                    q.put_nowait(Delta(j, ids, lps, reason, error, *(prompt.get(rid) or (None, None)) if j == 0
+                                       else (None, None)))
             self.stats = stats
             if self.on_stats is not None:
                 self.on_stats(stats)

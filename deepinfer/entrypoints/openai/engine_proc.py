@@ -8,8 +8,8 @@ Messages out (one queue): ("ready", info) once, then ("step", deltas, stats, pro
 (and after an abort, so the freed cache shows at once), ("fatal", error, usage) if start-up fails (usage: a problem
 the user can fix, a bad argument or a model that cannot be found, as the CLI's exit status 2).
 A delta is (rid, sample index, new token ids, their logprob dicts or None, finish_reason, error): only the
-tokens appended since the previous delta of that sample. prompt_logprobs: {rid: the request's
-SamplingParams.prompt_logprobs list} for each request whose leader's first delta is in this message (complete
+tokens appended since the previous delta of that sample. prompt_logprobs: {rid: (the request's
+prompt_logprobs list, its prompt tokens' ranks)} for each request whose leader's first delta is in this message (complete
 by then: a request samples only once its whole prompt is prefilled). Invariant: every added request gets exactly one
 delta with a finish_reason per sample, unless the process dies.
 """
@@ -145,7 +145,7 @@ class EngineLoop:
                     continue
                 lps = r.logprobs[fam.sent[j]:n] if r.params.logprobs is not None else None
                 if prompt is not None and j == 0 and fam.sent[0] == 0 and r.prompt_logprobs is not None:
-                    prompt[rid] = r.prompt_logprobs
+                    prompt[rid] = (r.prompt_logprobs, r.prompt_logprob_ranks)
                 out.append((rid, j, r.output_token_ids[fam.sent[j]:n], lps, r.finish_reason if r.finished else None,
                             r.error))
                 fam.sent[j], fam.done[j] = n, r.finished

@@ -110,10 +110,12 @@ class ServerState:
                     finished(j, "abort")
 
 
-def prompt_logprobs_json(lps: list[dict[int, float] | None], prompt: list[int], k: int, hf) -> list[dict | None]:
+def prompt_logprobs_json(lps: list[dict[int, float] | None], ranks: list[int | None], prompt: list[int], k: int,
+                         hf) -> list[dict | None]:
     """The engine's prompt_logprobs in vLLM's response shape: per prompt position None (position 0: nothing
     predicts it) or {str(token id): {"logprob", "rank", "decoded_token"}} for the top-k and the prompt token.
-    rank: 1-based among the top-k; None for a prompt token outside them (the engine ranks no further)."""
+    rank: 1-based; the prompt token's is the engine's count over the whole vocabulary (`ranks`), the top-k's their
+    order."""
     names: dict[int, str] = {}
 
     def entry(d: dict[int, float], t: int, rank: int | None) -> dict:
@@ -122,15 +124,14 @@ def prompt_logprobs_json(lps: list[dict[int, float] | None], prompt: list[int], 
         return {"logprob": d[t], "rank": rank, "decoded_token": names[t]}
 
     out: list[dict | None] = []
-    for tok, d in zip(prompt, lps):
+    for tok, d, rank in zip(prompt, lps, ranks):
         if d is None:
             out.append(None)
             continue
         outside = len(d) > k  # the prompt token is not among the top-k: the engine added it
         top = sorted((t for t in d if not (outside and t == tok)), key=lambda t: -d[t])
         one = {str(t): entry(d, t, r) for r, t in enumerate(top, 1)}
-        if outside:
-            one[str(tok)] = entry(d, tok, None)
+        one[str(tok)] = entry(d, tok, rank)
         out.append(one)
     return out
 

@@ -104,17 +104,18 @@ async def create_completion(req: CompletionRequest, raw: Request, state: ServerS
 
     if not req.stream:
         prompt_lps: list[list | None] = [None] * len(prompts)  # per prompt: the engine's, from its leader
+        prompt_ranks: list[list | None] = [None] * len(prompts)  # and the prompt tokens' ranks
 
         async def collect():
             async for i, d in source:
                 if d is not None:
                     choices[i * params.n + d.index].add(d)
                     if d.prompt_logprobs is not None:
-                        prompt_lps[i] = d.prompt_logprobs
+                        prompt_lps[i], prompt_ranks[i] = d.prompt_logprobs, d.prompt_logprob_ranks
         await unless_disconnected(raw, collect())
         k = params.prompt_logprobs
-        per_prompt = [None if k is None else prompt_logprobs_json(lps or [], ids, k, state.tokenizer.hf)
-                      for lps, ids in zip(prompt_lps, prompts)]
+        per_prompt = [None if k is None else prompt_logprobs_json(lps or [], ranks or [], ids, k, state.tokenizer.hf)
+                      for lps, ranks, ids in zip(prompt_lps, prompt_ranks, prompts)]
         body = {"id": rid, "object": "text_completion", "created": created, "model": model, "usage": usage(),
                 "choices": [{"index": c.index, "text": c.st.text, "finish_reason": c.finish_reason,
                              "logprobs": _logprobs_json(c, state.tokenizer.hf, 0, len(c.ids), 0) if want_lps else None,

@@ -160,6 +160,7 @@ async def create(proto: Protocol, body: dict, raw: Request, state: ServerState):
                for _ in range(params.n)]
     ready = [p.start() for p in parsers]
     prompt_lps: list = []  # the engine's prompt_logprobs (from the leader's first delta)
+    prompt_ranks: list = []  # and the prompt tokens' ranks
 
     async def chunks():
         """(sample index, recipe chunk) as the engine's tokens come."""
@@ -171,6 +172,7 @@ async def create(proto: Protocol, body: dict, raw: Request, state: ServerState):
                 continue
             if d.prompt_logprobs is not None:
                 prompt_lps[:] = d.prompt_logprobs
+                prompt_ranks[:] = d.prompt_logprob_ranks
             for c in parsers[d.index].push(d):
                 yield d.index, c
 
@@ -203,8 +205,8 @@ async def create(proto: Protocol, body: dict, raw: Request, state: ServerState):
         _fix_usage(body, sum(p.generated for p in parsers))
         if proto is CHAT:  # vLLM's place for them in a chat response: the response, not its choices
             k = params.prompt_logprobs
-            body["prompt_logprobs"] = None if k is None else prompt_logprobs_json(prompt_lps, ids, k,
-                                                                                  state.tokenizer.hf)
+            body["prompt_logprobs"] = None if k is None else prompt_logprobs_json(prompt_lps, prompt_ranks, ids,
+                                                                                  k, state.tokenizer.hf)
         return JSONResponse(body)
 
     _, stream = await unless_disconnected(raw, primed(chunks()))
