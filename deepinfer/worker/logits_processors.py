@@ -57,6 +57,7 @@ class LogitsProcessors:
         self.emitting = [False] * num_slots  # the slot has sampled: its outputs come from record*
         self.forked: set[int] = set()     # slots holding a fork's copy, not yet claimed by the sibling's chunk
         self._static: tuple | None = None  # (plan, built tensors) of the last apply
+        self._record_idx: tuple | None = None  # (rows, slots, their device index) of the last record
 
     # ---- history ----
 
@@ -132,7 +133,11 @@ class LogitsProcessors:
         """After sampling: tokens[rows[i]] (device) is the next output of the request in slots[i]."""
         if not rows:
             return
-        idx = to_device(torch.tensor([rows, slots], dtype=torch.long), self.device)
+        cached = self._record_idx
+        if cached is None or cached[0] != rows or cached[1] != slots:  # (decode's steady state: the same rows)
+            cached = self._record_idx = (rows, slots, to_device(torch.tensor([rows, slots], dtype=torch.long),
+                                                                self.device))
+        idx = cached[2]
         t, s = tokens[idx[0]], idx[1]
         self.counts.index_put_((s, t), torch.ones_like(t, dtype=torch.int32), accumulate=True)
         self.ring[s, self.out_len[s] % RING] = t
