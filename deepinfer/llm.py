@@ -249,10 +249,10 @@ class LLM:
             if long:
                 raise ValueError(f"prompts[{i}]: SamplingParams.bad_words: a word of {len(long[0])} tokens; each may "
                                  f"be at most {MAX_BAD_WORD_TOKENS}")
-        for name, ids in (("stop_token_ids", sp.stop_token_ids), ("logit_bias", sp.logit_bias or ()),
-                          ("allowed_token_ids", sp.allowed_token_ids or ()),
-                          ("bad_words_token_ids", [t for w in sp.bad_words_token_ids or () for t in w])):
-            bad = [t for t in ids if t >= vocab]
+        for name, tokens in (("stop_token_ids", sp.stop_token_ids), ("logit_bias", sp.logit_bias or ()),
+                             ("allowed_token_ids", sp.allowed_token_ids or ()),
+                             ("bad_words_token_ids", [t for w in sp.bad_words_token_ids or () for t in w])):
+            bad = [t for t in tokens if t >= vocab]
             if bad:
                 raise ValueError(f"prompts[{i}]: SamplingParams.{name} {bad[:5]} are outside the vocabulary "
                                  f"[0, {vocab})")

@@ -186,10 +186,10 @@ def test_a_failing_stop_string_check_aborts_only_its_request(ckpt, fresh):
     llm = _engine(ckpt)
     detok, plain = llm.detokenizer, llm.detokenizer.update
 
-    def update(st, ids, stop):
+    def update(st, ids, stop, check=True):
         if "<boom>" in stop:
             raise RuntimeError("injected fault in detokenisation")
-        return plain(st, ids, stop)
+        return plain(st, ids, stop, check)
     detok.update = update
     params = [GREEDY] * len(PROMPTS)
     params[1] = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, stop=["<boom>"])
