@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from deepinfer.engine.outputs import PLACEHOLDER, SchedulerOutput
+from deepinfer.kernels.penalties import apply_penalties, penalized
 from deepinfer.sampling_params import MAX_BAD_WORD_TOKENS, SamplingParams
 from deepinfer.state.forward_batch import to_device
 
@@ -49,7 +50,7 @@ class LogitsProcessors:
     def __init__(self, num_slots: int, vocab: int, device: torch.device, eos_token_id: int | None):
         self.num_slots, self.vocab, self.device, self.eos = num_slots, vocab, device, eos_token_id
         self.counts: torch.Tensor | None = None  # [S, V] int32 output token counts (allocated on first use)
-        self.prompt: torch.Tensor | None = None  # [S, V] bool tokens of the prompt
+        self.prompt: torch.Tensor | None = None  # [S, V] uint8 tokens of the prompt (1)
         self.out_len: torch.Tensor | None = None  # [S] int64 outputs so far
         self.ring: torch.Tensor | None = None    # [S, RING + 1] int64 output i at column i % RING; RING: scratch
         self.owner: list[str | None] = [None] * num_slots
@@ -65,7 +66,7 @@ class LogitsProcessors:
         if self.counts is None:
             s, v, d = self.num_slots, self.vocab, self.device
             self.counts = torch.zeros((s, v), dtype=torch.int32, device=d)
-            self.prompt = torch.zeros((s, v), dtype=torch.bool, device=d)
+            self.prompt = torch.zeros((s, v), dtype=torch.uint8, device=d)
             self.out_len = torch.zeros(s, dtype=torch.long, device=d)
             self.ring = torch.zeros((s, RING + 1), dtype=torch.long, device=d)
 
@@ -124,7 +125,7 @@ class LogitsProcessors:
         flat = to_device(torch.from_numpy(np.concatenate(parts + [np.asarray(ls), np.asarray(lv)]).astype(np.int64)),
                          self.device)
         ps, pt, os_, ot, oi, ls_t, lv_t = torch.split(flat, n + [len(ls), len(lv)])
-        self.prompt[ps, pt] = True
+        self.prompt[ps, pt] = 1
         self.counts.index_put_((os_, ot), torch.ones_like(ot, dtype=torch.int32), accumulate=True)
         self.ring[os_, oi % RING] = ot
         self.out_len[ls_t] = lv_t
@@ -207,16 +208,20 @@ class LogitsProcessors:
         return torch.where(ok, drafts[idx.clamp(min=0)], 0)
 
     def _penalize(self, out: torch.Tensor, st: "_Built", drafts: torch.Tensor | None) -> None:
+        """The penalties over the slots' counts (kernels/penalties.py, one launch on CUDA); a verify row after
+        drafts then has the entries of those draft tokens recomputed with the drafts counted."""
         prow, pslot, rep, freq, pres = st.pen
-        cnt = self.counts[pslot].float()
-        if st.pen_drafts is not None and drafts is not None:  # a verify row counts the drafts before it
+        fix = None
+        if st.pen_drafts is not None and drafts is not None:
             pi, di = st.pen_drafts
-            cnt.index_put_((pi, drafts[di]), torch.ones_like(pi, dtype=cnt.dtype), accumulate=True)
-        x = out[prow]
-        seen = self.prompt[pslot] | (cnt > 0)
-        x = torch.where(seen, torch.where(x > 0, x / rep[:, None], x * rep[:, None]), x)
-        x = x - freq[:, None] * cnt - pres[:, None] * (cnt > 0).float()
-        out[prow] = x
+            tok, r = drafts[di], prow[pi]
+            # a token drafted twice before a row counts twice: every pair of it gets the same total (and value)
+            extra = ((pi[:, None] == pi[None, :]) & (tok[:, None] == tok[None, :])).sum(1)
+            fix = (r, tok, out[r, tok], self.counts[pslot[pi], tok] + extra, pi)
+        apply_penalties(out, prow, pslot, self.counts, self.prompt, rep, freq, pres)
+        if fix is not None:
+            r, tok, x0, c, pi = fix
+            out[r, tok] = penalized(x0, c.float(), torch.ones_like(x0, dtype=torch.bool), rep[pi], freq[pi], pres[pi])
 
     # ---- the plan's index tensors, built once per distinct plan ----
 
