@@ -63,8 +63,8 @@ class Detokenizer:
 
 
 def bad_words_token_ids(words: list[str], detok: Detokenizer) -> list[list[int]]:
-    """SamplingParams.bad_words as token ids, as vLLM encodes them: each word without its leading spaces, and
-    again after one space where that encodes differently (a word inside text usually follows a space)."""
+    """SamplingParams.bad_words as token ids: each word without its leading spaces, and again after one space where
+    that encodes differently (a word inside text usually follows a space)."""
     out: list[list[int]] = []
     for word in words:
         for text in (word.lstrip(), " " + word.lstrip()):
