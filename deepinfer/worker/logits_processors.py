@@ -120,14 +120,20 @@ class LogitsProcessors:
 
     def _write_inputs(self, prompt_s, prompt_t, out_s, out_t, out_i, lens) -> None:
         parts = [np.concatenate(x) if x else np.zeros(0, np.int64) for x in (prompt_s, prompt_t, out_s, out_t, out_i)]
-        n = [len(p) for p in parts]
-        ls, lv = zip(*lens)
-        flat = to_device(torch.from_numpy(np.concatenate(parts + [np.asarray(ls), np.asarray(lv)]).astype(np.int64)),
-                         self.device)
-        ps, pt, os_, ot, oi, ls_t, lv_t = torch.split(flat, n + [len(ls), len(lv)])
+        # the ring keeps each slot's newest outputs: of entries landing on one (slot, column), the last (a
+        # recompute past RING outputs, or two chunks of one slot) — unique writes, as a device scatter's order is not
+        # defined for repeated indices; likewise one output length per slot, its largest
+        cols = parts[2] * (RING + 1) + parts[4] % RING
+        last = len(cols) - 1 - np.unique(cols[::-1], return_index=True)[1]
+        ring = [parts[2][last], parts[3][last], parts[4][last] % RING]
+        length = dict(sorted(lens, key=lambda x: x[1]))
+        flat = parts[:4] + ring + [np.fromiter(length, np.int64), np.fromiter(length.values(), np.int64)]
+        n = [len(p) for p in flat]
+        dev = to_device(torch.from_numpy(np.concatenate(flat).astype(np.int64)), self.device)
+        ps, pt, os_, ot, rs, rt, rc, ls_t, lv_t = torch.split(dev, n)
         self.prompt[ps, pt] = 1
         self.counts.index_put_((os_, ot), torch.ones_like(ot, dtype=torch.int32), accumulate=True)
-        self.ring[os_, oi % RING] = ot
+        self.ring[rs, rc] = rt
         self.out_len[ls_t] = lv_t
 
     def record(self, tokens: torch.Tensor, rows: list[int], slots: list[int]) -> None:

@@ -216,3 +216,16 @@ def test_batch_invariant_rows_are_the_same_alone_and_batched(ckpt):
     batched = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     alone = [llm.generate([p], sp, use_tqdm=False)[0].outputs[0].token_ids for p, sp in zip(prompts, params)]
     assert batched == alone
+
+
+def test_a_recompute_past_the_ring_keeps_the_newest_outputs():
+    """A preempted request recomputes prompt and 70 outputs in one chunk: the ring (64 outputs) holds the newest,
+    so a bad word whose prefix is the last outputs still bans its last token, and the counts cover all 70."""
+    procs = LogitsProcessors(num_slots=1, vocab=40, device=torch.device("cpu"), eos_token_id=1)
+    p = SamplingParams(temperature=0, max_tokens=100, frequency_penalty=1.0, bad_words_token_ids=[[7, 8, 9]])
+    prompt, outs = [0, 2, 3, 4], [(5 + i) % 30 + 5 for i in range(68)] + [7, 8]
+    procs.observe(SchedulerOutput([ScheduledChunk("a", 0, 0, prompt + outs, {}, 1, p, prompt_len=len(prompt))]))
+    logits = torch.randn(1, 40)
+    got = procs.apply(logits, RowPlan.sampled([p], [0]))
+    torch.testing.assert_close(got[0], processed(logits[0], prompt, outs, p), rtol=0, atol=0)
+    assert got[0, 9] == float("-inf")
