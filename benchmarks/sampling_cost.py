@@ -50,7 +50,8 @@ def main() -> None:
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--smoke", action="store_true", help="tiny41 on the CPU, 4 x (16 in, 8 out), one rep")
-    ap.add_argument("--out", help="results JSON (default benchmarks/results/<date>-<device>-<commit>-sampling-cost.json)")
+    ap.add_argument("--out",
+                    help="results JSON (default benchmarks/results/<date>-<device>-<commit>-sampling-cost.json)")
     add_commit_arg(ap)
     args = ap.parse_args()
     refuse_existing_out(args)

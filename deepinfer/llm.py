@@ -241,8 +241,8 @@ class LLM:
                                  f"(max_logprobs={self.config.max_logprobs}, vocab_size={vocab})")
         if sp.bad_words:
             if self.detokenizer is None:
-                raise ValueError(f"prompts[{i}]: SamplingParams.bad_words needs a tokenizer (skip_tokenizer_init=True); "
-                                 "give bad_words_token_ids instead")
+                raise ValueError(f"prompts[{i}]: SamplingParams.bad_words needs a tokenizer "
+                                 "(skip_tokenizer_init=True); give bad_words_token_ids instead")
             words = bad_words_token_ids(sp.bad_words, self.detokenizer)
             sp.bad_words_token_ids = words + [w for w in sp.bad_words_token_ids or () if w not in words]
             long = [w for w in sp.bad_words_token_ids if len(w) > MAX_BAD_WORD_TOKENS]

@@ -337,7 +337,8 @@ class ModelRunner:
         tgt = to_device(torch.tensor(targets, dtype=torch.long), self.device)
         parts = []
         for i in range(0, len(rows), PROMPT_LOGPROBS_ROWS):
-            logits, t = self.model.compute_logits(streams[idx[i:i + PROMPT_LOGPROBS_ROWS]]), tgt[i:i + PROMPT_LOGPROBS_ROWS]
+            j = slice(i, i + PROMPT_LOGPROBS_ROWS)
+            logits, t = self.model.compute_logits(streams[idx[j]]), tgt[j]
             parts.append((*top_logprobs(logits, t, k), token_ranks(logits, t)))
         *top, ranks = (torch.cat(t) for t in zip(*parts))
         return PromptLogprobs(spans, targets, tuple(top), ranks)

@@ -68,6 +68,17 @@ class ServerProcess:
             out[key] = out.get(key, 0.0) + float(value)
         return out
 
+    def wait_cache_free(self, within_s: float = 10) -> dict[str, float]:
+        """The metrics once no request is in flight and every cache block is free (AssertionError after within_s)."""
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < within_s:
+            m = self.metrics()
+            if m["deepinfer:kv_cache_free_blocks"] == m["deepinfer:kv_cache_total_blocks"] and \
+                    m["deepinfer:num_requests_running"] == 0 and m["deepinfer:num_requests_in_flight"] == 0:
+                return m
+            time.sleep(0.1)
+        raise AssertionError(f"the cache was not freed after the clients left: {m}")
+
     def engine_pid(self) -> int:
         """The engine-core child (spawned by multiprocessing; not its resource tracker)."""
         kids = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children").read_text().split()

@@ -258,8 +258,8 @@ def test_sampling_fields_act_and_equal_the_offline_engine(server, client):
     torch reference of vLLM's definitions)."""
     from deepinfer import LLM, SamplingParams
 
-    llm = LLM(client.models.list().data[0].root, device="cpu", dtype="float32", kv_cache_memory=64 << 20, max_model_len=MAX_MODEL_LEN, max_num_seqs=MAX_NUM_SEQS,
-              batch_invariant=True)
+    llm = LLM(client.models.list().data[0].root, device="cpu", dtype="float32", kv_cache_memory=64 << 20,
+              max_model_len=MAX_MODEL_LEN, max_num_seqs=MAX_NUM_SEQS, batch_invariant=True)
     prompt = [0] + [5, 9, 12, 5, 9, 30, 12, 7] * 3
 
     def offline(**fields):
@@ -273,7 +273,8 @@ def test_sampling_fields_act_and_equal_the_offline_engine(server, client):
     word = next(w for t in plain for w in [llm.detokenizer.decode([t]).strip()]
                 if w and t in (enc(w, None) + enc(" " + w, None))[:1] + enc(" " + w, None)[:1])
     bias = {"7": 4.0}
-    cases = [({"repetition_penalty": 1.8, "logit_bias": bias}, {"logit_bias": bias}), ({"frequency_penalty": 1.5, "logit_bias": bias}, {"logit_bias": bias}),
+    cases = [({"repetition_penalty": 1.8, "logit_bias": bias}, {"logit_bias": bias}),
+             ({"frequency_penalty": 1.5, "logit_bias": bias}, {"logit_bias": bias}),
              ({"presence_penalty": 2.0, "logit_bias": bias}, {"logit_bias": bias}), ({"logit_bias": {"7": 5.0}}, {}),
              ({"min_tokens": 6, "stop_token_ids": [plain[1]]}, {"stop_token_ids": [plain[1]]}),
              ({"allowed_token_ids": [5, 6, 7, 8]}, {}), ({"bad_words": [word]}, {})]
@@ -312,24 +313,12 @@ def test_messages_and_responses_endpoints(server, client):
     assert resp.status == "incomplete" and 1 <= resp.usage.output_tokens <= 3
 
 
-def _wait_cache_free(server, within_s: float = 10) -> dict:
-    """The metrics once no request is in flight and every cache block is free (fails after within_s)."""
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < within_s:
-        m = server.metrics()
-        if m["deepinfer:kv_cache_free_blocks"] == m["deepinfer:kv_cache_total_blocks"] and \
-                m["deepinfer:num_requests_running"] == 0 and m["deepinfer:num_requests_in_flight"] == 0:
-            return m
-        time.sleep(0.1)
-    pytest.fail(f"the cache was not freed after the clients left: {m}")
-
-
 def test_non_streaming_client_that_leaves_is_aborted(server):
     m0 = server.metrics()
     body = {"model": "tiny", "prompt": "Tell me everything", "max_tokens": MAX_MODEL_LEN - 16, "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{server.url}/v1/completions", json=body, headers=server.headers, timeout=1.0)
-    m = _wait_cache_free(server)
+    m = server.wait_cache_free()
     assert m["deepinfer:request_success_total{abort}"] - m0.get("deepinfer:request_success_total{abort}", 0) == 1
     assert m["deepinfer:generation_tokens_total"] - m0["deepinfer:generation_tokens_total"] < body["max_tokens"] / 4
 
@@ -359,7 +348,7 @@ def test_full_queue_429_then_disconnects_free_the_cache(server):
             s.__exit__(None, None, None)
         for c in clients:
             c.close()
-    m = _wait_cache_free(server)
+    m = server.wait_cache_free()
     aborted = m.get("deepinfer:request_success_total{abort}", 0) - m0.get("deepinfer:request_success_total{abort}", 0)
     assert aborted == MAX_NUM_SEQS + MAX_QUEUE_LEN
     generated = m["deepinfer:generation_tokens_total"] - m0["deepinfer:generation_tokens_total"]

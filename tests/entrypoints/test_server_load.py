@@ -181,7 +181,7 @@ def test_1000_mixed_requests_at_concurrency_256(server):
         assert len(r["reasons"]) == r["samples"] and r["usage"], r
         if r["kind"] == "tools":
             assert set(r["reasons"]) <= {"tool_calls", "length"}, r
-    m = _wait_free(server)
+    m = server.wait_cache_free(within_s=60)
 
     def delta(name):
         return m.get(name, 0) - before.get(name, 0)
@@ -195,18 +195,6 @@ def test_1000_mixed_requests_at_concurrency_256(server):
     assert delta("deepinfer:generation_tokens_total") >= sum(r["usage"]["completion_tokens"] for r in done)
     print(f"{MIXED_REQUESTS} mixed requests in {elapsed:.1f} s: {len(done)} answered, {len(left)} left, "
           f"{len(refused)} refused")
-
-
-def _wait_free(server, within_s: float = 60) -> dict:
-    """The metrics once nothing is in flight and every cache block is free (fails after within_s)."""
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < within_s:
-        m = server.metrics()
-        if m["deepinfer:kv_cache_free_blocks"] == m["deepinfer:kv_cache_total_blocks"] and \
-                m["deepinfer:num_requests_running"] == 0 and m["deepinfer:num_requests_in_flight"] == 0:
-            return m
-        time.sleep(0.2)
-    pytest.fail(f"the cache was not freed: {m}")
 
 
 def test_fuzzed_requests_never_get_5xx(server):

@@ -9,9 +9,9 @@ Messages out (one queue): ("ready", info) once, then ("step", deltas, stats, pro
 the user can fix, a bad argument or a model that cannot be found, as the CLI's exit status 2).
 A delta is (rid, sample index, new token ids, their logprob dicts or None, finish_reason, error): only the
 tokens appended since the previous delta of that sample. prompt_logprobs: {rid: (the request's
-prompt_logprobs list, its prompt tokens' ranks)} for each request whose leader's first delta is in this message (complete
-by then: a request samples only once its whole prompt is prefilled). Invariant: every added request gets exactly one
-delta with a finish_reason per sample, unless the process dies.
+prompt_logprobs list, its prompt tokens' ranks)} for each request whose leader's first delta is in this message
+(complete by then: a request samples only once its whole prompt is prefilled). Invariant: every added request gets
+exactly one delta with a finish_reason per sample, unless the process dies.
 """
 from __future__ import annotations
 
